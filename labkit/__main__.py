@@ -1,0 +1,75 @@
+"""``python -m labkit``: run the workbook, measure the device, and keep the results summary.
+
+    python -m labkit run [--profile auto|ci|cpu|gpu] [--only NN ...] [--out DIR]
+    python -m labkit ceilings [--out DIR]
+    python -m labkit merge OUT_DIR RECORD_ROOT        # figures.json of a run -> results/summary.json
+    python -m labkit readme                           # regenerate the README's results table
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _ceilings(args) -> int:
+    from labkit.bench import record_figure, write_record
+    from labkit.hardware import measure_ceilings
+
+    c = measure_ceilings()
+    path = write_record("ceilings", c, out_dir=args.out)
+    record_figure("ceiling.copy_tb_s", c["copy_bytes_per_s"] / 1e12, "TB/s", path, out_dir=args.out,
+                  note="device-to-device copy, bytes read + written")
+    record_figure("ceiling.bf16_mm_tflop_s" if c["matmul_dtype"] == "bfloat16" else "ceiling.fp32_mm_tflop_s",
+                  c["matmul_flops"] / 1e12, "TFLOP/s", path, out_dir=args.out)
+    print(f"{c['device']}: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, {c['matmul_dtype']} matmul "
+          f"{c['matmul_flops'] / 1e12:.1f} TFLOP/s, ridge {c['ridge_flop_per_byte']:.0f} FLOP/B")
+    return 0
+
+
+def _run(args) -> int:
+    from labkit.workbook import run_workbook
+
+    return run_workbook(profile=args.profile, only=args.only, out=args.out, timeout=args.cell_timeout)
+
+
+def _merge(args) -> int:
+    from labkit.bench import merge_figures
+
+    s = merge_figures(Path(args.out_dir) / "figures.json", args.record_root)
+    print(f"results/summary.json: {len(s['figures'])} figures")
+    return 0
+
+
+def _readme(args) -> int:
+    from labkit.workbook import update_readme_table
+
+    update_readme_table()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m labkit", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="execute the notebooks with papermill")
+    r.add_argument("--profile", default="auto", help="auto, ci, cpu or gpu")
+    r.add_argument("--only", nargs="*", default=None, help="notebook numbers or names, e.g. 00 01")
+    r.add_argument("--out", default="out/workbook", help="folder for executed notebooks, records, summary")
+    r.add_argument("--cell-timeout", type=int, default=1800, help="seconds one cell may run")
+    r.set_defaults(fn=_run)
+    c = sub.add_parser("ceilings", help="measure copy bandwidth and matmul rate of this device")
+    c.add_argument("--out", default=None)
+    c.set_defaults(fn=_ceilings)
+    m = sub.add_parser("merge", help="merge a run's figures.json into results/summary.json")
+    m.add_argument("out_dir")
+    m.add_argument("record_root")
+    m.set_defaults(fn=_merge)
+    sub.add_parser("readme", help="regenerate the README results table").set_defaults(fn=_readme)
+    args = ap.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""The embedded model's text: the Python 3.11 documentation sources, split by file (``data/pydocs``).
+
+Splits: ``train`` (pre-training), ``calib`` (quantisation calibration), ``heldout`` (perplexity only),
+``task_train`` and ``task_heldout`` (the C-API pages, unseen in pre-training, for fine-tuning).
+``scripts/prepare_corpus.py`` made them; its docstring says how.
+"""
+
+from __future__ import annotations
+
+import gzip
+from functools import lru_cache
+
+import torch
+
+from labkit.models import DATA_DIR
+
+CORPUS_DIR = DATA_DIR / "pydocs"
+SPLITS = ("train", "calib", "heldout", "task_train", "task_heldout")
+
+
+@lru_cache(maxsize=None)
+def read_split(split: str) -> str:
+    """The text of one split (documents separated by ``<|endoftext|>``)."""
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is unknown; allowed: {list(SPLITS)}")
+    if split == "train":
+        with gzip.open(CORPUS_DIR / "train.txt.gz", "rt", encoding="utf-8") as fh:
+            return fh.read()
+    return (CORPUS_DIR / f"{split}.txt").read_text(encoding="utf-8")
+
+
+def split_tokens(split: str, tokenizer, max_tokens: int | None = None) -> torch.Tensor:
+    """Token ids of a split as one int64 tensor; ``max_tokens`` keeps the first that many (explicitly)."""
+    if max_tokens is not None and max_tokens < 2:
+        raise ValueError(f"max_tokens={max_tokens} must be at least 2 (or None for the whole split)")
+    ids = tokenizer(read_split(split), return_attention_mask=False)["input_ids"]
+    t = torch.tensor(ids, dtype=torch.long)
+    return t if max_tokens is None else t[:max_tokens]
+
+
+def sample_prompts(tokenizer, n: int, prompt_len: int, split: str = "heldout", seed: int = 0) -> list[list[int]]:
+    """``n`` prompts of exactly ``prompt_len`` tokens cut from random places of a split (reproducible)."""
+    ids = split_tokens(split, tokenizer)
+    if prompt_len < 1 or prompt_len >= len(ids):
+        raise ValueError(f"prompt_len={prompt_len} must be in [1, {len(ids) - 1}] for split {split!r}")
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(ids) - prompt_len, (n,), generator=g)
+    return [ids[s:s + prompt_len].tolist() for s in starts]

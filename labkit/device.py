@@ -1,0 +1,50 @@
+"""Where things run: the default device and the Triton interpreter switch."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+
+def has_cuda() -> bool:
+    """True when a CUDA device is usable by torch."""
+    return torch.cuda.is_available()
+
+
+def default_device() -> torch.device:
+    """The device labkit uses when none is given: the current CUDA device, else the CPU."""
+    return torch.device("cuda") if has_cuda() else torch.device("cpu")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """Turn ``None``, ``"auto"`` or a device string into a ``torch.device``, with a clear error.
+
+    Asking for CUDA where none is present raises a ``ValueError`` naming the argument.
+    """
+    if device is None or device == "auto":
+        return default_device()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r} is not a device; use 'cpu', 'cuda', 'cuda:N' or 'auto'") from e
+    if dev.type == "cuda" and not has_cuda():
+        raise ValueError(f"device={device!r} asks for CUDA but no CUDA device is present; use 'cpu' or 'auto'")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: labkit runs on 'cpu' or 'cuda', not {dev.type!r}")
+    return dev
+
+
+def configure_triton_for_host() -> None:
+    """Route Triton through its interpreter when there is no GPU.
+
+    Triton reads ``TRITON_INTERPRET`` when it is imported, so this is a no-op (with a warning) if triton is
+    already imported without it on a CPU-only host.
+    """
+    if has_cuda() or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    if "triton" in sys.modules:
+        print("labkit: triton was imported before labkit on a CPU-only host; set TRITON_INTERPRET=1 "
+              "before importing triton to run labkit's kernels", file=sys.stderr)
+    os.environ["TRITON_INTERPRET"] = "1"
