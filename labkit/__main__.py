@@ -4,6 +4,7 @@
     python -m labkit ceilings [--out DIR]
     python -m labkit merge OUT_DIR RECORD_ROOT        # figures.json of a run -> results/summary.json
     python -m labkit readme                           # regenerate the README's results table
+    python -m labkit build-notebooks [--check]        # notebooks/src/*.py -> notebooks/*.ipynb
 """
 
 from __future__ import annotations
@@ -49,6 +50,14 @@ def _readme(args) -> int:
     return 0
 
 
+def _build(args) -> int:
+    from labkit.workbook import build_notebooks
+
+    stale = build_notebooks(check=args.check)
+    print(("out of date: " if args.check else "built: ") + (", ".join(stale) or "none"))
+    return 1 if (args.check and stale) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m labkit", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -67,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("record_root")
     m.set_defaults(fn=_merge)
     sub.add_parser("readme", help="regenerate the README results table").set_defaults(fn=_readme)
+    b = sub.add_parser("build-notebooks", help="build notebooks/*.ipynb from notebooks/src/*.py")
+    b.add_argument("--check", action="store_true", help="only report notebooks out of date; exit 1 if any")
+    b.set_defaults(fn=_build)
     args = ap.parse_args(argv)
     return args.fn(args)
 

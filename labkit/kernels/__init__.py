@@ -1,0 +1,1 @@
+"""Triton kernels, one file each, with a torch reference beside every kernel."""
