@@ -1,0 +1,86 @@
+"""Checks and helpers shared by the Triton kernels: argument validation with clear errors, launch sizes.
+
+Every public kernel wrapper validates its tensors here first, so a wrong dtype, shape or device fails in
+Python with a message that names the argument and the allowed values, instead of inside Triton (or silently).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import labkit  # noqa: F401  (sets TRITON_INTERPRET before triton is imported on a CPU-only host)
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def interpreting() -> bool:
+    """True when Triton runs through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def check_tensor(name: str, t, dtypes: tuple[torch.dtype, ...] | None = None,
+                 dim: int | tuple[int, ...] | None = None, device: torch.device | None = None) -> None:
+    """Raise naming ``name`` unless ``t`` is a tensor of an allowed dtype, rank and device.
+
+    Tensors must live on CUDA, or on the CPU when Triton's interpreter is on.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"{name} has dtype {_name(t.dtype)}; allowed: {', '.join(_name(d) for d in dtypes)}")
+    if dim is not None:
+        dims = (dim,) if isinstance(dim, int) else dim
+        if t.dim() not in dims:
+            raise ValueError(f"{name} must have {' or '.join(map(str, dims))} dimensions, "
+                             f"got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}; "
+                         "put them on one device")
+    if t.device.type == "cuda":
+        return
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} is on {t.device}; labkit's kernels run on 'cuda' "
+                         "(or 'cpu' under Triton's interpreter)")
+    if not interpreting():
+        raise ValueError(f"{name} is on the CPU but TRITON_INTERPRET is not set; import labkit before "
+                         "triton on a CPU-only host, or move the tensors to 'cuda'")
+
+
+def refuse_bf16_dot_on_cpu(name: str, t: torch.Tensor) -> None:
+    """Triton's CPU interpreter returns garbage (no error) for ``tl.dot`` on bfloat16: refuse instead."""
+    if t.dtype == torch.bfloat16 and t.device.type == "cpu":
+        raise ValueError(f"{name} is bfloat16 on the CPU: this kernel uses tl.dot, which Triton's "
+                         "interpreter computes wrongly in bfloat16; use float16 or float32 on the CPU, "
+                         "bfloat16 on CUDA")
+
+
+def check_same_shape(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+    if a.shape != b.shape:
+        raise ValueError(f"{name_a} {tuple(a.shape)} and {name_b} {tuple(b.shape)} must have the same shape")
+
+
+def rows_view(x: torch.Tensor, name: str) -> torch.Tensor:
+    """``x`` as ``[rows, cols]`` with a contiguous last dimension, without copying when the layout allows."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    try:
+        return x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return x.reshape(-1, x.shape[-1])  # a copy: the leading dims are not collapsible
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (a nominal 4 for the interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4

@@ -1,0 +1,130 @@
+"""RMSNorm (+ residual), silu_and_mul, RoPE and softmax against their torch references on irregular shapes."""
+
+import pytest
+import torch
+
+from labkit.evaluate import relative_error
+from labkit.kernels.rms_norm import rms_norm, rms_norm_ref
+from labkit.kernels.rope import apply_rope, apply_rope_ref
+from labkit.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+from labkit.kernels.softmax import MAX_FUSED_COLS, softmax, softmax_ref
+
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(37, 100), (3, 5, 257)])
+def test_rms_norm(dtype, shape):
+    x, w = _randn(*shape, dtype=dtype, seed=1), _randn(shape[-1], dtype=dtype, seed=2)
+    out = rms_norm(x, w, eps=1e-5)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert relative_error(out, rms_norm_ref(x.double(), w.double(), 1e-5)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_fused_residual(dtype):
+    x, r = _randn(37, 100, dtype=dtype, seed=3), _randn(37, 100, dtype=dtype, seed=4)
+    w = _randn(100, dtype=dtype, seed=5)
+    out, res_out = rms_norm(x, w, eps=1e-6, residual=r)
+    ref_out, ref_res = rms_norm_ref(x, w, 1e-6, residual=r)  # same dtype: the sum is rounded the same way
+    # exact on the GPU; Triton's interpreter truncates float32 -> bfloat16 instead of rounding to nearest
+    if dtype == torch.bfloat16:
+        assert relative_error(res_out, ref_res) < 1e-2
+    else:
+        assert torch.equal(res_out, ref_res)
+    assert relative_error(out, ref_out) < TOL[dtype]
+    assert torch.equal(x, _randn(37, 100, dtype=dtype, seed=3))  # inputs untouched
+
+
+def test_rms_norm_matches_hf_bitwise_in_float32():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(100, eps=1e-5)
+    norm.weight.data = _randn(100, seed=6)
+    x = _randn(2, 7, 100, seed=7)
+    with torch.no_grad():
+        assert relative_error(rms_norm(x, norm.weight, 1e-5), norm(x)) < 1e-6
+
+
+def test_rms_norm_strided_input():
+    x = _randn(20, 130, seed=8)[:, :100]  # row stride 130, not contiguous
+    w = _randn(100, seed=9)
+    assert relative_error(rms_norm(x, w), rms_norm_ref(x, w)) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(37, 200), (2, 3, 2 * 1100)])
+def test_silu_and_mul(dtype, shape):
+    x = _randn(*shape, dtype=dtype, seed=10, scale=3.0)
+    out = silu_and_mul(x)
+    assert out.shape == (*shape[:-1], shape[-1] // 2)
+    assert relative_error(out, silu_and_mul_ref(x.double())) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_out_of_place_and_inplace(dtype):
+    tokens, hq, hk, d = 29, 6, 3, 48
+    q, k = _randn(tokens, hq, d, dtype=dtype, seed=11), _randn(tokens, hk, d, dtype=dtype, seed=12)
+    ang = _randn(tokens, d // 2, seed=13, scale=4.0)
+    cos, sin = ang.cos(), ang.sin()
+    rq, rk = apply_rope_ref(q.double(), k.double(), cos.double(), sin.double())
+    q_out, k_out = apply_rope(q, k, cos, sin)
+    assert relative_error(q_out, rq) < TOL[dtype] and relative_error(k_out, rk) < TOL[dtype]
+    q2, k2 = q.clone(), k.clone()
+    q3, k3 = apply_rope(q2, k2, cos, sin, inplace=True)
+    assert q3 is q2 and k3 is k2
+    assert torch.equal(q2, q_out) and torch.equal(k2, k_out)
+
+
+def test_rope_matches_hf_on_hf_layout():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    b, s, hq, hk, d = 2, 13, 4, 2, 32
+    q, k = _randn(b, s, hq, d, seed=14), _randn(b, s, hk, d, seed=15)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.arange(s).float()[:, None] * inv
+    emb = torch.cat([freqs, freqs], -1).expand(b, s, d)  # Hugging Face's [B, S, head_dim] tables
+    ref_q, ref_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), emb.cos(), emb.sin())
+    q_out, k_out = apply_rope(q, k, emb.cos(), emb.sin())
+    assert relative_error(q_out, ref_q.transpose(1, 2)) < 1e-6
+    assert relative_error(k_out, ref_k.transpose(1, 2)) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", [1, 100, MAX_FUSED_COLS + 1000])
+def test_softmax(dtype, cols):
+    rows = 37 if cols < MAX_FUSED_COLS else 3
+    x = _randn(rows, cols, dtype=dtype, seed=16, scale=5.0)
+    x[0, : cols // 2] = -float("inf")  # a masked half-row must still sum to one
+    out = softmax(x)
+    assert relative_error(out, softmax_ref(x.double())) < TOL[dtype]
+
+
+def test_softmax_is_safe_for_large_logits():
+    x = _randn(5, 300, seed=17) * 1e4  # exp overflows without subtracting the max
+    out = softmax(x)
+    assert torch.isfinite(out).all()
+    assert relative_error(out, softmax_ref(x.double())) < 1e-5
+
+
+def test_bad_inputs_name_the_argument():
+    x = _randn(4, 8)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, _randn(7))
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm(x, _randn(8), residual=_randn(4, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="dtype int64"):
+        softmax(torch.ones(3, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="even"):
+        silu_and_mul(_randn(3, 7))
+    with pytest.raises(ValueError, match="cos"):
+        apply_rope(_randn(5, 2, 8), _randn(5, 1, 8), _randn(5, 3), _randn(5, 4))
+    with pytest.raises(ValueError, match="inplace"):
+        q = _randn(8, 5, 2, 16).transpose(0, 1)  # [5, 8, 2, 16] with tokens not collapsible
+        apply_rope(q, _randn(5, 8, 1, 16), _randn(5, 8, 8), _randn(5, 8, 8), inplace=True)
