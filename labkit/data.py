@@ -33,7 +33,7 @@ def split_tokens(split: str, tokenizer, max_tokens: int | None = None) -> torch.
     """Token ids of a split as one int64 tensor; ``max_tokens`` keeps the first that many (explicitly)."""
     if max_tokens is not None and max_tokens < 2:
         raise ValueError(f"max_tokens={max_tokens} must be at least 2 (or None for the whole split)")
-    ids = tokenizer(read_split(split), return_attention_mask=False)["input_ids"]
+    ids = tokenizer(read_split(split), return_attention_mask=False, verbose=False)["input_ids"]
     t = torch.tensor(ids, dtype=torch.long)
     return t if max_tokens is None else t[:max_tokens]
 

@@ -1,0 +1,1 @@
+"""The serving engine: requests, schedulers (FIFO, static, continuous), workloads and metrics."""

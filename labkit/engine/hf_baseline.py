@@ -1,0 +1,183 @@
+"""The naive server of the scenario: Hugging Face ``generate``, one request at a time (FIFO) or in static batches.
+
+Each execution is real (the model runs, every token's time is taken by a streamer); the queue around it is
+replayed on a virtual clock from the workload's arrival times (trace-driven simulation). For FIFO the service time
+of a request does not depend on when it arrived, so one measurement per request serves every arrival rate; static
+batches depend on who was waiting, so each distinct batch is executed (and cached by its members).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from labkit.engine.metrics import RequestMetrics
+from labkit.engine.workload import RequestSpec
+
+
+class StepTimer:
+    """A ``generate`` streamer that records when each new token reaches the host (the first ``put`` is the
+    prompt and is skipped). Moving the token to the host synchronises the device, as a server sending it would."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        value.cpu()
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+@dataclass
+class Execution:
+    """One ``generate`` call: offsets (seconds from its start) of each generated token, and its total time."""
+
+    batch_size: int
+    token_times_s: list[float]
+    total_s: float
+
+    @property
+    def first_token_s(self) -> float:
+        return self.token_times_s[0]
+
+    def decode_tok_s(self) -> float:
+        """Decode tokens/s of the whole batch, prefill excluded: (steps after the first) / their time."""
+        steps = len(self.token_times_s) - 1
+        if steps < 1:
+            return float("nan")
+        return self.batch_size * steps / (self.token_times_s[-1] - self.token_times_s[0])
+
+
+def _left_pad(prompts: list[tuple[int, ...]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+@torch.no_grad()
+def run_generate(model, prompts: list[tuple[int, ...]], max_new_tokens: int,
+                 pad_token_id: int = 0) -> tuple[Execution, torch.Tensor]:
+    """Greedy HF ``generate`` of exactly ``max_new_tokens`` tokens for a left-padded batch of prompts.
+
+    Returns the timed ``Execution`` and the generated ids ``[batch, max_new_tokens]`` (int64).
+    """
+    if not prompts or max_new_tokens < 1:
+        raise ValueError(f"need at least one prompt and max_new_tokens >= 1, got {len(prompts)} and {max_new_tokens}")
+    device = next(model.parameters()).device
+    ids, mask = _left_pad(prompts, pad_token_id, device)
+    timer = StepTimer()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                         min_new_tokens=max_new_tokens, do_sample=False, streamer=timer,
+                         pad_token_id=pad_token_id)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    total = time.perf_counter() - t0
+    return Execution(len(prompts), [t - t0 for t in timer.times], total), out[:, ids.shape[1]:].cpu()
+
+
+def replay_fifo(workload: list[RequestSpec], executions: dict[int, Execution]) -> list[RequestMetrics]:
+    """Queue the requests in arrival order on one server that runs ``executions[request_id]`` for each."""
+    clock, out = 0.0, []
+    for r in sorted(workload, key=lambda r: (r.arrival_s, r.request_id)):
+        e = executions[r.request_id]
+        start = max(clock, r.arrival_s)
+        clock = start + e.total_s
+        out.append(RequestMetrics(r.request_id, r.arrival_s, start + e.first_token_s, clock, r.prompt_len,
+                                  r.max_new_tokens, [start + t for t in e.token_times_s]))
+    return out
+
+
+def measure_fifo(model, workload: list[RequestSpec], pad_token_id: int = 0,
+                 progress: bool = True) -> dict[int, Execution]:
+    """Execute every request alone (batch 1); the service times that ``replay_fifo`` queues."""
+    return {r.request_id: run_generate(model, [r.prompt_ids], r.max_new_tokens, pad_token_id)[0]
+            for r in tqdm(workload, desc="HF generate, batch 1", disable=not progress)}
+
+
+def _static_batches(workload: list[RequestSpec], batch_size: int, cache: dict, run: Callable):
+    """Yield ``(start_s, batch, execution)`` as a static-batching server forms and runs its batches."""
+    queue = sorted(workload, key=lambda r: (r.arrival_s, r.request_id))
+    clock, i = 0.0, 0
+    while i < len(queue):
+        clock = max(clock, queue[i].arrival_s)
+        j = i
+        while j < len(queue) and j - i < batch_size and queue[j].arrival_s <= clock:
+            j += 1
+        batch = queue[i:j]
+        key = tuple(r.request_id for r in batch)
+        if key not in cache:
+            cache[key] = run([r.prompt_ids for r in batch], max(r.max_new_tokens for r in batch))
+        yield clock, batch, cache[key]
+        clock += cache[key].total_s
+        i = j
+
+
+def serve_static(model, workload: list[RequestSpec], batch_size: int, pad_token_id: int = 0,
+                 cache: dict | None = None, run: Callable | None = None) -> tuple[list[RequestMetrics], float]:
+    """Static batching: when the server is free it takes up to ``batch_size`` waiting requests (waiting for the
+    next arrival if none), runs them together until the longest finishes, and returns them all at the end.
+
+    Returns the per-request metrics and the seconds the server spent executing. ``cache`` (a dict) reuses
+    executions of identical batches across calls; ``run(prompts, max_new_tokens)`` replaces ``run_generate``.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be at least 1")
+    run = run or (lambda prompts, n: run_generate(model, prompts, n, pad_token_id)[0])
+    cache = {} if cache is None else cache
+    out, busy = [], 0.0
+    for start, batch, e in _static_batches(workload, batch_size, cache, run):
+        busy += e.total_s
+        out += [RequestMetrics(r.request_id, r.arrival_s, start + e.first_token_s, start + e.total_s,
+                               r.prompt_len, r.max_new_tokens) for r in batch]
+    return out, busy
+
+
+def fifo_capacity(executions: dict[int, Execution]) -> float:
+    """Requests/s one batch-1 server completes back to back: 1 / mean service time."""
+    return len(executions) / sum(e.total_s for e in executions.values())
+
+
+def sweep_load(model, workload: list[RequestSpec], loads: list[float], static_batch: int, pad_token_id: int = 0,
+               busy_in_generate: float = 1.0, progress: bool = True) -> list[dict]:
+    """FIFO and static batching at offered loads given as multiples of the FIFO capacity.
+
+    Returns one row per (policy, load) with the ``summarize`` metrics, the server's utilisation (share of the
+    makespan it was executing) and the device's busy share (utilisation x ``busy_in_generate``, the busy share of
+    the device inside one ``generate`` measured by the profiler).
+    """
+    from labkit.engine.metrics import summarize
+    from labkit.engine.workload import at_rate
+
+    fifo_exec = measure_fifo(model, workload, pad_token_id, progress)
+    capacity = fifo_capacity(fifo_exec)
+    cache: dict = {}
+    rows = []
+    for load in tqdm(loads, desc="offered loads", disable=not progress):
+        wl = at_rate(workload, load * capacity)
+        static_metrics, static_busy = serve_static(model, wl, static_batch, pad_token_id, cache)
+        fifo_busy = sum(fifo_exec[r.request_id].total_s for r in wl)
+        for policy, metrics, busy in (("FIFO (batch 1)", replay_fifo(wl, fifo_exec), fifo_busy),
+                                      (f"static batch {static_batch}", static_metrics, static_busy)):
+            s = summarize(metrics)
+            s.update(policy=policy, offered_load=load, rate_req_s=load * capacity,
+                     server_util=busy / s["makespan_s"])
+            s["device_busy_frac"] = s["server_util"] * busy_in_generate
+            rows.append(s)
+    return rows

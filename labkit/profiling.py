@@ -1,0 +1,361 @@
+"""Diagnosis: roofline predictions per layer type, and measured device time by category from ``torch.profiler``.
+
+``roofline`` says what the hardware allows: for each layer type the FLOPs, the bytes it must move, their ratio
+(arithmetic intensity), which ceiling binds and the time that implies. ``profile_run`` says what happened: device
+time by category, the time the device sat idle between kernels (launch and Python overhead), kernels per step,
+and the Chrome/Perfetto trace. ``mbu``/``mfu`` put the two side by side.
+
+On the CPU there is no separate device: the profiler's aten operators stand in for kernels (self time, so nested
+operators are not counted twice) and "idle" is the host time spent outside any operator (Python, framework).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from labkit.hardware import Hardware
+from labkit.models import ModelSpec, dtype_bytes, get_spec
+
+PHASES = ("prefill", "decode")
+
+
+# --- roofline ---------------------------------------------------------------------------------------------------
+@dataclass
+class RooflineRow:
+    """One layer type summed over all layers: FLOPs, bytes moved, and the time the binding ceiling implies."""
+
+    name: str
+    flops: float
+    bytes: float
+    peak_flops: float
+    bandwidth: float
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.bytes if self.bytes else float("inf")
+
+    @property
+    def compute_s(self) -> float:
+        return self.flops / self.peak_flops
+
+    @property
+    def memory_s(self) -> float:
+        return self.bytes / self.bandwidth
+
+    @property
+    def time_s(self) -> float:
+        return max(self.compute_s, self.memory_s)
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_s >= self.memory_s else "memory"
+
+
+@dataclass
+class Roofline:
+    """Per-layer-type rows and totals for one phase of one model at one batch and context."""
+
+    spec: ModelSpec
+    hardware: Hardware
+    phase: str
+    batch: int
+    context: int
+    rows: list[RooflineRow] = field(default_factory=list)
+
+    @property
+    def flops(self) -> float:
+        return sum(r.flops for r in self.rows)
+
+    @property
+    def bytes(self) -> float:
+        return sum(r.bytes for r in self.rows)
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.bytes
+
+    @property
+    def time_s(self) -> float:
+        """Each layer type at its own ceiling, summed: the floor for unfused, one-op-at-a-time execution."""
+        return sum(r.time_s for r in self.rows)
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.flops / self.hardware.bf16_flops >= self.bytes / self.hardware.mem_bandwidth \
+            else "memory"
+
+    @property
+    def tokens(self) -> int:
+        """Tokens produced (decode) or processed (prefill) by the step."""
+        return self.batch if self.phase == "decode" else self.batch * self.context
+
+    def table(self) -> list[dict]:
+        rows = [{"layer type": r.name, "GFLOP": r.flops / 1e9, "MB moved": r.bytes / 1e6,
+                 "FLOP/byte": r.intensity, "bound": r.bound, "time (us)": r.time_s * 1e6} for r in self.rows]
+        rows.append({"layer type": "total", "GFLOP": self.flops / 1e9, "MB moved": self.bytes / 1e6,
+                     "FLOP/byte": self.intensity, "bound": self.bound, "time (us)": self.time_s * 1e6})
+        return rows
+
+
+def roofline(spec, hardware: Hardware, batch: int, context: int, phase: str, dtype="bf16",
+             kv_dtype=None) -> Roofline:
+    """Predict one step of ``phase`` for ``batch`` sequences.
+
+    ``decode``: each sequence emits one token attending to ``context`` cached tokens (the new one included).
+    ``prefill``: each sequence processes a prompt of ``context`` tokens under a causal mask, and (as ``generate``
+    does) computes logits for its last token only. Weights in ``dtype``, KV cache in ``kv_dtype`` (default
+    ``dtype``), activations in ``dtype``. Attention is counted as a fused (flash) kernel: Q, K, V read once, O
+    written once, no score matrix in memory.
+    """
+    spec = get_spec(spec)
+    if phase not in PHASES:
+        raise ValueError(f"phase={phase!r} is unknown; allowed: {list(PHASES)}")
+    if batch < 1 or context < 1:
+        raise ValueError(f"batch={batch} and context={context} must be at least 1")
+    wb, ab = dtype_bytes(dtype), dtype_bytes(dtype if dtype_bytes(dtype) >= 2 else "bf16")
+    kvb = dtype_bytes(kv_dtype or dtype)
+    L, h = spec.num_layers, spec.hidden_size
+    tokens = batch if phase == "decode" else batch * context
+    peak, bw = hardware.bf16_flops, hardware.mem_bandwidth
+
+    def row(name, flops, nbytes):
+        return RooflineRow(name, float(flops), float(nbytes), peak, bw)
+
+    attn_w = spec.attn_params_per_layer * L
+    qkv_act = tokens * (h + spec.q_dim + 2 * spec.kv_dim + spec.q_dim + h) * ab * L
+    mlp_w = spec.mlp_params_per_layer * L
+    n_mats = 3 if spec.mlp == "swiglu" else 2
+    mlp_act = tokens * (2 * h + (n_mats - 1) * spec.intermediate_size + spec.intermediate_size) * ab * L
+    if phase == "decode":
+        attn_flops = batch * spec.attention_flops_per_token(context)
+        attn_bytes = batch * context * spec.kv_bytes_per_token(kv_dtype or dtype) \
+            + 2 * batch * spec.q_dim * ab * L
+    else:
+        attn_flops = batch * 4.0 * L * spec.num_heads * spec.head_dim * context * (context + 1) / 2
+        attn_bytes = tokens * (2 * spec.q_dim * ab + 2 * spec.kv_dim * kvb) * L
+    logits_tokens = batch
+    rows = [
+        row("QKV/O projections", 2 * tokens * attn_w, attn_w * wb + qkv_act),
+        row("attention", attn_flops, attn_bytes),
+        row("MLP", 2 * tokens * mlp_w, mlp_w * wb + mlp_act),
+        # two norms per layer plus the final one; a norm reads and writes the hidden state (and its residual)
+        row("norms and residuals", tokens * (2 * L + 1) * 5 * h, tokens * (2 * L + 1) * 3 * h * ab + tokens * h * ab),
+        row("LM head", 2 * logits_tokens * spec.vocab_size * h,
+            spec.vocab_size * h * wb + logits_tokens * (h + spec.vocab_size) * ab),
+    ]
+    return Roofline(spec, hardware, phase, batch, context, rows)
+
+
+def mbu(bytes_moved: float, seconds: float, bandwidth: float) -> float:
+    """Model bandwidth utilisation: achieved bytes/s over the (measured) bandwidth ceiling."""
+    return bytes_moved / seconds / bandwidth
+
+
+def mfu(flops: float, seconds: float, peak_flops: float) -> float:
+    """Model FLOP utilisation: achieved FLOP/s over the (measured) matmul ceiling."""
+    return flops / seconds / peak_flops
+
+
+def plot_roofline(hardware: Hardware, points: list[tuple[str, float, float]], ax=None):
+    """Log-log roofline of ``hardware`` with measured ``points`` (label, FLOP/byte, achieved FLOP/s)."""
+    import matplotlib.pyplot as plt
+
+    ax = ax or plt.subplots(figsize=(7, 4.5))[1]
+    lo = min([0.1] + [p[1] for p in points]) / 2
+    hi = max([10 * hardware.ridge_point] + [p[1] for p in points]) * 2
+    xs = torch.logspace(torch.log10(torch.tensor(lo)), torch.log10(torch.tensor(hi)), 200)
+    ax.loglog(xs, torch.minimum(xs * hardware.mem_bandwidth, torch.tensor(hardware.bf16_flops)), "k-",
+              label=f"{hardware.name} roofline")
+    ax.axvline(hardware.ridge_point, color="grey", ls=":", label=f"ridge {hardware.ridge_point:.0f} FLOP/B")
+    for label, x, y in points:
+        ax.loglog([x], [y], "o", label=label)
+    ax.set_xlabel("arithmetic intensity (FLOP/byte)")
+    ax.set_ylabel("FLOP/s")
+    ax.legend(fontsize=8)
+    return ax
+
+
+# --- profiler ---------------------------------------------------------------------------------------------------
+CATEGORIES = ("matmul", "attention", "norm/elementwise", "memory copy", "communication")
+_PATTERNS = [
+    ("communication", r"nccl|all_?reduce|all_?gather|reduce_scatter|broadcast|send|recv|gloo|c10d"),
+    ("attention", r"flash|fmha|attention|attn|sdpa|cudnn.*mha"),
+    ("matmul", r"gemm|gemv|cutlass|xmma|nvjet|cublas|wgmma|\bmm\b|aten::(mm|addmm|bmm|matmul|linear|_int_mm|"
+               r"_scaled_mm)|splitk|matmul|dot"),
+    ("memory copy", r"memcpy|memset|aten::(copy_|to|_to_copy|clone|contiguous|cat|index_select|index_copy_|"
+                    r"index_put_|slice_scatter|stack|fill_|zero_|empty|full)|catarraybatched|copy_kernel"),
+    ("norm/elementwise", r"elementwise|vectorized|reduce|norm|rsqrt|pow|mean|silu|gelu|softmax|mul|add|sub|div|"
+                         r"neg|exp|tanh|sigmoid|rotary|rope|embedding|index|gather|scatter|where|masked|cumsum|"
+                         r"argmax|max|topk|sort|triton|aten::(cos|sin|arange|unsqueeze|view|reshape|transpose|"
+                         r"expand|select|slice|t|permute|detach|alias|lift|resize_|_unsafe_view|as_strided|"
+                         r"ones|ones_like|zeros_like|empty_like|isin|any|all|eq|ne|lt|gt|le|ge|bitwise|logical|"
+                         r"clamp|min|sum|abs|_local_scalar_dense|item|is_nonzero|scalar_tensor|"
+                         r"_assert_async|new_ones|new_zeros|split|chunk|narrow|squeeze|flatten|repeat|"
+                         r"result_type|numpy_t|matmul)"),
+]
+_COMPILED = [(c, re.compile(p, re.IGNORECASE)) for c, p in _PATTERNS]
+
+
+def categorize(name: str) -> str:
+    """The category of a kernel or operator name, or ``other`` when no pattern claims it."""
+    for cat, pat in _COMPILED:
+        if pat.search(name):
+            return cat
+    return "other"
+
+
+@dataclass
+class KernelEvent:
+    name: str
+    start_us: float
+    dur_us: float
+    category: str
+
+
+@dataclass
+class ProfileResult:
+    """Device time by category, idle time and kernel counts of a profiled region."""
+
+    device: str
+    wall_s: float
+    steps: int
+    events: list[KernelEvent]
+    trace_path: str | None = None
+    on_cuda: bool = True
+
+    @property
+    def busy_s(self) -> float:
+        """Union of kernel intervals (overlapping kernels counted once); on the CPU, the sum of self times."""
+        if not self.on_cuda:
+            return self.device_s
+        spans = sorted((e.start_us, e.start_us + e.dur_us) for e in self.events)
+        total, cur_s, cur_e = 0.0, None, None
+        for s, e in spans:
+            if cur_e is None or s > cur_e:
+                if cur_e is not None:
+                    total += cur_e - cur_s
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        if cur_e is not None:
+            total += cur_e - cur_s
+        return total / 1e6
+
+    @property
+    def idle_s(self) -> float:
+        return max(0.0, self.wall_s - self.busy_s)
+
+    @property
+    def idle_frac(self) -> float:
+        return self.idle_s / self.wall_s
+
+    @property
+    def device_s(self) -> float:
+        return sum(e.dur_us for e in self.events) / 1e6
+
+    def by_category(self) -> dict[str, float]:
+        """Seconds of device time per category (``other`` last)."""
+        out = {c: 0.0 for c in (*CATEGORIES, "other")}
+        for e in self.events:
+            out[e.category] += e.dur_us / 1e6
+        return out
+
+    @property
+    def covered_frac(self) -> float:
+        """Share of device time that the named categories (not ``other``) account for."""
+        cats = self.by_category()
+        return 1 - cats["other"] / self.device_s if self.device_s else 0.0
+
+    @property
+    def kernels_per_step(self) -> float:
+        return len(self.events) / self.steps
+
+    def table(self) -> list[dict]:
+        rows = [{"category": c, "time (ms)": s * 1e3, "share of device time": s / self.device_s}
+                for c, s in self.by_category().items()]
+        rows.append({"category": "idle (launch + Python)", "time (ms)": self.idle_s * 1e3,
+                     "share of device time": float("nan")})
+        return rows
+
+    def top_kernels(self, n: int = 10) -> list[dict]:
+        agg: dict[str, list[float]] = {}
+        for e in self.events:
+            agg.setdefault(e.name, []).append(e.dur_us)
+        rows = sorted(agg.items(), key=lambda kv: -sum(kv[1]))[:n]
+        return [{"kernel": k[:90], "calls": len(v), "total (ms)": sum(v) / 1e3, "category": categorize(k)}
+                for k, v in rows]
+
+
+def _device_events(prof, on_cuda: bool) -> list[KernelEvent]:
+    from torch.autograd import DeviceType
+
+    out = []
+    for e in prof.events():
+        if on_cuda:
+            if e.device_type != DeviceType.CUDA:
+                continue
+            dur = e.time_range.end - e.time_range.start
+        else:
+            if e.device_type != DeviceType.CPU or not e.name.startswith("aten::"):
+                continue
+            dur = e.self_cpu_time_total
+        if dur > 0:
+            out.append(KernelEvent(e.name, float(e.time_range.start), float(dur), categorize(e.name)))
+    return out
+
+
+def profile_run(fn: Callable[[], object], steps: int = 1, trace_path: str | None = None,
+                warmup: int = 1) -> ProfileResult:
+    """Profile ``fn()`` (after ``warmup`` unprofiled calls) and attribute device time.
+
+    ``steps`` is how many decode steps (or forwards) ``fn`` performs, for kernels per step. On CUDA the kernels
+    are CUPTI's; on the CPU the aten operators' self times. ``trace_path`` exports a Chrome/Perfetto trace.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    if steps < 1:
+        raise ValueError(f"steps={steps} must be at least 1")
+    on_cuda = torch.cuda.is_available()
+    for _ in range(warmup):
+        fn()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    if on_cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        fn()
+        if on_cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
+    events = _device_events(prof, on_cuda)
+    device = torch.cuda.get_device_name() if on_cuda else "cpu"
+    return ProfileResult(device, wall, steps, events, trace_path, on_cuda)
+
+
+def plot_timeline(result: ProfileResult, ax=None, max_ms: float | None = None):
+    """Kernels on a time axis, one row per category: the gaps are the idle device."""
+    import matplotlib.pyplot as plt
+
+    ax = ax or plt.subplots(figsize=(10, 3))[1]
+    if not result.events:
+        return ax
+    t0 = min(e.start_us for e in result.events)
+    cats = [*CATEGORIES, "other"]
+    colors = plt.get_cmap("tab10")
+    for i, cat in enumerate(cats):
+        spans = [((e.start_us - t0) / 1e3, e.dur_us / 1e3) for e in result.events if e.category == cat]
+        if max_ms is not None:
+            spans = [s for s in spans if s[0] <= max_ms]
+        ax.broken_barh(spans, (i - 0.4, 0.8), color=colors(i))
+    ax.set_yticks(range(len(cats)), cats)
+    ax.set_xlabel("time (ms)")
+    if max_ms is not None:
+        ax.set_xlim(0, max_ms)
+    return ax
