@@ -94,7 +94,7 @@ def _flash_fwd(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, qk_scale, q_len, kv_len, n_
                stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
                stride_mb, stride_mh, stride_mm, stride_mn,
-               S_BUCKET, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HEAD_DIM: tl.constexpr,
+               S_BUCKET, T_BUCKET, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HEAD_DIM: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     # longest causal tiles first: the last query tiles have the most keys, so they should not start last
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -157,7 +157,7 @@ def _prune(configs, named_args, **kwargs):
 
 
 _flash_fwd_tuned = triton.autotune(
-    configs=_configs(), key=["S_BUCKET", "kv_len", "HEAD_DIM", "CAUSAL", "HAS_MASK"],
+    configs=_configs(), key=["S_BUCKET", "T_BUCKET", "HEAD_DIM", "CAUSAL", "HAS_MASK"],
     prune_configs_by={"early_config_prune": _prune})(_flash_fwd)
 
 CPU_BLOCK_M, CPU_BLOCK_N = 32, 32  # the interpreter: no autotuning, small tiles
@@ -219,11 +219,11 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
                *ms)
     meta = dict(CAUSAL=bool(causal), HAS_MASK=attn_mask is not None, HEAD_DIM=d,
                 BLOCK_D=max(16, next_pow2(d)), PRECISION=precision)
-    s_bucket = next_pow2(s)
+    buckets = (next_pow2(s), next_pow2(t))  # autotune once per power-of-two size, not once per decode step
     if q.device.type == "cuda":
         grid = lambda META: (triton.cdiv(s, META["BLOCK_M"]), b * h)  # noqa: E731
-        _flash_fwd_tuned[grid](*args, *strides, s_bucket, **meta)
+        _flash_fwd_tuned[grid](*args, *strides, *buckets, **meta)
     else:
         grid = (triton.cdiv(s, CPU_BLOCK_M), b * h)
-        _flash_fwd[grid](*args, *strides, s_bucket, BLOCK_M=CPU_BLOCK_M, BLOCK_N=CPU_BLOCK_N, **meta)
+        _flash_fwd[grid](*args, *strides, *buckets, BLOCK_M=CPU_BLOCK_M, BLOCK_N=CPU_BLOCK_N, **meta)
     return out.transpose(1, 2)
