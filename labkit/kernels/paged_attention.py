@@ -3,20 +3,26 @@
 Layout (shared with ``labkit.kvcache.PagedKVCache``):
 
 * ``k_cache``, ``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]``, one pair per layer
-* ``block_tables``: int32 ``[num_seqs, max_blocks_per_seq]``; entry ``j`` of row ``s`` is the physical block that
-  holds tokens ``j * block_size ... (j + 1) * block_size - 1`` of sequence ``s`` (entries past the sequence's last
-  block are ignored and may hold anything)
-* ``context_lens``: int32 ``[num_seqs]``, tokens cached for each sequence (the new token's K/V already written)
+* ``block_tables``: int32 ``[num_seqs, max_blocks_per_seq]``; entry ``j`` of row ``s`` is the physical block
+  that holds tokens ``j * block_size ... (j + 1) * block_size - 1`` of sequence ``s`` (entries past the
+  sequence's last block are ignored and may hold anything)
+* ``context_lens``: int32 ``[num_seqs]``, tokens cached for each sequence (the new token's K/V already
+  written)
 * ``q``: ``[num_seqs, num_heads, head_dim]``, one query token per sequence; ``num_heads % num_kv_heads == 0``
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from labkit.kernels.common import FLOAT_DTYPES, check_tensor, next_pow2, num_sms, refuse_bf16_dot_on_cpu
 
 
-def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                        context_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, context_lens: torch.Tensor,
+                        scale: float | None = None) -> torch.Tensor:
     """Torch reference: gather each sequence's blocks into a contiguous K/V, then softmax(q k^T * scale) v.
 
     Returns ``[num_seqs, num_heads, head_dim]`` in ``q``'s dtype; the arithmetic is done in float32.
@@ -35,4 +41,192 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[s].float(), k) * scale
         out[s] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), v).to(q.dtype)
+    return out
+
+
+# --- Triton kernel ----------------------------------------------------------------------------------------
+# Decode attention is memory-bound: each step reads every cached K/V byte once and does 4 FLOPs per byte pair,
+# far below the ridge point. So the kernel is built around the loads: one program per (sequence, KV head,
+# context split) reads its KV head once for all ``num_heads / num_kv_heads`` query heads that share it (GQA),
+# gathering ``BLOCK_N`` tokens per step through the block table. Long contexts at small batch leave most SMs
+# idle with one program per (sequence, KV head); the split-context path (flash-decoding) cuts each context
+# into ``num_splits`` ranges processed in parallel, each writing an un-normalised partial output with its row
+# maximum and sum, and a second small kernel merges them (the online-softmax rescaling, across programs).
+
+LOG2E = 1.4426950408889634
+SPLIT_ALIGN = 128  # split lengths are multiples of the largest BLOCK_N, so any tuned tile divides them
+
+
+@triton.jit
+def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_acc_ptr,
+                       part_ml_ptr, qk_scale, group, split_len, n_heads, n_splits,
+                       stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                       stride_bt, stride_os, stride_oh, CTX_BUCKET,
+                       BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                       PRECISION: tl.constexpr):
+    seq = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + seq)
+    start = split * split_len
+    end = tl.minimum(start + split_len, ctx)
+    g = tl.arange(0, BLOCK_G)
+    heads = kvh * group + g
+    h_ok = g < group
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    m_i = tl.full([BLOCK_G], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    kv_head_off = kvh.to(tl.int64)
+    for t0 in range(start, end, BLOCK_N):
+        tok = t0 + offs_n
+        t_ok = tok < end
+        # token -> physical slot through the block table (vLLM's block_table / slot arithmetic)
+        blk = tl.load(block_tables_ptr + seq * stride_bt + tok // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
+        in_blk = (tok % BLOCK_SIZE).to(tl.int64)
+        ld_mask = t_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + blk[:, None] * stride_kb + in_blk[:, None] * stride_kt + kv_head_off * stride_kh
+                    + offs_d[None, :], mask=ld_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        qk = tl.where(t_ok[None, :], qk, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + blk[:, None] * stride_vb + in_blk[:, None] * stride_vt + kv_head_off * stride_vh
+                    + offs_d[None, :], mask=ld_mask, other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    if SPLIT:
+        # partials: acc [seq, head, split, D] un-normalised; (m, l) [seq, head, split, 2]
+        row = (seq * n_heads + heads) * n_splits + split
+        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=h_ok[:, None] & d_ok[None, :])
+        tl.store(part_ml_ptr + row * 2, m_i, mask=h_ok)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=h_ok)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # an empty context gives zeros, not NaN
+        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _paged_attn_reduce(part_acc_ptr, part_ml_ptr, out_ptr, n_heads, n_splits, stride_os, stride_oh,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
+    seq = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_SPLITS)
+    sp_ok = sp < n_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    row = (seq * n_heads + h) * n_splits + sp
+    m = tl.load(part_ml_ptr + row * 2, mask=sp_ok, other=-float("inf"))
+    lsum = tl.load(part_ml_ptr + row * 2 + 1, mask=sp_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.where(m == -float("inf"), 0.0, tl.math.exp2(m - m_max))  # empty splits weigh nothing
+    total = tl.sum(w * lsum, 0)
+    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=sp_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + seq * stride_os + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+def _configs() -> list:
+    # memory-bound gathers: enough tokens per step and enough stages to keep loads in flight on Hopper
+    cfgs = [(64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4), (64, 8, 2)]
+    return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n, w, s in cfgs]
+
+
+_paged_attn_tuned = triton.autotune(configs=_configs(),
+                                    key=["CTX_BUCKET", "BLOCK_SIZE", "HEAD_DIM", "BLOCK_G", "SPLIT"],
+                                    )(_paged_attn_kernel)
+CPU_BLOCK_N = 32
+
+
+def auto_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Context splits so that about four programs per SM are in flight, each with >= 512 tokens to read."""
+    programs = num_seqs * num_kv_heads
+    want = -(-4 * num_sms(device) // programs)
+    return max(1, min(want, max_context // 512, 64))
+
+
+def _check_paged_args(q, k_cache, v_cache, block_tables, context_lens) -> None:
+    check_tensor("q", q, FLOAT_DTYPES, dim=3)
+    check_tensor("k_cache", k_cache, (q.dtype,), dim=4, device=q.device)
+    check_tensor("v_cache", v_cache, (q.dtype,), dim=4, device=q.device)
+    check_tensor("block_tables", block_tables, (torch.int32,), dim=2, device=q.device)
+    check_tensor("context_lens", context_lens, (torch.int32,), dim=1, device=q.device)
+    refuse_bf16_dot_on_cpu("q", q)
+    num_seqs, num_heads, head_dim = q.shape
+    if k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be "
+                         f"[num_blocks, block_size, num_kv_heads, head_dim={head_dim}]")
+    if num_heads % k_cache.shape[2]:
+        raise ValueError(f"q's num_heads={num_heads} must be a multiple of the cache's "
+                         f"num_kv_heads={k_cache.shape[2]}")
+    if block_tables.shape[0] != num_seqs or context_lens.shape[0] != num_seqs:
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} and context_lens "
+                         f"{tuple(context_lens.shape)} need one row per sequence (num_seqs={num_seqs})")
+    if any(t.stride(-1) != 1 for t in (q, k_cache, v_cache)) or block_tables.stride(-1) != 1:
+        raise ValueError("q, k_cache, v_cache and block_tables need a contiguous last dimension")
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, scale: float | None = None,
+                    num_splits: int | None = None) -> torch.Tensor:
+    """Decode attention over the paged layout above, in Triton (``paged_attention_ref`` is the reference).
+
+    ``q`` ``[num_seqs, num_heads, head_dim]``; caches ``[num_blocks, block_size, num_kv_heads, head_dim]`` of
+    ``q``'s dtype (float16, bfloat16 on CUDA, float32); ``block_tables`` int32 ``[num_seqs, max_blocks]``;
+    ``context_lens`` int32 ``[num_seqs]``, each in ``1 ... max_blocks * block_size`` (not checked on the
+    device, so the call stays capturable in a CUDA graph). ``num_splits``: context ranges per sequence,
+    merged by a second kernel (flash-decoding); ``None`` picks from the SM count, ``1`` is the single-pass
+    kernel.
+    Returns ``[num_seqs, num_heads, head_dim]`` in ``q``'s dtype.
+    """
+    _check_paged_args(q, k_cache, v_cache, block_tables, context_lens)
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    max_context = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = auto_num_splits(num_seqs, num_kv_heads, max_context, q.device)
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits={num_splits!r} must be a positive int or None (automatic)")
+    split_len = -(-max(max_context, 1) // num_splits)
+    split_len = -(-split_len // SPLIT_ALIGN) * SPLIT_ALIGN
+    num_splits = max(1, -(-max_context // split_len))  # rounding up the length may leave fewer splits
+    scale = head_dim ** -0.5 if scale is None else float(scale)
+    out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    split = num_splits > 1
+    if split:
+        f32 = dict(dtype=torch.float32, device=q.device)
+        part_acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, **f32)
+        part_ml = torch.empty(num_seqs, num_heads, num_splits, 2, **f32)
+    else:
+        part_acc = part_ml = out  # never written: SPLIT=False
+    args = (q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, scale * LOG2E, group,
+            split_len, num_heads, num_splits, q.stride(0), q.stride(1), *k_cache.stride()[:3],
+            *v_cache.stride()[:3], block_tables.stride(0), out.stride(0), out.stride(1),
+            next_pow2(max_context))
+    meta = dict(BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
+                BLOCK_G=max(16, next_pow2(group)), SPLIT=split,
+                PRECISION="ieee" if q.dtype == torch.float32 else "tf32")  # fp32 stays exact
+    grid = (num_seqs, num_kv_heads, num_splits)
+    if q.device.type == "cuda":
+        _paged_attn_tuned[grid](*args, **meta)
+    else:
+        _paged_attn_kernel[grid](*args, BLOCK_N=CPU_BLOCK_N, **meta)
+    if split:
+        _paged_attn_reduce[(num_seqs, num_heads)](part_acc, part_ml, out, num_heads, num_splits,
+                                                 out.stride(0), out.stride(1), HEAD_DIM=head_dim,
+                                                 BLOCK_D=next_pow2(head_dim),
+                                                 BLOCK_SPLITS=next_pow2(num_splits))
     return out

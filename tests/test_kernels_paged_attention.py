@@ -1,0 +1,77 @@
+"""Paged decode attention (single pass and split-context) against ``paged_attention_ref``."""
+
+import pytest
+import torch
+
+from labkit.evaluate import relative_error
+from labkit.kernels.paged_attention import auto_num_splits, paged_attention, paged_attention_ref
+
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+def _case(num_seqs, heads, kv_heads, head_dim, block_size, lens, num_blocks, dtype, seed, device="cpu"):
+    """Random q and caches, and block tables that scatter each sequence over shuffled physical blocks."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(num_seqs, heads, head_dim, generator=g)
+    k = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    v = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    max_blocks = max(-(-n // block_size) for n in lens) + 1  # one spare column of garbage entries
+    tables = torch.randperm(num_blocks, generator=g)[: num_seqs * max_blocks].view(num_seqs, max_blocks)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=device)
+    return [t.to(dtype).to(device) for t in (q, k, v)] + [tables.int().to(device), ctx]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,lens", [
+    (4, 2, 64, 16, [1, 37, 300]),   # GQA, a one-token context, partial last blocks
+    (6, 6, 48, 8, [129, 5]),        # MHA, head_dim not a power of two
+])
+def test_paged_attention(dtype, num_splits, heads, kv_heads, head_dim, block_size, lens):
+    q, k, v, tables, ctx = _case(len(lens), heads, kv_heads, head_dim, block_size, lens, 80, dtype,
+                                 seed=len(lens))
+    out = torch.full_like(q, float("nan"))
+    out.copy_(paged_attention(q, k, v, tables, ctx, num_splits=num_splits))
+    ref = paged_attention_ref(q.double(), k.double(), v.double(), tables, ctx)
+    assert relative_error(out, ref) < TOL[dtype]
+
+
+def test_split_context_merges_exactly():
+    q, k, v, tables, ctx = _case(2, 4, 1, 32, 16, [500, 260], 80, torch.float32, seed=3)
+    one = paged_attention(q, k, v, tables, ctx, num_splits=1)
+    split = paged_attention(q, k, v, tables, ctx, num_splits=4)
+    assert relative_error(split, one) < 1e-6
+    assert relative_error(split, paged_attention_ref(q, k, v, tables, ctx, scale=None)) < 1e-5
+
+
+def test_scale_and_auto_splits():
+    q, k, v, tables, ctx = _case(2, 2, 2, 16, 16, [40, 17], 10, torch.float32, seed=4)
+    out = paged_attention(q, k, v, tables, ctx, scale=0.3)
+    assert relative_error(out, paged_attention_ref(q, k, v, tables, ctx, scale=0.3)) < 1e-5
+    assert auto_num_splits(32, 8, 4096, torch.device("cpu")) == 1       # plenty of programs already
+    assert auto_num_splits(1, 8, 65536, torch.device("cpu")) == 2       # one sequence: split its context
+
+
+def test_bad_inputs():
+    q, k, v, tables, ctx = _case(2, 4, 2, 16, 16, [40, 17], 10, torch.float32, seed=5)
+    with pytest.raises(ValueError, match="block_tables has dtype int64"):
+        paged_attention(q, k, v, tables.long(), ctx)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        paged_attention(q[:, :3], k, v, tables, ctx)
+    with pytest.raises(ValueError, match="one row per sequence"):
+        paged_attention(q, k, v, tables[:1], ctx)
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_attention(q, k, v, tables, ctx, num_splits=0)
+    with pytest.raises(ValueError, match="bfloat16 on the CPU"):
+        paged_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), tables, ctx)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, None])
+def test_paged_attention_gpu(dtype, num_splits):
+    lens = [1, 100, 4096, 2000, 17]
+    q, k, v, tables, ctx = _case(5, 32, 8, 128, 16, lens, 1400, dtype, seed=6, device="cuda")
+    out = paged_attention(q, k, v, tables, ctx, num_splits=num_splits)
+    ref = paged_attention_ref(q, k, v, tables, ctx)
+    assert relative_error(out, ref) < TOL[dtype]
