@@ -66,7 +66,8 @@ class Timing:
         return d
 
     def __repr__(self) -> str:
-        return f"Timing(median={self.median_ms:.4f} ms, spread={self.spread:.2f}, n={len(self.samples_s)}, {self.method})"
+        return (f"Timing(median={self.median_ms:.4f} ms, spread={self.spread:.2f}, n={len(self.samples_s)}, "
+                f"{self.method})")
 
 
 def _sync(device: torch.device) -> None:

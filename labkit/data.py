@@ -8,7 +8,7 @@ Splits: ``train`` (pre-training), ``calib`` (quantisation calibration), ``heldou
 from __future__ import annotations
 
 import gzip
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -18,7 +18,7 @@ CORPUS_DIR = DATA_DIR / "pydocs"
 SPLITS = ("train", "calib", "heldout", "task_train", "task_heldout")
 
 
-@lru_cache(maxsize=None)
+@cache
 def read_split(split: str) -> str:
     """The text of one split (documents separated by ``<|endoftext|>``)."""
     if split not in SPLITS:

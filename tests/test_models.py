@@ -1,0 +1,96 @@
+import json
+
+import pytest
+import torch
+
+from labkit.models import (
+    EMBEDDED_MODEL_DIR,
+    PRESETS,
+    TINY,
+    ModelSpec,
+    count_parameters,
+    dtype_bytes,
+    get_spec,
+    load_model,
+    random_model,
+    torch_dtype,
+)
+
+
+def test_llama3_8b_arithmetic():
+    s = PRESETS["llama-3-8b"]
+    assert s.num_params == 8_030_261_248  # the published 8.03 B
+    assert s.kv_bytes_per_token("bf16") == 2 * 32 * 8 * 128 * 2 == 131072
+    assert s.weight_bytes("bf16") == 2 * s.num_params
+    # a decode step reads every weight except the (untied) embedding table, which it only indexes
+    assert s.decode_weight_bytes("bf16") == 2 * (s.num_params - s.vocab_size * s.hidden_size)
+
+
+def test_gpt3_175b_kv_and_params():
+    s = PRESETS["gpt3-175b"]
+    assert s.kv_bytes_per_token("bf16") == 4_718_592
+    assert abs(s.num_params / 175e9 - 1) < 0.01
+
+
+def test_flops_hand_computed():
+    s = PRESETS["llama-3-8b"]
+    # decode: 2 FLOPs per matmul weight plus QK^T and PV over the context
+    ctx = 1000
+    assert s.decode_flops_per_token(ctx) == 2 * s.matmul_params + 4 * 32 * 32 * 128 * ctx
+    # prefill of n tokens: n times the matmul work, causal attention over (n + 1) / 2 tokens on average
+    n = 64
+    assert s.prefill_flops(n) == pytest.approx(n * (2 * s.matmul_params + 4 * 32 * 32 * 128 * (n + 1) / 2))
+
+
+def test_tiny_matches_embedded_checkpoint():
+    cfg = json.loads((EMBEDDED_MODEL_DIR / "config.json").read_text())
+    from transformers import LlamaConfig
+
+    spec = ModelSpec.from_config(LlamaConfig(**cfg))
+    for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                  "head_dim", "tie_embeddings", "max_position"):
+        assert getattr(spec, field) == getattr(TINY, field), field
+    assert TINY.num_kv_heads < TINY.num_heads  # grouped-query attention
+    assert 5e6 <= TINY.num_params <= 12e6
+
+
+def test_embedded_model_loads_and_counts(tiny_model):
+    model, tok = tiny_model
+    assert count_parameters(model) == TINY.num_params
+    assert model.dtype == torch.float32 and not model.training
+    ids = tok("The list type", return_tensors="pt").input_ids
+    assert tok.decode(ids[0]) == "The list type"
+
+
+def test_data_dir_under_budget():
+    total = sum(p.stat().st_size for p in EMBEDDED_MODEL_DIR.parent.rglob("*") if p.is_file())
+    assert total < 25e6
+
+
+def test_random_model_shapes_on_meta():
+    m = random_model("llama-3-8b", device="meta")
+    assert count_parameters(m) == PRESETS["llama-3-8b"].num_params
+    small = random_model("llama-3-8b", device="meta", num_layers=2)
+    assert small.config.num_hidden_layers == 2
+
+
+def test_random_model_real_weights_not_zero():
+    m = random_model("tiny", device="cpu", dtype="fp32")
+    w = m.model.layers[0].self_attn.q_proj.weight
+    assert w.std() > 0.01 and torch.isfinite(w).all()
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: get_spec("llama-9"), "preset='llama-9' is unknown; allowed"),
+    (lambda: random_model("gpt5", device="meta"), "unknown; allowed"),
+    (lambda: load_model("/nonexistent/ckpt"), "not a Hugging Face checkpoint directory"),
+    (lambda: dtype_bytes("fp7"), "dtype='fp7' is unknown"),
+    (lambda: torch_dtype("int8"), "model weights must be one of"),
+    (lambda: load_model(device="cuda:0") if not torch.cuda.is_available() else load_model(device="tpu"),
+     "device="),
+    (lambda: random_model("tiny", device="meta", num_layers=0), "num_layers=0"),
+    (lambda: ModelSpec("x", 10, 64, 1, 6, 4, 128), "multiple of num_kv_heads"),
+])
+def test_bad_inputs(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

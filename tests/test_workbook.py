@@ -1,0 +1,53 @@
+import json
+
+import pytest
+
+from labkit.workbook import (
+    NOTEBOOK_DIR,
+    SOURCE_DIR,
+    build_notebooks,
+    list_notebooks,
+    notebook_from_percent,
+    resolve_profile,
+)
+
+SRC = '''# %% [markdown]
+# # Title
+# some *text*
+# %% tags=["parameters"]
+profile = "auto"
+# %%
+x = 1
+print(x)
+'''
+
+
+def test_percent_source_to_notebook():
+    nb = notebook_from_percent(SRC)
+    kinds = [c.cell_type for c in nb.cells]
+    assert kinds == ["markdown", "code", "code"]
+    assert nb.cells[0].source == "# Title\nsome *text*"
+    assert nb.cells[1].metadata["tags"] == ["parameters"]
+    assert nb.cells[2].source == "x = 1\nprint(x)"
+
+
+def test_committed_notebooks_match_sources_and_have_no_outputs():
+    assert build_notebooks(check=True) == [], "run `python -m labkit build-notebooks`"
+    nbs = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
+    assert len(nbs) == len(list(SOURCE_DIR.glob("[0-9][0-9]_*.py"))) >= 2
+    for nb in nbs:
+        cells = json.loads(nb.read_text())["cells"]
+        assert all(not c.get("outputs") and c.get("execution_count") is None
+                   for c in cells if c["cell_type"] == "code"), f"{nb.name} carries outputs"
+        params = [c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+        assert len(params) == 1 and 'profile = "auto"' in "".join(params[0]["source"]), nb.name
+
+
+def test_profiles_and_selection():
+    assert resolve_profile("ci") == "ci"
+    assert resolve_profile("auto") in ("cpu", "gpu")
+    with pytest.raises(ValueError, match="profile='fast' is unknown"):
+        resolve_profile("fast")
+    assert [p.stem[:2] for p in list_notebooks(["00"])] == ["00"]
+    with pytest.raises(ValueError, match="match no notebook"):
+        list_notebooks(["42"])
