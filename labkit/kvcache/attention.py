@@ -1,0 +1,86 @@
+"""Attention over the paged cache for a flat batch of query tokens: prefill chunks and decode tokens alike.
+
+* ``paged_prefill_attention_ref``: the torch reference (gather each sequence's blocks, causal mask offset by
+  the tokens already cached). It covers decode too (one query per sequence) and chunks that attend to a cached
+  prefix.
+* ``decode_attention``: one query per sequence; the Triton ``paged_attention`` kernel of
+  ``labkit.kernels.paged_attention`` on CUDA where it exists, else ``paged_attention_ref`` from the same file.
+* ``dequantised_blocks``: for int8/fp8 caches, the blocks a batch reads, dequantised, with block tables
+  remapped onto them; the attention functions then run unchanged (dequantise on read).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from labkit.kernels.paged_attention import paged_attention_ref
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                                context_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over all of its cached tokens (new ones included).
+
+    ``q``: ``[num_tokens, num_heads, head_dim]``, sequences back to back; ``query_start_loc``: int
+    ``[num_seqs + 1]`` (sequence ``s`` owns query rows ``query_start_loc[s]:query_start_loc[s+1]``);
+    ``context_lens``: int ``[num_seqs]``, cached tokens after this step's writes, so the queries sit at
+    positions ``context_len - query_len ... context_len - 1``. Pools and ``block_tables`` as in
+    ``paged_attention_ref``. Returns ``[num_tokens, num_heads, head_dim]`` in ``q``'s dtype; arithmetic in
+    float32.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    scale = head_dim ** -0.5 if scale is None else scale
+    starts, lens = query_start_loc.tolist(), context_lens.tolist()
+    out = torch.full_like(q, float("nan"))
+    for s, n in enumerate(lens):
+        q_s = q[starts[s]:starts[s + 1]].float()  # [m, h, d]
+        m = q_s.shape[0]
+        blocks = block_tables[s, : (n + block_size - 1) // block_size].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float().repeat_interleave(group, dim=1)
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("mhd,nhd->hmn", q_s, k) * scale
+        q_pos = torch.arange(n - m, n, device=q.device)
+        causal = torch.arange(n, device=q.device)[None, :] <= q_pos[:, None]  # [m, n]
+        scores = scores.masked_fill(~causal, float("-inf"))
+        out[starts[s]:starts[s + 1]] = torch.einsum("hmn,nhd->mhd", scores.softmax(dim=-1), v).to(q.dtype)
+    return out
+
+
+def _triton_paged_attention():
+    """The Triton kernel if the kernels module has it, else ``None`` (imported lazily: it may not exist
+    yet)."""
+    from labkit.kernels import paged_attention as mod
+
+    return getattr(mod, "paged_attention", None)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float | None = None,
+                     backend: str = "auto") -> torch.Tensor:
+    """Decode attention, ``q`` ``[num_seqs, num_heads, head_dim]``; ``backend`` 'auto' (Triton on CUDA when
+    available, else torch), 'torch' or 'triton' (an error if the kernel does not exist)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is unknown; allowed: {BACKENDS}")
+    kernel = _triton_paged_attention() if backend != "torch" else None
+    if backend == "triton" and kernel is None:
+        raise ValueError("backend='triton': labkit.kernels.paged_attention has no Triton paged_attention "
+                         "kernel; use 'auto' or 'torch'")
+    if kernel is not None and (backend == "triton" or q.is_cuda) and k_cache.dtype == q.dtype:
+        return kernel(q, k_cache, v_cache, block_tables, context_lens, scale=scale)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale=scale)
+
+
+def dequantised_blocks(cache, layer: int, block_tables: torch.Tensor,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(k, v, block_tables)`` for attention over a quantised cache: only the blocks named in
+    ``block_tables`` (padding included, harmlessly), dequantised to ``dtype``, and the tables renumbered to
+    index them."""
+    used = block_tables.flatten().unique()
+    k, v = cache.read_blocks(layer, used, dtype)
+    lut = torch.zeros(cache.num_blocks, dtype=torch.int32, device=block_tables.device)
+    lut[used.long()] = torch.arange(used.numel(), dtype=torch.int32, device=block_tables.device)
+    return k, v, lut[block_tables.long()]
