@@ -51,3 +51,11 @@ def test_profiles_and_selection():
     assert [p.stem[:2] for p in list_notebooks(["00"])] == ["00"]
     with pytest.raises(ValueError, match="match no notebook"):
         list_notebooks(["42"])
+
+
+def test_readme_results_table_is_generated_from_summary():
+    from labkit.bench import SUMMARY_PATH, summary_table
+    from labkit.models import REPO_ROOT
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert summary_table(SUMMARY_PATH) in readme, "run `python -m labkit readme`"
