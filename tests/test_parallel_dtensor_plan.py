@@ -1,0 +1,33 @@
+"""labkit.parallel.dtensor_plan: PyTorch's parallelize_module plan against the hand-written TP (2 gloo ranks)."""
+
+import pytest
+import torch
+
+from labkit.parallel import experiments as ex
+from labkit.parallel import launch
+from labkit.parallel.dtensor_plan import check_dtensor_tp_size, llama_tp_plan
+
+
+def test_plan_covers_every_linear_and_refuses_kv_replication():
+    from transformers import AutoConfig
+
+    from labkit.models import EMBEDDED_MODEL_DIR
+
+    plan = llama_tp_plan()
+    assert {k.split(".")[-1] for k in plan} == {"embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj",
+                                                  "gate_proj", "up_proj", "down_proj", "lm_head"}
+    config = AutoConfig.from_pretrained(EMBEDDED_MODEL_DIR)
+    check_dtensor_tp_size(config, 2)
+    with pytest.raises(ValueError, match=r"tp=4.*allowed: \[1, 2\]"):
+        check_dtensor_tp_size(config, 4)
+
+
+@pytest.mark.distributed
+def test_dtensor_plan_equals_hand_written_tp():
+    prompt = torch.randint(8192, (2, 11), generator=torch.Generator().manual_seed(3))
+    out = launch(ex.dtensor_check, 2, prompt, max_new_tokens=5, backend="gloo", timeout_s=180)
+    for res in out:
+        assert res["plan_vs_hand_rel_err"] < 1e-5
+        assert res["plan_vs_single_rel_err"] < 1e-5
+        assert torch.equal(res["tokens_plan"], res["tokens_hand"])
+        assert res["local_q_proj_shape"] == (128, 256)  # 2 of 4 heads x head_dim 64
