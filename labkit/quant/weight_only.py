@@ -1,0 +1,224 @@
+"""Weight-only int8 and int4 quantisation by round-to-nearest (RTN), and the linear layers that hold them.
+
+Decode at small batch reads every weight once per token and does two FLOPs per weight, so its time is the
+bytes of the weights over memory bandwidth. Storing weights in 8 or 4 bits and widening them to 16 bits inside
+the matmul (``w8a16`` / ``w4a16``) cuts those bytes 2x or ~3.8x while activations and accumulation stay in
+floating point. Formats (``labkit.quant.packing``):
+
+* int8, per output channel, symmetric: ``w = q * scale``; ``q`` int8 ``[N, K]`` in [-127, 127], ``scale``
+  ``[N]``.
+* int4, per group of ``group_size`` inputs, asymmetric: ``w = (q - zero) * scale``; ``q`` in [0, 15] packed two
+  per byte into uint8 ``[N, K // 2]``; ``scales`` and ``zeros`` ``[N, K // group_size]``. Zero-points are integers
+  (stored in the scales' float dtype, where they are exact), so a weight of zero is represented exactly.
+
+On CUDA the layers call the fused Triton kernels of ``labkit.kernels.quantized_matmul`` (they read exactly
+these formats); elsewhere, or when those kernels are absent, they dequantise to the activation dtype and call
+``F.linear``: the torch reference the kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from labkit.quant.packing import dequantize_int4, dequantize_int8, pack_int4
+
+INT8_QMAX = 127
+INT4_QMAX = 15
+BACKENDS = ("auto", "torch", "triton")
+
+
+# --- quantisers ----------------------------------------------------------------------------------------------
+def _check_weight(weight: torch.Tensor) -> None:
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"weight must be a 2-D floating tensor [out_features, in_features], got "
+                         f"{weight.dtype} of shape {tuple(weight.shape)}")
+    if not torch.isfinite(weight).all():
+        raise ValueError("weight holds inf or NaN; quantising it would hide that")
+
+
+def quantize_int8(weight: torch.Tensor, scale_dtype: torch.dtype | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel absmax int8: ``weight`` ``[N, K]`` -> (``q`` int8 ``[N, K]``, ``scale`` ``[N]``).
+
+    ``scale = max|w_row| / 127`` (rounded to ``scale_dtype``, default the weight's dtype, *before* rounding
+    ``q`` so that ``q * scale`` uses the stored scale). A row of zeros gets scale 1 (any scale is exact
+    there).
+    """
+    _check_weight(weight)
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / INT8_QMAX, torch.ones_like(amax))
+    scale = scale.to(scale_dtype or weight.dtype)
+    q = torch.round(w / scale.float()[:, None]).clamp(-INT8_QMAX, INT8_QMAX).to(torch.int8)
+    return q, scale
+
+
+def _check_group(k: int, group_size: int) -> None:
+    if not isinstance(group_size, int) or group_size < 2 or group_size % 2:
+        raise ValueError(f"group_size={group_size!r} must be an even integer >= 2 (128 is the usual choice)")
+    if k % group_size:
+        divisors = [g for g in (32, 64, 128, 256) if k % g == 0]
+        raise ValueError(f"group_size={group_size} does not divide in_features={k}; allowed for this layer: "
+                         f"{divisors or 'an even divisor of ' + str(k)}. Nothing is padded or truncated.")
+
+
+def int4_group_params(w_groups: torch.Tensor, scale_dtype: torch.dtype
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric min/max grid of groups ``[..., group_size]`` -> (``scale``, integer ``zero``), each
+    ``[...]``.
+
+    The range always includes 0 so that ``zero`` is an integer in [0, 15]; a constant group gets scale 1.
+    ``scale`` is rounded to ``scale_dtype`` (the dtype it is stored in) before ``zero`` is derived from it.
+    """
+    lo = w_groups.amin(dim=-1).clamp(max=0.0)
+    hi = w_groups.amax(dim=-1).clamp(min=0.0)
+    scale = (hi - lo) / INT4_QMAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale)).to(scale_dtype).float()
+    zero = torch.round(-lo / scale).clamp(0, INT4_QMAX)
+    return scale, zero
+
+
+def int4_round(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Integer codes in [0, 15] of ``w`` on the grid ``(q - zero) * scale`` (all broadcastable, float32)."""
+    return torch.round(w / scale + zero).clamp(0, INT4_QMAX)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = 128, scale_dtype: torch.dtype | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group-wise asymmetric RTN int4: ``weight`` ``[N, K]`` -> (``packed`` uint8 ``[N, K // 2]``,
+    ``scales`` ``[N, K // group_size]``, ``zeros`` ``[N, K // group_size]``) in the ``packing`` format."""
+    _check_weight(weight)
+    n, k = weight.shape
+    _check_group(k, group_size)
+    sdt = scale_dtype or weight.dtype
+    w = weight.detach().float().view(n, k // group_size, group_size)
+    scale, zero = int4_group_params(w, sdt)
+    q = int4_round(w, scale[..., None], zero[..., None]).to(torch.uint8).view(n, k)
+    return pack_int4(q), scale.to(sdt), zero.to(sdt)
+
+
+# --- fused kernels, when present -----------------------------------------------------------------------------
+_FUSED: dict[str, object] = {}
+
+
+def fused_kernel(name: str):
+    """``w8a16_matmul`` or ``w4a16_matmul`` from ``labkit.kernels.quantized_matmul``, or None if absent."""
+    if name not in _FUSED:
+        try:
+            from labkit.kernels import quantized_matmul
+            _FUSED[name] = getattr(quantized_matmul, name)
+        except (ImportError, AttributeError) as e:
+            warnings.warn(f"labkit.kernels.quantized_matmul.{name} is not available ({e}); quantised linears "
+                          "use the torch dequantise-then-matmul path", stacklevel=3)
+            _FUSED[name] = None
+    return _FUSED[name]
+
+
+def _use_fused(backend: str, x: torch.Tensor, kernel: str):
+    """The fused kernel to call, or None for the torch path; ``triton`` insists (an error if missing)."""
+    if backend == "torch" or (backend == "auto" and not x.is_cuda):
+        return None
+    fn = fused_kernel(kernel)
+    if fn is None and backend == "triton":
+        raise RuntimeError(f"backend='triton' needs labkit.kernels.quantized_matmul.{kernel}, which is "
+                           "missing")
+    return fn
+
+
+def _check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is unknown; allowed: {list(BACKENDS)}")
+    return backend
+
+
+# --- modules -------------------------------------------------------------------------------------------------
+class Int8Linear(nn.Module):
+    """``y = x @ (q * scale[:, None]).T + bias``: int8 weights, activations and output in ``scale``'s dtype.
+
+    Buffers: ``qweight`` int8 ``[N, K]``, ``scale`` ``[N]``, optional ``bias`` ``[N]``. ``backend``: ``auto``
+    (fused kernel on CUDA, torch elsewhere), ``torch`` or ``triton``.
+    """
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 backend: str = "auto"):
+        super().__init__()
+        if qweight.dtype != torch.int8 or qweight.dim() != 2 or scale.shape != (qweight.shape[0],):
+            raise ValueError(f"qweight must be int8 [N, K] and scale [N]; got {qweight.dtype} "
+                             f"{tuple(qweight.shape)} and {tuple(scale.shape)}")
+        self.out_features, self.in_features = qweight.shape
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(scale.dtype))
+        self.backend = _check_backend(backend)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, backend: str = "auto") -> Int8Linear:
+        q, scale = quantize_int8(linear.weight)
+        return cls(q, scale, linear.bias, backend)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight ``[N, K]`` this layer computes with."""
+        return dequantize_int8(self.qweight, self.scale, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fn = _use_fused(self.backend, x, "w8a16_matmul")
+        if fn is None:
+            return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        y = fn(x.reshape(-1, self.in_features), self.qweight, self.scale)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel, " \
+               f"backend={self.backend}"
+
+
+class Int4Linear(nn.Module):
+    """``y = x @ W.T + bias`` with ``W = (q - zero) * scale`` per group: packed int4 weights.
+
+    Buffers: ``packed`` uint8 ``[N, K // 2]``, ``scales`` and ``zeros`` ``[N, K // group_size]``, optional
+    ``bias`` ``[N]``. Made by RTN (``from_linear``) or by a calibrated method (``labkit.quant.gptq``): the
+    format, and so the kernel, is the same.
+    """
+
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                 bias: torch.Tensor | None = None, backend: str = "auto"):
+        super().__init__()
+        if packed.dtype != torch.uint8 or packed.dim() != 2:
+            raise ValueError(f"packed must be uint8 [N, K // 2], got {packed.dtype} {tuple(packed.shape)}")
+        n, k = packed.shape[0], 2 * packed.shape[1]
+        _check_group(k, group_size)
+        if scales.shape != (n, k // group_size) or zeros.shape != scales.shape:
+            raise ValueError(f"scales and zeros must be [{n}, {k // group_size}], got {tuple(scales.shape)} "
+                             f"and {tuple(zeros.shape)}")
+        self.out_features, self.in_features, self.group_size = n, k, group_size
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
+        self.register_buffer("zeros", zeros)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(scales.dtype))
+        self.backend = _check_backend(backend)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = 128, backend: str = "auto") -> Int4Linear:
+        packed, scales, zeros = quantize_int4(linear.weight, group_size)
+        return cls(packed, scales, zeros, group_size, linear.bias, backend)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight ``[N, K]`` this layer computes with."""
+        return dequantize_int4(self.packed, self.scales, self.zeros, self.group_size, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fn = _use_fused(self.backend, x, "w4a16_matmul")
+        if fn is None:
+            return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        y = fn(x.reshape(-1, self.in_features), self.packed, self.scales, self.zeros, self.group_size)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 " \
+               f"group_size={self.group_size}, backend={self.backend}"
