@@ -3,10 +3,12 @@ an unconstrained run and to HF ``generate``; swap copies bytes exactly; a reques
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from labkit.data import sample_prompts
 from labkit.kvcache import CacheFullError, PagedKVCache
-from labkit.kvcache.preemption import PagedGenerator, SwapSpace
+from labkit.kvcache.preemption import PagedGenerator, Request, Scheduler
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -93,26 +95,30 @@ def test_eos_stops_a_request(model_tok, workload):
     assert out[0] == ref[0][: ref[0].index(eos) + 1]
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp32", "int8", "fp8"])
-def test_swap_roundtrip_is_exact(kv_dtype):
-    g = torch.Generator().manual_seed(3)
-    cache = PagedKVCache(2, 2, 8, num_blocks=6, block_size=3, kv_dtype=kv_dtype)
-    cache.allocate("a", list(range(7)))
-    slots = torch.tensor(cache.slots("a", 0, 7))
-    for layer in range(2):
-        cache.write(layer, slots, torch.randn(7, 2, 8, generator=g), torch.randn(7, 2, 8, generator=g))
-    cache.mark_computed("a", 7)
-    before = [cache.gather("a", layer) for layer in range(2)]
-    swap = SwapSpace(cache, num_blocks=4)
-    swap.swap_out(cache, "a")
-    assert "a" not in cache.seqs and cache.allocator.num_free == 6
-    cache.allocate("other", list(range(9)))  # the freed blocks are reused meanwhile
-    cache.write(0, torch.tensor(cache.slots("other", 0, 9)), torch.randn(9, 2, 8), torch.randn(9, 2, 8))
-    swap.swap_in(cache, "a")
-    for layer in range(2):
-        for x, y in zip(cache.gather("a", layer), before[layer], strict=True):
-            assert torch.equal(x, y)
-    assert swap.allocator.num_free == 4 and cache.seqs["a"].num_computed == 7
-    cache.check_invariants()
-    with pytest.raises(CacheFullError):
-        SwapSpace(cache, num_blocks=2).swap_out(cache, "a")
+@settings(max_examples=60, deadline=None)
+@given(num_blocks=st.integers(2, 12), block_size=st.sampled_from([1, 2, 4]), prefix=st.booleans(),
+       sizes=st.lists(st.tuples(st.integers(1, 8), st.integers(1, 8)), min_size=1, max_size=8),
+       max_num_seqs=st.integers(1, 5))
+def test_scheduler_finishes_every_request(num_blocks, block_size, prefix, sizes, max_num_seqs):
+    """Without a model (a cache without tensors): whatever the sizes, every request that fits alone finishes with
+    all its tokens, the block bookkeeping stays consistent, and the cache ends empty."""
+    cache = PagedKVCache(1, 1, 1, num_blocks, block_size, enable_prefix_caching=prefix, allocate_pools=False)
+    sched = Scheduler(cache, max_num_seqs=max_num_seqs, max_prefill_tokens=6)
+    reqs = []
+    for i, (p, m) in enumerate(sizes):
+        req = Request(i, [i % 2] * p, m)
+        if cache.blocks_for(p + m - 1) > num_blocks:
+            with pytest.raises(CacheFullError, match="can never fit"):
+                sched.add(req)
+        else:
+            sched.add(req)
+            reqs.append(req)
+    while sched.has_unfinished:
+        batch = sched.schedule()
+        assert batch and len(sched.running) <= max_num_seqs
+        for r in batch:  # what a model step would do: mark the batch's tokens computed
+            cache.mark_computed(r.request_id, cache.seqs[r.request_id].num_tokens)
+        cache.check_invariants()
+        sched.finish_step(batch, [7] * len(batch))
+    assert all(r.output == [7] * r.max_new_tokens for r in reqs)
+    assert not cache.seqs and cache.allocator.num_free == num_blocks

@@ -1,4 +1,4 @@
-"""Running out of blocks: preempt by recompute or by swap, and a greedy generation loop that does both.
+"""Running out of blocks: a scheduler that preempts by recompute or swap, and a greedy generator built on it.
 
 When a running sequence needs a new block and none is free, the most recently admitted running sequence gives
 its blocks up (vLLM's policy: the youngest has the least work to lose):
@@ -11,82 +11,32 @@ its blocks up (vLLM's policy: the youngest has the least work to lose):
 
 A request is never dropped: every request finishes, and a request that could not fit even in an empty cache is
 refused up front with a ``CacheFullError`` naming the sizes. Swapping copies bytes, so its outputs equal an
-unconstrained run exactly; recompute re-derives K/V with a different batch shape, equal to float rounding.
+unconstrained run exactly; recompute re-derives K/V in a differently shaped batch, equal up to float rounding.
+
+``Scheduler`` decides, step by step, which sequences run and reserves their slots; it does not run a model, so
+the request-mix simulation (``labkit.kvcache.simulate``) drives the same policy on a cache without tensors.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
 from tqdm.auto import tqdm
 
-from labkit.kvcache.block_allocator import BlockAllocator, CacheFullError
+from labkit.kvcache.block_allocator import CacheFullError
 from labkit.kvcache.model import PagedModelRunner, prepare_step
-from labkit.kvcache.paged import PagedKVCache, SeqBlocks
+from labkit.kvcache.paged import PagedKVCache
+from labkit.kvcache.swap import SwapSpace
 
 PREEMPTION_MODES = ("recompute", "swap")
 
 
-class SwapSpace:
-    """CPU memory for blocks swapped out of a ``PagedKVCache``: pools of the same block shape (pinned when the
-    cache is on CUDA, so copies are asynchronous-capable DMA) with their own allocator."""
-
-    def __init__(self, cache: PagedKVCache, num_blocks: int):
-        self.allocator = BlockAllocator(num_blocks)
-        pin = cache.device.type == "cuda"
-        self.pools = [[torch.empty((num_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for t in pools]
-                      for pools in (cache.k_caches, cache.v_caches, cache.k_scales, cache.v_scales)]
-        self.seqs: dict[Hashable, SeqBlocks] = {}
-        self.blocks_out = 0  # blocks copied device -> CPU so far
-        self.blocks_in = 0
-
-    def can_swap_out(self, cache: PagedKVCache, seq_id: Hashable) -> bool:
-        return len(cache.seq(seq_id).block_table) <= self.allocator.num_free
-
-    def swap_out(self, cache: PagedKVCache, seq_id: Hashable) -> None:
-        """Copy a sequence's blocks to CPU memory and release them in the cache."""
-        seq = cache.seq(seq_id)
-        cpu_blocks = self.allocator.allocate(len(seq.block_table))
-        src = torch.tensor(seq.block_table, device=cache.device)
-        dst = torch.tensor(cpu_blocks)
-        for cpu_pools, dev_pools in zip(self.pools, (cache.k_caches, cache.v_caches, cache.k_scales,
-                                                     cache.v_scales), strict=True):
-            for cpu, dev in zip(cpu_pools, dev_pools, strict=True):
-                cpu[dst] = dev[src].cpu()
-        self.seqs[seq_id] = SeqBlocks(cpu_blocks, list(seq.token_ids), seq.num_computed)
-        self.blocks_out += len(cpu_blocks)
-        cache.free(seq_id)
-
-    def blocks_to_swap_in(self, seq_id: Hashable) -> int:
-        return len(self.seqs[seq_id].block_table)
-
-    def swap_in(self, cache: PagedKVCache, seq_id: Hashable) -> None:
-        """Copy a swapped sequence back into fresh blocks of the cache (``CacheFullError`` if too few are
-        free)."""
-        seq = self.seqs[seq_id]
-        if seq_id in cache.seqs:
-            raise ValueError(f"seq_id={seq_id!r} is already in the cache")
-        dev_blocks = cache.allocator.allocate(len(seq.block_table))
-        src = torch.tensor(seq.block_table)
-        dst = torch.tensor(dev_blocks, device=cache.device)
-        for cpu_pools, dev_pools in zip(self.pools, (cache.k_caches, cache.v_caches, cache.k_scales,
-                                                     cache.v_scales), strict=True):
-            for cpu, dev in zip(cpu_pools, dev_pools, strict=True):
-                dev[dst] = cpu[src].to(cache.device, non_blocking=True)
-        del self.seqs[seq_id]
-        for b in seq.block_table:
-            self.allocator.free(b)
-        self.blocks_in += len(dev_blocks)
-        cache.seqs[seq_id] = SeqBlocks(dev_blocks, seq.token_ids, 0)
-        cache.mark_computed(seq_id, seq.num_computed)  # re-registers its full blocks with the prefix cache
-
-
 @dataclass
 class Request:
-    """One prompt to continue greedily for ``max_new_tokens`` tokens (fewer if ``eos_token_id`` comes)."""
+    """One prompt to continue for ``max_new_tokens`` tokens (fewer if the end-of-sequence token comes)."""
 
     request_id: int
     prompt: list[int]
@@ -100,8 +50,8 @@ class Request:
 
 
 @dataclass
-class GenerationStats:
-    """What a ``PagedGenerator.generate`` call did."""
+class SchedulerStats:
+    """What a scheduler did so far."""
 
     steps: int = 0
     prefill_tokens: int = 0  # tokens computed in prefills, recomputation included
@@ -117,88 +67,72 @@ class GenerationStats:
         return asdict(self)
 
 
-class PagedGenerator:
-    """Greedy decoding of many requests on one ``PagedKVCache``: admit while blocks last, preempt when short.
+class Scheduler:
+    """First-come-first-served continuous batching over one ``PagedKVCache``, preempting when blocks run short.
 
-    Each step decodes one token for every running sequence and prefills newly admitted ones, all in one flat
-    batch (``PagedModelRunner``). Admission is first come, first served; preempted requests resume before any
-    new one is admitted. ``max_num_seqs`` caps the running batch; ``max_prefill_tokens`` caps the tokens
-    prefilled per step (one request is admitted regardless, so a long prompt is never starved).
+    Each ``schedule()`` reserves one slot for every running sequence's pending token (preempting the youngest
+    while blocks are short), then, if nothing was preempted, resumes swapped sequences and admits waiting ones
+    (``max_num_seqs`` running at most, ``max_prefill_tokens`` prefilled per step; one request is admitted
+    regardless so a long prompt is never starved). ``finish_step`` appends the sampled tokens and frees finished
+    requests.
     """
 
-    def __init__(self, model, cache: PagedKVCache, preemption: str = "recompute",
-                 swap_blocks: int | None = None, max_num_seqs: int = 256, max_prefill_tokens: int = 4096,
-                 eos_token_id: int | None = None, attention_backend: str = "auto"):
+    def __init__(self, cache: PagedKVCache, preemption: str = "recompute", swap_blocks: int | None = None,
+                 max_num_seqs: int = 256, max_prefill_tokens: int = 4096, eos_token_id: int | None = None):
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption={preemption!r} is unknown; allowed: {PREEMPTION_MODES}")
         if max_num_seqs < 1 or max_prefill_tokens < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} and max_prefill_tokens={max_prefill_tokens} must "
                              f"be >= 1")
         self.cache = cache
-        self.runner = PagedModelRunner(model, cache, attention_backend)
-        self.preemption = preemption
         self.swap = SwapSpace(cache, swap_blocks or cache.num_blocks) if preemption == "swap" else None
         self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
         self.eos_token_id = eos_token_id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        self.stats = SchedulerStats()
 
-    def _check_fits(self, req: Request) -> None:
-        # The last generated token is never fed back, so it needs no slot.
-        tokens = len(req.prompt) + req.max_new_tokens - 1
-        need = self.cache.blocks_for(tokens)
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def add(self, req: Request) -> None:
+        """Queue a request; refuse one that could not fit even alone in the empty cache."""
+        if req.max_new_tokens < 1 or not req.prompt:
+            raise ValueError(f"request {req.request_id}: needs a non-empty prompt and max_new_tokens >= 1")
+        need = self.cache.blocks_for(len(req.prompt) + req.max_new_tokens - 1)  # the last token needs no slot
         if need > self.cache.num_blocks:
             raise CacheFullError(f"request {req.request_id}: prompt of {len(req.prompt)} tokens + "
                                  f"max_new_tokens={req.max_new_tokens} needs {need} blocks of "
                                  f"{self.cache.block_size} tokens, but the cache has {self.cache.num_blocks}: "
                                  f"it can never fit; give the cache more blocks or lower max_new_tokens")
-
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
-                 progress: bool = False) -> list[list[int]]:
-        """Greedy continuations of ``prompts`` (token id lists), in order. Statistics land in
-        ``self.stats``."""
-        lens = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        if len(lens) != len(prompts) or any(m < 1 for m in lens) or any(len(p) < 1 for p in prompts):
-            raise ValueError("need one max_new_tokens >= 1 per prompt, and non-empty prompts")
-        if self.cache.seqs:
-            raise ValueError("the cache must be empty when generate starts")
-        reqs = [Request(i, list(p), m) for i, (p, m) in enumerate(zip(prompts, lens, strict=True))]
-        for r in reqs:
-            self._check_fits(r)
-        self.stats = GenerationStats()
-        self.waiting: deque[Request] = deque(reqs)
-        self.running: list[Request] = []
-        self.swapped: deque[Request] = deque()
-        bar = tqdm(total=sum(lens), desc="generate", unit="tok", disable=not progress)
-        while self.waiting or self.running or self.swapped:
-            bar.update(self._step())
-        bar.close()
-        return [r.output for r in reqs]
+        self.waiting.append(req)
 
     # --- one step -------------------------------------------------------------------------------------------
-    def _step(self) -> int:
+    def schedule(self) -> list[Request]:
+        """The requests to run this step, in batch order, with their slots reserved (may be empty)."""
         preemptions_before = self.stats.preemptions
-        decode = self._reserve_decode_slots()
-        prefill: list[Request] = []
+        batch = self._reserve_decode_slots()
         if self.stats.preemptions == preemptions_before:  # blocks were short this step: admit nothing new
-            decode += self._swap_in()
+            batch += self._swap_in()
             if not self.swapped:
-                prefill = self._admit()
-        batch_reqs = decode + prefill
-        if not batch_reqs:
-            return 0
-        logits = self.runner.forward(prepare_step(self.cache, [r.request_id for r in batch_reqs]))
-        self.stats.steps += 1
-        self.stats.max_running = max(self.stats.max_running, len(self.running))
-        self.stats.max_blocks_used = max(self.stats.max_blocks_used, self.cache.allocator.num_used)
-        for req, tok in zip(batch_reqs, logits.argmax(-1).tolist(), strict=True):
+                batch += self._admit()
+        if batch:
+            self.stats.steps += 1
+            self.stats.max_running = max(self.stats.max_running, len(self.running))
+            self.stats.max_blocks_used = max(self.stats.max_blocks_used, self.cache.allocator.num_used)
+        return batch
+
+    def finish_step(self, batch: Sequence[Request], tokens: Sequence[int]) -> None:
+        """Append each request's new token; free the requests that are done."""
+        for req, tok in zip(batch, tokens, strict=True):
             req.output.append(tok)
             if len(req.output) >= req.max_new_tokens or tok == self.eos_token_id:
                 self.cache.free(req.request_id)
                 self.running.remove(req)
-        return len(batch_reqs)
 
     def _reserve_decode_slots(self) -> list[Request]:
-        """A slot for each running sequence's pending token, preempting the youngest while blocks are
-        short."""
         decode, i = [], 0
         while i < len(self.running):
             req = self.running[i]
@@ -206,9 +140,8 @@ class PagedGenerator:
                 self.cache.append_slots(req.request_id, req.output[-1:])
                 decode.append(req)
                 i += 1
-                continue
-            victim = self.running.pop()  # the youngest; may be req itself, which ends the loop
-            self._preempt(victim)
+            else:
+                self._preempt(self.running.pop())  # the youngest; may be req itself, which ends the loop
         return decode
 
     def _preempt(self, req: Request) -> None:
@@ -228,7 +161,7 @@ class PagedGenerator:
             req = self.swapped[0]
             seq = self.swap.seqs[req.request_id]
             # its blocks, plus one more if the pending token starts a new block
-            need = self.swap.blocks_to_swap_in(req.request_id) + (seq.num_tokens % self.cache.block_size == 0)
+            need = len(seq.block_table) + (seq.num_tokens % self.cache.block_size == 0)
             if need > self.cache.allocator.num_free:
                 break
             self.swapped.popleft()
@@ -243,7 +176,7 @@ class PagedGenerator:
         admitted, budget = [], self.max_prefill_tokens
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            tokens = req.all_tokens
+            tokens = req.all_tokens  # after a recompute preemption: prompt + everything generated so far
             if (admitted and len(tokens) > budget) or not self.cache.can_allocate(tokens):
                 break
             self.waiting.popleft()
@@ -256,3 +189,43 @@ class PagedGenerator:
             self.running.append(req)
             admitted.append(req)
         return admitted
+
+
+class PagedGenerator:
+    """Greedy decoding of many requests with a ``Scheduler`` and a ``PagedModelRunner``: each step decodes one
+    token for every running sequence and prefills newly admitted ones, all in one flat batch."""
+
+    def __init__(self, model, cache: PagedKVCache, preemption: str = "recompute",
+                 swap_blocks: int | None = None, max_num_seqs: int = 256, max_prefill_tokens: int = 4096,
+                 eos_token_id: int | None = None, attention_backend: str = "auto"):
+        self.cache = cache
+        self.runner = PagedModelRunner(model, cache, attention_backend)
+        self.scheduler_args = dict(preemption=preemption, swap_blocks=swap_blocks, max_num_seqs=max_num_seqs,
+                                   max_prefill_tokens=max_prefill_tokens, eos_token_id=eos_token_id)
+        Scheduler(cache, **self.scheduler_args)  # check the arguments now
+        self.stats = SchedulerStats()
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
+                 progress: bool = False) -> list[list[int]]:
+        """Greedy continuations of ``prompts`` (token id lists), in order; statistics land in ``self.stats``."""
+        lens = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(lens) != len(prompts):
+            raise ValueError(f"max_new_tokens has {len(lens)} entries for {len(prompts)} prompts")
+        if self.cache.seqs:
+            raise ValueError("the cache must be empty when generate starts")
+        sched = Scheduler(self.cache, **self.scheduler_args)
+        reqs = [Request(i, list(p), m) for i, (p, m) in enumerate(zip(prompts, lens, strict=True))]
+        for r in reqs:
+            sched.add(r)  # refuses a request that can never fit before any work is done
+        bar = tqdm(total=sum(lens), desc="generate", unit="tok", disable=not progress)
+        with torch.inference_mode():
+            while sched.has_unfinished:
+                batch = sched.schedule()
+                if not batch:  # every request fits alone, so some request can always run
+                    raise RuntimeError("the scheduler found nothing to run with requests unfinished")
+                logits = self.runner.forward(prepare_step(self.cache, [r.request_id for r in batch]))
+                sched.finish_step(batch, logits.argmax(-1).tolist())
+                bar.update(len(batch))
+        bar.close()
+        self.stats = sched.stats
+        return [r.output for r in reqs]
