@@ -1,0 +1,171 @@
+"""Cost model of tensor and pipeline parallelism for a ``ModelSpec``: bytes moved, time on a link, memory per GPU.
+
+Communication follows the alpha-beta model of ring collectives (Thakur et al. 2005; what NCCL's ring does):
+
+- all-reduce of ``n`` bytes on ``p`` ranks: ``2(p-1) alpha + 2(p-1)/p * n / B``
+- all-gather producing ``n`` bytes:          ``(p-1) alpha + (p-1)/p * n / B``
+- point-to-point of ``n`` bytes:             ``alpha + n / B``
+
+where ``B`` is one GPU's bandwidth in one direction. Tensor parallelism all-reduces the activations twice per
+layer (``tokens x hidden`` each) and pipeline parallelism sends them once per stage boundary. Compute is the
+roofline floor ``max(bytes / memory bandwidth, FLOPs / peak)`` of each stage's share of the weights and KV cache.
+
+Bandwidths are the published per-GPU, per-direction figures; latencies are typical orders of magnitude, to be
+replaced by measured ones (``scripts/bench_multigpu.py`` fits them on the real machine).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from labkit.hardware import Hardware
+from labkit.models import ModelSpec, dtype_bytes
+
+
+@dataclass(frozen=True)
+class Link:
+    """One GPU's link: ``bandwidth`` bytes/s in each direction, ``latency_s`` per message hop (alpha)."""
+
+    name: str
+    bandwidth: float
+    latency_s: float
+    source: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+LINKS: dict[str, Link] = {
+    "nvlink4": Link("NVLink 4 + NVSwitch (H100/H200 SXM)", 450e9, 2e-6,
+                    "NVIDIA H100/H200 datasheets: 900 GB/s bidirectional per GPU (18 links x 50 GB/s)"),
+    "nvlink3": Link("NVLink 3 + NVSwitch (A100 SXM)", 300e9, 2e-6,
+                    "NVIDIA A100 datasheet: 600 GB/s bidirectional per GPU"),
+    "pcie5": Link("PCIe 5.0 x16", 64e9, 3e-6, "PCI-SIG: 32 GT/s x 16 lanes, ~64 GB/s per direction"),
+    "pcie4": Link("PCIe 4.0 x16", 32e9, 3e-6, "PCI-SIG: 16 GT/s x 16 lanes, ~32 GB/s per direction"),
+    "ib-ndr": Link("InfiniBand NDR, one 400 Gb/s port per GPU", 50e9, 5e-6,
+                   "NVIDIA ConnectX-7 / DGX H100: 400 Gb/s per port, one port per GPU"),
+    "ib-hdr": Link("InfiniBand HDR, one 200 Gb/s port per GPU", 25e9, 5e-6,
+                   "NVIDIA ConnectX-6 / DGX A100: 200 Gb/s per port, one port per GPU"),
+}
+
+
+def get_link(name: str | Link) -> Link:
+    if isinstance(name, Link):
+        return name
+    if name not in LINKS:
+        raise ValueError(f"link={name!r} is unknown; allowed: {sorted(LINKS)} or a Link")
+    return LINKS[name]
+
+
+# --- collectives ----------------------------------------------------------------------------------------------
+def all_reduce_time(nbytes: float, p: int, link: str | Link) -> float:
+    """Ring all-reduce of ``nbytes`` over ``p`` ranks (0 for one rank)."""
+    lk = get_link(link)
+    return 0.0 if p == 1 else 2 * (p - 1) * lk.latency_s + 2 * (p - 1) / p * nbytes / lk.bandwidth
+
+
+def all_gather_time(nbytes: float, p: int, link: str | Link) -> float:
+    """Ring all-gather whose *output* is ``nbytes``."""
+    lk = get_link(link)
+    return 0.0 if p == 1 else (p - 1) * lk.latency_s + (p - 1) / p * nbytes / lk.bandwidth
+
+
+def p2p_time(nbytes: float, link: str | Link) -> float:
+    lk = get_link(link)
+    return lk.latency_s + nbytes / lk.bandwidth
+
+
+def bubble_fraction(p: int, m: int) -> float:
+    """Pipeline idle share ``(p - 1) / (m + p - 1)`` (same as ``schedules.bubble_formula``)."""
+    if p < 1 or m < 1:
+        raise ValueError(f"p={p} and m={m} must be >= 1")
+    return (p - 1) / (m + p - 1)
+
+
+# --- per-step communication -------------------------------------------------------------------------------
+def tp_comm(spec: ModelSpec, tp: int, tokens: int, link: str | Link = "nvlink4", dtype: str = "bf16",
+            layers: int | None = None) -> dict:
+    """Tensor-parallel communication of one forward over ``tokens`` tokens (a decode step: tokens = batch).
+
+    Two all-reduces per layer (attention output, MLP output) and one for the vocab-parallel embedding, each of
+    ``tokens x hidden`` elements; one all-gather of the logits (``tokens x vocab``). ``layers`` defaults to all.
+    """
+    layers = spec.num_layers if layers is None else layers
+    b = dtype_bytes(dtype)
+    ar_bytes, ag_bytes = tokens * spec.hidden_size * b, tokens * spec.vocab_size * b
+    n_ar = 2 * layers + 1
+    return {"all_reduces": n_ar, "all_reduce_bytes": ar_bytes, "all_gather_bytes": ag_bytes,
+            "wire_bytes_per_gpu": n_ar * 2 * (tp - 1) / tp * ar_bytes + (tp - 1) / tp * ag_bytes,
+            "time_s": n_ar * all_reduce_time(ar_bytes, tp, link) + all_gather_time(ag_bytes, tp, link)}
+
+
+def pp_comm(spec: ModelSpec, pp: int, tokens: int, link: str | Link = "ib-ndr", dtype: str = "bf16") -> dict:
+    """Pipeline communication of one forward: ``pp - 1`` sends of ``tokens x hidden``, one after another."""
+    nbytes = tokens * spec.hidden_size * dtype_bytes(dtype)
+    return {"sends": pp - 1, "send_bytes": nbytes, "time_s": (pp - 1) * p2p_time(nbytes, link) if pp > 1 else 0.0}
+
+
+# --- memory and time per device ---------------------------------------------------------------------------
+def memory_per_device(spec: ModelSpec, tp: int, pp: int, kv_tokens: int, dtype: str = "bf16",
+                      kv_dtype: str | None = None) -> dict:
+    """Bytes on the busiest GPU: its stage's layers and (first/last stage) embedding or head, split ``tp`` ways,
+    and the KV cache of ``kv_tokens`` tokens (batch x context) for its layers and KV heads (replicated when
+    ``tp > num_kv_heads``)."""
+    if spec.num_layers < pp:
+        raise ValueError(f"pp={pp} exceeds num_layers={spec.num_layers}")
+    b, kvb = dtype_bytes(dtype), dtype_bytes(kv_dtype or dtype)
+    layers = math.ceil(spec.num_layers / pp)
+    table = spec.vocab_size * spec.hidden_size  # vocab-parallel, so split tp ways like the layers
+    # one stage holds the embedding, another the head; a single stage holds both (one table if tied)
+    ends = 2 * table if (pp == 1 and not spec.tie_embeddings) else table
+    sharded = layers * (spec.attn_params_per_layer + spec.mlp_params_per_layer) + ends
+    weights = (sharded / tp + layers * spec.norm_params_per_layer) * b  # norms are replicated
+    kv_heads = max(1, spec.num_kv_heads // tp)
+    kv = 2 * layers * kv_heads * spec.head_dim * kvb * kv_tokens
+    return {"weights": weights, "kv": kv, "total": weights + kv, "layers_per_stage": layers,
+            "kv_heads_per_gpu": kv_heads}
+
+
+def decode_step(spec: ModelSpec, hw: Hardware, tp: int, pp: int, batch: int, context: int,
+                dtype: str = "bf16", gpus_per_node: int = 8, intra: str | Link = "nvlink4",
+                inter: str | Link = "ib-ndr", microbatches: int = 1) -> dict:
+    """Roofline floor of one decode step (every sequence gains one token) on ``tp x pp`` GPUs.
+
+    Each stage reads its weights and KV once per micro-batch; TP all-reduces run on ``intra`` while the TP group
+    fits in a node, else on ``inter``; stage boundaries cross nodes once ``tp x pp`` exceeds a node. With
+    ``m`` micro-batches a step takes ``max(m, pp)`` stage times (a micro-batch's token must come back to stage 0),
+    so for weight-bound decode pipelining adds capacity, not speed.
+    """
+    if batch % microbatches:
+        raise ValueError(f"microbatches={microbatches} must divide batch={batch}")
+    mb = batch // microbatches
+    mem = memory_per_device(spec, tp, pp, mb * context, dtype)
+    layers = mem["layers_per_stage"]
+    flops = mb * (2 * spec.matmul_params + spec.attention_flops_per_token(context)) * layers / spec.num_layers / tp
+    read_s = mem["total"] / hw.mem_bandwidth
+    compute_s = flops / hw.bf16_flops
+    tp_link = intra if tp <= gpus_per_node else inter
+    pp_link = intra if tp * pp <= gpus_per_node else inter
+    tp_s = tp_comm(spec, tp, mb, tp_link, dtype, layers=layers)["time_s"] if tp > 1 else 0.0
+    stage_s = max(read_s, compute_s) + tp_s
+    pp_s = pp_comm(spec, pp, mb, pp_link, dtype)["time_s"]
+    step_s = max(microbatches, pp) * stage_s + pp_s
+    return {"tp": tp, "pp": pp, "gpus": tp * pp, "batch": batch, "microbatches": microbatches,
+            "weights_gb": mem["weights"] / 1e9, "kv_gb": mem["kv"] * microbatches / 1e9,
+            "mem_gb": (mem["weights"] + mem["kv"] * microbatches) / 1e9,
+            "fits": mem["weights"] + mem["kv"] * microbatches <= 0.9 * hw.mem_capacity,
+            "stage_read_s": read_s, "stage_compute_s": compute_s, "tp_comm_s": tp_s, "pp_comm_s": pp_s,
+            "step_s": step_s, "tokens_per_s": batch / step_s, "comm_frac": (max(microbatches, pp) * tp_s + pp_s)
+            / step_s}
+
+
+def worked_example_175b(hw: Hardware, batch: int = 32, context: int = 2048, dtype: str = "bf16") -> list[dict]:
+    """GPT-3 175B decoding on ``hw`` nodes of 8 GPUs: one row per layout (TP in a node, TP across nodes, TP in a
+    node x PP across nodes, PP only). See notebook 06 for the reading."""
+    from labkit.models import PRESETS
+
+    spec = PRESETS["gpt3-175b"]
+    layouts = [(8, 1, 1), (16, 1, 1), (8, 2, 1), (8, 2, 2), (4, 2, 2), (1, 8, 8)]
+    return [dict(decode_step(spec, hw, tp, pp, batch, context, dtype, microbatches=m), layout=f"TP{tp} x PP{pp}")
+            for tp, pp, m in layouts]
