@@ -67,6 +67,14 @@ def test_silu_and_mul(dtype, shape):
     assert relative_error(out, silu_and_mul_ref(x.double())) < TOL[dtype]
 
 
+def test_silu_and_mul_two_inputs_matches_hf_mlp_activation():
+    gate, up = _randn(3, 11, 96, seed=18, scale=3.0), _randn(3, 11, 96, seed=19)
+    hf = torch.nn.SiLU()(gate) * up  # LlamaMLP: act_fn(gate_proj(x)) * up_proj(x)
+    assert relative_error(silu_and_mul(gate, up), hf) < 1e-6
+    with pytest.raises(ValueError, match="same shape"):
+        silu_and_mul(gate, up[..., :95])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_out_of_place_and_inplace(dtype):
     tokens, hq, hk, d = 29, 6, 3, 48

@@ -1,0 +1,70 @@
+"""patch_model: the embedded model with Triton kernels gives the same greedy tokens as without, in float32."""
+
+import pytest
+import torch
+
+from labkit.evaluate import relative_error
+from labkit.kernels.patch import is_patched, patch_model, patch_summary, unpatch
+
+PROMPT = 'def read_file(path):\n    """Return'
+
+
+def _greedy(model, new_tokens=8, **inputs):
+    with torch.no_grad():
+        return model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
+
+
+def test_patched_greedy_matches_token_for_token(tiny_model):
+    model, tok = tiny_model
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        ref_logits = model(ids).logits
+    ref = _greedy(model, input_ids=ids)
+    patch_model(model)
+    try:
+        s = patch_summary(model)
+        assert s["norm"] == 2 * 8 + 1 and s["mlp"] == 8 and s["layer"] == 8 and s["attention"] == "labkit_triton"
+        with torch.no_grad():
+            assert relative_error(model(ids).logits, ref_logits) < 1e-5
+        assert torch.equal(_greedy(model, input_ids=ids), ref)
+    finally:
+        unpatch(model)
+    assert not is_patched(model) and model.config._attn_implementation == "sdpa"
+    assert torch.equal(_greedy(model, input_ids=ids), ref)
+
+
+def test_patched_padded_batch_uses_the_mask(tiny_model):
+    """Left padding makes HF build a boolean mask; the kernel must apply it, not plain causal attention."""
+    model, tok = tiny_model
+    side = tok.padding_side
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    try:
+        batch = tok(["import os\nos.path.join(", PROMPT], return_tensors="pt", padding=True)
+        assert (batch.attention_mask == 0).any()
+        ref = _greedy(model, new_tokens=4, **batch)
+        patch_model(model)
+        try:
+            assert torch.equal(_greedy(model, new_tokens=4, **batch), ref)
+        finally:
+            unpatch(model)
+    finally:
+        tok.padding_side = side
+
+
+def test_patch_is_idempotent_and_selective(tiny_model):
+    model, _ = tiny_model
+    patch_model(model, attention=False, mlp=False)
+    try:
+        assert patch_model(model) is model  # second call: no-op
+        s = patch_summary(model)
+        assert s["mlp"] == 0 and s["attention"] == "sdpa"
+    finally:
+        unpatch(model)
+    assert patch_summary(model) == {"patched": False}
+
+
+def test_patch_refuses_a_model_without_llama_modules():
+    with pytest.raises(ValueError, match="no Llama-style"):
+        patch_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), attention=False)
