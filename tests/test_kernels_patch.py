@@ -68,3 +68,17 @@ def test_patch_is_idempotent_and_selective(tiny_model):
 def test_patch_refuses_a_model_without_llama_modules():
     with pytest.raises(ValueError, match="no Llama-style"):
         patch_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), attention=False)
+
+
+def test_patched_static_cache_decode_step(tiny_model):
+    """The decode step the notebook times (HF StaticCache: a boolean mask over the whole cache)."""
+    from labkit.decode_step import StaticDecodeStep
+
+    model, _ = tiny_model
+    ref = StaticDecodeStep(model, batch_size=2, context_len=21, cuda_graph=False).step().clone()
+    patch_model(model)
+    try:
+        got = StaticDecodeStep(model, batch_size=2, context_len=21, cuda_graph=False).step()
+    finally:
+        unpatch(model)
+    assert relative_error(got, ref) < 1e-5
