@@ -43,6 +43,10 @@ class ContiguousKVCache:
         self.k_caches = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(n)]
         self.v_caches = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(n)]
 
+    @property
+    def num_free_slabs(self) -> int:
+        return len(self._free_rows)
+
     def _check_len(self, seq_id: Hashable, n: int) -> None:
         if n > self.max_len:
             raise CacheFullError(f"sequence {seq_id!r} would hold {n} tokens but a slab holds max_len="

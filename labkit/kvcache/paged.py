@@ -138,9 +138,13 @@ class PagedKVCache:
         from_free = new + sum(1 for b in hits if self.allocator.ref_counts[b] == 0)
         return hits, hashes, from_free
 
+    def blocks_needed(self, token_ids: Sequence[int]) -> int:
+        """Free blocks ``allocate(_, token_ids)`` would take now (prefix hits on cached free blocks count)."""
+        return self._blocks_to_allocate(token_ids)[2]
+
     def can_allocate(self, token_ids: Sequence[int]) -> bool:
         """Whether ``allocate(_, token_ids)`` would succeed now."""
-        return self._blocks_to_allocate(token_ids)[2] <= self.allocator.num_free
+        return self.blocks_needed(token_ids) <= self.allocator.num_free
 
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
         """Add a sequence with slots for ``token_ids`` (its prompt); all blocks or none.

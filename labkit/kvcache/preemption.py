@@ -73,18 +73,23 @@ class Scheduler:
     Each ``schedule()`` reserves one slot for every running sequence's pending token (preempting the youngest
     while blocks are short), then, if nothing was preempted, resumes swapped sequences and admits waiting ones
     (``max_num_seqs`` running at most, ``max_prefill_tokens`` prefilled per step; one request is admitted
-    regardless so a long prompt is never starved). ``finish_step`` appends the sampled tokens and frees finished
-    requests.
+    regardless so a long prompt is never starved). A new request is admitted only if ``watermark`` of the blocks
+    stay free after it (vLLM keeps 1%): headroom for the running ones to grow, so that admitting does not
+    immediately force a preemption. ``finish_step`` appends the sampled tokens and frees finished requests.
     """
 
     def __init__(self, cache: PagedKVCache, preemption: str = "recompute", swap_blocks: int | None = None,
-                 max_num_seqs: int = 256, max_prefill_tokens: int = 4096, eos_token_id: int | None = None):
+                 max_num_seqs: int = 256, max_prefill_tokens: int = 4096, eos_token_id: int | None = None,
+                 watermark: float = 0.01):
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption={preemption!r} is unknown; allowed: {PREEMPTION_MODES}")
         if max_num_seqs < 1 or max_prefill_tokens < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} and max_prefill_tokens={max_prefill_tokens} must "
                              f"be >= 1")
+        if not 0 <= watermark < 1:
+            raise ValueError(f"watermark={watermark} must be in [0, 1)")
         self.cache = cache
+        self.watermark_blocks = int(watermark * cache.num_blocks)
         self.swap = SwapSpace(cache, swap_blocks or cache.num_blocks) if preemption == "swap" else None
         self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
         self.eos_token_id = eos_token_id
@@ -172,12 +177,17 @@ class Scheduler:
             resumed.append(req)
         return resumed
 
+    def _can_admit(self, tokens: list[int]) -> bool:
+        if not self.running:  # alone it always fits (checked in add); the watermark must not block it
+            return self.cache.can_allocate(tokens)
+        return self.cache.blocks_needed(tokens) + self.watermark_blocks <= self.cache.allocator.num_free
+
     def _admit(self) -> list[Request]:
         admitted, budget = [], self.max_prefill_tokens
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             tokens = req.all_tokens  # after a recompute preemption: prompt + everything generated so far
-            if (admitted and len(tokens) > budget) or not self.cache.can_allocate(tokens):
+            if (admitted and len(tokens) > budget) or not self._can_admit(tokens):
                 break
             self.waiting.popleft()
             cached = self.cache.allocate(req.request_id, tokens)
@@ -197,11 +207,12 @@ class PagedGenerator:
 
     def __init__(self, model, cache: PagedKVCache, preemption: str = "recompute",
                  swap_blocks: int | None = None, max_num_seqs: int = 256, max_prefill_tokens: int = 4096,
-                 eos_token_id: int | None = None, attention_backend: str = "auto"):
+                 eos_token_id: int | None = None, watermark: float = 0.01, attention_backend: str = "auto"):
         self.cache = cache
         self.runner = PagedModelRunner(model, cache, attention_backend)
         self.scheduler_args = dict(preemption=preemption, swap_blocks=swap_blocks, max_num_seqs=max_num_seqs,
-                                   max_prefill_tokens=max_prefill_tokens, eos_token_id=eos_token_id)
+                                   max_prefill_tokens=max_prefill_tokens, eos_token_id=eos_token_id,
+                                   watermark=watermark)
         Scheduler(cache, **self.scheduler_args)  # check the arguments now
         self.stats = SchedulerStats()
 
