@@ -1,0 +1,101 @@
+"""Sampler and SamplingParams: greedy is argmax, top-k/top-p against a per-row reference, seeded draws follow the
+distribution and do not depend on the batch a request sits in."""
+
+import math
+
+import pytest
+import torch
+
+from labkit.engine.sampling import Sampler, SamplingParams, apply_top_k_top_p
+
+
+def top_k_top_p_ref(row: torch.Tensor, k: int, p: float) -> torch.Tensor:
+    """One row, step by step: keep the k largest, then the smallest prefix (by probability) reaching p."""
+    order = sorted(range(row.numel()), key=lambda i: -row[i].item())
+    keep = order[:k] if k else order
+    probs = torch.softmax(row[keep], dim=0).tolist()
+    kept, mass = [], 0.0
+    for i, pr in zip(keep, probs):
+        if kept and mass >= p:
+            break
+        kept.append(i)
+        mass += pr
+    out = torch.full_like(row, float("-inf"))
+    out[kept] = row[kept]
+    return out
+
+
+@pytest.mark.parametrize("k,p", [(0, 1.0), (3, 1.0), (0, 0.5), (5, 0.8), (1, 0.3), (37, 0.99)])
+def test_top_k_top_p_matches_reference(k, p):
+    g = torch.Generator().manual_seed(k * 100 + int(p * 10))
+    logits = torch.randn(4, 37, generator=g) * 3
+    out = apply_top_k_top_p(logits, torch.full((4,), k), torch.full((4,), p))
+    for r in range(4):
+        ref = top_k_top_p_ref(logits[r], k, p)
+        assert torch.equal(out[r].isinf(), ref.isinf())
+        assert torch.equal(out[r][~ref.isinf()], ref[~ref.isinf()])
+
+
+def test_greedy_is_argmax_and_seeds_ignore_batch_composition():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 101, generator=g)
+    sampler = Sampler()
+    greedy = SamplingParams()
+    hot = SamplingParams(temperature=0.9, top_k=50, top_p=0.95)
+    seeds, idx = [7, 8, 9, 10, 11], [0, 3, 1, 4, 2]
+    mixed = [greedy, hot, hot, greedy, hot]
+    tokens = sampler(logits, mixed, seeds, idx)
+    assert tokens[0] == logits[0].argmax() and tokens[3] == logits[3].argmax()
+    # each sampled row alone, and in reversed order, draws the same token
+    for r in (1, 2, 4):
+        assert sampler(logits[r:r + 1], [hot], [seeds[r]], [idx[r]]) == [tokens[r]]
+    rev = sampler(logits.flip(0), mixed[::-1], seeds[::-1], idx[::-1])
+    assert rev[::-1] == tokens
+
+
+def test_seeded_samples_follow_the_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    sampler = Sampler()
+    n = 3000
+
+    def freq(params):
+        counts = torch.zeros(6)
+        for s in range(n):
+            counts[sampler(logits, [params], [s], [0])[0]] += 1
+        return counts / n
+
+    t = 0.7
+    want = torch.softmax(logits[0] / t, dim=0)
+    got = freq(SamplingParams(temperature=t))
+    # 4.5 standard errors per cell: fails by chance with probability ~1e-5
+    assert ((got - want).abs() <= 4.5 * (want * (1 - want) / n).sqrt() + 1e-9).all(), (got, want)
+    top2 = freq(SamplingParams(temperature=1.0, top_k=2))
+    assert top2[2:].sum() == 0 and abs(top2[0] - 1 / (1 + math.exp(-1))) < 0.04
+    nucleus = freq(SamplingParams(temperature=1.0, top_p=0.3))
+    assert nucleus[0] == 1.0  # the most likely token alone holds more than 30 %
+
+
+def test_same_seed_and_index_repeat_other_index_differs():
+    logits = torch.zeros(1, 1000)  # uniform: the token is the noise's choice alone
+    sampler, p = Sampler(), SamplingParams(temperature=1.0)
+    a = [sampler(logits, [p], [3], [i])[0] for i in range(8)]
+    assert a == [sampler(logits, [p], [3], [i])[0] for i in range(8)]
+    assert len(set(a)) > 4
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(temperature=-1), "temperature=-1"),
+    (dict(top_k=-2), "top_k=-2"),
+    (dict(top_p=0.0), "top_p=0.0"),
+    (dict(top_p=1.5), "top_p=1.5"),
+    (dict(max_tokens=0), "max_tokens=0"),
+    (dict(seed=-1), "seed=-1"),
+])
+def test_bad_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_row_count_mismatch():
+    with pytest.raises(ValueError, match="one params, seed and index per row"):
+        Sampler()(torch.zeros(2, 5), [SamplingParams()], [0], [0])
