@@ -52,6 +52,22 @@ def test_scale_and_auto_splits():
     assert auto_num_splits(1, 8, 65536, torch.device("cpu")) == 2       # one sequence: split its context
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_quantised_cache_is_dequantised_in_registers(kv_dtype, num_splits):
+    """int8/fp8 caches in labkit.kvcache.quant's format (one float32 scale per token and KV head)."""
+    from labkit.kvcache.quant import dequantize_kv, kv_format, quantize_kv
+
+    q, k, v, tables, ctx = _case(3, 4, 2, 64, 16, [1, 77, 150], 40, torch.float32, seed=8)
+    (kq, ks), (vq, vs) = quantize_kv(k, kv_format(kv_dtype)), quantize_kv(v, kv_format(kv_dtype))
+    out = paged_attention(q, kq, vq, tables, ctx, num_splits=num_splits, k_scale=ks, v_scale=vs)
+    ref = paged_attention_ref(q.double(), dequantize_kv(kq, ks, torch.float64),
+                              dequantize_kv(vq, vs, torch.float64), tables, ctx)
+    assert relative_error(out, ref) < 1e-5
+    with pytest.raises(ValueError, match="k_scale and v_scale"):
+        paged_attention(q, kq, vq, tables, ctx)
+
+
 def test_bad_inputs():
     q, k, v, tables, ctx = _case(2, 4, 2, 16, 16, [40, 17], 10, torch.float32, seed=5)
     with pytest.raises(ValueError, match="block_tables has dtype int64"):

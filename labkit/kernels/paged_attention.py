@@ -54,17 +54,18 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 # maximum and sum, and a second small kernel merges them (the online-softmax rescaling, across programs).
 
 LOG2E = 1.4426950408889634
+QUANT_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
 SPLIT_ALIGN = 128  # split lengths are multiples of the largest BLOCK_N, so any tuned tile divides them
 
 
 @triton.jit
 def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_acc_ptr,
-                       part_ml_ptr, qk_scale, group, split_len, n_heads, n_splits,
+                       part_ml_ptr, k_scale_ptr, v_scale_ptr, qk_scale, group, split_len, n_heads, n_splits,
                        stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                       stride_bt, stride_os, stride_oh, CTX_BUCKET,
+                       stride_sb, stride_st, stride_sh, stride_bt, stride_os, stride_oh, CTX_BUCKET,
                        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                       PRECISION: tl.constexpr):
+                       KV_QUANT: tl.constexpr, PRECISION: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -92,7 +93,14 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, 
         ld_mask = t_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + blk[:, None] * stride_kb + in_blk[:, None] * stride_kt + kv_head_off * stride_kh
                     + offs_d[None, :], mask=ld_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if KV_QUANT:
+            # int8/fp8 K with one scale per (token, head): q . (kq * s) = (q . kq) * s, so the scale is
+            # applied to the [G, N] scores, not to the [N, D] tile
+            slot = blk * stride_sb + in_blk * stride_st + kv_head_off * stride_sh
+            ks = tl.load(k_scale_ptr + slot, mask=t_ok, other=0.0)
+            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * (ks * qk_scale)[None, :]
+        else:
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         qk = tl.where(t_ok[None, :], qk, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.math.exp2(qk - m_new[:, None])
@@ -100,7 +108,12 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, 
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + blk[:, None] * stride_vb + in_blk[:, None] * stride_vt + kv_head_off * stride_vh
                     + offs_d[None, :], mask=ld_mask, other=0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        if KV_QUANT:  # p @ (vq * s) = (p * s) @ vq
+            vs = tl.load(v_scale_ptr + slot, mask=t_ok, other=0.0)
+            acc = tl.dot((p * vs[None, :]).to(q.dtype), v.to(q.dtype), acc * alpha[:, None],
+                         input_precision=PRECISION)
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     if SPLIT:
         # partials: acc [seq, head, split, D] un-normalised; (m, l) [seq, head, split, 2]
@@ -143,7 +156,8 @@ def _configs() -> list:
 
 
 _paged_attn_tuned = triton.autotune(configs=_configs(),
-                                    key=["CTX_BUCKET", "BLOCK_SIZE", "HEAD_DIM", "BLOCK_G", "SPLIT"],
+                                    key=["CTX_BUCKET", "BLOCK_SIZE", "HEAD_DIM", "BLOCK_G", "SPLIT",
+                                         "KV_QUANT"],
                                     )(_paged_attn_kernel)
 CPU_BLOCK_N = 32
 
@@ -155,10 +169,21 @@ def auto_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: 
     return max(1, min(want, max_context // 512, 64))
 
 
-def _check_paged_args(q, k_cache, v_cache, block_tables, context_lens) -> None:
+def _check_paged_args(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale) -> None:
     check_tensor("q", q, FLOAT_DTYPES, dim=3)
-    check_tensor("k_cache", k_cache, (q.dtype,), dim=4, device=q.device)
-    check_tensor("v_cache", v_cache, (q.dtype,), dim=4, device=q.device)
+    quant = k_cache.dtype in QUANT_KV_DTYPES if isinstance(k_cache, torch.Tensor) else False
+    check_tensor("k_cache", k_cache, QUANT_KV_DTYPES if quant else (q.dtype,), dim=4, device=q.device)
+    check_tensor("v_cache", v_cache, (k_cache.dtype,), dim=4, device=q.device)
+    if quant != (k_scale is not None) or (k_scale is None) != (v_scale is None):
+        raise ValueError(f"k_scale and v_scale are needed exactly when the caches are int8/float8_e4m3fn; "
+                         f"got caches of {k_cache.dtype} and k_scale={'given' if k_scale is not None else None}, "
+                         f"v_scale={'given' if v_scale is not None else None}")
+    if quant:
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            check_tensor(name, t, (torch.float32,), dim=3, device=q.device)
+            if t.shape != k_cache.shape[:3] or t.stride() != k_scale.stride():
+                raise ValueError(f"{name} {tuple(t.shape)} must be float32 [num_blocks, block_size, "
+                                 f"num_kv_heads] = {list(k_cache.shape[:3])}, laid out like k_scale")
     check_tensor("block_tables", block_tables, (torch.int32,), dim=2, device=q.device)
     check_tensor("context_lens", context_lens, (torch.int32,), dim=1, device=q.device)
     refuse_bf16_dot_on_cpu("q", q)
@@ -177,8 +202,8 @@ def _check_paged_args(q, k_cache, v_cache, block_tables, context_lens) -> None:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    context_lens: torch.Tensor, scale: float | None = None,
-                    num_splits: int | None = None) -> torch.Tensor:
+                    context_lens: torch.Tensor, scale: float | None = None, num_splits: int | None = None,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over the paged layout above, in Triton (``paged_attention_ref`` is the reference).
 
     ``q`` ``[num_seqs, num_heads, head_dim]``; caches ``[num_blocks, block_size, num_kv_heads, head_dim]`` of
@@ -186,10 +211,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ``context_lens`` int32 ``[num_seqs]``, each in ``1 ... max_blocks * block_size`` (not checked on the
     device, so the call stays capturable in a CUDA graph). ``num_splits``: context ranges per sequence,
     merged by a second kernel (flash-decoding); ``None`` picks from the SM count, ``1`` is the single-pass
-    kernel.
+    kernel. Quantised caches (``labkit.kvcache.quant``): int8 or float8_e4m3fn caches with float32
+    ``k_scale``/``v_scale`` ``[num_blocks, block_size, num_kv_heads]`` (``x = q * scale`` per token and head),
+    dequantised in registers, so the kernel reads 1 byte per element instead of 2.
     Returns ``[num_seqs, num_heads, head_dim]`` in ``q``'s dtype.
     """
-    _check_paged_args(q, k_cache, v_cache, block_tables, context_lens)
+    _check_paged_args(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -212,12 +239,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_ml = torch.empty(num_seqs, num_heads, num_splits, 2, **f32)
     else:
         part_acc = part_ml = out  # never written: SPLIT=False
-    args = (q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, scale * LOG2E, group,
-            split_len, num_heads, num_splits, q.stride(0), q.stride(1), *k_cache.stride()[:3],
-            *v_cache.stride()[:3], block_tables.stride(0), out.stride(0), out.stride(1),
-            next_pow2(max_context))
+    quant = k_scale is not None
+    k_s, v_s = (k_scale, v_scale) if quant else (out, out)  # never read without KV_QUANT
+    args = (q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, k_s, v_s, scale * LOG2E,
+            group, split_len, num_heads, num_splits, q.stride(0), q.stride(1), *k_cache.stride()[:3],
+            *v_cache.stride()[:3], *(k_scale.stride() if quant else (0, 0, 0)), block_tables.stride(0),
+            out.stride(0), out.stride(1), next_pow2(max_context))
     meta = dict(BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
-                BLOCK_G=max(16, next_pow2(group)), SPLIT=split,
+                BLOCK_G=max(16, next_pow2(group)), SPLIT=split, KV_QUANT=quant,
                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32")  # fp32 stays exact
     grid = (num_seqs, num_kv_heads, num_splits)
     if q.device.type == "cuda":
