@@ -1,0 +1,306 @@
+"""Schedulers: which sequences run in the next step, and how many of their tokens. One interface, three policies.
+
+* ``FIFOScheduler``: one request at a time, start to finish (the naive server of notebook 00).
+* ``StaticBatchScheduler``: when idle, take up to ``batch_size`` waiting requests whose worst case (prompt +
+  ``max_tokens``) fits in the free cache, and run that batch until its longest request ends; nobody joins a
+  running batch. Finished members stop computing (that is generous: HF ``generate`` keeps decoding padding).
+* ``ContinuousBatchingScheduler`` (Orca's iteration-level scheduling, vLLM's policy): every step, first one
+  decode token for each running sequence, then prefill chunks up to a token budget (Sarathi-Serve's chunked
+  prefill: a long prompt no longer stalls everyone's next token), then new requests while the budget, the
+  sequence cap and the free blocks allow. Blocks are allocated as sequences grow; when a decode needs a block and
+  none is free, the youngest running sequence is *preempted by recompute*: its blocks are freed and it goes back
+  to the head of the queue, to be prefilled again (prompt + its outputs so far) when blocks return. Nothing is
+  dropped and no cache entry is overwritten while its owner runs.
+
+The cache (``PagedKVCache``) is the block manager: ``allocate`` reserves a sequence's tokens at admission,
+``append_slots`` a decode token's slot, and ``num_computed`` says how far its K/V are written. A step computes a
+*chunk* of each scheduled sequence; a sequence samples its next token when the chunk reaches its last token.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass, field
+
+from labkit.engine.sequence import Sequence, SequenceStatus, TokenOutput
+from labkit.kvcache import CacheFullError, PagedKVCache
+
+SCHEDULERS = ("fifo", "static", "continuous")
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work. Sequences with one new token come first (``num_decode`` of them: they use the decode
+    attention kernel), prefill chunks after. ``sample[i]``: the chunk ends at sequence ``i``'s last token, so
+    the step yields its next token."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    sample: list[bool] = field(default_factory=list)
+    num_decode: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(self.num_tokens[self.num_decode:])
+
+
+class Scheduler(ABC):
+    """The queue (``waiting``), the admitted sequences (``running``, oldest first) and the cache they share.
+
+    ``max_model_len`` bounds prompt + ``max_tokens`` of a request. Requests that could never fit (in the model's
+    context, in the whole cache, or in a step's token budget where that is required) are refused when added.
+    The cache must hold no sequences when the scheduler is built: its free blocks then are the usable ones.
+    """
+
+    name = "scheduler"
+
+    def __init__(self, cache: PagedKVCache, max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
+                 max_model_len: int | None = None):
+        for arg, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{arg}={v!r} must be a positive int")
+        if cache.seqs:
+            raise ValueError(f"the cache already holds {len(cache.seqs)} sequences; give the scheduler an empty one")
+        self.cache = cache
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.usable_blocks = cache.allocator.num_free
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.prefix_hit_tokens = 0
+        self.peak_blocks_used = 0
+        self.peak_running = 0
+
+    # --- queue ----------------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence, or refuse it (``ValueError`` / ``CacheFullError`` naming the sizes)."""
+        total = seq.num_prompt_tokens + seq.params.max_tokens
+        if self.max_model_len is not None and total > self.max_model_len:
+            raise ValueError(f"request {seq.seq_id}: prompt of {seq.num_prompt_tokens} tokens + max_tokens="
+                             f"{seq.params.max_tokens} exceeds max_model_len={self.max_model_len}")
+        need = self.cache.blocks_for(seq.max_kv_tokens)
+        if need > self.usable_blocks:
+            raise CacheFullError(f"request {seq.seq_id}: prompt of {seq.num_prompt_tokens} tokens + max_tokens="
+                                 f"{seq.params.max_tokens} needs {need} KV blocks of {self.cache.block_size} tokens "
+                                 f"but the cache has {self.usable_blocks}: it could never run; give the cache more "
+                                 f"blocks or lower max_tokens")
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @abstractmethod
+    def schedule(self) -> ScheduledBatch:
+        """The next step's batch (empty only when nothing is queued or running)."""
+
+    def postprocess(self, batch: ScheduledBatch, tokens: list[int], now_s: float) -> list[TokenOutput]:
+        """Give each sampling sequence of ``batch`` its token (``tokens``, in the order of the sampling rows);
+        finished ones leave ``running`` and free their blocks. Returns the streamed tokens."""
+        sampling = [s for s, smp in zip(batch.seqs, batch.sample) if smp]
+        if len(tokens) != len(sampling):
+            raise ValueError(f"got {len(tokens)} tokens for {len(sampling)} sampling sequences")
+        out = []
+        for seq, tok in zip(sampling, tokens):
+            done = seq.append_token(tok, now_s)
+            if done:
+                self.running.remove(seq)
+                self.cache.free(seq.seq_id)
+            out.append(TokenOutput(seq.seq_id, tok, now_s, done))
+        return out
+
+    # --- helpers for the policies ---------------------------------------------------------------------------
+    def _admit(self, seq: Sequence) -> None:
+        self.prefix_hit_tokens += self.cache.allocate(seq.seq_id, seq.token_ids)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def _uncomputed(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` whose K/V are not written yet (after reserving a slot for its newest token)."""
+        return seq.num_tokens - self.cache.seq(seq.seq_id).num_computed
+
+    def _needs_slot(self, seq: Sequence) -> bool:
+        """Its last sampled token has no slot yet: it is decoding."""
+        return self.cache.seq(seq.seq_id).num_tokens < seq.num_tokens
+
+    def _reserve_decode(self, seq: Sequence) -> None:
+        self.cache.append_slots(seq.seq_id, seq.output_token_ids[-1:])
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: free its blocks, requeue it first; its tokens so far are kept."""
+        self.running.remove(seq)
+        self.cache.free(seq.seq_id)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _batch(self, rows: list[tuple[Sequence, int]], preempted: list[Sequence] | None = None) -> ScheduledBatch:
+        """Single-token rows first (decode kernel), then the rest; records peaks."""
+        rows = [r for r in rows if r[1] == 1] + [r for r in rows if r[1] > 1]
+        self.peak_blocks_used = max(self.peak_blocks_used, self.cache.allocator.num_used)
+        self.peak_running = max(self.peak_running, len(self.running))
+        sample = [self.cache.seq(s.seq_id).num_computed + n == s.num_tokens for s, n in rows]
+        return ScheduledBatch([s for s, _ in rows], [n for _, n in rows], sample,
+                              sum(1 for _, n in rows if n == 1), preempted or [])
+
+    def stats(self) -> dict:
+        return {"scheduler": self.name, "preemptions": self.num_preemptions, "peak_blocks_used": self.peak_blocks_used,
+                "usable_blocks": self.usable_blocks, "peak_running": self.peak_running,
+                "prefix_hit_tokens": self.prefix_hit_tokens}
+
+
+class FIFOScheduler(Scheduler):
+    """One request at a time: prefill its whole prompt, decode it to the end, then take the next."""
+
+    name = "fifo"
+
+    def schedule(self) -> ScheduledBatch:
+        if not self.running and self.waiting:
+            self._admit(self.waiting.popleft())  # the cache is empty but for it: add() checked that it fits
+        if not self.running:
+            return ScheduledBatch()
+        seq = self.running[0]
+        if self._needs_slot(seq):
+            self._reserve_decode(seq)
+        return self._batch([(seq, self._uncomputed(seq))])
+
+
+class StaticBatchScheduler(Scheduler):
+    """Batches of up to ``batch_size`` requests that run until the longest one ends.
+
+    A batch is formed only when the previous one has fully finished, from the requests waiting then, and only
+    as many as fit at their worst case (prompt + ``max_tokens``): a static batch reserves memory for its longest
+    possible request as HF's static cache does, so it never needs preemption.
+    """
+
+    name = "static"
+
+    def __init__(self, cache: PagedKVCache, batch_size: int = 8, max_model_len: int | None = None):
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r} must be a positive int")
+        super().__init__(cache, max_num_seqs=batch_size, max_model_len=max_model_len)
+        self.batch_size = batch_size
+
+    def schedule(self) -> ScheduledBatch:
+        if not self.running:
+            self._form_batch()
+        rows = []
+        for seq in self.running:
+            if self._needs_slot(seq):
+                self._reserve_decode(seq)
+            rows.append((seq, self._uncomputed(seq)))
+        return self._batch(rows)
+
+    def _form_batch(self) -> None:
+        worst, free = 0, self.cache.allocator.num_free
+        while self.waiting and len(self.running) < self.batch_size:
+            need = self.cache.blocks_for(self.waiting[0].max_kv_tokens)
+            if worst + need > free:
+                break
+            worst += need
+            self._admit(self.waiting.popleft())
+
+
+class ContinuousBatchingScheduler(Scheduler):
+    """Iteration-level admission and retirement with a token budget, chunked prefill, decode first, and
+    recompute preemption (see the module docstring).
+
+    ``max_num_batched_tokens``: tokens computed per step at most (decode tokens count one each).
+    ``chunked_prefill=False``: a prompt is prefilled in one step, so prompt + ``max_tokens`` must fit the budget
+    (a preempted request is prefilled again with its outputs).
+    """
+
+    name = "continuous"
+
+    def __init__(self, cache: PagedKVCache, max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
+                 chunked_prefill: bool = True, max_model_len: int | None = None):
+        super().__init__(cache, max_num_seqs, max_num_batched_tokens, max_model_len)
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_num_seqs="
+                             f"{max_num_seqs}: every running sequence needs a decode token each step")
+        self.chunked_prefill = chunked_prefill
+
+    def add(self, seq: Sequence) -> None:
+        total = seq.num_prompt_tokens + seq.params.max_tokens
+        if not self.chunked_prefill and total > self.max_num_batched_tokens:
+            raise ValueError(f"request {seq.seq_id}: prompt of {seq.num_prompt_tokens} tokens + max_tokens="
+                             f"{seq.params.max_tokens} exceeds max_num_batched_tokens={self.max_num_batched_tokens}"
+                             f" and chunked_prefill is off; raise the budget or turn chunked_prefill on")
+        super().add(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        rows, preempted = self._schedule_decodes()
+        budget = self.max_num_batched_tokens - len(rows)
+        decoding = {s.seq_id for s, _ in rows}
+        for seq in self.running:  # prefills already under way (chunked), oldest first
+            if budget and seq.seq_id not in decoding and self._uncomputed(seq) > 0:
+                n = self._chunk(self._uncomputed(seq), budget)
+                if n:
+                    rows.append((seq, n))
+                    budget -= n
+        if not preempted:  # blocks were short this step: admitting now would only preempt again
+            rows += self._admit_waiting(budget)
+        return self._batch(rows, preempted)
+
+    def _chunk(self, uncomputed: int, budget: int) -> int:
+        if self.chunked_prefill:
+            return min(uncomputed, budget)
+        return uncomputed if uncomputed <= budget else 0
+
+    def _schedule_decodes(self) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
+        """A slot and one token for each decoding sequence, oldest first; preempt the youngest while short."""
+        rows, preempted = [], []
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING or not self._needs_slot(seq):
+                continue  # preempted below, or still prefilling
+            while not self.cache.can_append(seq.seq_id, 1):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                self._reserve_decode(seq)
+                rows.append((seq, 1))
+        return rows, preempted
+
+    def _admit_waiting(self, budget: int) -> list[tuple[Sequence, int]]:
+        rows = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.chunked_prefill and seq.num_tokens > budget:
+                break
+            if not self.cache.can_allocate(seq.token_ids):
+                break
+            self._admit(self.waiting.popleft())
+            n = self._chunk(self._uncomputed(seq), budget)
+            rows.append((seq, n))
+            budget -= n
+        return rows
+
+
+def make_scheduler(name: str, cache: PagedKVCache, *, max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
+                   chunked_prefill: bool = True, static_batch_size: int | None = None,
+                   max_model_len: int | None = None) -> Scheduler:
+    """A scheduler by name: 'fifo', 'static' (batches of ``static_batch_size``, default ``max_num_seqs``) or
+    'continuous'."""
+    if name == "fifo":
+        return FIFOScheduler(cache, max_num_seqs=1, max_num_batched_tokens=max_num_batched_tokens,
+                             max_model_len=max_model_len)
+    if name == "static":
+        return StaticBatchScheduler(cache, static_batch_size or max_num_seqs, max_model_len=max_model_len)
+    if name == "continuous":
+        return ContinuousBatchingScheduler(cache, max_num_seqs, max_num_batched_tokens, chunked_prefill,
+                                           max_model_len)
+    raise ValueError(f"scheduler={name!r} is unknown; allowed: {SCHEDULERS}")
