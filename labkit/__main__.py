@@ -5,6 +5,7 @@
     python -m labkit merge OUT_DIR RECORD_ROOT        # figures.json of a run -> results/summary.json
     python -m labkit readme                           # regenerate the README's results table
     python -m labkit build-notebooks [--check]        # notebooks/src/*.py -> notebooks/*.ipynb
+    python -m labkit bench kernels|serve [ARGS...]    # the kernel and serving benchmarks
 """
 
 from __future__ import annotations
@@ -50,6 +51,18 @@ def _readme(args) -> int:
     return 0
 
 
+BENCHES = {"kernels": "labkit.kernels.bench", "serve": "labkit.engine.bench"}
+
+
+def _bench(args) -> int:
+    import importlib
+
+    if args.what not in BENCHES:
+        print(f"bench {args.what!r} is unknown; allowed: {sorted(BENCHES)}", file=sys.stderr)
+        return 2
+    return importlib.import_module(BENCHES[args.what]).main(args.rest)
+
+
 def _build(args) -> int:
     from labkit.workbook import build_notebooks
 
@@ -76,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("record_root")
     m.set_defaults(fn=_merge)
     sub.add_parser("readme", help="regenerate the README results table").set_defaults(fn=_readme)
+    be = sub.add_parser("bench", help="benchmarks: kernels (Triton vs torch) or serve (the engine)")
+    be.add_argument("what", help="kernels or serve")
+    be.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of that benchmark (see its --help)")
+    be.set_defaults(fn=_bench)
     b = sub.add_parser("build-notebooks", help="build notebooks/*.ipynb from notebooks/src/*.py")
     b.add_argument("--check", action="store_true", help="only report notebooks out of date; exit 1 if any")
     b.set_defaults(fn=_build)
