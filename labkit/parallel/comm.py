@@ -12,13 +12,40 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
 STATS: dict[str, Counter] = {"calls": Counter(), "bytes": Counter()}
 OPS = ("all_reduce", "all_gather", "send_recv")
+_MODE = {"skip": False, "group": None}
+
+
+@contextmanager
+def skipped() -> Iterator[None]:
+    """Inside, the counted collectives do no communication (all-reduce keeps the local partial sum, all-gather
+    repeats the local shard): the results are wrong, the compute is the same. Only for measuring how much of a
+    step's time is communication, by timing it with and without."""
+    before = _MODE["skip"]
+    _MODE["skip"] = True
+    try:
+        yield
+    finally:
+        _MODE["skip"] = before
+
+
+@contextmanager
+def on_group(group) -> Iterator[None]:
+    """Inside, the counted collectives run on ``group`` (the same ranks with another communicator) whatever group
+    the layer holds: two half-batches captured under two groups can then communicate concurrently."""
+    before = _MODE["group"]
+    _MODE["group"] = group
+    try:
+        yield
+    finally:
+        _MODE["group"] = before
 
 
 def reset_stats() -> None:
@@ -34,15 +61,19 @@ def _tally(op: str, t: torch.Tensor) -> None:
 def all_reduce(t: torch.Tensor, group=None) -> torch.Tensor:
     """Sum ``t`` over ``group`` in place (and return it); counted in ``STATS``."""
     _tally("all_reduce", t)
-    dist.all_reduce(t, group=group)
+    if not _MODE["skip"]:
+        dist.all_reduce(t, group=_MODE["group"] if _MODE["group"] is not None else group)
     return t
 
 
 def all_gather(t: torch.Tensor, dim: int = -1, group=None) -> torch.Tensor:
     """Concatenate every rank's ``t`` along ``dim`` (all ranks' shapes equal); counted in ``STATS`` by input bytes."""
     _tally("all_gather", t)
+    group = _MODE["group"] if _MODE["group"] is not None else group
     n = dist.get_world_size(group)
     t = t.contiguous()
+    if _MODE["skip"]:
+        return torch.cat([t] * n, dim=dim)
     if dist.get_backend(group) == "nccl":  # one flat buffer: NCCL's native all-gather
         out = torch.empty((n * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
         dist.all_gather_into_tensor(out, t, group=group)

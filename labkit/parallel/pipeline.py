@@ -99,9 +99,10 @@ class LlamaStage(nn.Module):
     last stage. ``cache`` (a ``StageKVCache``) makes positions continue after the cached tokens.
     """
 
-    def __init__(self, model: nn.Module, layers: range, stage_index: int, num_stages: int):
+    def __init__(self, model: nn.Module, layers: range, stage_index: int, num_stages: int, group=None):
         super().__init__()
         self.stage_index, self.num_stages, self.layer_ids = stage_index, num_stages, layers
+        self.group = group  # the pipeline's process group (None: the world); stage s is its rank s
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.config = model.config
         self.embed_tokens = model.model.embed_tokens if self.is_first else None
@@ -112,6 +113,10 @@ class LlamaStage(nn.Module):
         self._kw = _cache_kwarg(self.layers[0])
         # sdpa applies the causal mask itself when none is given (is_causal); eager attention needs it explicit
         self._needs_mask = getattr(model.config, "_attn_implementation", "sdpa") != "sdpa"
+
+    def peer(self, stage: int) -> int:
+        """Global rank of pipeline stage ``stage`` (what ``send``/``recv`` address)."""
+        return stage if self.group is None else dist.get_global_rank(self.group, stage)
 
     def forward(self, x: torch.Tensor, cache: StageKVCache | None = None) -> torch.Tensor:
         h = self.embed_tokens(x) if self.is_first else x
@@ -127,16 +132,18 @@ class LlamaStage(nn.Module):
         return self.lm_head(self.norm(h)) if self.is_last else h
 
 
-def build_stage(model: nn.Module, stage_index: int, num_stages: int,
-                partition: list[range] | None = None) -> LlamaStage:
-    """This rank's ``LlamaStage`` of ``model`` (balanced by ``partition_layers`` unless ``partition`` is given)."""
+def build_stage(model: nn.Module, stage_index: int, num_stages: int, partition: list[range] | None = None,
+                group=None) -> LlamaStage:
+    """This rank's ``LlamaStage`` of ``model`` (balanced by ``partition_layers`` unless ``partition`` is given).
+
+    ``group``: the process group whose ranks ``0..num_stages-1`` are the stages (default: the world)."""
     if not 0 <= stage_index < num_stages:
         raise ValueError(f"stage_index={stage_index} must be in [0, num_stages={num_stages})")
     n = model.config.num_hidden_layers
     partition = partition or partition_layers(n, num_stages, head_cost_layers(model.config))
     if len(partition) != num_stages or sorted(i for r in partition for i in r) != list(range(n)):
         raise ValueError(f"partition={partition} must cover layers 0..{n - 1} once in {num_stages} ranges")
-    return LlamaStage(model, partition[stage_index], stage_index, num_stages)
+    return LlamaStage(model, partition[stage_index], stage_index, num_stages, group)
 
 
 # --- point-to-point -------------------------------------------------------------------------------------------
@@ -191,21 +198,21 @@ def pipeline_generate(stage: LlamaStage, input_ids: torch.Tensor, max_new_tokens
             if stage.is_first:
                 x = mb if step == 0 else _next_token_on_first(stage, new_tokens[j], mb.shape[0], world, device)
             else:
-                x = recv((mb.shape[0], q_len, hidden), dtype, rank - 1, device)
+                x = recv((mb.shape[0], q_len, hidden), dtype, stage.peer(rank - 1), device)
             y = stage(x, caches[j])
             if stage.is_last:
                 tok = y[:, -1].argmax(dim=-1, keepdim=True)
                 new_tokens[j].append(tok)
                 if world > 1 and step + 1 < max_new_tokens:
-                    isend(tok, 0, pending)
+                    isend(tok, stage.peer(0), pending)
             else:
-                isend(y, rank + 1, pending)
+                isend(y, stage.peer(rank + 1), pending)
     wait_all(pending)
     out = torch.cat([torch.cat([mb, *toks], dim=1) for mb, toks in zip(mbs, new_tokens, strict=True)]) \
         if stage.is_last else torch.empty(batch, input_ids.shape[1] + max_new_tokens, dtype=torch.long,
                                           device=device)
     if world > 1:
-        dist.broadcast(out, src=world - 1)
+        dist.broadcast(out, src=stage.peer(world - 1), group=stage.group)
     return out.cpu()
 
 
@@ -213,7 +220,7 @@ def _next_token_on_first(stage: LlamaStage, toks: list, mb_size: int, world: int
     """Stage 0's input for a decode step: the token the last stage just chose (received unless one stage)."""
     if world == 1:
         return toks[-1]
-    return recv((mb_size, 1), torch.long, world - 1, device)
+    return recv((mb_size, 1), torch.long, stage.peer(world - 1), device)
 
 
 def sync_tied_embeddings(stage: LlamaStage, group) -> None:

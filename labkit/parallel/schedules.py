@@ -63,10 +63,10 @@ def bubble_formula(num_stages: int, num_microbatches: int) -> float:
 class _Clock:
     """Times compute regions against a start shared by all ranks (a barrier), synchronising CUDA if present."""
 
-    def __init__(self, stats: ScheduleStats, device: torch.device):
-        self.stats, self.device = stats, device
+    def __init__(self, stats: ScheduleStats, device: torch.device, group=None):
+        self.stats, self.device, self.group = stats, device, group
         self._sync()
-        dist.barrier()
+        dist.barrier(group=group)
         self.t0 = time.perf_counter()
 
     def _sync(self) -> None:
@@ -83,7 +83,7 @@ class _Clock:
     def stop(self, pending: list) -> None:
         wait_all(pending)
         self._sync()
-        dist.barrier()
+        dist.barrier(group=self.group)
         self.stats.total_s = time.perf_counter() - self.t0
 
 
@@ -105,14 +105,14 @@ def gpipe_forward(stage: LlamaStage, input_ids: torch.Tensor, num_microbatches: 
     device, dtype, stats, mbs = _setup(stage, input_ids, num_microbatches)
     rank, hidden = stage.stage_index, stage.config.hidden_size
     pending, outs = [], []
-    clock = _Clock(stats, device)
+    clock = _Clock(stats, device, stage.group)
     for j, mb in enumerate(mbs):
-        x = mb if stage.is_first else recv((*mb.shape, hidden), dtype, rank - 1, device)
+        x = mb if stage.is_first else recv((*mb.shape, hidden), dtype, stage.peer(rank - 1), device)
         y = clock.region("F", j, lambda x=x: stage(x))
         if stage.is_last:
             outs.append(y)
         else:
-            isend(y, rank + 1, pending)
+            isend(y, stage.peer(rank + 1), pending)
     clock.stop(pending)
     stats.peak_inflight = 1
     return (torch.cat(outs) if stage.is_last else None), stats
@@ -157,15 +157,15 @@ def train_step(stage: LlamaStage, input_ids: torch.Tensor, num_microbatches: int
     rank, p, m, hidden = stage.stage_index, stage.num_stages, num_microbatches, stage.config.hidden_size
     pending, saved, losses = [], {}, []
     meter = _ActivationMeter(stage)
-    clock = _Clock(stats, device)
+    clock = _Clock(stats, device, stage.group)
 
     def forward(j: int) -> None:
         mb = mbs[j]
         x = mb[:, :-1] if stage.is_first else \
-            recv((mb.shape[0], mb.shape[1] - 1, hidden), dtype, rank - 1, device).requires_grad_()
+            recv((mb.shape[0], mb.shape[1] - 1, hidden), dtype, stage.peer(rank - 1), device).requires_grad_()
         y = clock.region("F", j, lambda: meter.forward(j, lambda: _stage_out(stage, x, mb, m)))
         if not stage.is_last:
-            isend(y, rank + 1, pending)
+            isend(y, stage.peer(rank + 1), pending)
         saved[j] = (x, y)
         stats.peak_inflight = max(stats.peak_inflight, len(saved))
 
@@ -175,11 +175,11 @@ def train_step(stage: LlamaStage, input_ids: torch.Tensor, num_microbatches: int
             losses.append(y.detach())
             clock.region("B", j, y.backward)
         else:
-            g = recv(y.shape, y.dtype, rank + 1, device)
+            g = recv(y.shape, y.dtype, stage.peer(rank + 1), device)
             clock.region("B", j, lambda: y.backward(g))
         meter.backward_done(j)
         if not stage.is_first:
-            isend(x.grad, rank - 1, pending)
+            isend(x.grad, stage.peer(rank - 1), pending)
 
     warmup = m if schedule == "gpipe" else min(p - rank - 1, m)
     for j in range(warmup):
@@ -211,14 +211,14 @@ def torch_pipelining_forward(stage: LlamaStage, input_ids: torch.Tensor, num_mic
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     device = next(stage.parameters()).device
-    pipe_stage = PipelineStage(stage, stage.stage_index, stage.num_stages, device)
+    pipe_stage = PipelineStage(stage, stage.stage_index, stage.num_stages, device, group=stage.group)
     sched = ScheduleGPipe(pipe_stage, n_microbatches=num_microbatches)  # no loss_fn: forward only
     ids = input_ids.to(device)
-    dist.barrier()
+    dist.barrier(group=stage.group)
     t0 = time.perf_counter()
     with torch.no_grad():
         out = sched.step(ids) if stage.is_first else sched.step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    dist.barrier()
+    dist.barrier(group=stage.group)
     return (out if stage.is_last else None), time.perf_counter() - t0
