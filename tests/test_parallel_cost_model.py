@@ -67,3 +67,11 @@ def test_worked_example_175b():
     # crossing nodes with TP costs more than it saves; PP across nodes does not
     assert by["TP16 x PP1", 1]["tp_comm_s"] > 4 * by["TP8 x PP2", 1]["tp_comm_s"]
     assert by["TP8 x PP2", 1]["tokens_per_s"] > by["TP16 x PP1", 1]["tokens_per_s"]
+
+
+def test_best_layouts_prefer_tp_inside_a_node():
+    rows = cm.best_layouts(PRESETS["gpt3-175b"], get_hardware("h200"), num_gpus=16, batch=32, context=2048)
+    assert {r["layout"] for r in rows} >= {"TP16 x PP1", "TP8 x PP2", "TP1 x PP16"}
+    assert all(r["tp"] * r["pp"] == 16 for r in rows)
+    best = rows[0]
+    assert best["fits"] and best["tp"] <= 8  # TP stays on NVLink; the node boundary is crossed by PP

@@ -169,3 +169,18 @@ def worked_example_175b(hw: Hardware, batch: int = 32, context: int = 2048, dtyp
     layouts = [(8, 1, 1), (16, 1, 1), (8, 2, 1), (8, 2, 2), (4, 2, 2), (1, 8, 8)]
     return [dict(decode_step(spec, hw, tp, pp, batch, context, dtype, microbatches=m), layout=f"TP{tp} x PP{pp}")
             for tp, pp, m in layouts]
+
+
+def best_layouts(spec: ModelSpec, hw: Hardware, num_gpus: int, batch: int, context: int, dtype: str = "bf16",
+                 gpus_per_node: int = 8, intra: str | Link = "nvlink4", inter: str | Link = "ib-ndr") -> list[dict]:
+    """Every ``tp x pp = num_gpus`` layout (TP sizes that divide the heads; ``m = pp`` micro-batches when the batch
+    allows), fitting ones first, fastest first: the decision PP vs TP made by the numbers."""
+    rows = []
+    for tp in [t for t in range(1, num_gpus + 1) if num_gpus % t == 0 and spec.num_heads % t == 0]:
+        pp = num_gpus // tp
+        if pp > spec.num_layers:
+            continue
+        m = pp if batch % pp == 0 else 1
+        r = decode_step(spec, hw, tp, pp, batch, context, dtype, gpus_per_node, intra, inter, microbatches=m)
+        rows.append(dict(r, layout=f"TP{tp} x PP{pp}"))
+    return sorted(rows, key=lambda r: (not r["fits"], r["step_s"]))

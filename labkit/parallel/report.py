@@ -1,0 +1,74 @@
+"""Turn per-rank results of the parallel experiments into tables and plots (used by notebook 06).
+
+``launch`` returns one result per rank; a pipeline's bubble is a property of all stages together, so these
+helpers join the ranks' rows: the measured bubble of a schedule is the mean idle share over its stages.
+"""
+
+from __future__ import annotations
+
+from labkit.parallel import comm
+from labkit.parallel.schedules import bubble_formula
+
+
+def bubble_table(results: list[dict]) -> list[dict]:
+    """One row per (kind, m) from ``pp_bubble``'s per-rank results: measured bubble (mean over stages), each
+    stage's, the formula, the schedule's time (slowest stage) and peak activation memory (largest stage)."""
+    p = len(results)
+    keys = [(r["kind"], r["m"]) for r in results[0]["rows"]]
+    rows = []
+    for i, (kind, m) in enumerate(keys):
+        per = [res["rows"][i] for res in results]
+        if any((r["kind"], r["m"]) != (kind, m) for r in per):
+            raise ValueError("ranks' rows are not aligned: every rank must run the same (kind, m) sequence")
+        rows.append({"kind": kind, "stages": p, "m": m,
+                     "bubble_measured": sum(r["bubble"] for r in per) / p,
+                     "bubble_per_stage": [r["bubble"] for r in per], "bubble_formula": bubble_formula(p, m),
+                     "total_s": max(r["total_s"] for r in per),
+                     "busy_per_stage_s": [r["busy_s"] for r in per],
+                     "peak_inflight_per_stage": [r["peak_inflight"] for r in per],
+                     "peak_activation_bytes": max(r["peak_activation_bytes"] for r in per)})
+    return rows
+
+
+def plot_timeline(results: list[dict], kind: str, m: int, ax) -> None:
+    """Gantt chart of one schedule: a bar per forward (F) and backward (B) micro-batch on each stage."""
+    colors = {"F": "tab:blue", "B": "tab:orange"}
+    for res in results:
+        row = next(r for r in res["rows"] if r["kind"] == kind and r["m"] == m)
+        for k, j, start, end in row["events"]:
+            ax.barh(res["rank"], (end - start) * 1e3, left=start * 1e3, color=colors[k], edgecolor="white")
+            ax.text((start + end) / 2 * 1e3, res["rank"], f"{k}{j}", ha="center", va="center", fontsize=7,
+                    color="white")
+    ax.set_yticks(range(len(results)), [f"stage {r['rank']}" for r in results])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the common start")
+    ax.set_title(f"{kind}, {len(results)} stages, m={m}")
+
+
+def comm_fits(rows: list[dict]) -> dict:
+    """Alpha-beta fit per op of a ``comm.sweep``: ``{op: {"alpha_us", "beta_gb_s"}}`` (or ``{"error"}`` when the
+    timings are too noisy to fit)."""
+    out = {}
+    for op in dict.fromkeys(r["op"] for r in rows):
+        pts = [(r["bytes"], r["seconds"]) for r in rows if r["op"] == op]
+        try:
+            alpha, beta = comm.fit_alpha_beta([b for b, _ in pts], [s for _, s in pts])
+            out[op] = {"alpha_us": alpha * 1e6, "beta_gb_s": beta / 1e9}
+        except ValueError as e:
+            out[op] = {"error": str(e)}
+    return out
+
+
+def plot_comm(rows: list[dict], fits: dict, ax) -> None:
+    """Time per op against message size (log-log) with each op's fitted ``alpha + bytes / beta`` line."""
+    for op in dict.fromkeys(r["op"] for r in rows):
+        pts = sorted((r["bytes"], r["seconds"]) for r in rows if r["op"] == op)
+        line = ax.loglog([b for b, _ in pts], [s * 1e6 for _, s in pts], "o", label=f"{op} measured")
+        f = fits.get(op, {})
+        if "alpha_us" in f:
+            xs = [b for b, _ in pts]
+            ax.loglog(xs, [f["alpha_us"] + b / (f["beta_gb_s"] * 1e3) for b in xs], "-", color=line[0].get_color(),
+                      label=f"{op}: {f['alpha_us']:.0f} us + bytes / {f['beta_gb_s']:.2f} GB/s")
+    ax.set_xlabel("message bytes")
+    ax.set_ylabel("time per op (us)")
+    ax.legend(fontsize=7)
