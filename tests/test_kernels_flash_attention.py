@@ -29,6 +29,7 @@ def _check(q, k, v, tol, **kw):
     (1, 6, 2, 5, 70, 32, True),     # queries at the end of a longer context (bottom-right causal)
     (2, 2, 1, 19, 45, 48, False),   # head_dim not a power of two
     (3, 4, 4, 1, 53, 64, True),     # one decode query sees every key
+    (1, 4, 2, 70, 90, 32, True),    # S * group > 128: one program per query head instead of per KV head
 ])
 def test_flash_attention(dtype, b, h, hk, s, t, d, causal):
     _check(*_qkv(b, h, hk, s, t, d, dtype, seed=s * t + d), TOL[dtype], causal=causal)
@@ -44,8 +45,9 @@ def test_flash_attention_reads_hf_transposed_views():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_flash_attention_boolean_mask(causal):
-    q, k, v = _qkv(2, 4, 2, 7, 29, 32, torch.float32, seed=2)
+@pytest.mark.parametrize("kv_heads", [2, 4])  # query heads packed per KV head, and not
+def test_flash_attention_boolean_mask(causal, kv_heads):
+    q, k, v = _qkv(2, 4, kv_heads, 7, 29, 32, torch.float32, seed=2)
     g = torch.Generator().manual_seed(3)
     mask = torch.rand(2, 1, 7, 29, generator=g) > 0.3
     mask[1, 0, 3, :] = False  # a query that may attend to nothing gets zeros

@@ -49,12 +49,12 @@ def flash_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
 
 
 @triton.jit
-def _attn_tiles(acc, l_i, m_i, q, k_base, v_base, mask_base, stride_kn, stride_vn, stride_mm, stride_mn,
-                offs_m, offs_d, lo, hi, q_len, kv_len, diag, qk_scale,
+def _attn_tiles(acc, l_i, m_i, q, k_base, v_base, mask_rows, stride_kn, stride_vn, stride_mn,
+                q_pos, row_ok, offs_d, lo, hi, kv_len, diag, qk_scale,
                 CAUSAL_MASK: tl.constexpr, BOUNDARY: tl.constexpr, HAS_MASK: tl.constexpr,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                PRECISION: tl.constexpr):
-    """Fold key tiles ``[lo, hi)`` into the running (acc, l, m) of one query tile."""
+                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold key tiles ``[lo, hi)`` into the running (acc, l, m) of one query tile. ``q_pos`` holds each
+    row's query index (for the causal mask), ``mask_rows`` each row's pointer into the boolean mask."""
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
@@ -66,12 +66,12 @@ def _attn_tiles(acc, l_i, m_i, q, k_base, v_base, mask_base, stride_kn, stride_v
             kt = tl.load(k_base + cols[None, :] * stride_kn + offs_d[:, None], mask=d_ok[:, None], other=0.0)
         qk = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         if CAUSAL_MASK:
-            qk = tl.where(offs_m[:, None] + diag >= cols[None, :], qk, -float("inf"))
+            qk = tl.where(q_pos[:, None] + diag >= cols[None, :], qk, -float("inf"))
         if BOUNDARY:
             qk = tl.where(cols[None, :] < kv_len, qk, -float("inf"))
         if HAS_MASK:
-            allowed = tl.load(mask_base + offs_m[:, None] * stride_mm + cols[None, :] * stride_mn,
-                              mask=(offs_m[:, None] < q_len) & (cols[None, :] < kv_len), other=0)
+            allowed = tl.load(mask_rows[:, None] + cols[None, :] * stride_mn,
+                              mask=row_ok[:, None] & (cols[None, :] < kv_len), other=0)
             qk = tl.where(allowed != 0, qk, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         if HAS_MASK:
@@ -94,50 +94,58 @@ def _flash_fwd(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, qk_scale, q_len, kv_len, n_
                stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
                stride_mb, stride_mh, stride_mm, stride_mn,
-               S_BUCKET, T_BUCKET, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HEAD_DIM: tl.constexpr,
-               BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+               S_BUCKET, T_BUCKET, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PACK_GQA: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               PRECISION: tl.constexpr):
     # longest causal tiles first: the last query tiles have the most keys, so they should not start last
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // n_heads).to(tl.int64)
-    h = bh % n_heads
-    kvh = (h // group).to(tl.int64)
-    h = h.to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if PACK_GQA:
+        # decode / short queries: one program per KV head, its query heads stacked as rows (row = s * group
+        # + head-in-group), so each K/V tile is loaded once for the whole group and the tile is not mostly
+        # padding
+        b = tl.program_id(1) // (n_heads // group)
+        kvh = tl.program_id(1) % (n_heads // group)
+        q_pos = rows // group
+        head = kvh * group + rows % group
+        q_lo, q_hi = (pid_m * BLOCK_M) // group, (pid_m * BLOCK_M + BLOCK_M - 1) // group
+    else:
+        b = tl.program_id(1) // n_heads
+        h = tl.program_id(1) % n_heads
+        kvh = h // group
+        q_pos = rows
+        head = h + 0 * rows
+        q_lo, q_hi = pid_m * BLOCK_M, pid_m * BLOCK_M + BLOCK_M - 1
+    b, kvh, head = b.to(tl.int64), kvh.to(tl.int64), head.to(tl.int64)
+    row_ok = q_pos < q_len
     offs_d = tl.arange(0, BLOCK_D)
-    q_ok = (offs_m[:, None] < q_len) & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
-                mask=q_ok, other=0.0)
+    q_ok = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + q_pos[:, None] * stride_qm
+                + offs_d[None, :], mask=q_ok, other=0.0)
     k_base = k_ptr + b * stride_kb + kvh * stride_kh
     v_base = v_ptr + b * stride_vb + kvh * stride_vh
-    mask_base = mask_ptr + b * stride_mb + h * stride_mh
+    mask_rows = mask_ptr + b * stride_mb + head * stride_mh + q_pos * stride_mm
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    diag = kv_len - q_len  # causal: query row i sees keys <= i + diag
+    diag = kv_len - q_len  # causal: query i sees keys <= i + diag
     if CAUSAL:
-        # tiles whose every key is visible to every row of this query tile: no mask needed
-        full_hi = tl.maximum((pid_m * BLOCK_M + diag + 1) // BLOCK_N * BLOCK_N, 0)
-        band_hi = tl.minimum(pid_m * BLOCK_M + BLOCK_M + diag, kv_len)
-        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, k_base, v_base, mask_base, stride_kn, stride_vn,
-                                    stride_mm, stride_mn, offs_m, offs_d, 0, full_hi, q_len, kv_len, diag,
-                                    qk_scale, False, False, HAS_MASK, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION)
-        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, k_base, v_base, mask_base, stride_kn, stride_vn,
-                                    stride_mm, stride_mn, offs_m, offs_d, full_hi, band_hi, q_len, kv_len,
-                                    diag, qk_scale, True, True, HAS_MASK, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                    PRECISION)
+        # key tiles visible to every row of this query tile need no mask; the band up to the last row's
+        # diagonal does; tiles past it are skipped
+        full_hi = tl.maximum((q_lo + diag + 1) // BLOCK_N * BLOCK_N, 0)
+        band_hi = tl.minimum(q_hi + 1 + diag, kv_len)
     else:
         full_hi = kv_len // BLOCK_N * BLOCK_N
-        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, k_base, v_base, mask_base, stride_kn, stride_vn,
-                                    stride_mm, stride_mn, offs_m, offs_d, 0, full_hi, q_len, kv_len, diag,
-                                    qk_scale, False, False, HAS_MASK, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION)
-        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, k_base, v_base, mask_base, stride_kn, stride_vn,
-                                    stride_mm, stride_mn, offs_m, offs_d, full_hi, kv_len, q_len, kv_len,
-                                    diag, qk_scale, False, True, HAS_MASK, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                    PRECISION)
+        band_hi = kv_len
+    acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, k_base, v_base, mask_rows, stride_kn, stride_vn, stride_mn,
+                                q_pos, row_ok, offs_d, 0, full_hi, kv_len, diag, qk_scale,
+                                False, False, HAS_MASK, HEAD_DIM, BLOCK_N, PRECISION)
+    acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, k_base, v_base, mask_rows, stride_kn, stride_vn, stride_mn,
+                                q_pos, row_ok, offs_d, full_hi, band_hi, kv_len, diag, qk_scale,
+                                CAUSAL, True, HAS_MASK, HEAD_DIM, BLOCK_N, PRECISION)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a row that attended to nothing has acc == 0: output zeros
     out = acc / l_safe[:, None]
-    tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
+    tl.store(o_ptr + b * stride_ob + head[:, None] * stride_oh + q_pos[:, None] * stride_om + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=q_ok)
 
 
@@ -157,10 +165,11 @@ def _prune(configs, named_args, **kwargs):
 
 
 _flash_fwd_tuned = triton.autotune(
-    configs=_configs(), key=["S_BUCKET", "T_BUCKET", "HEAD_DIM", "CAUSAL", "HAS_MASK"],
+    configs=_configs(), key=["S_BUCKET", "T_BUCKET", "HEAD_DIM", "CAUSAL", "HAS_MASK", "PACK_GQA"],
     prune_configs_by={"early_config_prune": _prune})(_flash_fwd)
 
 CPU_BLOCK_M, CPU_BLOCK_N = 32, 32  # the interpreter: no autotuning, small tiles
+PACK_GQA_MAX_ROWS = 128  # stack a KV head's query heads into one tile when S * group fits in this many rows
 
 
 def _check_mask(attn_mask: torch.Tensor, b: int, h: int, s: int, t: int,
@@ -217,13 +226,16 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     args = (q, k, v, out, mask, scale * LOG2E, s, t, h, h // k.shape[1])
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], out.stride(0), out.stride(2), out.stride(1),
                *ms)
-    meta = dict(CAUSAL=bool(causal), HAS_MASK=attn_mask is not None, HEAD_DIM=d,
+    group = h // k.shape[1]
+    pack = group > 1 and s * group <= PACK_GQA_MAX_ROWS
+    rows, programs = (s * group, b * k.shape[1]) if pack else (s, b * h)
+    meta = dict(CAUSAL=bool(causal), HAS_MASK=attn_mask is not None, PACK_GQA=pack, HEAD_DIM=d,
                 BLOCK_D=max(16, next_pow2(d)), PRECISION=precision)
-    buckets = (next_pow2(s), next_pow2(t))  # autotune once per power-of-two size, not once per decode step
+    buckets = (next_pow2(rows), next_pow2(t))  # autotune once per power-of-two size, not per decode step
     if q.device.type == "cuda":
-        grid = lambda META: (triton.cdiv(s, META["BLOCK_M"]), b * h)  # noqa: E731
+        grid = lambda META: (triton.cdiv(rows, META["BLOCK_M"]), programs)  # noqa: E731
         _flash_fwd_tuned[grid](*args, *strides, *buckets, **meta)
     else:
-        grid = (triton.cdiv(s, CPU_BLOCK_M), b * h)
+        grid = (triton.cdiv(rows, CPU_BLOCK_M), programs)
         _flash_fwd[grid](*args, *strides, *buckets, BLOCK_M=CPU_BLOCK_M, BLOCK_N=CPU_BLOCK_N, **meta)
     return out.transpose(1, 2)
