@@ -88,3 +88,19 @@ def test_attention_latency_runs(name):
     timing, nbytes = attention_latency(name, num_seqs=2, context_len=40, num_heads=4, num_kv_heads=2, head_dim=16,
                                        block_size=8, dtype=torch.float32, iters=2)
     assert len(timing.samples_s) == 2 and nbytes == 2 * 40 * kv_format(name).bytes_per_token(1, 2, 16)
+
+
+def test_spread_windows_cover_the_stream():
+    import math
+
+    from labkit.models import load_model
+
+    model, _ = load_model()
+    ids = torch.randint(0, 8000, (10 * 32 + 1,), generator=torch.Generator().manual_seed(5))
+    first = kv_format_accuracy(model, ids, (), seq_len=32, max_windows=2, batch_size=2)
+    spread = kv_format_accuracy(model, ids, (), seq_len=32, max_windows=2, batch_size=2, spread=True)
+    assert first["reference"]["ppl"] == pytest.approx(perplexity(model, ids[:65], seq_len=32), rel=1e-5)
+    # two of ten windows evenly spread: windows 0 and 5
+    w0, w5 = perplexity(model, ids[0:33], seq_len=32), perplexity(model, ids[160:193], seq_len=32)
+    assert spread["reference"]["ppl"] == pytest.approx(math.sqrt(w0 * w5), rel=1e-5)
+    assert spread["reference"]["scored_tokens"] == 64

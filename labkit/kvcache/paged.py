@@ -321,15 +321,20 @@ class PagedKVCache:
     # --- metrics --------------------------------------------------------------------------------------------
     def stats(self) -> KVCacheStats:
         """Occupancy now: a block shared by several sequences counts once (it is one piece of memory)."""
-        fill: dict[int, int] = {}
         bs = self.block_size
-        for seq in self.seqs.values():
-            for j, b in enumerate(seq.block_table):
-                fill[b] = max(fill.get(b, 0), min(bs, seq.num_tokens - j * bs))
-        return KVCacheStats(num_seqs=len(self.seqs), tokens_held=sum(fill.values()),
+        logical = sum(s.num_tokens for s in self.seqs.values())
+        if sum(len(s.block_table) for s in self.seqs.values()) == self.allocator.num_used:
+            held = logical  # no block is shared: every sequence's tokens are its own
+        else:
+            fill: dict[int, int] = {}
+            for seq in self.seqs.values():
+                for j, b in enumerate(seq.block_table):
+                    fill[b] = max(fill.get(b, 0), min(bs, seq.num_tokens - j * bs))
+            held = sum(fill.values())
+        return KVCacheStats(num_seqs=len(self.seqs), tokens_held=held,
                             slots_reserved=self.allocator.num_used * bs, slots_total=self.num_blocks * bs,
                             bytes_per_slot=self.bytes_per_token,
-                            logical_tokens=sum(s.num_tokens for s in self.seqs.values()),
+                            logical_tokens=logical,
                             blocks_used=self.allocator.num_used,
                             blocks_cached_free=self.allocator.num_cached_free)
 

@@ -22,22 +22,24 @@ from labkit.kvcache.paged import PagedKVCache
 @torch.no_grad()
 def kv_format_accuracy(model, token_ids: torch.Tensor, kv_dtypes: Sequence[str] = ("int8", "fp8"),
                        seq_len: int = 256, max_windows: int | None = None, batch_size: int = 4,
-                       block_size: int = 16, progress: bool = False) -> dict[str, dict]:
+                       block_size: int = 16, spread: bool = False, progress: bool = False) -> dict[str, dict]:
     """Perplexity and logit error of ``model`` with its KV cache stored in each of ``kv_dtypes``.
 
     ``token_ids`` (1-D) is cut into windows of ``seq_len + 1`` tokens exactly as ``labkit.evaluate.perplexity``
-    does (each window predicts its last ``seq_len`` tokens). Returns, per format and for ``"reference"`` (the
-    model's dtype): ``ppl``, ``logit_rel_err`` (``||logits - ref|| / ||ref||`` over every scored position),
-    ``top1_agree`` (fraction of positions whose argmax equals the reference's) and ``bytes_per_token``.
+    does (each window predicts its last ``seq_len`` tokens); ``max_windows`` keeps the first windows, or with
+    ``spread`` that many evenly spaced over the whole stream (text difficulty varies along it).
+
+    Returns, per format and for ``"reference"`` (the model's dtype): ``ppl``, ``logit_rel_err``
+    (``||logits - ref|| / ||ref||`` over every scored position), ``top1_agree`` (fraction of positions whose
+    argmax equals the reference's), ``bytes_per_token`` and ``scored_tokens``.
     """
     if token_ids.dim() != 1:
         raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
-    n_windows = (len(token_ids) - 1) // seq_len
-    if max_windows is not None:
-        n_windows = min(n_windows, max_windows)
-    if n_windows < 1:
+    total = (len(token_ids) - 1) // seq_len
+    if total < 1:
         raise ValueError(f"token_ids has {len(token_ids)} tokens, fewer than one window of seq_len+1={seq_len + 1}")
-    windows = token_ids[: n_windows * seq_len + 1]
+    n_windows = total if max_windows is None else min(total, max_windows)
+    picks = [j * total // n_windows for j in range(n_windows)] if spread else list(range(n_windows))
     ref_dtype = next(model.parameters()).dtype
     names = ["reference", *kv_dtypes]
     runners = {name: PagedModelRunner(model, PagedKVCache.for_model(
@@ -46,7 +48,7 @@ def kv_format_accuracy(model, token_ids: torch.Tensor, kv_dtypes: Sequence[str] 
     acc = {name: {"nll": 0.0, "diff2": 0.0, "agree": 0} for name in names}
     ref2, count = 0.0, 0
     for i in tqdm(range(0, n_windows, batch_size), desc="kv formats", disable=not progress):
-        rows = [windows[j * seq_len:(j + 1) * seq_len + 1] for j in range(i, min(i + batch_size, n_windows))]
+        rows = [token_ids[j * seq_len:(j + 1) * seq_len + 1] for j in picks[i:i + batch_size]]
         targets = torch.cat([r[1:] for r in rows]).to(next(model.parameters()).device)
         ref = None
         for name in names:
