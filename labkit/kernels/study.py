@@ -1,0 +1,143 @@
+"""The arithmetic and the experiments of notebook 03 (custom kernels), kept here so they are tested.
+
+* ``operator_costs``: FLOPs and bytes of each transformer operator at a given size, its arithmetic intensity
+  against the ridge point, and the time the binding ceiling implies (hint 1: memory- vs compute-bound).
+* ``FUSION_BYTES``: bytes per element that eager torch moves for the elementwise operators against one fused
+  pass, counted pass by pass from the Hugging Face expressions -- the predicted speed-up of fusing them.
+* ``matmul_rates``: the same matmul in float32 on CUDA cores, TF32 and bfloat16 on Tensor Cores.
+* ``kv_quant_attention``: one layer's decode attention over a paged cache in bf16, int8 dequantised inside
+  the kernel, and int8 dequantised to bf16 first (the algorithmic change without a kernel for it).
+* ``decode_steps``: one decode step of a Hugging Face model, plain and patched, as CUDA-graph replays.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from labkit.bench import time_fn
+from labkit.models import get_spec
+
+# Bytes per element, bf16 activations, float32 statistics, counted pass by pass (read + write):
+FUSION_BYTES = {
+    # x.float() 2+4, pow(2) 4+4, mean 4, x * rsqrt 4+4, .to(bf16) 4+2, weight * 2+2   vs  read 2 + write 2
+    "rmsnorm": {"eager": 36, "fused": 4, "eager_passes": 6},
+    # residual add 2+2+2, then the norm's 36                                          vs  read 4 + write 4
+    "add_rmsnorm": {"eager": 42, "fused": 8, "eager_passes": 7},
+    # per output element: silu(gate) 2+2, silu * up 2+2+2                            vs  read 4 + write 2
+    "swiglu": {"eager": 10, "fused": 6, "eager_passes": 2},
+    # q * cos 2+2, -x2 (half) 1+1, cat 2+2, * sin 2+2, + 2+2+2 (cos/sin from L2)      vs  read 2 + write 2
+    "rope": {"eager": 20, "fused": 4, "eager_passes": 5},
+    # torch.softmax is already one fused kernel: read 2 + write 2                     vs  read 2 + write 2
+    "softmax": {"eager": 4, "fused": 4, "eager_passes": 1},
+}
+
+
+def operator_costs(spec="llama-3-8b", tokens: int = 16384, batch: int = 32, context: int = 4096,
+                   seq: int = 4096, bandwidth: float = 4.27e12, peak_flops: float = 799e12,
+                   dtype_bytes: int = 2) -> list[dict]:
+    """One row per operator of one layer of ``spec``: FLOPs, bytes, FLOP/byte and the bound it implies.
+
+    Elementwise ops run on ``tokens`` rows; prefill attention on 4 sequences of ``seq`` (causal); decode
+    attention on ``batch`` sequences of ``context``; linears at batch 1 (GEMV) and at ``tokens`` rows (GEMM).
+    """
+    s = get_spec(spec)
+    h, i, d, b = s.hidden_size, s.intermediate_size, s.head_dim, dtype_bytes
+    qkv = (s.num_heads + s.num_kv_heads) * d
+    rows = [
+        ("RMSNorm", tokens * h * 4, 2 * tokens * h * b),
+        ("SwiGLU activation", tokens * i * 4, 3 * tokens * i * b),
+        ("RoPE", tokens * qkv * 3, 2 * tokens * qkv * b),
+        ("softmax (unfused attention)", 4 * s.num_heads * seq * seq * 4, 2 * 4 * s.num_heads * seq * seq * b),
+        ("attention prefill (flash)", 4 * 4 * s.num_heads * seq * seq * d / 2,
+         4 * seq * (2 * s.num_heads + 2 * s.num_kv_heads) * d * b),
+        ("attention decode (paged)", 4 * batch * s.num_heads * context * d,
+         2 * batch * context * s.num_kv_heads * d * b),
+        ("linear 4096x14336, batch 1 (bf16)", 2 * h * i, h * i * b),
+        ("linear 4096x14336, batch 1 (int4)", 2 * h * i, h * i // 2),
+        (f"linear 4096x14336, {tokens} tokens", 2 * tokens * h * i, (h * i + tokens * (h + i)) * b),
+    ]
+    ridge = peak_flops / bandwidth
+    out = []
+    for name, flops, nbytes in rows:
+        t_mem, t_flop = nbytes / bandwidth, flops / peak_flops
+        out.append({"operator": name, "GFLOP": flops / 1e9, "MB": nbytes / 1e6, "FLOP/byte": flops / nbytes,
+                    "bound": "memory" if flops / nbytes < ridge else "compute",
+                    "predicted_us": 1e6 * max(t_mem, t_flop)})
+    return out
+
+
+def matmul_rates(n: int | None = None, device=None, iters: int = 10) -> list[dict]:
+    """TFLOP/s of one ``n^3`` matmul: float32 on CUDA cores (TF32 off), TF32 and bfloat16 on Tensor Cores."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    n = n or (8192 if dev.type == "cuda" else 512)
+    cases = [("fp32 (CUDA cores)", torch.float32, False), ("tf32 (Tensor Cores)", torch.float32, True),
+             ("bf16 (Tensor Cores)", torch.bfloat16, True)]
+    if dev.type != "cuda":
+        cases = [cases[0], cases[2]]  # no TF32 on the CPU
+    rows = []
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for name, dtype, tf32 in cases:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            a = torch.randn(n, n, device=dev).to(dtype)
+            bm = torch.randn(n, n, device=dev).to(dtype)
+            t = time_fn(lambda a=a, bm=bm: a @ bm, dev, warmup=2, iters=iters)
+            rows.append({"matmul": name, "n": n, "ms": t.median_ms, "TFLOP/s": 2 * n**3 / t.median_s / 1e12})
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    return rows
+
+
+def kv_quant_attention(seqs: int, heads: int, kv_heads: int, head_dim: int, context: int, block_size: int = 16,
+                       dtype: torch.dtype | None = None, device=None, iters: int = 20) -> list[dict]:
+    """One layer's paged decode attention with the cache in bf16, int8 read by the kernel, and int8
+    dequantised to bf16 before a bf16 kernel. Rows carry time, cache bytes and the error against bf16."""
+    from labkit.evaluate import relative_error
+    from labkit.kernels.bench import _paged_inputs
+    from labkit.kernels.paged_attention import paged_attention
+    from labkit.kvcache.quant import dequantize_kv, kv_format, quantize_kv
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float16)
+    q, k, v, tables, lens = _paged_inputs((seqs, heads, kv_heads, head_dim, block_size, context), dtype, dev)
+    (kq, ks), (vq, vs) = quantize_kv(k, kv_format("int8")), quantize_kv(v, kv_format("int8"))
+    fns = {
+        "bf16 cache": lambda: paged_attention(q, k, v, tables, lens),
+        "int8 cache, dequantised in the kernel": lambda: paged_attention(q, kq, vq, tables, lens,
+                                                                         k_scale=ks, v_scale=vs),
+        "int8 cache, dequantised first": lambda: paged_attention(q, dequantize_kv(kq, ks, dtype),
+                                                                 dequantize_kv(vq, vs, dtype), tables, lens),
+    }
+    elems = 2 * seqs * context * kv_heads * head_dim
+    nbytes = [elems * torch.finfo(dtype).bits // 8, elems + elems // head_dim * 4,
+              elems + elems // head_dim * 4 + 2 * 2 * elems]  # read int8, write + re-read bf16
+    ref = fns["bf16 cache"]()
+    warm = 3 if dev.type == "cuda" else 1
+    rows = []
+    for (name, fn), nb in zip(fns.items(), nbytes, strict=True):
+        t = time_fn(fn, dev, warmup=warm, iters=iters, cuda_graph=dev.type == "cuda")
+        rows.append({"attention": name, "us": t.median_us, "cache MB read": nb / 1e6,
+                     "GB/s": nb / t.median_s / 1e9, "rel_err vs bf16": relative_error(fn(), ref)})
+    return rows
+
+
+def decode_steps(model: torch.nn.Module, batch_sizes: list[int], context: int, iters: int = 20) -> list[dict]:
+    """One decode step of ``model`` (HF StaticCache), plain and patched with labkit's kernels, per batch size.
+
+    On CUDA each step is captured once and its replays timed, so launch overhead does not hide the kernels.
+    Leaves the model unpatched.
+    """
+    from labkit.decode_step import time_decode_step
+    from labkit.kernels.patch import patch_model, unpatch
+
+    rows = []
+    for bs in batch_sizes:
+        plain = time_decode_step(model, bs, context, iters=iters)
+        patch_model(model)
+        try:
+            patched = time_decode_step(model, bs, context, iters=iters)
+        finally:
+            unpatch(model)
+        rows.append({"batch": bs, "context": context, "plain ms": plain.median_ms, "patched ms": patched.median_ms,
+                     "speed-up": plain.median_s / patched.median_s, "method": patched.method})
+    return rows
