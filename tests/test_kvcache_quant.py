@@ -104,3 +104,25 @@ def test_spread_windows_cover_the_stream():
     w0, w5 = perplexity(model, ids[0:33], seq_len=32), perplexity(model, ids[160:193], seq_len=32)
     assert spread["reference"]["ppl"] == pytest.approx(math.sqrt(w0 * w5), rel=1e-5)
     assert spread["reference"]["scored_tokens"] == 64
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_cuda_cache_stores_what_the_cpu_computes(name):
+    """fp8 is native on the GPU and emulated by torch's software cast on the CPU: the bytes must agree."""
+    g = torch.Generator().manual_seed(6)
+    k, v = torch.randn(2, 11, 2, 128, generator=g)
+    caches = {}
+    for device in ("cpu", "cuda"):
+        c = PagedKVCache(1, 2, 128, num_blocks=4, block_size=4, kv_dtype=name, device=device)
+        c.allocate("a", list(range(11)))
+        c.write(0, torch.tensor(c.slots("a", 0, 11)), k.to(device), v.to(device))
+        c.fork("a", "b")
+        c.append_slots("b", [1])  # copy on write of the partial block, on the device
+        caches[device] = c
+    for sid in ("a", "b"):
+        kc, vc = caches["cpu"].gather(sid, 0)
+        kg, vg = caches["cuda"].gather(sid, 0)
+        n = 11
+        assert torch.equal(kc[:n], kg[:n].cpu()) and torch.equal(vc[:n], vg[:n].cpu())

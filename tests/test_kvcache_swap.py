@@ -30,3 +30,24 @@ def test_swap_roundtrip_is_exact(kv_dtype):
     cache.check_invariants()
     with pytest.raises(CacheFullError):
         SwapSpace(cache, num_blocks=2).swap_out(cache, "a")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_swap_roundtrip_on_cuda(kv_dtype):
+    cache = PagedKVCache(1, 2, 64, num_blocks=4, block_size=8, kv_dtype=kv_dtype, device="cuda")
+    cache.allocate("a", list(range(13)))
+    k, v = torch.randn(2, 13, 2, 64, device="cuda")
+    cache.write(0, torch.tensor(cache.slots("a", 0, 13), device="cuda"), k, v)
+    cache.mark_computed("a", 13)
+    before = cache.gather("a", 0)
+    swap = SwapSpace(cache, num_blocks=4)
+    assert swap.pools[0][0].is_pinned()
+    swap.swap_out(cache, "a")
+    cache.allocate("x", list(range(32)))  # every block reused meanwhile
+    cache.write(0, torch.tensor(cache.slots("x", 0, 32), device="cuda"), *torch.randn(2, 32, 2, 64, device="cuda"))
+    cache.free("x")
+    swap.swap_in(cache, "a")
+    for x, y in zip(cache.gather("a", 0), before, strict=True):
+        assert torch.equal(x, y)

@@ -50,6 +50,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as bytes if it is float8: indexing and scatter kernels for float8 are not implemented on every
+    device and torch version, while moving its bytes as uint8 always is (and is the same thing)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 class PagedKVCache:
     """K/V pools of ``num_blocks`` blocks of ``block_size`` tokens for ``num_layers`` layers.
 
@@ -271,7 +277,7 @@ class PagedKVCache:
         flat = (self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
         for x, pool, scales in ((k, self.k_caches, self.k_scales), (v, self.v_caches, self.v_scales)):
             q, s = quantize_kv(x, self.fmt)
-            pool[layer].view(flat)[slots] = q
+            raw(pool[layer]).view(flat)[slots] = raw(q)
             if s is not None:
                 scales[layer].view(flat[:2])[slots] = s
 
@@ -283,8 +289,9 @@ class PagedKVCache:
         blocks = blocks.to(device=self.device, dtype=torch.long)
         ks = self.k_scales[layer][blocks] if self.fmt.quantised else None
         vs = self.v_scales[layer][blocks] if self.fmt.quantised else None
-        return (dequantize_kv(self.k_caches[layer][blocks], ks, dtype),
-                dequantize_kv(self.v_caches[layer][blocks], vs, dtype))
+        k = raw(self.k_caches[layer])[blocks].view(self.fmt.storage_dtype)
+        v = raw(self.v_caches[layer])[blocks].view(self.fmt.storage_dtype)
+        return dequantize_kv(k, ks, dtype), dequantize_kv(v, vs, dtype)
 
     def gather(self, seq_id: Hashable, layer: int,
                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,7 +305,7 @@ class PagedKVCache:
         """Copy one block's K/V (every layer, scales too); a no-op without pools."""
         for pools in (self.k_caches, self.v_caches, self.k_scales, self.v_scales):
             for t in pools:
-                t[dst].copy_(t[src])
+                raw(t)[dst].copy_(raw(t)[src])
 
     # --- batch tensors --------------------------------------------------------------------------------------
     def block_tables(self, seq_ids: Sequence[Hashable],

@@ -90,7 +90,7 @@ def attention_latency(kv_dtype: str, num_seqs: int, context_len: int, num_heads:
     """
     from labkit.bench import time_fn
 
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)  # random K/V drawn where they live
     blocks_per_seq = -(-context_len // block_size)
     cache = PagedKVCache(1, num_kv_heads, head_dim, num_blocks=num_seqs * blocks_per_seq, block_size=block_size,
                          kv_dtype=kv_dtype, device=device)
@@ -98,9 +98,9 @@ def attention_latency(kv_dtype: str, num_seqs: int, context_len: int, num_heads:
     for sid in ids:
         cache.allocate(sid, [0] * context_len)
         slots = torch.tensor(cache.slots(sid, 0, context_len), device=device)
-        k, v = (torch.randn(context_len, num_kv_heads, head_dim, generator=g).to(device, dtype) for _ in "kv")
+        k, v = (torch.randn(context_len, num_kv_heads, head_dim, generator=g, device=device).to(dtype) for _ in "kv")
         cache.write(0, slots, k, v)
-    q = torch.randn(num_seqs, num_heads, head_dim, generator=g).to(device, dtype)
+    q = torch.randn(num_seqs, num_heads, head_dim, generator=g, device=device).to(dtype)
     tables, lens = cache.block_tables(ids), cache.context_lens(ids)
 
     def step():

@@ -13,7 +13,7 @@ from collections.abc import Hashable
 import torch
 
 from labkit.kvcache.block_allocator import BlockAllocator
-from labkit.kvcache.paged import PagedKVCache, SeqBlocks
+from labkit.kvcache.paged import PagedKVCache, SeqBlocks, raw
 
 
 class SwapSpace:
@@ -41,7 +41,7 @@ class SwapSpace:
         for cpu_pools, dev_pools in zip(self.pools, (cache.k_caches, cache.v_caches, cache.k_scales,
                                                      cache.v_scales), strict=True):
             for cpu, dev in zip(cpu_pools, dev_pools, strict=True):
-                cpu[dst] = dev[src].cpu()
+                raw(cpu)[dst] = raw(dev)[src].cpu()
         self.seqs[seq_id] = SeqBlocks(cpu_blocks, list(seq.token_ids), seq.num_computed)
         self.blocks_out += len(cpu_blocks)
         cache.free(seq_id)
@@ -61,7 +61,7 @@ class SwapSpace:
         for cpu_pools, dev_pools in zip(self.pools, (cache.k_caches, cache.v_caches, cache.k_scales,
                                                      cache.v_scales), strict=True):
             for cpu, dev in zip(cpu_pools, dev_pools, strict=True):
-                dev[dst] = cpu[src].to(cache.device)
+                raw(dev)[dst] = raw(cpu)[src].to(cache.device)
         del self.seqs[seq_id]
         for b in seq.block_table:
             self.allocator.free(b)

@@ -61,7 +61,7 @@ SIZES = {
                 prefix_budget_tokens=None, run_requests=16, run_prompt_mean=48, run_output_mean=96,
                 run_max_len=384, acc_seq_len=512, acc_windows=64,
                 lat=dict(num_seqs=32, context_len=4096, num_heads=32, num_kv_heads=8, head_dim=128),
-                sample_every=10),
+                sample_every=20),
 }[PROFILE]
 DEVICE = "cuda" if PROFILE == "gpu" else "cpu"
 if DEVICE == "cpu":
@@ -328,7 +328,7 @@ assert pre_rows[1]["preemptions"] > 0 and pre_rows[2]["blocks swapped out"] > 0,
 big_pre = []
 if DEVICE == "cuda":
     big = random_model("llama-3-8b", device="cuda", dtype=torch.bfloat16, seed=seed)
-    b_mix = lognormal_mix(32, 1024, prompt_mean=256, output_mean=128, seed=seed + 6)
+    b_mix = lognormal_mix(24, 640, prompt_mean=256, output_mean=96, sigma=0.5, seed=seed + 6)
     b_prompts = [torch.randint(0, 128000, (n,), generator=g).tolist() for n in b_mix.prompt_lens]
     b_all = sum(-(-(p + o - 1) // block_size) for p, o in zip(b_mix.prompt_lens, b_mix.output_lens))
     b_one = max(-(-(p + o - 1) // block_size) for p, o in zip(b_mix.prompt_lens, b_mix.output_lens))
