@@ -85,6 +85,11 @@ class Scheduler(ABC):
     # --- queue ----------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         """Queue a sequence, or refuse it (``ValueError`` / ``CacheFullError`` naming the sizes)."""
+        self.check(seq)
+        self.waiting.append(seq)
+
+    def check(self, seq: Sequence) -> None:
+        """Raise unless ``seq`` could run: it fits ``max_model_len`` and, at its longest, the whole cache."""
         total = seq.num_prompt_tokens + seq.params.max_tokens
         if self.max_model_len is not None and total > self.max_model_len:
             raise ValueError(f"request {seq.seq_id}: prompt of {seq.num_prompt_tokens} tokens + max_tokens="
@@ -95,7 +100,6 @@ class Scheduler(ABC):
                                  f"{seq.params.max_tokens} needs {need} KV blocks of {self.cache.block_size} tokens "
                                  f"but the cache has {self.usable_blocks}: it could never run; give the cache more "
                                  f"blocks or lower max_tokens")
-        self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -231,13 +235,13 @@ class ContinuousBatchingScheduler(Scheduler):
                              f"{max_num_seqs}: every running sequence needs a decode token each step")
         self.chunked_prefill = chunked_prefill
 
-    def add(self, seq: Sequence) -> None:
+    def check(self, seq: Sequence) -> None:
         total = seq.num_prompt_tokens + seq.params.max_tokens
         if not self.chunked_prefill and total > self.max_num_batched_tokens:
             raise ValueError(f"request {seq.seq_id}: prompt of {seq.num_prompt_tokens} tokens + max_tokens="
                              f"{seq.params.max_tokens} exceeds max_num_batched_tokens={self.max_num_batched_tokens}"
                              f" and chunked_prefill is off; raise the budget or turn chunked_prefill on")
-        super().add(seq)
+        super().check(seq)
 
     def schedule(self) -> ScheduledBatch:
         rows, preempted = self._schedule_decodes()

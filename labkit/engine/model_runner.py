@@ -1,0 +1,384 @@
+"""The engine's ModelRunner: a Hugging Face Llama's weights run over a flat token batch on the paged KV cache,
+with labkit's Triton kernels on CUDA and decode steps replayed from CUDA graphs captured per batch-size bucket.
+
+A step is a ``ModelInput`` (vLLM's names): ``num_tokens`` tokens of ``num_seqs`` sequences back to back, single-
+token rows (decodes) first, with each token's cache slot (``slot_mapping``) and each sequence's ``block_table``
+and ``context_len``. Per layer: [add residual +] RMSNorm -> q, k, v (one merged matmul on the Triton path) ->
+RoPE -> write k, v at ``slot_mapping`` -> attention (decode rows: ``paged_attention`` over the block tables;
+prefill chunks: ``flash_attention``, causal and bottom-right aligned over the chunk's cached context) -> o
+projection -> add residual + RMSNorm -> SwiGLU MLP (gate and up merged, ``silu_and_mul``).
+
+``kernels='torch'`` (the CPU default) calls the model's own modules and the torch references of
+``labkit.kvcache.attention``, so greedy output equals HF ``generate`` token for token in float32; ``'triton'``
+(the CUDA default; on the CPU it runs through Triton's interpreter, slowly, for tests) swaps in the kernels.
+
+Why CUDA graphs: at batch 1 a decode step of an 8B model is ~400 kernels of a few microseconds; launched from
+Python, the GPU idles between them. Capturing the step once per batch size and replaying it removes that. A graph
+replays fixed addresses and shapes, so the inputs live in pre-allocated static buffers, the batch is padded up to
+the next captured size, and block tables are padded to ``max_model_len / block_size`` columns. Padding rows point
+at a private scratch block (so their K/V writes touch nobody's cache) with a context of one token.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from labkit.kernels.paged_attention import paged_attention_ref
+from labkit.kvcache.attention import dequantised_blocks, paged_prefill_attention_ref
+from labkit.kvcache.paged import PagedKVCache
+
+KERNELS = ("auto", "torch", "triton")
+
+
+def default_graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 up to 64, then every 32 (padding wastes at most ~1/3 of a small batch)."""
+    sizes = [1, 2, 4, 8] + list(range(16, 65, 16)) + list(range(96, max(max_num_seqs, 96) + 32, 32))
+    out = sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
+    return out
+
+
+@dataclass
+class ModelInput:
+    """Inputs of one forward. Device tensors: ``input_ids``, ``positions``, ``slot_mapping`` (int64
+    ``[num_tokens]``), ``block_tables`` (int32 ``[num_seqs, width]``), ``context_lens`` (int32 ``[num_seqs]``,
+    tokens cached after this step). Host lists: ``query_lens`` and ``context_lens_host`` per sequence,
+    ``tables_host`` (each sequence's block table); ``num_decode`` leading sequences have one token each."""
+
+    seq_ids: list[Hashable]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    query_lens: list[int]
+    context_lens_host: list[int]
+    tables_host: list[list[int]]
+    num_decode: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_decode == self.num_seqs
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class ModelRunner:
+    """Runs a Hugging Face ``LlamaForCausalLM`` (or one with the same module names) on a ``PagedKVCache``.
+
+    * ``kernels``: 'auto' (Triton on CUDA, torch on the CPU), 'torch' or 'triton'
+    * ``cuda_graphs``: 'auto' (on with CUDA and an unquantised cache), True, False; graphs are captured for
+      ``graph_batch_sizes`` (default ``default_graph_batch_sizes(max_num_seqs)``)
+    * ``merge_weights``: on the Triton path, point q/k/v and gate/up weights at slices of one merged matrix per
+      layer (the same values, no extra memory; the HF model still works), so each is one matmul
+    * ``max_model_len``: longest sequence (sets the graphs' block-table width); default the model's maximum
+    """
+
+    def __init__(self, model, cache: PagedKVCache, kernels: str = "auto", cuda_graphs: bool | str = "auto",
+                 max_num_seqs: int = 256, max_model_len: int | None = None,
+                 graph_batch_sizes: Sequence[int] | None = None, merge_weights: bool = True):
+        self._check_model(model, cache)
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels={kernels!r} is unknown; allowed: {KERNELS}")
+        self.model, self.cache, self.inner = model, cache, model.model
+        self.layers = list(self.inner.layers)
+        self.device, self.dtype = cache.device, next(model.parameters()).dtype
+        self.use_triton = kernels == "triton" or (kernels == "auto" and self.device.type == "cuda")
+        attn = self.layers[0].self_attn
+        self.head_dim, self.scale = attn.head_dim, attn.scaling
+        self.num_heads = attn.q_proj.out_features // self.head_dim
+        self.num_kv_heads = cache.num_kv_heads
+        self.max_model_len = max_model_len or model.config.max_position_embeddings
+        self.max_blocks = cache.blocks_for(self.max_model_len)
+        self._dequantise = cache.fmt.quantised or cache.fmt.storage_dtype != self.dtype
+        self._rope_tables()
+        self.merged = self._merge_projections() if (self.use_triton and merge_weights) else False
+        self.cuda_graphs = self._want_graphs(cuda_graphs)
+        self.graph_batch_sizes: list[int] = []
+        if self.cuda_graphs:
+            self.capture(graph_batch_sizes or default_graph_batch_sizes(max_num_seqs))
+
+    # --- setup ----------------------------------------------------------------------------------------------
+    @staticmethod
+    def _check_model(model, cache: PagedKVCache) -> None:
+        inner = getattr(model, "model", None)
+        needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+        if inner is None or not all(hasattr(inner, n) for n in needed) or not hasattr(model, "lm_head"):
+            raise TypeError(f"model={type(model).__name__}: need a Llama-family HF causal LM with .model."
+                            f"{{{', '.join(needed)}}} and .lm_head")
+        attn = inner.layers[0].self_attn
+        if len(inner.layers) != cache.num_layers or attn.head_dim != cache.head_dim or \
+                attn.k_proj.out_features != cache.num_kv_heads * cache.head_dim:
+            raise ValueError("cache shape does not match the model; build it with PagedKVCache.for_model")
+        if next(model.parameters()).device != cache.device:
+            raise ValueError(f"model is on {next(model.parameters()).device} but the cache on {cache.device}; "
+                             "put them on one device")
+
+    def _rope_tables(self) -> None:
+        """cos/sin of every position, ``[max_position, head_dim]`` in the model's dtype, computed by the model's
+        own rotary module (each entry depends on its position alone, so a lookup equals HF's computation)."""
+        n = self.model.config.max_position_embeddings
+        pos = torch.arange(n, device=self.device)[None]
+        probe = torch.empty(1, device=self.device, dtype=self.dtype)
+        cos, sin = self.inner.rotary_emb(probe, pos)
+        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
+
+    def _merge_projections(self) -> bool:
+        """Re-point q/k/v and gate/up weights at row slices of one matrix per layer (kept in ``self.w_qkv``,
+        ``self.w_gate_up``) where all are plain bias-free ``nn.Linear``; returns whether every layer merged."""
+        self.w_qkv = [_merge_linears([ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj])
+                      for ly in self.layers]
+        self.w_gate_up = [_merge_linears([ly.mlp.gate_proj, ly.mlp.up_proj]) for ly in self.layers]
+        return all(w is not None for w in self.w_qkv + self.w_gate_up)
+
+    def _want_graphs(self, cuda_graphs: bool | str) -> bool:
+        if cuda_graphs not in ("auto", True, False):
+            raise ValueError(f"cuda_graphs={cuda_graphs!r}; allowed: 'auto', True, False")
+        if cuda_graphs == "auto":
+            return self.device.type == "cuda" and not self._dequantise
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError("cuda_graphs=True needs a CUDA device: CUDA graphs do not exist on the CPU "
+                             "(use cuda_graphs='auto' or False)")
+        if cuda_graphs and self._dequantise:
+            raise ValueError(f"cuda_graphs=True needs a cache stored in the model's dtype; this one is "
+                             f"{cache_name(self.cache)} (dequantised per step, not capturable)")
+        return bool(cuda_graphs)
+
+    # --- inputs ---------------------------------------------------------------------------------------------
+    def prepare(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int], num_decode: int,
+                pad_to: int | None = None, width: int | None = None) -> ModelInput:
+        """A ``ModelInput`` computing the next ``num_tokens[i]`` uncomputed tokens of each sequence (slots
+        reserved already). ``pad_to`` adds padding rows (scratch slot, context 1); ``width`` fixes the block-table
+        width."""
+        if not seq_ids or len(seq_ids) != len(num_tokens):
+            raise ValueError(f"need one num_tokens per sequence and at least one sequence, got {len(seq_ids)} "
+                             f"sequences and {len(num_tokens)} counts")
+        ids, pos, slots, ctx, tables = [], [], [], [], []
+        for sid, n in zip(seq_ids, num_tokens):
+            seq = self.cache.seq(sid)
+            start, end = seq.num_computed, seq.num_computed + n
+            if not start < end <= seq.num_tokens:
+                raise ValueError(f"sequence {sid!r}: {n} tokens to compute, but it has {seq.num_tokens} slots of "
+                                 f"which {start} are computed; reserve slots first")
+            ids += seq.token_ids[start:end]
+            pos += range(start, end)
+            slots += self.cache.slots(sid, start, end)
+            ctx.append(end)
+            tables.append(seq.block_table)
+        return self._to_device(list(seq_ids), ids, pos, slots, ctx, tables, list(num_tokens), num_decode, pad_to,
+                               width)
+
+    def _to_device(self, seq_ids, ids, pos, slots, ctx, tables, qlens, num_decode, pad_to, width) -> ModelInput:
+        n_pad = (pad_to or len(ctx)) - len(ctx)
+        width = width or max(len(t) for t in tables)
+        if any(len(t) > width for t in tables):
+            raise ValueError(f"a sequence holds {max(len(t) for t in tables)} blocks, more than max_model_len="
+                             f"{self.max_model_len} allows ({width} blocks of {self.cache.block_size})")
+        scratch = getattr(self, "scratch_block", 0)
+        ids, pos = ids + [0] * n_pad, pos + [0] * n_pad
+        slots = slots + [scratch * self.cache.block_size] * n_pad
+        flat = [b for t in tables for b in (*t, *([scratch] * (width - len(t))))] + [scratch] * (width * n_pad)
+        longs = torch.tensor([ids, pos, slots], dtype=torch.long).to(self.device, non_blocking=True)
+        ints = torch.tensor(ctx + [1] * n_pad + flat, dtype=torch.int32).to(self.device, non_blocking=True)
+        n_seqs = len(ctx) + n_pad
+        return ModelInput(seq_ids, longs[0], longs[1], longs[2], ints[n_seqs:].view(n_seqs, width), ints[:n_seqs],
+                          qlens, ctx, tables, num_decode)
+
+    # --- the step -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int], num_decode: int) -> torch.Tensor:
+        """Compute the scheduled tokens; returns float32 logits of each sequence's last token ``[num_seqs,
+        vocab]`` and marks the tokens computed in the cache. All-decode steps replay a CUDA graph when one is
+        captured for the batch size."""
+        n = len(seq_ids)
+        if self.graph_batch_sizes and num_decode == n and n <= self.graph_batch_sizes[-1]:
+            bs = self.graph_batch_sizes[bisect.bisect_left(self.graph_batch_sizes, n)]
+            inp = self.prepare(seq_ids, num_tokens, num_decode, pad_to=bs, width=self.max_blocks)
+            logits = self._replay(inp, bs)[:n]
+        else:
+            inp = self.prepare(seq_ids, num_tokens, num_decode)
+            logits = self.forward(inp)
+        for sid, c in zip(inp.seq_ids, inp.context_lens_host):
+            self.cache.mark_computed(sid, c)
+        return logits
+
+    def forward(self, inp: ModelInput) -> torch.Tensor:
+        """The model over ``inp`` (no bookkeeping): float32 logits ``[num_seqs (+ padding), vocab]``."""
+        h = self.inner.embed_tokens(inp.input_ids)  # [T, hidden]
+        cos, sin = self.cos[inp.positions], self.sin[inp.positions]  # [T, head_dim]
+        residual = None
+        for i, layer in enumerate(self.layers):
+            x, residual = self._add_norm(layer.input_layernorm, h, residual)
+            h = self._attention(i, layer.self_attn, x, cos, sin, inp)
+            x, residual = self._add_norm(layer.post_attention_layernorm, h, residual)
+            h = self._mlp(i, layer.mlp, x)
+        if not inp.is_decode:  # only each sequence's last token needs logits
+            last = torch.tensor(inp.query_lens, device=self.device).cumsum(0) - 1
+            h, residual = h[last], residual[last]
+        h, _ = self._add_norm(self.inner.norm, h, residual)
+        return self.model.lm_head(h).float()
+
+    def _add_norm(self, norm, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + h), residual + h)``, rounded as HF's decoder layer rounds (one fused kernel on the
+        Triton path)."""
+        if self.use_triton:
+            from labkit.kernels.rms_norm import rms_norm
+
+            if residual is None:
+                return rms_norm(h, norm.weight, norm.variance_epsilon), h
+            return rms_norm(h, norm.weight, norm.variance_epsilon, residual=residual)
+        if residual is not None:
+            h = residual + h
+        return norm(h), h
+
+    def _attention(self, i: int, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   inp: ModelInput) -> torch.Tensor:
+        T, D = x.shape[0], self.head_dim
+        if self.merged:
+            q, k, v = F.linear(x, self.w_qkv[i]).split(
+                [self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1)
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        q, k, v = q.view(T, -1, D), k.view(T, -1, D), v.view(T, -1, D)
+        if self.use_triton:
+            from labkit.kernels.rope import apply_rope
+
+            q, k = apply_rope(q, k, cos, sin)
+        else:
+            q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
+            k = k * cos[:, None] + _rotate_half(k) * sin[:, None]
+        self.cache.write(i, inp.slot_mapping, k, v)
+        return attn.o_proj(self._attend(i, q, k, v, inp).reshape(T, -1))
+
+    def _mlp(self, i: int, mlp, x: torch.Tensor) -> torch.Tensor:
+        if not self.use_triton:
+            return mlp(x)
+        from labkit.kernels.silu_and_mul import silu_and_mul
+
+        if self.merged:
+            return mlp.down_proj(silu_and_mul(F.linear(x, self.w_gate_up[i])))
+        return mlp.down_proj(silu_and_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+
+    # --- attention ------------------------------------------------------------------------------------------
+    def _pools(self, i: int, tables: torch.Tensor, dtype: torch.dtype):
+        if self._dequantise:
+            return dequantised_blocks(self.cache, i, tables, dtype)
+        return self.cache.k_caches[i], self.cache.v_caches[i], tables
+
+    def _attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inp: ModelInput) -> torch.Tensor:
+        """Attention of every query row ``[T, heads, head_dim]``: decode rows over the paged cache, prefill
+        chunks causally over their sequence's cached context."""
+        d = inp.num_decode
+        if inp.is_decode:
+            return self._decode_attention(i, q, inp.block_tables, inp.context_lens)
+        out = torch.empty_like(q)
+        if d:
+            out[:d] = self._decode_attention(i, q[:d], inp.block_tables[:d], inp.context_lens[:d])
+        if self.use_triton:
+            self._prefill_attention_triton(i, q, k, v, inp, out)
+        else:
+            k_cache, v_cache, tables = self._pools(i, inp.block_tables[d:], q.dtype)
+            qsl = torch.tensor([0, *inp.query_lens[d:]]).cumsum(0)
+            out[d:] = paged_prefill_attention_ref(q[d:], k_cache, v_cache, tables, qsl,
+                                                  inp.context_lens[d:], self.scale)
+        return out
+
+    def _decode_attention(self, i: int, q: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache, tables = self._pools(i, tables, q.dtype)
+        if self.use_triton:
+            from labkit.kernels.paged_attention import paged_attention
+
+            return paged_attention(q, k_cache, v_cache, tables, ctx, scale=self.scale)
+        return paged_attention_ref(q, k_cache, v_cache, tables, ctx, scale=self.scale)
+
+    def _prefill_attention_triton(self, i: int, q, k, v, inp: ModelInput, out: torch.Tensor) -> None:
+        """Per prefill chunk: ``flash_attention`` of its queries over its context (bottom-right causal). A chunk
+        with no cached prefix attends to its own k, v; otherwise its blocks are gathered from the cache."""
+        from labkit.kernels.flash_attention import flash_attention
+
+        bs, d = self.cache.block_size, inp.num_decode
+        start = d
+        for s in range(d, inp.num_seqs):
+            m, n = inp.query_lens[s], inp.context_lens_host[s]
+            rows = slice(start, start + m)
+            if m == n:
+                ks, vs = k[rows], v[rows]
+            else:
+                blocks = torch.tensor(inp.tables_host[s][:-(-n // bs)], device=self.device)
+                kc, vc, blocks = self._pools(i, blocks[None], q.dtype)
+                ks = kc[blocks[0].long()].flatten(0, 1)[:n]
+                vs = vc[blocks[0].long()].flatten(0, 1)[:n]
+            o = flash_attention(q[rows].transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
+                                causal=True, scale=self.scale)  # [1, heads, m, D]
+            out[rows] = o[0].transpose(0, 1)
+            start += m
+
+    # --- CUDA graphs ----------------------------------------------------------------------------------------
+    def capture(self, batch_sizes: Sequence[int]) -> None:
+        """Capture one decode step per batch size (largest first, sharing one memory pool), on static input
+        buffers padded with a private scratch block."""
+        if self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device; this runner is on the CPU")
+        sizes = sorted(set(batch_sizes))
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"graph_batch_sizes={list(batch_sizes)} must be positive ints")
+        if not hasattr(self, "scratch_block"):
+            (self.scratch_block,) = self.cache.allocator.allocate(1)  # padding rows write here, never read
+        self._static = self._to_device([], [], [], [], [], [], [], 0, sizes[-1], self.max_blocks)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graph_logits: dict[int, torch.Tensor] = {}
+        pool = None
+        with torch.inference_mode():
+            for bs in reversed(sizes):
+                inp = self._static_input(bs)
+                self.forward(inp)  # warm-up: Triton autotuning, cuBLAS handles
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._graph_logits[bs] = self.forward(inp)
+                pool = graph.pool()
+                self._graphs[bs] = graph
+        torch.cuda.synchronize(self.device)
+        self.graph_batch_sizes = sizes
+
+    def _static_input(self, bs: int) -> ModelInput:
+        s = self._static
+        return ModelInput([], s.input_ids[:bs], s.positions[:bs], s.slot_mapping[:bs], s.block_tables[:bs],
+                          s.context_lens[:bs], [1] * bs, [1] * bs, [], bs)
+
+    def _replay(self, inp: ModelInput, bs: int) -> torch.Tensor:
+        s = self._static
+        for dst, src in ((s.input_ids, inp.input_ids), (s.positions, inp.positions),
+                         (s.slot_mapping, inp.slot_mapping), (s.context_lens, inp.context_lens),
+                         (s.block_tables, inp.block_tables)):
+            dst[:bs].copy_(src)
+        self._graphs[bs].replay()
+        return self._graph_logits[bs]
+
+
+def cache_name(cache: PagedKVCache) -> str:
+    return cache.fmt.name
+
+
+def _merge_linears(linears: list[torch.nn.Module]) -> torch.Tensor | None:
+    """Make ``linears`` (plain, bias-free, one dtype and device) views of one weight matrix, concatenated by rows,
+    and return it; ``None`` (nothing changed) if they cannot be merged."""
+    ws = [lin.weight for lin in linears]
+    if not all(type(lin) is torch.nn.Linear and lin.bias is None for lin in linears) or \
+            len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1:
+        return None
+    merged = torch.cat([w.detach() for w in ws], dim=0)
+    for lin, part in zip(linears, merged.split([w.shape[0] for w in ws], dim=0)):
+        lin.weight = torch.nn.Parameter(part, requires_grad=False)
+    return merged

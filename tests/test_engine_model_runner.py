@@ -1,0 +1,157 @@
+"""ModelRunner on the embedded model (float32): logits of prefill, chunked-prefill and mixed steps against HF's full
+forward; the Triton path (through the interpreter on the CPU) against the torch path; padded batches (as CUDA graphs
+run them) leave real rows and other sequences' cache untouched; on CUDA, graph replays equal eager steps."""
+
+import pytest
+import torch
+
+from labkit.data import sample_prompts
+from labkit.engine.model_runner import ModelRunner, default_graph_batch_sizes
+from labkit.evaluate import relative_error
+from labkit.kvcache import PagedKVCache
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls; on a shared 2-core machine threads only contend
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model):
+    ps = sample_prompts(tiny_model[1], 3, 27, seed=5)
+    return [ps[0], ps[1][:7], ps[2][:19]]
+
+
+def hf_last_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor([tokens], device=next(model.parameters()).device)).logits[0, -1].float()
+
+
+def run_steps(runner, cache, prompts):
+    """Three steps: prompt 0 in a chunk of 10; then its remaining 17 tokens + prompt 1 whole; then a mixed step of
+    two decodes (greedy tokens appended) and prompt 2. Returns [(logits, [(seq, tokens so far)])] per step."""
+    for i, p in enumerate(prompts):
+        cache.allocate(i, p)
+    out = []
+    logits = runner.execute([0], [10], 0)
+    out.append((logits, [prompts[0][:10]]))
+    logits = runner.execute([0, 1], [len(prompts[0]) - 10, len(prompts[1])], 0)
+    out.append((logits, [prompts[0], prompts[1]]))
+    nxt = logits.argmax(-1).tolist()
+    for i, t in enumerate(nxt):
+        cache.append_slots(i, [t])
+    logits = runner.execute([0, 1, 2], [1, 1, len(prompts[2])], 2)
+    out.append((logits, [prompts[0] + nxt[:1], prompts[1] + nxt[1:], prompts[2]]))
+    return out
+
+
+def test_chunked_and_mixed_steps_match_hf_forward(tiny_model, prompts):
+    model, _ = tiny_model
+    cache = PagedKVCache.for_model(model, num_blocks=24, block_size=4)
+    runner = ModelRunner(model, cache, kernels="torch")
+    for logits, seqs in run_steps(runner, cache, prompts):
+        assert logits.shape == (len(seqs), model.config.vocab_size) and logits.dtype == torch.float32
+        for row, tokens in zip(logits, seqs):
+            assert relative_error(row, hf_last_logits(model, tokens)) <= 1e-5
+    assert [cache.seq(i).num_computed for i in range(3)] == [28, 8, 19]
+
+
+def test_triton_path_matches_torch_path(tiny_model, prompts):
+    """Triton's interpreter on the CPU: RMSNorm (+ fused residual), RoPE, silu_and_mul, merged projections,
+    flash attention for prefill chunks (fresh and over a cached prefix) and paged attention for decode rows."""
+    model, _ = tiny_model
+    short = [prompts[0], prompts[1], prompts[2][:5]]
+    ref_cache = PagedKVCache.for_model(model, num_blocks=24, block_size=4)
+    ref = run_steps(ModelRunner(model, ref_cache, kernels="torch"), ref_cache, short)
+    before = hf_last_logits(model, prompts[0])
+    cache = PagedKVCache.for_model(model, num_blocks=24, block_size=4)
+    runner = ModelRunner(model, cache, kernels="triton")
+    assert runner.merged and runner.use_triton
+    got = run_steps(runner, cache, short)
+    for (a, _), (b, _) in zip(got, ref):
+        assert relative_error(a, b) <= 1e-5
+    assert torch.equal(hf_last_logits(model, prompts[0]), before)  # merging the weights changed nothing in HF
+
+
+def test_padded_rows_touch_nothing(tiny_model, prompts):
+    """The CUDA-graph input layout (rows padded to a bucket, block tables padded to max_model_len) on the CPU."""
+    model, _ = tiny_model
+    cache = PagedKVCache.for_model(model, num_blocks=24, block_size=4)
+    runner = ModelRunner(model, cache, kernels="torch", max_model_len=64)
+    (runner.scratch_block,) = cache.allocator.allocate(1)
+    for i, p in enumerate(prompts[:2]):
+        cache.allocate(i, p)
+    first = runner.execute([0, 1], [len(prompts[0]), len(prompts[1])], 0).argmax(-1).tolist()
+    for i, t in enumerate(first):
+        cache.append_slots(i, [t])
+    snapshot = [k.clone() for k in cache.k_caches]
+    inp = runner.prepare([0, 1], [1, 1], 2, pad_to=5, width=runner.max_blocks)
+    assert inp.block_tables.shape == (5, 16) and inp.context_lens.tolist() == [28, 8, 1, 1, 1]
+    logits = runner.forward(inp)
+    for i, p in enumerate(prompts[:2]):
+        assert relative_error(logits[i], hf_last_logits(model, p + first[i:i + 1])) <= 1e-5
+    for layer, (old, new) in enumerate(zip(snapshot, cache.k_caches)):
+        same = (old == new) | (old.isnan() & new.isnan())  # unused blocks hold whatever torch.empty left
+        changed = (~same).flatten(1).any(1).nonzero().flatten().tolist()
+        written = {cache.seq(0).block_table[-1], cache.seq(1).block_table[-1], runner.scratch_block}
+        assert set(changed) <= written, layer
+
+
+def test_graph_sizes_and_bad_arguments(tiny_model):
+    model, _ = tiny_model
+    assert default_graph_batch_sizes(1) == [1]
+    assert default_graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert default_graph_batch_sizes(256)[-3:] == [192, 224, 256]
+    cache = PagedKVCache.for_model(model, num_blocks=8, block_size=4)
+    with pytest.raises(ValueError, match="kernels='cuda' is unknown"):
+        ModelRunner(model, cache, kernels="cuda")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA device"):
+            ModelRunner(model, cache, cuda_graphs=True)
+    with pytest.raises(ValueError, match="does not match the model"):
+        ModelRunner(model, PagedKVCache(8, 2, 32, 4, 4))
+    runner = ModelRunner(model, cache, kernels="torch", max_model_len=8)
+    cache.allocate("long", list(range(3, 15)))
+    with pytest.raises(ValueError, match="more than max_model_len=8"):
+        runner.prepare(["long"], [12], 0, width=runner.max_blocks)
+    with pytest.raises(ValueError, match="reserve slots first"):
+        runner.prepare(["long"], [13], 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_replay_equals_eager(dtype):
+    from labkit.models import load_model, random_model
+
+    if dtype == torch.float32:
+        model = load_model(device="cuda")[0]
+    else:  # a real GQA shape with random weights: 4 layers of Llama-3-8B
+        model = random_model("llama-3-8b", device="cuda", dtype="bf16", num_layers=4)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 33, 17)]
+    caches, runners = [], []
+    for graphs in (False, True):
+        cache = PagedKVCache.for_model(model, num_blocks=64, block_size=16)
+        runners.append(ModelRunner(model, cache, cuda_graphs=graphs, max_num_seqs=4, max_model_len=128))
+        caches.append(cache)
+    assert runners[1].graph_batch_sizes == [1, 2, 4] and not runners[0].graph_batch_sizes
+    toks = []
+    for cache, runner in zip(caches, runners):
+        for i, p in enumerate(prompts):
+            cache.allocate(i, p)
+        first = runner.execute([0, 1, 2], [len(p) for p in prompts], 0)
+        out, t = [], first.argmax(-1).tolist()
+        for _ in range(6):  # batch 3 replays the graph of 4 (one padding row)
+            for i in range(3):
+                cache.append_slots(i, [t[i]])
+            logits = runner.execute([0, 1, 2], [1, 1, 1], 3)
+            out.append(logits)
+            t = logits.argmax(-1).tolist()
+        toks.append(out)
+    for eager, graph in zip(*toks):
+        assert relative_error(graph, eager) <= tol
