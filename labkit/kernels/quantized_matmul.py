@@ -12,8 +12,8 @@ times a broadcast ``x`` slice, reduced at the end), and a tiled GEMM on Tensor C
 rows, so every batch size is correct and the decode case is fast.
 
 Int4 in the GEMV: the two nibbles of a byte hold ``k`` and ``k + 1``, so the even and odd elements of ``x``
-multiply the low and high nibbles; per group, ``sum_k (q - z) * s * x = s * (sum_k q * x - z * sum_k x)``
-applies the scale and zero once per group instead of once per weight.
+multiply the low and high nibbles; stepping one group at a time, the group's scale and zero-point are one
+value per row (``(q - z) * s * x = s * q * x - s * z * x``), loaded once instead of once per weight.
 """
 
 from __future__ import annotations
@@ -63,37 +63,42 @@ def _w8_gemv(x_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_wn, N_KEY, K_KEY,
 @triton.jit
 def _w4_gemv(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_pn, stride_sn, stride_zn, N_KEY, K_KEY,
              GROUP: tl.constexpr, FAST_GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    HALF: tl.constexpr = BLOCK_K // 2
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     n64 = offs_n.to(tl.int64)
-    offs_j = tl.arange(0, HALF)  # byte index within the tile
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        j = k0 // 2 + offs_j
-        j_ok = j < K // 2
-        pk = tl.load(p_ptr + n64[:, None] * stride_pn + j[None, :], mask=n_ok[:, None] & j_ok[None, :], other=0)
-        lo = (pk & 0xF).to(tl.float32)  # q[n, 2j]
-        hi = (pk >> 4).to(tl.float32)   # q[n, 2j + 1]
-        x_even = tl.load(x_ptr + 2 * j, mask=j_ok, other=0.0).to(tl.float32)
-        x_odd = tl.load(x_ptr + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)
-        prod = lo * x_even[None, :] + hi * x_odd[None, :]  # [BLOCK_N, HALF]
-        if FAST_GROUPS:
-            NG: tl.constexpr = BLOCK_K // GROUP  # whole groups per tile: scale and zero once per group
-            g = k0 // GROUP + tl.arange(0, NG)
-            g_ok = g < K // GROUP
-            ld = n_ok[:, None] & g_ok[None, :]
-            s = tl.load(s_ptr + n64[:, None] * stride_sn + g[None, :], mask=ld, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + n64[:, None] * stride_zn + g[None, :], mask=ld, other=0.0).to(tl.float32)
-            qx = tl.sum(tl.reshape(prod, [BLOCK_N, NG, GROUP // 2]), 2)
-            xs = tl.sum(tl.reshape(x_even + x_odd, [NG, GROUP // 2]), 1)
-            acc += tl.sum(s * (qx - z * xs[None, :]), 1)
-        else:
-            g = (2 * j) // GROUP  # any even group size: both nibbles of a byte share a group
+    if FAST_GROUPS:
+        # one group per step: its scale and zero-point are one value per row, loaded once, and
+        # sum_k (q - z) s x = s * sum_k q x - s z * sum_k x needs no per-weight scale load
+        HALF_G: tl.constexpr = GROUP // 2
+        offs_j = tl.arange(0, HALF_G)
+        acc2 = tl.zeros([BLOCK_N, HALF_G], tl.float32)  # reduced once at the end
+        for k0 in range(0, K, GROUP):
+            j = k0 // 2 + offs_j  # byte index; K % GROUP == 0, so always in range
+            pk = tl.load(p_ptr + n64[:, None] * stride_pn + j[None, :], mask=n_ok[:, None], other=0)
+            x_even = tl.load(x_ptr + 2 * j).to(tl.float32)
+            x_odd = tl.load(x_ptr + 2 * j + 1).to(tl.float32)
+            g = k0 // GROUP
+            s = tl.load(s_ptr + n64 * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)
+            sz = s * tl.load(z_ptr + n64 * stride_zn + g, mask=n_ok, other=0.0).to(tl.float32)
+            qx = (pk & 0xF).to(tl.float32) * x_even[None, :] + (pk >> 4).to(tl.float32) * x_odd[None, :]
+            acc2 += s[:, None] * qx - sz[:, None] * (x_even + x_odd)[None, :]
+        acc = tl.sum(acc2, 1)
+    else:
+        HALF: tl.constexpr = BLOCK_K // 2
+        offs_j = tl.arange(0, HALF)
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            j = k0 // 2 + offs_j
+            j_ok = j < K // 2
             ld = n_ok[:, None] & j_ok[None, :]
+            pk = tl.load(p_ptr + n64[:, None] * stride_pn + j[None, :], mask=ld, other=0)
+            x_even = tl.load(x_ptr + 2 * j, mask=j_ok, other=0.0).to(tl.float32)
+            x_odd = tl.load(x_ptr + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)
+            g = (2 * j) // GROUP  # any even group size: both nibbles of a byte share a group
             s = tl.load(s_ptr + n64[:, None] * stride_sn + g[None, :], mask=ld, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + n64[:, None] * stride_zn + g[None, :], mask=ld, other=0.0).to(tl.float32)
-            acc += tl.sum(s * (prod - z * (x_even + x_odd)[None, :]), 1)
+            qx = (pk & 0xF).to(tl.float32) * x_even[None, :] + (pk >> 4).to(tl.float32) * x_odd[None, :]
+            acc += tl.sum(s * (qx - z * (x_even + x_odd)[None, :]), 1)
     tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -178,18 +183,17 @@ def _gemm_configs() -> list:
 
 
 def _prune_w4_gemv(configs, named_args, **kwargs):
-    """The fast group path needs whole groups per tile: widen ``BLOCK_K`` to the group where it is smaller."""
+    """Fast group path: a step is one group, so BLOCK_K is moot; keep row blocks whose tile fits registers."""
     group = kwargs.get("GROUP", named_args.get("GROUP"))
     if not kwargs.get("FAST_GROUPS", named_args.get("FAST_GROUPS")):
         return configs
     out, seen = [], set()
     for c in configs:
-        kw = dict(c.kwargs, BLOCK_K=max(c.kwargs["BLOCK_K"], group))
-        key = (kw["BLOCK_N"], kw["BLOCK_K"], c.num_warps, c.num_stages)
-        if key not in seen:
+        key = (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+        if key not in seen and c.kwargs["BLOCK_N"] * group // 2 <= 8192:
             seen.add(key)
-            out.append(triton.Config(kw, num_warps=c.num_warps, num_stages=c.num_stages))
-    return out
+            out.append(c)
+    return out or configs[:1]
 
 
 def _prune_gemm(configs, named_args, **kwargs):
@@ -230,9 +234,7 @@ def _launch(x2: torch.Tensor, n: int, kernels: tuple, args: tuple, w_strides: tu
         if cuda:
             gemv_tuned[lambda c: (triton.cdiv(n, c["BLOCK_N"]),)](*ptrs, **gemv_meta)
         else:
-            cpu = dict(CPU_GEMV, BLOCK_K=max(CPU_GEMV["BLOCK_K"], gemv_meta.get("GROUP", 0)
-                                             if gemv_meta.get("FAST_GROUPS") else 0))
-            gemv[(triton.cdiv(n, cpu["BLOCK_N"]),)](*ptrs, **gemv_meta, **cpu)
+            gemv[(triton.cdiv(n, CPU_GEMV["BLOCK_N"]),)](*ptrs, **gemv_meta, **CPU_GEMV)
         return out
     refuse_bf16_dot_on_cpu("x", x2)
     ptrs = (x2, *args, out, m, n, k, x2.stride(0), *w_strides, out.stride(0), next_pow2(m), next_pow2(n),
