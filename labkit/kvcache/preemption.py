@@ -34,7 +34,7 @@ from labkit.kvcache.swap import SwapSpace
 PREEMPTION_MODES = ("recompute", "swap")
 
 
-@dataclass
+@dataclass(eq=False)  # requests are compared by identity (list.remove must find this one, not an equal one)
 class Request:
     """One prompt to continue for ``max_new_tokens`` tokens (fewer if the end-of-sequence token comes)."""
 
