@@ -56,7 +56,7 @@ SIZES = {
                 prefix_budget_tokens=65536, run_requests=16, run_prompt_mean=48, run_output_mean=96,
                 run_max_len=384, acc_seq_len=256, acc_windows=32,
                 lat=dict(num_seqs=16, context_len=1024, num_heads=4, num_kv_heads=2, head_dim=64), sample_every=2),
-    "gpu": dict(sim_model="llama-3-8b", sim_requests=10000, sim_budget_tokens=None, sweep_requests=600,
+    "gpu": dict(sim_model="llama-3-8b", sim_requests=8000, sim_budget_tokens=None, sweep_requests=600,
                 sweep_budget_tokens=None, sweep_blocks=[1, 2, 4, 8, 16, 32, 64, 128, 256], prefix_requests=600,
                 prefix_budget_tokens=None, run_requests=16, run_prompt_mean=48, run_output_mean=96,
                 run_max_len=384, acc_seq_len=512, acc_windows=64,
