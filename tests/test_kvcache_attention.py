@@ -109,3 +109,22 @@ def test_triton_kernel_matches_reference_when_present():
     args = (q, cache.k_caches[0], cache.v_caches[0], cache.block_tables(ids), cache.context_lens(ids))
     out, ref = decode_attention(*args, backend="triton"), decode_attention(*args, backend="torch")
     assert relative_error(out, ref) <= 1e-5  # float32 (the kernel keeps fp32 dots exact)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantised_decode_with_scales_matches_dequantise_first(kv_dtype):
+    cache, _ = _filled_cache([7, 30], 2, 32, 8, seed=10, kv_dtype=kv_dtype)
+    ids = [0, 1]
+    q = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(11))
+    tables, lens = cache.block_tables(ids), cache.context_lens(ids)
+    k, v, t = dequantised_blocks(cache, 0, tables, torch.float32)
+    ref = decode_attention(q, k, v, t, lens, backend="torch")
+    scales = {"k_scale": cache.k_scales[0], "v_scale": cache.v_scales[0]}
+    out = decode_attention(q, cache.k_caches[0], cache.v_caches[0], tables, lens, backend="torch", **scales)
+    assert relative_error(out, ref) <= 1e-6
+    kernel = _triton_paged_attention()
+    if kernel is not None and "k_scale" in __import__("inspect").signature(kernel).parameters:
+        tri = decode_attention(q, cache.k_caches[0], cache.v_caches[0], tables, lens, backend="triton", **scales)
+        assert relative_error(tri, ref) <= 1e-5
+    with pytest.raises(ValueError, match="k_scale and v_scale must be given together"):
+        decode_attention(q, cache.k_caches[0], cache.v_caches[0], tables, lens, k_scale=scales["k_scale"])

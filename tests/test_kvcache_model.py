@@ -139,3 +139,24 @@ def test_cuda_runner_matches_hf_and_the_kernel_path(model_tok, prompts):
                 assert o == ref[0, len(p):].tolist(), backend
     finally:
         model.to("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_cuda_quantised_decode_kernel_matches_torch_path(model_tok, prompts, kv_dtype):
+    """int8/fp8 pools go to the Triton kernel with their scales; the torch path dequantises first."""
+    model, _ = model_tok
+    model = model.to("cuda")
+    try:
+        logits = {}
+        for backend in ("torch", "auto"):
+            cache = PagedKVCache.for_model(model, num_blocks=40, block_size=16, kv_dtype=kv_dtype)
+            runner = PagedModelRunner(model, cache, attention_backend=backend)
+            for i, p in enumerate(prompts):
+                cache.allocate(i, p)
+            first = runner.forward(prepare_step(cache, [0, 1, 2]))
+            logits[backend] = runner.decode([0, 1, 2], first.argmax(-1).tolist())
+        assert relative_error(logits["auto"], logits["torch"]) <= 1e-4
+    finally:
+        model.to("cpu")

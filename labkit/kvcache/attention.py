@@ -5,15 +5,20 @@
   prefix.
 * ``decode_attention``: one query per sequence; the Triton ``paged_attention`` kernel of
   ``labkit.kernels.paged_attention`` on CUDA where it exists, else ``paged_attention_ref`` from the same file.
-* ``dequantised_blocks``: for int8/fp8 caches, the blocks a batch reads, dequantised, with block tables
-  remapped onto them; the attention functions then run unchanged (dequantise on read).
+* ``decode_attention`` reads int8/fp8 caches directly in the kernel (dequantised in registers); elsewhere
+  ``dequantised_blocks`` / ``dequantise_gathered`` give the blocks a batch reads, dequantised, with block tables
+  remapped onto them, and the torch references run unchanged (dequantise on read).
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from labkit.kernels.paged_attention import paged_attention_ref
+from labkit.kvcache.paged import raw
+from labkit.kvcache.quant import dequantize_kv
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -58,29 +63,58 @@ def _triton_paged_attention():
     return getattr(mod, "paged_attention", None)
 
 
+def _takes_scales(kernel) -> bool:
+    return "k_scale" in inspect.signature(kernel).parameters
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float | None = None,
-                     backend: str = "auto") -> torch.Tensor:
+                     backend: str = "auto", k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention, ``q`` ``[num_seqs, num_heads, head_dim]``; ``backend`` 'auto' (Triton on CUDA when
-    available, else torch), 'torch' or 'triton' (an error if the kernel does not exist)."""
+    available, else torch), 'torch' or 'triton' (an error if the kernel does not exist).
+
+    int8/fp8 caches come with ``k_scale``/``v_scale`` float32 ``[num_blocks, block_size, num_kv_heads]``: the
+    Triton kernel dequantises them in registers (reading one byte per element); the torch path first
+    dequantises the blocks the batch names (``dequantise_gathered``).
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is unknown; allowed: {BACKENDS}")
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("k_scale and v_scale must be given together (int8/fp8 caches) or not at all")
     kernel = _triton_paged_attention() if backend != "torch" else None
     if backend == "triton" and kernel is None:
         raise ValueError("backend='triton': labkit.kernels.paged_attention has no Triton paged_attention "
                          "kernel; use 'auto' or 'torch'")
-    if kernel is not None and (backend == "triton" or q.is_cuda) and k_cache.dtype == q.dtype:
-        return kernel(q, k_cache, v_cache, block_tables, context_lens, scale=scale)
+    quant = k_scale is not None
+    fits = kernel is not None and (k_cache.dtype == q.dtype or (quant and _takes_scales(kernel)))
+    if kernel is not None and (backend == "triton" or q.is_cuda) and fits:
+        extra = {"k_scale": k_scale, "v_scale": v_scale} if quant else {}
+        return kernel(q, k_cache, v_cache, block_tables, context_lens, scale=scale, **extra)
+    if quant:
+        k_cache, v_cache, block_tables = dequantise_gathered(k_cache, v_cache, k_scale, v_scale, block_tables,
+                                                             q.dtype)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale=scale)
+
+
+def dequantise_gathered(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                        v_scale: torch.Tensor | None, block_tables: torch.Tensor,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(k, v, block_tables)``: only the blocks named in ``block_tables`` (padding included, harmlessly),
+    dequantised (or cast) to ``dtype``, and the tables renumbered to index them."""
+    used = block_tables.flatten().unique().long()
+    ks = None if k_scale is None else k_scale[used]
+    vs = None if v_scale is None else v_scale[used]
+    k = dequantize_kv(raw(k_cache)[used].view(k_cache.dtype), ks, dtype)
+    v = dequantize_kv(raw(v_cache)[used].view(v_cache.dtype), vs, dtype)
+    lut = torch.zeros(k_cache.shape[0], dtype=torch.int32, device=block_tables.device)
+    lut[used] = torch.arange(used.numel(), dtype=torch.int32, device=block_tables.device)
+    return k, v, lut[block_tables.long()]
 
 
 def dequantised_blocks(cache, layer: int, block_tables: torch.Tensor,
                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(k, v, block_tables)`` for attention over a quantised cache: only the blocks named in
-    ``block_tables`` (padding included, harmlessly), dequantised to ``dtype``, and the tables renumbered to
-    index them."""
-    used = block_tables.flatten().unique()
-    k, v = cache.read_blocks(layer, used, dtype)
-    lut = torch.zeros(cache.num_blocks, dtype=torch.int32, device=block_tables.device)
-    lut[used.long()] = torch.arange(used.numel(), dtype=torch.int32, device=block_tables.device)
-    return k, v, lut[block_tables.long()]
+    """``dequantise_gathered`` for one layer of a ``PagedKVCache`` (any format)."""
+    q = cache.fmt.quantised
+    return dequantise_gathered(cache.k_caches[layer], cache.v_caches[layer], cache.k_scales[layer] if q else None,
+                               cache.v_scales[layer] if q else None, block_tables, dtype)

@@ -149,13 +149,15 @@ class PagedModelRunner:
 
     def _attend(self, i: int, q: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         cache, tables = self.cache, batch.block_tables
+        if batch.is_decode:  # int8/fp8 pools go to the kernel as they are, with their scales
+            quant = cache.fmt.quantised
+            return decode_attention(q, cache.k_caches[i], cache.v_caches[i], tables, batch.context_lens, self.scale,
+                                    self.attention_backend, k_scale=cache.k_scales[i] if quant else None,
+                                    v_scale=cache.v_scales[i] if quant else None)
         if cache.fmt.quantised or cache.fmt.storage_dtype != q.dtype:
             k_cache, v_cache, tables = dequantised_blocks(cache, i, tables, q.dtype)
         else:
             k_cache, v_cache = cache.k_caches[i], cache.v_caches[i]
-        if batch.is_decode:
-            return decode_attention(q, k_cache, v_cache, tables, batch.context_lens, self.scale,
-                                    self.attention_backend)
         return paged_prefill_attention_ref(q, k_cache, v_cache, tables, batch.query_start_loc,
                                            batch.context_lens, self.scale)
 

@@ -81,10 +81,13 @@ def _window_logits(runner: PagedModelRunner, windows: list[list[int]]) -> torch.
 
 def attention_latency(kv_dtype: str, num_seqs: int, context_len: int, num_heads: int, num_kv_heads: int,
                       head_dim: int, block_size: int = 16, dtype: torch.dtype = torch.bfloat16,
-                      device: str | torch.device = "cpu", backend: str = "auto", iters: int = 20, seed: int = 0):
+                      device: str | torch.device = "cpu", backend: str = "auto", fused: bool = True,
+                      iters: int = 20, seed: int = 0):
     """Time one layer's decode attention over a paged cache stored in ``kv_dtype``, the way the runner does it.
 
-    Quantised formats are dequantised on read (the blocks the batch names, to ``dtype``) before the attention.
+    Quantised formats go to ``decode_attention`` with their scales (``fused``: the Triton kernel on CUDA reads
+    8-bit K/V and dequantises in registers; the torch path dequantises first), or, with ``fused=False``, are
+    always dequantised to ``dtype`` (the blocks the batch names) before the attention.
     Returns ``(timing, bytes_read)``: a ``labkit.bench.Timing`` and the cache bytes one call must read (K, V and
     scales of ``num_seqs * context_len`` tokens), the floor against which the time is judged.
     """
@@ -103,11 +106,13 @@ def attention_latency(kv_dtype: str, num_seqs: int, context_len: int, num_heads:
     q = torch.randn(num_seqs, num_heads, head_dim, generator=g, device=device).to(dtype)
     tables, lens = cache.block_tables(ids), cache.context_lens(ids)
 
+    quant = cache.fmt.quantised
+    scales = {"k_scale": cache.k_scales[0], "v_scale": cache.v_scales[0]} if quant else {}
+
     def step():
-        if cache.fmt.quantised or cache.fmt.storage_dtype != dtype:
-            k_cache, v_cache, t = dequantised_blocks(cache, 0, tables, dtype)
-        else:
-            k_cache, v_cache, t = cache.k_caches[0], cache.v_caches[0], tables
+        if fused and (quant or cache.fmt.storage_dtype == dtype):
+            return decode_attention(q, cache.k_caches[0], cache.v_caches[0], tables, lens, backend=backend, **scales)
+        k_cache, v_cache, t = dequantised_blocks(cache, 0, tables, dtype)
         return decode_attention(q, k_cache, v_cache, t, lens, backend=backend)
 
     bytes_read = num_seqs * context_len * cache.bytes_per_token
