@@ -103,7 +103,7 @@ def tp_check(rank: int, world_size: int, prompt_ids: torch.Tensor, max_new_token
     """Hand-written TP of the embedded model against the same model unsharded, on every rank.
 
     Returns the logits' relative error, greedy tokens of both, the collectives of one forward (calls per op),
-    gradient errors of a few sharded weights (``check_grad``) and, with ``time_iters``, forward seconds of both.
+    gradient errors of a few sharded weights (``check_grad``) and, with ``time_iters``, the TP forward's seconds.
     """
     from labkit.parallel.tensor_parallel import head_rows, shard_range, tensor_parallel
 
@@ -114,9 +114,6 @@ def tp_check(rank: int, world_size: int, prompt_ids: torch.Tensor, max_new_token
         ref_logits = model(ids).logits
     ref_tokens = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
     out = {"rank": rank}
-    if time_iters:
-        with torch.no_grad():
-            out["single_s"] = _timed(lambda: model(ids), time_iters)
     if check_grad:
         ref_grads = _grads(model, ids)
         model.zero_grad(set_to_none=True)
