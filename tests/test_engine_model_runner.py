@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from labkit.data import sample_prompts
-from labkit.engine.model_runner import ModelRunner, default_graph_batch_sizes
+from labkit.engine.model_runner import ModelRunner, default_graph_batch_sizes, paged_decode_attention_torch
 from labkit.evaluate import relative_error
+from labkit.kernels.paged_attention import paged_attention_ref
 from labkit.kvcache import PagedKVCache
 
 
@@ -46,6 +47,21 @@ def run_steps(runner, cache, prompts):
     logits = runner.execute([0, 1, 2], [1, 1, len(prompts[2])], 2)
     out.append((logits, [prompts[0] + nxt[:1], prompts[1] + nxt[1:], prompts[2]]))
     return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_torch_decode_attention_matches_reference(dtype):
+    g = torch.Generator().manual_seed(7)
+    num_blocks, bs, kvh, d, heads = 23, 5, 3, 24, 6
+    k = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
+    v = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
+    q = torch.randn(4, heads, d, generator=g).to(dtype)
+    ctx = torch.tensor([1, 13, 5, 22], dtype=torch.int32)
+    tables = torch.randperm(num_blocks, generator=g)[:20].view(4, 5).int()
+    out = torch.full_like(q, float("nan"))
+    out[:] = paged_decode_attention_torch(q, k, v, tables, ctx, 0.3)
+    ref = paged_attention_ref(q, k, v, tables, ctx, scale=0.3)
+    assert relative_error(out.float(), ref.float()) <= (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 def test_chunked_and_mixed_steps_match_hf_forward(tiny_model, prompts):

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from labkit.kernels.paged_attention import paged_attention_ref
 from labkit.kvcache.attention import dequantised_blocks, paged_prefill_attention_ref
 from labkit.kvcache.paged import PagedKVCache
 
@@ -300,7 +299,7 @@ class ModelRunner:
             from labkit.kernels.paged_attention import paged_attention
 
             return paged_attention(q, k_cache, v_cache, tables, ctx, scale=self.scale)
-        return paged_attention_ref(q, k_cache, v_cache, tables, ctx, scale=self.scale)
+        return paged_decode_attention_torch(q, k_cache, v_cache, tables, ctx, self.scale)
 
     def _prefill_attention_triton(self, i: int, q, k, v, inp: ModelInput, out: torch.Tensor) -> None:
         """Per prefill chunk: ``flash_attention`` of its queries over its context (bottom-right causal). A chunk
@@ -357,6 +356,14 @@ class ModelRunner:
         return ModelInput([], s.input_ids[:bs], s.positions[:bs], s.slot_mapping[:bs], s.block_tables[:bs],
                           s.context_lens[:bs], [1] * bs, [1] * bs, [], bs)
 
+    def replay_graph(self, batch_size: int) -> torch.Tensor:
+        """Replay the captured step of ``batch_size`` on whatever its static buffers hold (the last step's inputs:
+        the same slots are rewritten with the same K/V), for timing the device alone. Returns its logits."""
+        if batch_size not in getattr(self, "_graphs", {}):
+            raise ValueError(f"batch_size={batch_size} has no captured graph; captured: {self.graph_batch_sizes}")
+        self._graphs[batch_size].replay()
+        return self._graph_logits[batch_size]
+
     def _replay(self, inp: ModelInput, bs: int) -> torch.Tensor:
         s = self._static
         for dst, src in ((s.input_ids, inp.input_ids), (s.positions, inp.positions),
@@ -365,6 +372,23 @@ class ModelRunner:
             dst[:bs].copy_(src)
         self._graphs[bs].replay()
         return self._graph_logits[bs]
+
+
+def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention in plain torch, batched (no loop over sequences): gather every row's blocks, mask past
+    its context, softmax in float32. ``q`` ``[num_seqs, heads, head_dim]``; pools ``[num_blocks, block_size,
+    kv_heads, head_dim]``; ``block_tables`` int ``[num_seqs, width]``; ``context_lens`` int ``[num_seqs]``.
+    Returns ``[num_seqs, heads, head_dim]`` in ``q``'s dtype (``paged_attention_ref`` is its reference)."""
+    s, h, d = q.shape
+    _, bs, kvh, _ = k_cache.shape
+    n = block_tables.shape[1] * bs
+    k = k_cache[block_tables.long()].view(s, n, kvh, d).float()
+    v = v_cache[block_tables.long()].view(s, n, kvh, d).float()
+    scores = torch.einsum("skgd,snkd->skgn", q.view(s, kvh, h // kvh, d).float(), k) * scale
+    past = torch.arange(n, device=q.device)[None, :] >= context_lens[:, None]  # [s, n]
+    p = scores.masked_fill(past[:, None, None, :], float("-inf")).softmax(dim=-1)
+    return torch.einsum("skgn,snkd->skgd", p, v).reshape(s, h, d).to(q.dtype)
 
 
 def cache_name(cache: PagedKVCache) -> str:

@@ -1,0 +1,166 @@
+"""``python -m labkit bench serve|decode ...``: the serving engine benchmarked from the command line.
+
+    bench serve   a workload (Poisson arrivals, prompt and output lengths from distributions) served by each
+                  scheduler at each rate; prints latency percentiles and throughput, writes a record
+    bench decode  steady-state decode tokens/s at given batch sizes, with the bandwidth floor and MBU
+
+Examples::
+
+    python -m labkit bench serve --num-requests 32 --rate 2 8 inf
+    python -m labkit bench serve --model llama-3-8b --num-requests 1000 --prompt-len 512 --output-mean 128 \\
+        --rate inf --scheduler continuous --max-num-seqs 256 --max-num-batched-tokens 8192
+    python -m labkit bench decode --model llama-3-8b --batch 1 16 64 --context 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+
+from labkit.engine.scheduler import SCHEDULERS
+
+DTYPES = ("auto", "fp32", "bf16", "fp16")
+
+
+def _load(args):
+    """``(model, tokenizer, token source, label)`` for ``--model``: 'embedded', a preset (random weights) or a
+    checkpoint directory."""
+    from labkit.data import split_tokens
+    from labkit.device import resolve_device
+    from labkit.models import EMBEDDED_MODEL, PRESETS, load_model, random_model
+
+    device = resolve_device(args.device)
+    if args.model in PRESETS:
+        dtype = "bf16" if args.dtype == "auto" else args.dtype
+        model = random_model(args.model, device=device, dtype=dtype, seed=args.seed)
+        return model, None, model.config.vocab_size, f"{args.model} (random weights, {dtype})"
+    dtype = ("fp32" if device.type == "cpu" else "bf16") if args.dtype == "auto" else args.dtype
+    model, tok = load_model(None if args.model == "embedded" else args.model, device=device, dtype=dtype)
+    label = f"{EMBEDDED_MODEL if args.model == 'embedded' else args.model} ({dtype})"
+    return model, tok, split_tokens("heldout", tok), label
+
+
+def _engine_kwargs(args) -> dict:
+    return dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                chunked_prefill=not args.no_chunked_prefill, block_size=args.block_size, num_blocks=args.num_blocks,
+                kernels=args.kernels, cuda_graphs=False if args.no_cuda_graphs else "auto", seed=args.seed,
+                max_model_len=args.max_model_len)
+
+
+def _serve(args) -> int:
+    import pandas as pd
+
+    from labkit.bench import write_record
+    from labkit.engine.experiments import serve_sweep
+    from labkit.engine.metrics import SLO
+    from labkit.engine.workload import LengthDist, make_workload
+
+    model, _, source, label = _load(args)
+    prompt = LengthDist.fixed(args.prompt_len) if args.prompt_max is None else \
+        LengthDist.uniform(args.prompt_len, args.prompt_max)
+    output = LengthDist.exponential(args.output_mean, low=1, high=args.output_max)
+    workload = make_workload(args.num_requests, 1.0, prompt, output, source, seed=args.seed)
+    longest = max(r.prompt_len + r.max_new_tokens for r in workload)
+    base = _engine_kwargs(args)
+    base["max_model_len"] = base["max_model_len"] or longest
+    names = SCHEDULERS if args.scheduler == "all" else (args.scheduler,)
+    policies = {n: dict(base, scheduler=n) for n in names}
+    slo = SLO(args.slo_ttft, args.slo_tpot)
+    rows = serve_sweep(model, workload, policies, args.rate, slo=slo, progress=not args.no_progress)
+    cols = ["policy", "rate_req_s", "output_tok_s", "requests_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
+            "tpot_p99_s", "e2e_p99_s", "goodput_requests_s", "busy_frac", "preemptions", "peak_kv_bytes"]
+    print(f"{label}: {len(workload)} requests, prompts {prompt.describe()}, outputs {output.describe()}")
+    print(pd.DataFrame(rows)[cols].to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+    path = write_record(args.name, {"model": label, "workload": {"n": len(workload), "prompt": prompt.describe(),
+                                                                 "output": output.describe(), "seed": args.seed},
+                                    "policies": policies, "slo": slo.__dict__, "rows": rows}, out_dir=args.out)
+    print(f"record: {path}")
+    return 0
+
+
+def _decode(args) -> int:
+    from labkit.bench import write_record
+    from labkit.engine.experiments import decode_rate
+    from labkit.hardware import measure_ceilings
+    from labkit.models import get_spec
+
+    model, _, source, label = _load(args)
+    spec, dtype = get_spec(model), next(model.parameters()).dtype
+    bw = measure_ceilings(iters=5)["copy_bytes_per_s"]
+    rows = []
+    for b in args.batch:
+        kw = _engine_kwargs(args)
+        kw.update(max_num_seqs=b, max_num_batched_tokens=max(b, 8192), max_model_len=None)
+        r = decode_rate(model, b, args.context, args.steps, source, **kw)
+        floor_bytes = spec.decode_weight_bytes(dtype) + b * spec.kv_bytes(r["context"], dtype)
+        r.update(floor_s=floor_bytes / bw, mbu=floor_bytes * r["tok_s"] / b / bw)
+        rows.append(r)
+        replay = f", replayed step {r['replay_step_s'] * 1e3:.3f} ms" if r["replay_step_s"] else ""
+        print(f"{label} batch {b}: {r['tok_s']:.1f} tokens/s ({r['step_median_s'] * 1e3:.3f} ms/step{replay}); "
+              f"floor {r['floor_s'] * 1e3:.3f} ms -> MBU {r['mbu']:.2f}")
+    path = write_record(args.name, {"model": label, "bandwidth_bytes_per_s": bw, "rows": rows}, out_dir=args.out)
+    print(f"record: {path}")
+    return 0
+
+
+def _rates(s: str) -> float:
+    return math.inf if s == "inf" else float(s)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m labkit bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--model", default="embedded", help="'embedded', a preset (random weights) or a path")
+    common.add_argument("--dtype", default="auto", choices=DTYPES)
+    common.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    common.add_argument("--max-num-seqs", type=int, default=32)
+    common.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    common.add_argument("--max-model-len", type=int, default=None)
+    common.add_argument("--block-size", type=int, default=16)
+    common.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
+    common.add_argument("--kernels", default="auto", choices=("auto", "torch", "triton"))
+    common.add_argument("--no-chunked-prefill", action="store_true")
+    common.add_argument("--no-cuda-graphs", action="store_true")
+    common.add_argument("--seed", type=int, default=0)
+    common.add_argument("--out", default=None, help="output folder for the record (default $LABKIT_OUT or out/local)")
+    common.add_argument("--no-progress", action="store_true")
+    s = sub.add_parser("serve", parents=[common], help="serve a workload under each scheduler and rate")
+    s.add_argument("--scheduler", default="all", choices=(*SCHEDULERS, "all"))
+    s.add_argument("--num-requests", type=int, default=32)
+    s.add_argument("--rate", type=_rates, nargs="+", default=[math.inf], help="requests/s; 'inf' = offline")
+    s.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (the minimum with --prompt-max)")
+    s.add_argument("--prompt-max", type=int, default=None, help="uniform prompt lengths up to this")
+    s.add_argument("--output-mean", type=float, default=32, help="mean of the exponential output lengths")
+    s.add_argument("--output-max", type=int, default=None, help="clip output lengths at this")
+    s.add_argument("--slo-ttft", type=float, default=1.0, help="seconds, for goodput")
+    s.add_argument("--slo-tpot", type=float, default=0.1, help="seconds, for goodput")
+    s.add_argument("--name", default="bench_serve", help="record name")
+    s.set_defaults(fn=_serve)
+    d = sub.add_parser("decode", parents=[common], help="steady-state decode tokens/s per batch size")
+    d.add_argument("--batch", type=int, nargs="+", default=[1])
+    d.add_argument("--context", type=int, default=512)
+    d.add_argument("--steps", type=int, default=32)
+    d.add_argument("--name", default="bench_decode", help="record name")
+    d.set_defaults(fn=_decode)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point for ``python -m labkit bench ...`` (``argv`` without the leading 'bench')."""
+    args = _parser().parse_args(argv)
+    for name in ("num_requests", "max_num_seqs", "max_num_batched_tokens", "block_size", "prompt_len", "context",
+                 "steps"):
+        v = getattr(args, name, 1)
+        if v is not None and v < 1:
+            raise SystemExit(f"--{name.replace('_', '-')}={v} must be >= 1")
+    torch.manual_seed(args.seed)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""The measurements of notebook 05 and ``labkit bench serve``: each runs the real engine (or HF ``generate``) and
+returns plain rows, so the notebook only arranges and plots them.
+
+* ``check_greedy_vs_hf``: engine output against HF ``generate`` per prompt, for several engine configurations
+* ``decode_rate``: steady-state decode tokens/s at a batch size through ``LLMEngine.step`` (end to end), and
+  the device time of one captured step replayed alone
+* ``profile_decode``: a profiler trace of decode steps, eager or replayed from CUDA graphs
+* ``serve_sweep``: policies x offered loads on one workload (Poisson arrivals), with latency percentiles,
+  inter-token gaps, throughput, busy fraction and memory
+* ``hf_static_probe`` / ``hf_static_extrapolate``: HF ``generate`` in static batches, measured on one batch and
+  extrapolated to a whole offline workload (for workloads too long to run HF on in full)
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from collections.abc import Sequence
+from functools import partial
+
+import torch
+from tqdm.auto import tqdm
+
+from labkit.bench import time_fn
+from labkit.engine.hf_baseline import run_generate
+from labkit.engine.llm_engine import LLMEngine
+from labkit.engine.metrics import SLO, percentile, summarize
+from labkit.engine.sampling import SamplingParams
+from labkit.engine.workload import LengthDist, RequestSpec, at_rate, make_workload
+from labkit.profiling import ProfileResult, profile_run
+
+
+def free_device_memory() -> None:
+    """Drop unreferenced engines' caches and graphs before the next engine sizes its KV cache."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# --- correctness ------------------------------------------------------------------------------------------------
+def hf_greedy(model, prompt: Sequence[int], max_tokens: int) -> list[int]:
+    """HF ``generate``'s greedy continuation of one prompt alone (EOS ignored)."""
+    dev = next(model.parameters()).device
+    out = model.generate(torch.tensor([list(prompt)], device=dev), max_new_tokens=max_tokens, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def check_greedy_vs_hf(model, prompts: Sequence[Sequence[int]], max_tokens: int, configs: dict[str, dict],
+                       tokenizer=None) -> list[dict]:
+    """For each named engine configuration: do all greedy outputs equal HF ``generate``'s, token for token?"""
+    refs = [hf_greedy(model, p, max_tokens) for p in prompts]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    rows = []
+    for name, kw in configs.items():
+        engine = LLMEngine(model, tokenizer, **kw)
+        outs = engine.generate(prompts, params, progress=False)
+        res = engine.result()
+        same = [o.output_token_ids == r for o, r in zip(outs, refs)]
+        rows.append({"config": name, "requests": len(prompts), "equal_to_hf": sum(same), "all_equal": all(same),
+                     "preemptions": res.stats["preemptions"], "steps": res.stats["steps"],
+                     "prefix_hit_tokens": res.stats["prefix_hit_tokens"],
+                     "max_batch": max(res.stats["step_seqs"]), "kernels": "triton" if engine.runner.use_triton
+                     else "torch", "cuda_graph_steps": res.stats["graph_steps"]})
+        del engine
+        free_device_memory()
+    return rows
+
+
+# --- decode speed -----------------------------------------------------------------------------------------------
+def _prompts(n: int, length: int, source, seed: int) -> list[list[int]]:
+    wl = make_workload(n, math.inf, LengthDist.fixed(length), LengthDist.fixed(1), source, seed=seed)
+    return [list(r.prompt_ids) for r in wl]
+
+
+def _prefilled_engine(model, batch_size: int, context: int, max_tokens: int, source, seed: int,
+                      **engine_kwargs) -> LLMEngine:
+    """An engine holding ``batch_size`` requests of ``context``-token prompts, all prefilled (first token out)."""
+    kw = dict(max_num_seqs=batch_size, max_num_batched_tokens=max(batch_size, min(batch_size * context, 8192)),
+              max_model_len=context + max_tokens + 1)
+    kw.update(engine_kwargs)
+    engine = LLMEngine(model, **kw)
+    engine.reset()
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for p in _prompts(batch_size, context, source, seed):
+        engine.add_request(p, params)
+    while any(s.num_output_tokens == 0 for s in engine.seqs.values()):
+        engine.step()
+    return engine
+
+
+def decode_rate(model, batch_size: int, context: int, steps: int, source, warmup: int = 3, seed: int = 0,
+                replay: bool = True, **engine_kwargs) -> dict:
+    """Decode tokens/s at ``batch_size`` sequences of ``context`` prompt tokens, timed over ``steps`` steps of
+    ``LLMEngine.step`` (scheduling, input preparation, the forward, sampling: end to end), after ``warmup``.
+    On CUDA with graphs, ``replay_step_s`` is also the median device time of the captured step replayed alone."""
+    engine = _prefilled_engine(model, batch_size, context, warmup + steps + 2, source, seed, **engine_kwargs)
+    for _ in range(warmup):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    row = {"batch": batch_size, "context": context + warmup + steps // 2, "steps": steps,
+           "tok_s": batch_size * steps / sum(times), "step_median_s": sorted(times)[len(times) // 2],
+           "cuda_graphs": bool(engine.runner.graph_batch_sizes), "kernels": "triton" if engine.runner.use_triton
+           else "torch", "replay_step_s": None}
+    if replay and engine.runner.graph_batch_sizes:
+        bs = min(b for b in engine.runner.graph_batch_sizes if b >= batch_size)
+        replay_fn = partial(engine.runner.replay_graph, bs)
+        row["replay_step_s"] = time_fn(replay_fn, device=engine.device, warmup=3, iters=max(steps, 10)).median_s
+        del replay_fn
+    del engine
+    free_device_memory()
+    return row
+
+
+def _steps(engine: LLMEngine, n: int) -> None:
+    for _ in range(n):
+        engine.step()
+
+
+def profile_decode(model, batch_size: int, context: int, steps: int, source, cuda_graphs: bool,
+                   trace_path: str | None = None, seed: int = 0, **engine_kwargs) -> ProfileResult:
+    """A profiler trace of ``steps`` decode steps of the engine, eager or from CUDA graphs."""
+    engine = _prefilled_engine(model, batch_size, context, 2 * steps + 4, source, seed, cuda_graphs=cuda_graphs,
+                               **engine_kwargs)
+    run = partial(_steps, engine, steps)
+    result = profile_run(run, steps=steps, trace_path=trace_path, warmup=1)
+    del run, engine
+    free_device_memory()
+    return result
+
+
+# --- serving ----------------------------------------------------------------------------------------------------
+def token_gaps(metrics) -> list[float]:
+    """Every gap between consecutive tokens of a request (the inter-token latency a user sees), all requests."""
+    return [b - a for m in metrics for a, b in zip(m.token_times_s, m.token_times_s[1:])]
+
+
+def serve_row(result, slo: SLO | None = None) -> dict:
+    """``summarize``'s latency and throughput figures plus inter-token gaps, busy fraction, preemptions, memory."""
+    s = summarize(result.metrics, slo)
+    gaps = token_gaps(result.metrics)
+    st = result.stats
+    s.update(itl_p50_s=percentile(gaps, 50), itl_p99_s=percentile(gaps, 99), itl_max_s=max(gaps, default=math.nan),
+             busy_frac=st["busy_frac"], steps=st["steps"], preemptions=st["preemptions"],
+             mean_batch=sum(st["step_seqs"]) / max(1, st["steps"]), peak_kv_bytes=st["peak_kv_bytes"],
+             kv_capacity_bytes=st["kv_capacity_bytes"], peak_device_bytes=st["peak_device_bytes"],
+             graph_steps=st["graph_steps"])
+    return s
+
+
+def serve_sweep(model, workload: list[RequestSpec], policies: dict[str, dict], rates: Sequence[float],
+                slo: SLO | None = None, progress: bool = True, seed: int = 0) -> list[dict]:
+    """Serve ``workload`` at each arrival rate (requests/s; ``math.inf``: all at once) under each policy (engine
+    keyword arguments). One engine per policy, reused across rates. Returns one row per (policy, rate)."""
+    rows = []
+    for name, kw in policies.items():
+        engine = LLMEngine(model, **kw)
+        for rate in tqdm(rates, desc=name, disable=not progress):
+            res = engine.serve(at_rate(workload, rate, seed=seed), progress=False)
+            rows.append({"policy": name, "rate_req_s": rate, **serve_row(res, slo)})
+        del engine
+        free_device_memory()
+    return rows
+
+
+# --- HF generate in static batches --------------------------------------------------------------------------------
+def hf_static_probe(model, workload: list[RequestSpec], batch_size: int, probe_tokens: int,
+                    pad_token_id: int = 0) -> dict:
+    """Time HF ``generate`` on the first ``batch_size`` prompts of ``workload`` for ``probe_tokens`` tokens:
+    prefill (first token) and the mean decode step after it."""
+    prompts = [r.prompt_ids for r in workload[:batch_size]]
+    run_generate(model, prompts[:1], 2, pad_token_id)  # warm-up
+    ex, _ = run_generate(model, prompts, probe_tokens, pad_token_id)
+    step = (ex.token_times_s[-1] - ex.token_times_s[0]) / (len(ex.token_times_s) - 1)
+    return {"batch_size": len(prompts), "probe_tokens": probe_tokens, "prefill_s": ex.first_token_s,
+            "step_s": step, "total_s": ex.total_s}
+
+
+def hf_static_extrapolate(workload: list[RequestSpec], probe: dict) -> dict:
+    """Seconds HF ``generate`` would take to serve ``workload`` offline in static batches of the probe's size, in
+    arrival order: per batch, the probe's prefill (scaled by the batch's share of prompt tokens) plus one probe
+    step per token of its longest request after the first.
+
+    The probe's step is measured at the prompt's context; steps later in a batch attend to longer contexts and
+    are slower, so this under-estimates HF's time (the engine's speed-up over it is conservative)."""
+    b = probe["batch_size"]
+    order = sorted(workload, key=lambda r: (r.arrival_s, r.request_id))
+    total, tokens = 0.0, 0
+    probe_prompt_tokens = sum(r.prompt_len for r in order[:b])
+    for i in range(0, len(order), b):
+        batch = order[i:i + b]
+        total += probe["prefill_s"] * sum(r.prompt_len for r in batch) / probe_prompt_tokens
+        total += probe["step_s"] * (max(r.max_new_tokens for r in batch) - 1)
+        tokens += sum(r.max_new_tokens for r in batch)
+    return {"batches": -(-len(order) // b), "total_s": total, "output_tokens": tokens, "output_tok_s": tokens / total}

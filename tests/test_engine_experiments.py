@@ -1,0 +1,72 @@
+"""The notebook's measurement helpers on the embedded model at toy sizes: rows have the promised fields and
+consistent counts; the HF static-batch extrapolation's arithmetic; no speed is asserted."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from labkit.engine.bench import main as bench_main
+from labkit.engine.experiments import check_greedy_vs_hf, decode_rate, hf_static_extrapolate, serve_sweep, token_gaps
+from labkit.engine.metrics import SLO, RequestMetrics
+from labkit.engine.workload import LengthDist, RequestSpec, make_workload
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_hf_static_extrapolation_arithmetic():
+    wl = [RequestSpec(i, 0.0, (1,) * (4 if i < 3 else 2), m) for i, m in enumerate([5, 9, 2, 7, 3])]
+    probe = {"batch_size": 3, "prefill_s": 0.6, "step_s": 0.1}
+    est = hf_static_extrapolate(wl, probe)
+    # batch 1: 12 prompt tokens (the probe's) -> 0.6 s + 8 steps; batch 2: 4 tokens -> 0.2 s + 6 steps
+    assert est["batches"] == 2 and est["total_s"] == pytest.approx(0.6 + 0.8 + 0.2 + 0.6)
+    assert est["output_tokens"] == 26 and est["output_tok_s"] == pytest.approx(26 / 2.2)
+
+
+def test_token_gaps():
+    m = RequestMetrics(0, 0.0, 1.0, 2.5, 3, 3, [1.0, 1.5, 2.5])
+    assert token_gaps([m, RequestMetrics(1, 0.0, 1.0, 1.0, 3, 1, [1.0])]) == [0.5, 1.0]
+
+
+def test_greedy_check_decode_rate_and_sweep(tiny_model):
+    model, tok = tiny_model
+    source = torch.arange(100, 6000)
+    prompts = [list(range(200, 213)), list(range(300, 305))]
+    rows = check_greedy_vs_hf(model, prompts, 4, {"fifo": dict(scheduler="fifo"),
+                                                   "continuous": dict(max_num_seqs=2, max_num_batched_tokens=8)})
+    assert [r["all_equal"] for r in rows] == [True, True] and rows[1]["max_batch"] == 2
+    r = decode_rate(model, 2, 9, 3, source)
+    assert r["tok_s"] > 0 and r["replay_step_s"] is None and not r["cuda_graphs"] and r["kernels"] == "torch"
+    wl = make_workload(5, 1.0, LengthDist.uniform(3, 12), LengthDist.exponential(3, high=6), source, seed=1)
+    rows = serve_sweep(model, wl, {"fifo": dict(scheduler="fifo"), "static": dict(scheduler="static",
+                                                                                   static_batch_size=2)},
+                       [5.0, math.inf], slo=SLO(10.0, 10.0), progress=False)
+    assert [(r["policy"], r["rate_req_s"]) for r in rows] == [("fifo", 5.0), ("fifo", math.inf), ("static", 5.0),
+                                                               ("static", math.inf)]
+    for row in rows:
+        assert row["requests"] == 5 and row["output_tokens"] == sum(w.max_new_tokens for w in wl)
+        assert row["slo_attained_frac"] == 1.0 and 0 < row["busy_frac"] <= 1 + 1e-9
+        assert row["peak_kv_bytes"] <= row["kv_capacity_bytes"]
+    assert rows[1]["mean_batch"] == 1 and rows[3]["mean_batch"] > 1
+
+
+def test_bench_cli_writes_records(tmp_path):
+    args = ["--num-requests", "3", "--prompt-len", "6", "--prompt-max", "20", "--output-mean", "3", "--output-max",
+            "5", "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--out", str(tmp_path), "--no-progress"]
+    assert bench_main(["serve", "--rate", "3", "inf", *args]) == 0
+    rec = json.loads((tmp_path / "records" / "bench_serve.json").read_text())
+    assert len(rec["data"]["rows"]) == 6 and rec["env"]["device"] == "cpu"
+    assert bench_main(["decode", "--batch", "1", "2", "--context", "8", "--steps", "3", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "records" / "bench_decode.json").read_text())["data"]["rows"]
+    assert [r["batch"] for r in rows] == [1, 2] and all(r["mbu"] > 0 for r in rows)
+    with pytest.raises(SystemExit, match="--num-requests=0 must be >= 1"):
+        bench_main(["serve", "--num-requests", "0"])
+    with pytest.raises(SystemExit):
+        bench_main(["serve", "--scheduler", "lifo"])
