@@ -9,7 +9,7 @@ from labkit.kernels.patch import is_patched, patch_model, patch_summary, unpatch
 PROMPT = 'def read_file(path):\n    """Return'
 
 
-def _greedy(model, new_tokens=8, **inputs):
+def _greedy(model, new_tokens=6, **inputs):
     with torch.no_grad():
         return model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
 

@@ -46,7 +46,7 @@ SIZES = {
                 softmax=[(4096, 4096), (4096, 16384), (1024, 65536)],
                 flash=[(4, 32, 8, 4096, 128), (4, 32, 8, 1024, 128), (4, 32, 8, 2048, 128)],
                 paged=[(32, 32, 8, 128, 16, 4096), (32, 32, 8, 128, 16, 1024), (1, 32, 8, 128, 16, 32768)],
-                gemv=[(1, 4096, 14336), (1, 14336, 4096), (4, 4096, 14336), (16, 4096, 14336)]),
+                gemv=[(1, 4096, 14336), (1, 14336, 4096), (1, 4096, 4096), (16, 4096, 14336)]),
 }
 BARS = {"kernels.rmsnorm_bw_frac": ">= 0.90", "kernels.rmsnorm_speedup_vs_eager": ">= 5",
         "kernels.swiglu_bw_frac": ">= 0.85", "kernels.rope_bw_frac": ">= 0.80",
@@ -301,7 +301,8 @@ def run_sweep(profile: str, kernels=KERNELS, dtype: torch.dtype | None = None, c
     return rows
 
 
-def _pick(rows, kernel, impl, shape=None):
+def pick_row(rows: list[dict], kernel: str, impl: str, shape: str | None = None) -> dict | None:
+    """The first row of ``kernel`` / ``impl`` (at ``shape``, written like ``16384x4096``), or None."""
     for r in rows:
         if r["kernel"] == kernel and r["impl"] == impl and (shape is None or r["shape"] == shape):
             return r
@@ -314,11 +315,11 @@ def headline_figures(rows: list[dict], profile: str) -> dict[str, float]:
     figs = {}
 
     def ratio(kernel, slow, fast):
-        a, b = _pick(rows, kernel, slow, head[kernel]), _pick(rows, kernel, fast, head[kernel])
+        a, b = pick_row(rows, kernel, slow, head[kernel]), pick_row(rows, kernel, fast, head[kernel])
         return a["median_us"] / b["median_us"] if a and b else math.nan
 
     def frac(kernel, impl="triton"):
-        r = _pick(rows, kernel, impl, head[kernel])
+        r = pick_row(rows, kernel, impl, head[kernel])
         return r["frac_of_ceiling"] if r else math.nan
 
     figs["kernels.rmsnorm_bw_frac"] = frac("rmsnorm")

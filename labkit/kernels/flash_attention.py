@@ -152,8 +152,8 @@ def _flash_fwd(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, qk_scale, q_len, kv_len, n_
 def _configs() -> list:
     # Hopper: 128-row query tiles with 8 warps keep two warpgroups busy on wgmma; 64-key tiles and 3-4 stages
     # fit the shared memory of d=128 in bf16. Small tiles stay in the list for short sequences and decode.
-    cfgs = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4), (64, 64, 4, 3),
-            (64, 128, 4, 3), (16, 128, 4, 3), (16, 64, 4, 4)]
+    # (a short list: every config is compiled once when a new size is first seen)
+    cfgs = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (16, 128, 4, 3), (16, 64, 4, 3)]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in cfgs]
 
 
@@ -180,7 +180,8 @@ def _check_mask(attn_mask: torch.Tensor, b: int, h: int, s: int, t: int,
         if size not in (1, full):
             raise ValueError(f"attn_mask {tuple(attn_mask.shape)} must broadcast to [B, H, S, T] = "
                              f"[{b}, {h}, {s}, {t}]: its {what} dim is {size}, allowed 1 or {full}")
-    return attn_mask.expand(b, h, s, t)  # stride 0 on broadcast dims: no copy
+    # stride 0 on broadcast dims (no copy); read as bytes: Triton loads uint8 everywhere, i1 pointers vary
+    return attn_mask.expand(b, h, s, t).view(torch.uint8)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,

@@ -151,7 +151,7 @@ def _paged_attn_reduce(part_acc_ptr, part_ml_ptr, out_ptr, n_heads, n_splits, st
 
 def _configs() -> list:
     # memory-bound gathers: enough tokens per step and enough stages to keep loads in flight on Hopper
-    cfgs = [(64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4), (64, 8, 2)]
+    cfgs = [(64, 4, 3), (128, 4, 3), (64, 8, 3), (32, 4, 4)]
     return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n, w, s in cfgs]
 
 

@@ -170,14 +170,13 @@ def _w4_gemm(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_pn,
 # --- autotuning (CUDA) and fixed tiles (interpreter) -----------------------------------------------------
 def _gemv_configs() -> list:
     # H200 GEMV: many small row blocks so every SM streams weights; 16-byte loads along K
-    cfgs = [(16, 512, 4, 3), (32, 256, 4, 3), (32, 512, 8, 3), (8, 1024, 4, 3), (16, 1024, 8, 2),
-            (64, 256, 8, 3), (16, 256, 4, 4), (32, 1024, 8, 2), (8, 512, 4, 4)]
+    cfgs = [(16, 512, 4, 3), (32, 512, 8, 3), (8, 1024, 4, 3), (32, 256, 4, 4), (64, 256, 8, 3), (16, 1024, 8, 2)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for n, k, w, s in cfgs]
 
 
 def _gemm_configs() -> list:
-    cfgs = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
-            (64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 64, 128, 4, 3)]
+    cfgs = [(16, 64, 128, 4, 4), (32, 128, 64, 4, 4), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3),
+            (128, 256, 64, 8, 3)]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_warps=w, num_stages=s)
             for m, n, k, w, s in cfgs]
 

@@ -137,7 +137,7 @@ fusion_rows = []
 for op, (slow, fast) in pairs.items():
     kname = "rmsnorm" if op == "add_rmsnorm" else op
     head = "x".join(map(str, SWEEP[kname][0]))
-    a, b = kb._pick(rows, kname, slow, head), kb._pick(rows, kname, fast, head)
+    a, b = kb.pick_row(rows, kname, slow, head), kb.pick_row(rows, kname, fast, head)
     fusion_rows.append({"operator": op, "shape": head, "eager us": a["median_us"], "triton us": b["median_us"],
                         "measured speed-up": a["median_us"] / b["median_us"],
                         "predicted speed-up": FUSION_BYTES[op]["eager"] / FUSION_BYTES[op]["fused"],
