@@ -63,3 +63,16 @@ def test_nccl_launch_on_the_gpus():
     n = torch.cuda.device_count()
     out = launch(ex.hello, n, backend="nccl")
     assert all(r["sum"] == n * (n + 1) / 2 for r in out)
+
+
+def test_the_same_function_runs_under_torchrun():
+    import subprocess
+    import sys
+
+    from labkit.models import REPO_ROOT
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "labkit.parallel.launch", "labkit.parallel.experiments:hello", "--backend", "gloo"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "'sum': 3.0" in proc.stdout and "'world_size': 2" in proc.stdout

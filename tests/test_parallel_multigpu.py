@@ -78,3 +78,16 @@ def test_script_smoke_on_nccl(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "parallel.nccl_allreduce_busbw_gb_s" in json.loads((tmp_path / "figures.json").read_text())
+
+
+@pytest.mark.gpu
+def test_tp_decode_row_on_the_gpus():
+    """Meta-built random model, CUDA-graph capture of the decode step (with NCCL collectives when >= 2 GPUs)."""
+    from labkit.parallel import launch
+    from labkit.parallel.multigpu import tp_row_check
+
+    n = min(torch.cuda.device_count(), 2)
+    rows = launch(tp_row_check, n, backend="nccl", timeout_s=300)
+    assert rows[0]["graph"] and rows[0]["step_s"] > 0
+    if n > 1:
+        assert 0 <= rows[0]["comm_frac"] <= 1 and rows[0]["split_overlap_s"] > 0

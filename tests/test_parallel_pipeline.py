@@ -82,3 +82,12 @@ def test_pipeline_matches_single_process(world, batch, m, train):
             assert res[f"train_{sched}"]["grad_rel_err_max"] < TOL
     if train:
         assert last["train_1f1b"]["loss_rel_err"] < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_pipeline_on_nccl():
+    prompt = torch.randint(8192, (4, 11), generator=torch.Generator().manual_seed(5))
+    out = launch(pp_check, 2, prompt, max_new_tokens=5, num_microbatches=2, backend="nccl", timeout_s=300)
+    assert out[-1]["logits_rel_err"] < 1e-5
+    assert all(torch.equal(r["tokens"], r["ref_tokens"]) for r in out)

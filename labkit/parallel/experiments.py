@@ -182,3 +182,12 @@ def comm_check(rank: int, world_size: int, sizes: list[int], iters: int = 5, rep
     overlap = comm.measure_overlap(overlap_bytes, overlap_matmul_n, device, iters=max(3, iters))
     return {"rank": rank, "rows": rows, "overlap": overlap}
 
+
+
+def tp_demo(rank: int, world_size: int) -> dict:
+    """``tp_check`` on a fixed prompt, taking only ``(rank, world_size)``: what the ``torchrun`` command line in
+    ``labkit.parallel.launch`` runs."""
+    prompt = torch.randint(8192, (2, 16), generator=torch.Generator().manual_seed(0))
+    res = tp_check(rank, world_size, prompt, max_new_tokens=8, check_grad=False)
+    return {"rank": rank, "world_size": world_size, "logits_rel_err": res["logits_rel_err"],
+            "tokens_equal": bool(torch.equal(res["tokens"], res["ref_tokens"]))}

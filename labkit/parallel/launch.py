@@ -10,11 +10,11 @@ name, and a notebook's ``__main__`` cannot be imported.
 
 The same functions run under ``torchrun``, on one node or many::
 
-    # one node, 4 ranks
-    torchrun --nproc_per_node=4 -m labkit.parallel.launch labkit.parallel.experiments:tp_logits_check
+    # one node, 4 ranks (gloo on CPU, NCCL with GPUs)
+    torchrun --standalone --nproc_per_node=4 -m labkit.parallel.launch labkit.parallel.experiments:tp_demo
     # two nodes of 8 GPUs; run on every node (c10d rendezvous on the first node's address)
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE:29500 \\
-        --rdzv_id=labkit -m labkit.parallel.launch labkit.parallel.experiments:tp_logits_check --backend nccl
+        --rdzv_id=labkit -m labkit.parallel.launch labkit.parallel.experiments:tp_demo --backend nccl
 
 On CPU each rank gets ``threads`` intra-op threads (default 1) so that several ranks on few cores do not thrash.
 NCCL is started with NVLink multicast (NVLS) off, as the project's machines require.
@@ -84,19 +84,16 @@ def rank_device() -> torch.device:
 def init_rank(backend: str, threads: int | None = 1, timeout_s: float = 300.0) -> tuple[int, int]:
     """Join the process group described by the environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``,
     as set by ``launch`` or ``torchrun``); returns ``(rank, world_size)``."""
+    kwargs = {}
     if backend == "nccl":
         os.environ.update(NO_MULTICAST_ENV)
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        kwargs["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(kwargs["device_id"])
     elif threads:
         torch.set_num_threads(threads)
     if not dist.is_initialized():
-        kwargs = {"device_id": rank_device_for(backend)} if backend == "nccl" else {}
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     return dist.get_rank(), dist.get_world_size()
-
-
-def rank_device_for(backend: str) -> torch.device:
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
 
 
 def _worker(local_rank: int, fn: Callable, world_size: int, port: int, backend: str, threads: int | None,
@@ -169,13 +166,16 @@ def _first_failure(out_dir: str, world_size: int, exc: Exception) -> RankError:
     if failed:
         _, r, tb = min(failed)
         return RankError(r, tb)
-    return RankError(getattr(exc, "error_index", -1), str(exc))
+    return RankError(getattr(exc, "error_index", -1),
+                     f"{exc}\n(no rank reported an exception: the process died before or outside fn, e.g. it was "
+                     "killed, or spawn could not re-import the parent's __main__, as for a script read from stdin; "
+                     "see the rank's stderr above)")
 
 
 def resolve_fn(spec: str) -> Callable:
     """``"package.module:function"`` -> the function."""
     if ":" not in spec:
-        raise ValueError(f"fn={spec!r} must be 'module:function', e.g. 'labkit.parallel.experiments:tp_logits_check'")
+        raise ValueError(f"fn={spec!r} must be 'module:function', e.g. 'labkit.parallel.experiments:tp_demo'")
     mod, name = spec.split(":", 1)
     return getattr(importlib.import_module(mod), name)
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from labkit.models import get_spec
 from labkit.parallel import comm, cost_model
+from labkit.parallel.launch import rank_device
 from labkit.parallel.pipeline import build_stage, pipeline_generate
 from labkit.parallel.schedules import bubble_formula, gpipe_forward
 from labkit.parallel.tensor_parallel import allowed_tp_sizes, tensor_parallel
@@ -197,6 +198,16 @@ def tp_decode_row(preset: str, tp: int, batch: int, context: int, device: torch.
             row["fitted_model_rel_err"] = row["predicted_comm_fitted_s"] / max(row["comm_s"], 1e-12) - 1
         row["datasheet_model_rel_err"] = row["predicted_comm_datasheet_s"] / max(row["comm_s"], 1e-12) - 1
     return row
+
+
+def tp_row_check(rank: int, world_size: int, preset: str = "llama-3-8b", num_layers: int = 2, batch: int = 2,
+                 context: int = 64, iters: int = 3, cuda_graph: bool = True, dtype: torch.dtype = torch.bfloat16
+                 ) -> dict:
+    """One ``tp_decode_row`` at ``tp = world_size`` (a rank function for ``launch``: tests, a first run on a new
+    machine). Returns the row on every rank."""
+    group_of(world_size), group_of(world_size, "b")
+    return tp_decode_row(preset, world_size, batch, context, rank_device(), num_layers, iters, cuda_graph,
+                         overlap=world_size > 1, fits=None, dtype=dtype)
 
 
 def _predicted_comm(preset: str, layers: int, tp: int, batch: int, fits: dict | None, dtype) -> dict:
