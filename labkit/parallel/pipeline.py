@@ -79,8 +79,10 @@ class StageKVCache:
 
 
 def _cache_kwarg(layer: nn.Module) -> str:
-    """transformers 5.2x calls the decoder layer's cache argument ``cache``, earlier versions ``past_key_values``."""
-    return "cache" if "cache" in inspect.signature(layer.forward).parameters else "past_key_values"
+    """The decoder layer's cache argument: ``cache`` (transformers 5.2x), ``past_key_values`` (4.56 to 5.1x) or
+    ``past_key_value`` (older)."""
+    params = inspect.signature(layer.forward).parameters
+    return next((k for k in ("cache", "past_key_values", "past_key_value") if k in params), "past_key_values")
 
 
 def causal_mask(q_len: int, past: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -7,9 +7,9 @@ forwards, then all backwards, so a stage holds the activations of all ``m`` micr
 2019, PipeDream-Flush) starts backwards as soon as the last stage can, so stage ``s`` holds at most ``p - s``.
 Inference has no backward; its schedule is GPipe's forward half, decoded step after step.
 
-Every function runs on every rank of the pipeline (the whole world, stage = rank) with the same arguments and
-returns a ``ScheduleStats``: compute events per micro-batch, busy and total time, the measured bubble and the
-activation memory held (bytes of tensors autograd saved, measured with ``saved_tensors_hooks``).
+Every function runs on every rank of the pipeline (``stage.group``, default the world; stage = rank in it) with
+the same arguments and returns a ``ScheduleStats``: compute events per micro-batch, busy and total time, the
+measured bubble and the activation memory held (bytes of tensors autograd saved, via ``saved_tensors_hooks``).
 """
 
 from __future__ import annotations
