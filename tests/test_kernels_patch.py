@@ -82,3 +82,33 @@ def test_patched_static_cache_decode_step(tiny_model):
     finally:
         unpatch(model)
     assert relative_error(got, ref) < 1e-5
+
+
+@pytest.mark.gpu
+def test_patched_bf16_decode_step_replays_in_a_cuda_graph():
+    """Llama-3-8B's layer shape in bf16 (two layers), the notebook's static-cache step captured as a graph."""
+    from labkit.decode_step import StaticDecodeStep
+    from labkit.models import random_model
+
+    model = random_model("llama-3-8b", device="cuda", num_layers=2)
+    ref = StaticDecodeStep(model, batch_size=4, context_len=300, cuda_graph=True).step().float().clone()
+    patch_model(model)
+    try:
+        got = StaticDecodeStep(model, batch_size=4, context_len=300, cuda_graph=True).step().float()
+    finally:
+        unpatch(model)
+    assert relative_error(got, ref) < 2e-2
+
+
+@pytest.mark.gpu
+def test_patched_greedy_matches_on_cuda_in_float32():
+    from labkit.models import load_model
+
+    model, tok = load_model(device="cuda")
+    ids = tok(PROMPT, return_tensors="pt").input_ids.cuda()
+    ref = _greedy(model, new_tokens=16, input_ids=ids)
+    patch_model(model)
+    try:
+        assert torch.equal(_greedy(model, new_tokens=16, input_ids=ids), ref)
+    finally:
+        unpatch(model)
