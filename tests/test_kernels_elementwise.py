@@ -10,12 +10,13 @@ from labkit.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
 from labkit.kernels.softmax import MAX_FUSED_COLS, softmax, softmax_ref
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on the CPU, compiled on CUDA
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def _randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -45,7 +46,7 @@ def test_rms_norm_fused_residual(dtype):
 def test_rms_norm_matches_hf_bitwise_in_float32():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    norm = LlamaRMSNorm(100, eps=1e-5)
+    norm = LlamaRMSNorm(100, eps=1e-5).to(DEVICE)
     norm.weight.data = _randn(100, seed=6)
     x = _randn(2, 7, 100, seed=7)
     with torch.no_grad():
@@ -95,8 +96,8 @@ def test_rope_matches_hf_on_hf_layout():
 
     b, s, hq, hk, d = 2, 13, 4, 2, 32
     q, k = _randn(b, s, hq, d, seed=14), _randn(b, s, hk, d, seed=15)
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    freqs = torch.arange(s).float()[:, None] * inv
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=DEVICE).float() / d))
+    freqs = torch.arange(s, device=DEVICE).float()[:, None] * inv
     emb = torch.cat([freqs, freqs], -1).expand(b, s, d)  # Hugging Face's [B, S, head_dim] tables
     ref_q, ref_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), emb.cos(), emb.sin())
     q_out, k_out = apply_rope(q, k, emb.cos(), emb.sin())
@@ -128,7 +129,7 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="residual"):
         rms_norm(x, _randn(8), residual=_randn(4, 8, dtype=torch.float16))
     with pytest.raises(ValueError, match="dtype int64"):
-        softmax(torch.ones(3, 4, dtype=torch.long))
+        softmax(torch.ones(3, 4, dtype=torch.long, device=DEVICE))
     with pytest.raises(ValueError, match="even"):
         silu_and_mul(_randn(3, 7))
     with pytest.raises(ValueError, match="cos"):

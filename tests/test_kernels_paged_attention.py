@@ -7,9 +7,10 @@ from labkit.evaluate import relative_error
 from labkit.kernels.paged_attention import auto_num_splits, paged_attention, paged_attention_ref
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on the CPU, compiled on CUDA
 
 
-def _case(num_seqs, heads, kv_heads, head_dim, block_size, lens, num_blocks, dtype, seed, device="cpu"):
+def _case(num_seqs, heads, kv_heads, head_dim, block_size, lens, num_blocks, dtype, seed, device=DEVICE):
     """Random q and caches, and block tables that scatter each sequence over shuffled physical blocks."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(num_seqs, heads, head_dim, generator=g)
@@ -78,6 +79,11 @@ def test_bad_inputs():
         paged_attention(q, k, v, tables[:1], ctx)
     with pytest.raises(ValueError, match="num_splits"):
         paged_attention(q, k, v, tables, ctx, num_splits=0)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's bfloat16 refusal")
+def test_bf16_is_refused_on_the_cpu():
+    q, k, v, tables, ctx = _case(2, 4, 2, 16, 16, [40, 17], 10, torch.float32, seed=5)
     with pytest.raises(ValueError, match="bfloat16 on the CPU"):
         paged_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), tables, ctx)
 

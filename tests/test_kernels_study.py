@@ -26,6 +26,7 @@ def test_matmul_rates_cpu():
 
 
 def test_kv_quant_attention_rows():
-    rows = kv_quant_attention(2, 4, 2, 32, 40, device="cpu", dtype=torch.float16, iters=1)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = kv_quant_attention(2, 4, 2, 32, 40, device=device, dtype=torch.float16, iters=1)
     assert rows[1]["cache MB read"] < rows[0]["cache MB read"] < rows[2]["cache MB read"]
     assert rows[0]["rel_err vs bf16"] == 0 and all(r["rel_err vs bf16"] < 2e-2 for r in rows)
