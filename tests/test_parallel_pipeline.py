@@ -1,4 +1,5 @@
-"""labkit.parallel.pipeline: stages of the embedded model, in one process and on 2 and 4 gloo ranks.
+"""labkit.parallel.pipeline: stages of the embedded model, in one process and on 2 and 3 gloo ranks (3 has a middle
+stage; the notebook's gpu profile runs 4).
 
 Logits within 1e-5 of the unsharded model, greedy micro-batched decoding identical to HF generate, the same through
 torch.distributed.pipelining, and training gradients (GPipe and 1F1B) equal to the unsharded model's.
@@ -67,7 +68,7 @@ def test_bad_stage_arguments(tiny_model):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world, batch, m, train", [(2, 4, 2, True), (4, 4, 4, False)])
+@pytest.mark.parametrize("world, batch, m, train", [(2, 4, 2, True), (3, 3, 3, False)])  # 3: a middle stage
 def test_pipeline_matches_single_process(world, batch, m, train):
     prompt = torch.randint(8192, (batch, 11), generator=torch.Generator().manual_seed(world))
     out = launch(pp_check, world, prompt, max_new_tokens=5, num_microbatches=m, train=train, backend="gloo",
