@@ -269,7 +269,7 @@ print(f"TP16 across InfiniBand: {q['time_s'] * 1e3:.1f} ms of all-reduce per ste
 # ## Measured on several GPUs (issue 11)
 
 # %%
-mg = sorted(REPO_ROOT.glob("results/h200x*/records/multigpu_*.json"))
+mg = sorted(REPO_ROOT.glob("results/*x[0-9]*/records/multigpu_*.json"))  # results/h200x8/... from issue 11
 if not mg:
     print("No multi-GPU records yet: the NCCL measurements (scripts/bench_multigpu.py) need a machine with "
           "several GPUs, which has not been available. The cost model above uses datasheet links.")
