@@ -24,6 +24,14 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+def make_engine(model, tok=None, **kw) -> LLMEngine:
+    """An engine whose KV pools start as NaN: a slot read before it is written poisons the output."""
+    engine = LLMEngine(model, tok, **kw)
+    for t in engine.cache.k_caches + engine.cache.v_caches:
+        t.fill_(float("nan"))
+    return engine
+
+
 def hf_greedy(model, prompt, n=N):
     out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
                          pad_token_id=0)
@@ -57,7 +65,7 @@ CONFIGS = {
 def test_greedy_equals_hf_generate(tiny_model, cases, name):
     model, tok = tiny_model
     prompts, refs = cases
-    engine = LLMEngine(model, tok, **CONFIGS[name])
+    engine = make_engine(model, tok, **CONFIGS[name])
     outs = engine.generate(prompts, GREEDY, progress=False)
     assert [o.output_token_ids for o in outs] == refs
     assert all(o.finish_reason == "length" for o in outs)
@@ -75,13 +83,13 @@ def test_seeded_sampling_ignores_batch_composition(tiny_model, cases):
     model, tok = tiny_model
     prompts, _ = cases
     hot = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, max_tokens=8, seed=123, ignore_eos=True)
-    alone = LLMEngine(model, tok, scheduler="fifo").generate([prompts[2]], hot, progress=False)[0]
-    crowd = LLMEngine(model, tok, max_num_seqs=4, max_num_batched_tokens=20).generate(
+    alone = make_engine(model, tok, scheduler="fifo").generate([prompts[2]], hot, progress=False)[0]
+    crowd = make_engine(model, tok, max_num_seqs=4, max_num_batched_tokens=20).generate(
         prompts[:4], [GREEDY, SamplingParams(temperature=1.0, max_tokens=5, seed=9), hot, GREEDY], progress=False)
     assert crowd[2].output_token_ids == alone.output_token_ids
     unseeded = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
-    a = LLMEngine(model, tok, seed=5).generate(prompts[:2], unseeded, progress=False)
-    b = LLMEngine(model, tok, seed=5, scheduler="fifo").generate(prompts[:2], unseeded, progress=False)
+    a = make_engine(model, tok, seed=5).generate(prompts[:2], unseeded, progress=False)
+    b = make_engine(model, tok, seed=5, scheduler="fifo").generate(prompts[:2], unseeded, progress=False)
     assert [o.output_token_ids for o in a] == [o.output_token_ids for o in b]
 
 
@@ -91,7 +99,7 @@ def test_stop_tokens_and_text(tiny_model, cases):
     stop = refs[3][4]
     first = refs[3].index(stop)
     params = SamplingParams(max_tokens=N, stop_token_ids=(stop,))
-    out = LLMEngine(model, tok).generate([prompts[3]], params, progress=False)[0]
+    out = make_engine(model, tok).generate([prompts[3]], params, progress=False)[0]
     assert out.output_token_ids == refs[3][:first + 1] and out.finish_reason == "stop"
     assert out.text == tok.decode(out.output_token_ids)
 
@@ -101,7 +109,7 @@ def test_serve_poisson_workload_metrics(tiny_model):
     source = torch.arange(100, 5000)
     wl = make_workload(8, 40.0, LengthDist.uniform(4, 20), LengthDist.exponential(5, low=1, high=9), source, seed=2)
     streamed = []
-    fifo = LLMEngine(model, scheduler="fifo").serve(wl, on_token=streamed.append, progress=False)
+    fifo = make_engine(model, scheduler="fifo").serve(wl, on_token=streamed.append, progress=False)
     by_id = {m.request_id: m for m in fifo.metrics}
     assert len(streamed) == sum(r.max_new_tokens for r in wl) == sum(m.output_tokens for m in fifo.metrics)
     order = sorted(wl, key=lambda r: r.arrival_s)
@@ -113,7 +121,7 @@ def test_serve_poisson_workload_metrics(tiny_model):
         assert m.token_times_s == sorted(m.token_times_s)
     s = fifo.stats
     assert s["clock"] == "virtual" and 0 < s["busy_frac"] <= 1 + 1e-9 and s["busy_s"] == pytest.approx(sum(s["step_s"]))
-    cont = LLMEngine(model, max_num_seqs=8, max_num_batched_tokens=32).serve(wl, clock="real", progress=False)
+    cont = make_engine(model, max_num_seqs=8, max_num_batched_tokens=32).serve(wl, clock="real", progress=False)
     assert cont.stats["clock"] == "real" and [o.output_token_ids for o in cont.outputs] == \
         [o.output_token_ids for o in fifo.outputs]
 
@@ -123,7 +131,7 @@ def test_bad_input(tiny_model, cases):
     prompts, _ = cases
     with pytest.raises(ValueError, match="scheduler='round_robin' is unknown"):
         EngineConfig(scheduler="round_robin")
-    engine = LLMEngine(model, max_model_len=32)
+    engine = make_engine(model, max_model_len=32)
     with pytest.raises(ValueError, match="no tokenizer"):
         engine.add_request("def f():")
     with pytest.raises(ValueError, match="exceeds max_model_len=32"):
@@ -134,10 +142,11 @@ def test_bad_input(tiny_model, cases):
     with pytest.raises(ValueError, match="clock='wall' is unknown"):
         engine.reset("wall")
     with pytest.raises(CacheFullError, match="could never run"):
-        LLMEngine(model, num_blocks=4, block_size=4).add_request(prompts[1], GREEDY)
+        make_engine(model, num_blocks=4, block_size=4).add_request(prompts[1], GREEDY)
     with pytest.raises(ValueError, match="max_model_len=4096 exceeds"):
-        LLMEngine(model, max_model_len=4096)
-    assert math.isfinite(LLMEngine(model, tok, max_model_len=64).generate(["x = 1"], progress=False)[0].metrics.ttft_s)
+        make_engine(model, max_model_len=4096)
+    text = make_engine(model, tok, max_model_len=64).generate(["x = 1"], progress=False)[0]
+    assert math.isfinite(text.metrics.ttft_s) and len(text.output_token_ids) >= 1
 
 
 @pytest.mark.gpu
@@ -147,7 +156,7 @@ def test_greedy_equals_hf_on_cuda_with_graphs_and_triton(cases):
     model = load_model(device="cuda")[0]
     prompts, refs = cases
     for name in ("fifo", "continuous_chunked", "continuous_preempting"):
-        engine = LLMEngine(model, **CONFIGS[name])
+        engine = make_engine(model, **CONFIGS[name])
         assert engine.runner.use_triton and engine.runner.graph_batch_sizes
         outs = engine.generate(prompts, GREEDY, progress=False)
         assert [o.output_token_ids for o in outs] == refs, name

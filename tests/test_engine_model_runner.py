@@ -26,6 +26,14 @@ def prompts(tiny_model):
     return [ps[0], ps[1][:7], ps[2][:19]]
 
 
+def nan_cache(model, **kw) -> PagedKVCache:
+    """A cache whose pools start as NaN: a slot read before it is written poisons the output."""
+    cache = PagedKVCache.for_model(model, **kw)
+    for t in cache.k_caches + cache.v_caches:
+        t.fill_(float("nan"))
+    return cache
+
+
 def hf_last_logits(model, tokens):
     with torch.no_grad():
         return model(torch.tensor([tokens], device=next(model.parameters()).device)).logits[0, -1].float()
@@ -55,9 +63,11 @@ def test_batched_torch_decode_attention_matches_reference(dtype):
     num_blocks, bs, kvh, d, heads = 23, 5, 3, 24, 6
     k = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
     v = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
+    k[0], v[0] = float("nan"), float("nan")  # a block no sequence uses: never read
     q = torch.randn(4, heads, d, generator=g).to(dtype)
     ctx = torch.tensor([1, 13, 5, 22], dtype=torch.int32)
-    tables = torch.randperm(num_blocks, generator=g)[:20].view(4, 5).int()
+    tables = (torch.randperm(num_blocks - 1, generator=g)[:20] + 1).view(4, 5).int()
+    tables[0, 1:] = 0  # padding entries past a sequence's blocks
     out = torch.full_like(q, float("nan"))
     out[:] = paged_decode_attention_torch(q, k, v, tables, ctx, 0.3)
     ref = paged_attention_ref(q, k, v, tables, ctx, scale=0.3)
@@ -66,7 +76,7 @@ def test_batched_torch_decode_attention_matches_reference(dtype):
 
 def test_chunked_and_mixed_steps_match_hf_forward(tiny_model, prompts):
     model, _ = tiny_model
-    cache = PagedKVCache.for_model(model, num_blocks=24, block_size=4)
+    cache = nan_cache(model, num_blocks=24, block_size=4)
     runner = ModelRunner(model, cache, kernels="torch")
     for logits, seqs in run_steps(runner, cache, prompts):
         assert logits.shape == (len(seqs), model.config.vocab_size) and logits.dtype == torch.float32
@@ -80,10 +90,10 @@ def test_triton_path_matches_torch_path(tiny_model, prompts):
     flash attention for prefill chunks (fresh and over a cached prefix) and paged attention for decode rows."""
     model, _ = tiny_model
     short = [prompts[0], prompts[1], prompts[2][:5]]
-    ref_cache = PagedKVCache.for_model(model, num_blocks=24, block_size=4)
+    ref_cache = nan_cache(model, num_blocks=24, block_size=4)
     ref = run_steps(ModelRunner(model, ref_cache, kernels="torch"), ref_cache, short)
     before = hf_last_logits(model, prompts[0])
-    cache = PagedKVCache.for_model(model, num_blocks=24, block_size=4)
+    cache = nan_cache(model, num_blocks=24, block_size=4)
     runner = ModelRunner(model, cache, kernels="triton")
     assert runner.merged and runner.use_triton
     got = run_steps(runner, cache, short)
@@ -95,7 +105,7 @@ def test_triton_path_matches_torch_path(tiny_model, prompts):
 def test_padded_rows_touch_nothing(tiny_model, prompts):
     """The CUDA-graph input layout (rows padded to a bucket, block tables padded to max_model_len) on the CPU."""
     model, _ = tiny_model
-    cache = PagedKVCache.for_model(model, num_blocks=24, block_size=4)
+    cache = nan_cache(model, num_blocks=24, block_size=4)
     runner = ModelRunner(model, cache, kernels="torch", max_model_len=64)
     (runner.scratch_block,) = cache.allocator.allocate(1)
     for i, p in enumerate(prompts[:2]):
@@ -152,7 +162,7 @@ def test_cuda_graph_replay_equals_eager(dtype):
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 33, 17)]
     caches, runners = [], []
     for graphs in (False, True):
-        cache = PagedKVCache.for_model(model, num_blocks=64, block_size=16)
+        cache = nan_cache(model, num_blocks=64, block_size=16)
         runners.append(ModelRunner(model, cache, cuda_graphs=graphs, max_num_seqs=4, max_model_len=128))
         caches.append(cache)
     assert runners[1].graph_batch_sizes == [1, 2, 4] and not runners[0].graph_batch_sizes

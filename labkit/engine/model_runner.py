@@ -385,8 +385,9 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     n = block_tables.shape[1] * bs
     k = k_cache[block_tables.long()].view(s, n, kvh, d).float()
     v = v_cache[block_tables.long()].view(s, n, kvh, d).float()
-    scores = torch.einsum("skgd,snkd->skgn", q.view(s, kvh, h // kvh, d).float(), k) * scale
     past = torch.arange(n, device=q.device)[None, :] >= context_lens[:, None]  # [s, n]
+    v = v.masked_fill(past[:, :, None, None], 0.0)  # slots past the context may hold anything, NaN included
+    scores = torch.einsum("skgd,snkd->skgn", q.view(s, kvh, h // kvh, d).float(), k) * scale
     p = scores.masked_fill(past[:, None, None, :], float("-inf")).softmax(dim=-1)
     return torch.einsum("skgn,snkd->skgd", p, v).reshape(s, h, d).to(q.dtype)
 
