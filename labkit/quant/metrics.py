@@ -7,10 +7,8 @@ is counted once, so a format's overhead shows up instead of being assumed away.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -131,21 +129,41 @@ def bytes_per_weight(method: str, in_features: int = 4096, group_size: int = 128
     return table[method]
 
 
+def decode_weight_bytes(spec, method: str, group_size: int = 128, lm_head: bool = False) -> float:
+    """Predicted weight bytes one decode step reads for a ``labkit.models.ModelSpec`` (or preset name) with its
+    linear layers in ``method``: the decoder's linears at ``bytes_per_weight``, the LM head in bf16 unless
+    ``lm_head``, norms in bf16; the embedding contributes one row per token (nothing, to this precision)."""
+    from labkit.models import get_spec
+
+    spec = get_spec(spec)
+    linear = spec.num_layers * (spec.attn_params_per_layer + spec.mlp_params_per_layer)
+    head = spec.vocab_size * spec.hidden_size
+    bpw = bytes_per_weight(method, in_features=spec.hidden_size, group_size=group_size)
+    norms = (spec.num_layers * spec.norm_params_per_layer + spec.hidden_size) * BF16_BYTES
+    return linear * bpw + head * (bpw if lm_head else BF16_BYTES) + norms
+
+
 # --- memory and time ----------------------------------------------------------------------------------------------
-def _status_bytes(field: str) -> int:
-    m = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
-    if m is None:
-        raise RuntimeError(f"/proc/self/status has no {field}; peak memory on the CPU needs Linux")
-    return 1024 * int(m.group(1))
+def _cpu_alloc_peak(fn: Callable[[], object]) -> int:
+    """Peak of live tensor bytes allocated by ``fn`` on the CPU, from the profiler's allocation events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
 
 
 def peak_memory(fn: Callable[[], object], device: torch.device | str = "cpu") -> dict[str, int | str]:
-    """Run ``fn`` once and return how far memory rose above where it started: ``{"peak_bytes", "how"}``.
-
-    CUDA: the caching allocator's peak of allocated bytes. CPU (Linux): the process's peak resident set
-    (``VmHWM``, reset through ``/proc/self/clear_refs``) over its resident set before; this counts pages
-    actually touched, so it includes allocator slack and can under-count memory reused from earlier frees.
-    """
+    """Run ``fn`` once and return the peak of tensor memory it allocated above what was live before:
+    ``{"peak_bytes", "how"}``. CUDA: the caching allocator's ``max_memory_allocated``. CPU: the same quantity
+    rebuilt from ``torch.profiler``'s allocation events (the CPU allocator keeps no peak statistic, and the
+    process's resident set hides small allocations that reuse freed pages)."""
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -154,13 +172,9 @@ def peak_memory(fn: Callable[[], object], device: torch.device | str = "cpu") ->
         fn()
         torch.cuda.synchronize(dev)
         return {"peak_bytes": torch.cuda.max_memory_allocated(dev) - before, "how": "cuda_max_memory_allocated"}
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError as e:
-        raise RuntimeError("peak memory on the CPU needs a writable /proc/self/clear_refs (Linux)") from e
-    before = _status_bytes("VmRSS")
-    fn()
-    return {"peak_bytes": max(0, _status_bytes("VmHWM") - before), "how": "cpu_peak_rss_growth"}
+    if dev.type != "cpu":
+        raise ValueError(f"device={device!r}: peak memory is measured on 'cpu' or 'cuda'")
+    return {"peak_bytes": _cpu_alloc_peak(fn), "how": "cpu_profiler_allocations"}
 
 
 def decode_step_time(model: nn.Module, batch_size: int = 1, context_len: int = 512, cuda_graph: bool = True,

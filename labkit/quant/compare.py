@@ -1,0 +1,140 @@
+"""Every method side by side: the rows of notebook 04's trade-off table.
+
+``accuracy_rows`` quantises a trained model with each method and measures held-out perplexity, per-layer error,
+bytes held and the peak memory of a forward. ``speed_rows`` times one
+decode step (CUDA-graph replay over a static cache) of a large random-weight model per method: speed does not
+depend on weight values, accuracy does (DESIGN.md, "two scales").
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from labkit.quant.methods import METHODS, quantize, target_linears
+from labkit.quant.metrics import decode_step_time, heldout_perplexity, layer_errors, linear_weight_bytes, peak_memory
+
+BASELINE = "base"
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _available(method: str) -> str | None:
+    """None when ``method`` can run here, else the reason it cannot."""
+    if method.startswith("bnb"):
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            return "bitsandbytes is not installed"
+    return None
+
+
+def accuracy_rows(model: nn.Module, tokenizer, methods=METHODS, seq_len: int = 256,
+                  max_windows: int | None = None, calib_samples: int = 64, calib_seq_len: int = 256,
+                  error_tokens: tuple[int, int] = (4, 128), seed: int = 0, progress: bool = True) -> list[dict]:
+    """One row per method (and one for the unquantised ``model``, method ``"base"``): perplexity and its change,
+    mean/max per-layer output error, measured weight bytes of the linear layers (and their ratio to bf16),
+    bits per weight, and the peak of tensor memory during one forward over ``error_tokens`` ``(batch, seq)``.
+    Decode time is ``speed_rows``' business."""
+    dev = _device(model)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, model.config.vocab_size, error_tokens, generator=g).to(dev)
+    names = list(target_linears(model))  # the layers every method replaces, sized the same way in each
+    rows = []
+    for method in tqdm([BASELINE, *methods], desc="methods", disable=not progress):
+        row = {"method": method}
+        reason = _available(method) if method != BASELINE else None
+        if reason:
+            rows.append({**row, "status": reason})
+            continue
+        t0 = time.perf_counter()
+        opts = {"tokenizer": tokenizer, "calib_samples": calib_samples, "calib_seq_len": calib_seq_len,
+                "seed": seed} if method == "gptq" else {}
+        qm = model if method == BASELINE else quantize(model, method, **opts)
+        row["quantise_s"] = time.perf_counter() - t0
+        row["ppl"] = heldout_perplexity(qm, tokenizer, seq_len=seq_len, max_windows=max_windows)
+        if method != BASELINE:
+            errs = layer_errors(model, qm, ids)
+            row.update(layer_err_mean=statistics.fmean(errs.values()), layer_err_max=max(errs.values()),
+                       layer_errors=errs)
+        wb = linear_weight_bytes(qm, names)
+        row.update(weight_bytes=wb["held"], weight_bytes_ratio=wb["ratio"],
+                   bits_per_weight=8 * wb["held"] / wb["params"])
+
+        def forward(qm=qm):
+            with torch.no_grad():
+                qm(input_ids=ids, use_cache=False)
+
+        row["forward_peak_bytes"] = peak_memory(forward, dev)["peak_bytes"]
+        row["status"] = "ok"
+        rows.append(row)
+        if qm is not model:
+            del qm
+            _free(dev)
+    base = rows[0]["ppl"]
+    for r in rows:
+        if "ppl" in r:
+            r["ppl_delta_frac"] = r["ppl"] / base - 1
+    return rows
+
+
+def _free(dev: torch.device) -> None:
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def speed_rows(model: nn.Module, methods=("int8", "int4", "fp8", "bnb-int8", "bnb-nf4"), batch_size: int = 1,
+               context_len: int = 512, iters: int = 50, patch: bool = False, progress: bool = True) -> list[dict]:
+    """Decode step time of ``model`` (method ``"base"``) and of each quantised copy, at ``batch_size`` with
+    ``context_len`` cached tokens, as CUDA-graph replays on CUDA; ``speedup`` is over the base timed the same
+    way. bitsandbytes layers are timed eagerly (LLM.int8 picks outlier columns with data-dependent shapes,
+    which a CUDA graph cannot capture), next to an eager base for a like-for-like ratio.
+
+    ``patch``: also swap RMSNorm, SiLU-and-mul and attention for labkit's Triton kernels
+    (``labkit.kernels.patch``) in every model timed, so the non-matmul kernels cost the same on both sides
+    of each ratio and the bytes saved by the weights show through.
+    """
+    dev = _device(model)
+    graph = dev.type == "cuda"
+    rows, base_ms = [], {}
+    for method in tqdm([BASELINE, *methods], desc="decode step", disable=not progress):
+        reason = _available(method) if method != BASELINE else None
+        if reason:
+            rows.append({"method": method, "status": reason})
+            continue
+        qm = model if method == BASELINE else quantize(model, method)
+        wb = linear_weight_bytes(qm, list(target_linears(model)))
+        modes = [graph] if not method.startswith("bnb") else [False]
+        if method == BASELINE and graph:
+            modes = [True, False]
+        for use_graph in modes:
+            if patch:
+                from labkit.kernels.patch import patch_model
+
+                patch_model(qm)
+            try:
+                t = decode_step_time(qm, batch_size, context_len, cuda_graph=use_graph, iters=iters)
+            finally:
+                if patch:
+                    from labkit.kernels.patch import unpatch
+
+                    unpatch(qm)
+            timing = "cuda_graph" if use_graph else "eager"
+            if method == BASELINE:
+                base_ms[timing] = t.median_ms
+            rows.append({"method": method, "timing": timing, "patched": patch, "decode_ms": t.median_ms,
+                         "spread": t.spread, "speedup": base_ms[timing] / t.median_ms,
+                         "weight_bytes": wb["held"], "weight_bytes_ratio": wb["ratio"], "status": "ok",
+                         "samples_s": t.samples_s})
+        if qm is not model:
+            del qm
+            _free(dev)
+    return rows

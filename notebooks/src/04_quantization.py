@@ -1,0 +1,356 @@
+# %% [markdown]
+# # 04 · Quantisation and precision: fewer bytes per weight, and what it costs
+#
+# **The question.** Decode of the scenario's model is memory-bound (notebook 01): each step reads every weight
+# once, so its time is about *weight bytes / bandwidth*. Storing weights in 8 or 4 bits should cut that time
+# and the memory the weights occupy, at some cost in accuracy. How much of each, per method? And the seed's
+# third follow-up: **how does the choice of precision (FP32 vs BF16 vs INT8) affect throughput and numerical
+# stability?**
+#
+# Methods (`labkit.quant.quantize(model, method)`, which returns the same HF model with its linear layers
+# swapped, so `generate` and the static-cache decode step run unchanged):
+#
+# | method | weights | activations | how |
+# | --- | --- | --- | --- |
+# | `int8` | int8, one scale per output channel | 16/32-bit | round to nearest (RTN), absmax |
+# | `int4` | int4 packed two per byte, scale + zero per 128 inputs | 16/32-bit | RTN, asymmetric |
+# | `gptq` | same format as `int4` | 16/32-bit | GPTQ: rounding error spread by the inverse Hessian of real inputs (the `calib` split) |
+# | `bnb-int8` | int8 per row | int8 per token, fp16 outlier features | bitsandbytes LLM.int8, threshold 6.0 |
+# | `bnb-nf4` | 4-bit normal-quantile codes per 64, double-quantised absmax | 16/32-bit | bitsandbytes NF4 |
+# | `fp8` | e4m3, one scale per output channel | e4m3, one scale per token | `torch._scaled_mm` on Hopper; emulated on the CPU |
+#
+# Two scales (DESIGN.md): **accuracy** on the embedded trained model (float32 reference, held-out split);
+# **speed and memory** on the Llama-3-8B architecture with random weights in bf16 on the H200 (`gpu` profile),
+# where each decode step is one forward over a static KV cache replayed as a CUDA graph, so launch overhead does
+# not hide the bytes saved.
+
+# %% tags=["parameters"]
+profile = "auto"
+seed = 0
+
+# %%
+import json
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import torch
+
+import labkit  # noqa: F401  (before anything imports triton)
+from labkit.bench import SUMMARY_PATH, record_figure, write_record
+from labkit.hardware import KNOWN, measure_copy_bandwidth
+from labkit.models import PRESETS, load_model, random_model
+from labkit.quant import METHODS, quantize
+from labkit.quant import precision as P
+from labkit.quant.compare import accuracy_rows, speed_rows
+from labkit.quant.metrics import bytes_per_weight, decode_weight_bytes
+from labkit.workbook import resolve_profile
+
+PROFILE = resolve_profile(profile)
+SIZES = {
+    "ci": dict(seq_len=256, windows=24, calib_samples=32, calib_seq_len=256, context=32, decode_iters=2,
+               error_tokens=(2, 64), matmul_size=256, sum_lengths=(256, 1024, 4096), dtype_windows=4,
+               accuracy_device="cpu"),
+    "cpu": dict(seq_len=512, windows=None, calib_samples=64, calib_seq_len=512, context=256, decode_iters=10,
+                error_tokens=(4, 256), matmul_size=1024, sum_lengths=(256, 1024, 4096, 16384),
+                dtype_windows=None, accuracy_device="cpu"),
+    "gpu": dict(seq_len=512, windows=None, calib_samples=128, calib_seq_len=512, context=512, decode_iters=50,
+                error_tokens=(8, 512), matmul_size=8192, sum_lengths=(256, 1024, 4096, 16384),
+                dtype_windows=None, accuracy_device="cuda"),
+}[PROFILE]
+if PROFILE == "ci":
+    # seconds-long runs of tiny ops on a shared 2-core runner: thread hand-offs cost more than they save
+    torch.set_num_threads(1)
+print(PROFILE, SIZES, f"{torch.get_num_threads()} CPU threads")
+
+# %% [markdown]
+# ## Predict: bytes per weight, and the decode time they imply
+# A format's true size includes its scales: int8 with a bf16 scale per row of 4096 inputs costs 1.0005 bytes per
+# weight; int4 with a bf16 scale and zero-point per group of 128 costs 0.5 + 4/128 = 0.531 (4.25 bits); NF4 with
+# an 8-bit absmax per 64 and an fp32 per 256 of those, 0.516. The LM head stays in bf16 by default (it is the
+# layer most sensitive to error, and the embedded model ties it to the embedding table), so for Llama-3-8B the
+# step reads 6.98 B linear weights in the format plus 0.53 B LM-head weights in bf16. If every step ran at the
+# same fraction of bandwidth, the speed-up would be the ratio of bytes.
+
+# %%
+figs = json.loads(SUMMARY_PATH.read_text())["figures"] if SUMMARY_PATH.exists() else {}
+if PROFILE == "gpu":
+    bandwidth, bw_source = measure_copy_bandwidth(), "measured now"
+elif "ceiling.copy_tb_s" in figs:
+    bandwidth, bw_source = figs["ceiling.copy_tb_s"]["value"] * 1e12, f"H200, {figs['ceiling.copy_tb_s']['record']}"
+else:
+    bandwidth, bw_source = KNOWN["h200"].mem_bandwidth, "H200 datasheet"
+spec = PRESETS["llama-3-8b"]
+predict = []
+for m in ["bf16", "int8", "fp8", "int4", "bnb-nf4"]:
+    read = decode_weight_bytes(spec, m)
+    predict.append({"method": m, "bytes/weight (linears)": bytes_per_weight(m, spec.hidden_size),
+                    "weight bytes read per step (GB)": read / 1e9,
+                    "bandwidth floor (ms)": read / bandwidth * 1e3,
+                    "predicted speed-up": decode_weight_bytes(spec, "bf16") / read,
+                    "speed-up if LM head quantised too": decode_weight_bytes(spec, "bf16") /
+                    decode_weight_bytes(spec, m, lm_head=m != "bf16")})
+predict = pd.DataFrame(predict)
+print(f"Llama-3-8B decode at batch 1, bandwidth {bandwidth / 1e12:.2f} TB/s ({bw_source})")
+display(predict.round(3))
+
+# %% [markdown]
+# ## Measure accuracy: every method on the embedded model
+# Perplexity on the held-out split (never seen in training or GPTQ's calibration), the output error of each
+# linear layer against its float32 original on the same inputs (its own error, not the accumulated one), the
+# bytes the quantised linear layers actually hold (codes, scales, zero-points, bitsandbytes states), the peak of
+# tensor memory during one forward, and one decode step. The baseline row (`base`) is the float32 model.
+
+# %%
+model, tok = load_model(device=SIZES["accuracy_device"], dtype="fp32")
+acc = accuracy_rows(model, tok, methods=METHODS, seq_len=SIZES["seq_len"], max_windows=SIZES["windows"],
+                    calib_samples=SIZES["calib_samples"], calib_seq_len=SIZES["calib_seq_len"],
+                    error_tokens=SIZES["error_tokens"], seed=seed)
+acc_table = pd.DataFrame([{k: r.get(k) for k in ("method", "ppl", "ppl_delta_frac", "layer_err_mean",
+                                                 "layer_err_max", "bits_per_weight", "weight_bytes_ratio",
+                                                 "forward_peak_bytes", "quantise_s", "status")}
+                          for r in acc])
+display(acc_table.round(4))
+
+# %% [markdown]
+# ### Check correctness: per-layer error against the DESIGN.md tolerances
+# int8 weights must stay within 2e-2 relative error per layer and 4-bit weights within 1e-1 (then perplexity
+# decides). The plot shows where each method's error sits, per layer type: RTN int4 crosses 0.1 on a few layers
+# (the value projections carry the widest weight ranges); GPTQ pulls most of them back with the same bits.
+
+# %%
+errs = pd.DataFrame({r["method"]: r["layer_errors"] for r in acc if "layer_errors" in r})
+errs.index = [n.split(".")[-1] for n in errs.index]
+by_type = errs.groupby(level=0).mean()
+display(by_type.round(4))
+assert errs["int8"].max() < 2e-2, errs["int8"].max()
+for m in ("int4", "gptq", "bnb-nf4"):
+    if m in errs:
+        assert errs[m].median() < 1e-1, (m, errs[m].median())
+fig, ax = plt.subplots(figsize=(9, 3.5))
+by_type.plot.bar(ax=ax, logy=True)
+ax.axhline(2e-2, color="gray", ls=":", lw=1)
+ax.axhline(1e-1, color="gray", ls="--", lw=1)
+ax.set(ylabel="relative output error (mean over layers)", title="per-layer output error by projection")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ### Quantised models still generate
+# Greedy continuations of the same prompt: int8 should match float32 token for token on a short horizon;
+# 4-bit methods drift sooner.
+
+# %%
+prompt = tok("The os module provides", return_tensors="pt").input_ids.to(model.device)
+gen_rows = []
+for m in ["base", "int8", "int4", "fp8"]:
+    qm = model if m == "base" else quantize(model, m)
+    with torch.no_grad():
+        out = qm.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=tok.eos_token_id)
+    gen_rows.append({"method": m, "continuation": tok.decode(out[0, prompt.shape[1]:])})
+display(pd.DataFrame(gen_rows))
+
+# %% [markdown]
+# ## Measure speed and memory: Llama-3-8B shape on the GPU
+# One decode forward at batch 1 with 512 cached tokens, captured once in a CUDA graph and replayed (bitsandbytes
+# is timed eagerly: LLM.int8 picks outlier columns with data-dependent shapes, which a graph cannot hold; its row
+# is compared with an eager bf16 step). Two passes: HF's own modules around the quantised linears, and the same
+# with labkit's Triton RMSNorm / SiLU-and-mul / attention patched in (notebook 03), so that the layers we did
+# not quantise cost the same on both sides of the ratio and the bytes saved by the weights show through.
+# On the CPU profiles this section times the embedded model instead: there the quantised layers dequantise on
+# every call (no fused kernel), so they are *slower*: the speed-up is a property of the fused GPU kernels.
+
+# %%
+if PROFILE == "gpu":
+    big = random_model("llama-3-8b", device="cuda", dtype="bf16", seed=seed)
+    speed = speed_rows(big, context_len=SIZES["context"], iters=SIZES["decode_iters"])
+    try:
+        speed += speed_rows(big, methods=("int8", "int4", "fp8"), context_len=SIZES["context"],
+                            iters=SIZES["decode_iters"], patch=True)
+    except Exception as e:  # report, keep the unpatched rows
+        print(f"patched pass failed: {type(e).__name__}: {e}")
+    del big
+    torch.cuda.empty_cache()
+else:
+    speed = speed_rows(model, context_len=SIZES["context"], iters=SIZES["decode_iters"])
+speed_table = pd.DataFrame(speed).drop(columns=["samples_s"], errors="ignore")
+display(speed_table.round(3))
+
+# %% [markdown]
+# ## Trade-off table and plot
+# Accuracy from the embedded model, speed from the table above (the 8B shape on the H200 in the `gpu` profile;
+# the embedded model on the CPU otherwise), memory as measured bytes of the quantised linear layers relative to
+# bf16.
+
+# %%
+def pick_speed(method):
+    """The timing to quote for a method: a CUDA-graph replay over an eager step, patched over unpatched
+    (each row's speed-up is already over the bf16 step timed the same way). GPTQ runs int4's format and kernel."""
+    key = "int4" if method == "gptq" else method
+    rows = [r for r in speed if r["method"] == key and r.get("status") == "ok"]
+    return max(rows, key=lambda r: (r["timing"] == "cuda_graph", r["patched"])) if rows else None
+
+
+trade = []
+for r in acc:
+    if r.get("status") != "ok":
+        continue
+    s = pick_speed(r["method"])
+    trade.append({"method": r["method"], "ppl": r["ppl"], "ppl change": r["ppl_delta_frac"],
+                  "bits/weight (measured)": r["bits_per_weight"], "weight bytes vs bf16": r["weight_bytes_ratio"],
+                  "decode step (ms)": s["decode_ms"] if s else None, "speed-up": s["speedup"] if s else None,
+                  "timed as": (s["timing"] + (", patched" if s["patched"] else "")) if s else None})
+trade = pd.DataFrame(trade)
+display(trade.round(4))
+
+fig, ax = plt.subplots(figsize=(7, 4))
+for _, row in trade.iterrows():
+    bits = 16 if row["method"] == "base" else row["bits/weight (measured)"]
+    ax.scatter(bits, row["ppl"], s=40)
+    ax.annotate(row["method"] if row["method"] != "base" else "float (16-bit in bf16)", (bits, row["ppl"]),
+                textcoords="offset points", xytext=(5, 4), fontsize=8)
+ax.set(xlabel="bits per weight held (scales included)", ylabel="held-out perplexity", xscale="log",
+       title="perplexity against bytes per weight (embedded model)")
+ax.set_xticks([4, 8, 16])
+ax.set_xticklabels(["4", "8", "16"])
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## Precision: FP32 vs TF32 vs BF16 vs FP16 vs INT8 vs FP8
+# ### Throughput of a square matmul per dtype
+# On the H200 the tensor cores run bf16/fp16 at ~16x fp32's rate, TF32 (fp32 storage, 10-bit mantissa inside
+# the multiply) in between, and int8 / fp8 at twice bf16. On the CPU, what runs runs on vector units (and a
+# scalar reference kernel for fp8).
+
+# %%
+rates = pd.DataFrame(P.matmul_rates(SIZES["matmul_size"], iters=10))
+display(rates.round(3))
+ok = rates.dropna(subset=["tflops"])
+fig, ax = plt.subplots(figsize=(6, 3))
+ax.bar(ok["dtype"], ok["tflops"])
+ax.set(ylabel="TFLOP/s (TOP/s for int8)", yscale="log",
+       title=f"{SIZES['matmul_size']}^3 matmul on {'the GPU' if PROFILE == 'gpu' else 'the CPU'}")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ### Range: where fp16 overflows and bf16 does not
+# fp16 has 5 exponent bits (max 65504) and 10 mantissa bits; bf16 keeps fp32's 8 exponent bits (max 3.4e38)
+# and only 7 mantissa bits. Three computations every transformer does, each in every dtype:
+
+# %%
+display(pd.DataFrame(P.dtype_limits()))
+display(pd.DataFrame(P.overflow_rows()))
+
+# %% [markdown]
+# ### Accumulation: long sums in a low-precision accumulator
+# Once a running sum is 2^(mantissa+1) times larger than what is added, the addition rounds away: a bf16
+# accumulator stops at 256 when adding ones. `naive` keeps the running sum in the dtype; `fp32_acc` rounds the
+# inputs to the dtype but accumulates in fp32, as tensor cores and every labkit kernel do.
+
+# %%
+accum = pd.DataFrame(P.accumulation_rows(SIZES["sum_lengths"]))
+display(accum.pivot(index="n", columns="dtype", values=["naive_rel_error", "fp32_acc_rel_error"]))
+fig, ax = plt.subplots(figsize=(6, 3.5))
+for name, grp in accum.groupby("dtype"):
+    ax.plot(grp["n"], grp["naive_rel_error"], "o-", label=f"{name}, {name} accumulator")
+    ax.plot(grp["n"], grp["fp32_acc_rel_error"], "x--", label=f"{name} inputs, fp32 accumulator")
+ax.set(xscale="log", yscale="log", xlabel="terms summed", ylabel="mean relative error",
+       title="sum of n values in [0.5, 1.5]")
+ax.legend(fontsize=7)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ### Softmax and RMSNorm in low precision
+# Errors against float64 applied to the same rounded inputs. Softmax without subtracting the max overflows fp16
+# once a logit exceeds ~11; a bf16 running denominator loses accuracy over long rows. RMSNorm's mean of squares
+# overflows fp16 once activations reach ~256 (outlier features of large models do), collapsing the output to
+# zero (error 1.0). HF's `LlamaRMSNorm` and the kernels compute both in fp32 and round the result.
+
+# %%
+display(pd.DataFrame(P.softmax_rows()).round(5))
+display(pd.DataFrame(P.rmsnorm_rows()).round(5))
+
+# %% [markdown]
+# ### What each dtype does to perplexity
+# The whole embedded model (weights and activations) in each dtype; HF keeps norms and softmax in fp32 inside.
+
+# %%
+dtype_ppl = P.perplexity_by_dtype(seq_len=SIZES["seq_len"], max_windows=SIZES["dtype_windows"],
+                                  device=SIZES["accuracy_device"])
+dtype_ppl = pd.DataFrame([{"dtype": k, "ppl": v, "ppl change": v / dtype_ppl["fp32"] - 1}
+                          for k, v in dtype_ppl.items()])
+display(dtype_ppl.round(5))
+
+# %% [markdown]
+# ## Record
+
+# %%
+by = {r["method"]: r for r in acc if r.get("status") == "ok"}
+speed_ok = [r for r in speed if r.get("status") == "ok"]
+rec = write_record("04_quantization", {
+    "sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in SIZES.items()},
+    "accuracy_model": "embedded pydocs-llama, float32, " + SIZES["accuracy_device"],
+    "speed_model": "llama-3-8b random weights, bf16, cuda" if PROFILE == "gpu" else "embedded, float32, cpu",
+    "bandwidth_bytes_per_s": bandwidth, "bandwidth_source": bw_source, "predict": predict.to_dict("records"),
+    "accuracy": acc,
+    "speed": speed, "trade_off": trade.to_dict("records"), "matmul_rates": rates.to_dict("records"),
+    "overflow": P.overflow_rows(), "accumulation": accum.to_dict("records"),
+    "dtype_perplexity": dtype_ppl.to_dict("records"),
+})
+windows = "all" if SIZES["windows"] is None else SIZES["windows"]
+note = f"embedded model, held-out split ({windows} windows of {SIZES['seq_len']}), float32 baseline"
+record_figure("quant.int8_ppl_delta_frac", by["int8"]["ppl_delta_frac"], "fraction", rec, bar="<= 0.005",
+              note=note)
+record_figure("quant.int4_rtn_ppl_delta_frac", by["int4"]["ppl_delta_frac"], "fraction", rec, bar="<= 0.05",
+              note=note + ", group 128")
+record_figure("quant.int4_calibrated_ppl_delta_frac", by["gptq"]["ppl_delta_frac"], "fraction", rec,
+              bar=f"< int4 RTN ({by['int4']['ppl_delta_frac']:.4f})",
+              note=note + f", GPTQ on {SIZES['calib_samples']} x {SIZES['calib_seq_len']} calib tokens")
+if "bnb-nf4" in by:
+    record_figure("quant.nf4_ppl_delta_frac", by["bnb-nf4"]["ppl_delta_frac"], "fraction", rec, bar="<= 0.05",
+                  note=note + ", double quantisation")
+record_figure("quant.fp8_ppl_delta_frac", by["fp8"]["ppl_delta_frac"], "fraction", rec, note=note)
+if PROFILE == "gpu":
+    wb = {r["method"]: r for r in speed_ok}
+    wb_note = "llama-3-8b linear layers, bf16 scales, measured bytes held over the same weights in bf16"
+    record_figure("quant.int8_weight_bytes_ratio", wb["int8"]["weight_bytes_ratio"], "ratio", rec, bar="<= 0.52",
+                  note=wb_note)
+    record_figure("quant.int4_weight_bytes_ratio", wb["int4"]["weight_bytes_ratio"], "ratio", rec, bar="<= 0.30",
+                  note=wb_note)
+    for m, bar in (("int8", ">= 1.6"), ("int4", ">= 2.2")):
+        s = pick_speed(m)
+        how = "Triton norms/SiLU/attention on both sides" if s["patched"] else "HF modules around the linears"
+        record_figure(f"quant.{m}_decode_speedup", s["speedup"], "x over bf16", rec, bar=bar,
+                      note=f"llama-3-8b, batch 1, context {SIZES['context']}, {s['timing']} of one static-cache "
+                      f"decode forward, {how}; bf16 step {s['decode_ms'] * s['speedup']:.2f} ms")
+else:
+    wb_note = "embedded model linear layers, float32 scales, measured bytes held over the same weights in bf16"
+    record_figure("quant.int8_weight_bytes_ratio", by["int8"]["weight_bytes_ratio"], "ratio", rec, bar="<= 0.52",
+                  note=wb_note)
+    record_figure("quant.int4_weight_bytes_ratio", by["int4"]["weight_bytes_ratio"], "ratio", rec, bar="<= 0.30",
+                  note=wb_note)
+print(f"record: {rec}")
+
+# %% [markdown]
+# ## Takeaways
+# * **Bytes are the lever for decode.** Weight-only int8 halves the bytes a decode step reads and int4 (GPTQ or
+#   RTN) cuts them to ~0.27-0.32 of bf16 with scales counted; with fused dequantise-in-register kernels the step
+#   time follows the bytes. Without fused kernels (the torch path, bitsandbytes on the CPU) quantised layers are
+#   *slower*: the speed-up belongs to the kernel, not the format.
+# * **Accuracy:** int8 weight-only is free to within noise; FP8 (weights and activations) costs a little more;
+#   4-bit costs a few percent of perplexity on this small model, NF4 and GPTQ less than plain RTN. Calibration
+#   (GPTQ) is paid once, offline, and the format and kernel are the same as RTN's.
+# * **Memory:** 4-bit frees ~70 % of weight memory for KV cache and batch (notebook 02's lever); measure it with
+#   scales, zero-points and quant states included.
+# * **Precision for compute:** bf16 has fp32's range (no overflow in norms, softmax, long dot products) and is
+#   the default for inference and training; fp16's extra mantissa does not pay for its 65504 ceiling without
+#   loss scaling. Whatever the storage dtype, accumulate in fp32 and keep softmax/RMSNorm statistics in fp32.
+#   TF32 is a free speed-up for fp32 matmuls where 10 mantissa bits suffice. INT8/FP8 *compute* (LLM.int8,
+#   `_scaled_mm`) doubles tensor-core throughput, which helps compute-bound prefill and large batches;
+#   weight-only formats help memory-bound decode.
+# * **When to choose which:** serving at small batch → int4 weights (GPTQ/AWQ) with fused kernels, or int8 when
+#   accuracy must not move; large-batch or prefill-heavy on Hopper → FP8 weights and activations; fine-tuning
+#   → bf16 weights with fp32 master copies and accumulation (NF4 base weights for QLoRA); fp32 only as the
+#   reference.

@@ -1,0 +1,37 @@
+import pytest
+import torch
+
+from labkit.quant.compare import accuracy_rows, speed_rows
+
+
+def test_accuracy_rows(tiny_model):
+    model, tok = tiny_model
+    rows = accuracy_rows(model, tok, methods=("int8", "int4"), seq_len=64, max_windows=2, error_tokens=(1, 16),
+                         progress=False)
+    by = {r["method"]: r for r in rows}
+    assert list(by) == ["base", "int8", "int4"] and all(r["status"] == "ok" for r in rows)
+    assert by["base"]["ppl_delta_frac"] == 0 and by["base"]["weight_bytes_ratio"] == 2.0  # fp32 over bf16
+    assert by["int8"]["weight_bytes_ratio"] < 0.52 and by["int4"]["weight_bytes_ratio"] < 0.30
+    assert by["int4"]["bits_per_weight"] == pytest.approx(4.5)  # 4 bits + fp32 scale and zero per 128
+    assert len(by["int4"]["layer_errors"]) == 56 and by["int8"]["layer_err_max"] < 2e-2
+    # the logits [1, 16, 8192] in float32 are the largest tensor of that forward
+    assert all(r["forward_peak_bytes"] >= 16 * 8192 * 4 for r in rows)
+
+
+def test_speed_rows(tiny_model):
+    rows = speed_rows(tiny_model[0], methods=("int4",), context_len=8, iters=2, progress=False)
+    assert [r["method"] for r in rows] == ["base", "int4"]
+    assert rows[0]["speedup"] == 1.0 and rows[1]["weight_bytes_ratio"] < 0.30
+
+
+@pytest.mark.gpu
+def test_speed_rows_cuda_graph_and_patch():
+    from labkit.models import random_model
+
+    model = random_model("llama-3-8b", device="cuda", num_layers=2)
+    rows = speed_rows(model, methods=("int8", "int4", "fp8"), context_len=64, iters=5, patch=True,
+                      progress=False)
+    assert {r["timing"] for r in rows if r["method"] != "base"} == {"cuda_graph"}
+    assert all(r["status"] == "ok" and r["decode_ms"] > 0 for r in rows)
+    del model
+    torch.cuda.empty_cache()
