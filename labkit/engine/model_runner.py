@@ -314,8 +314,7 @@ class ModelRunner:
             if m == n:
                 ks, vs = k[rows], v[rows]
             else:
-                blocks = torch.tensor(inp.tables_host[s][:-(-n // bs)], device=self.device)
-                kc, vc, blocks = self._pools(i, blocks[None], q.dtype)
+                kc, vc, blocks = self._pools(i, inp.block_tables[s:s + 1, :-(-n // bs)], q.dtype)
                 ks = kc[blocks[0].long()].flatten(0, 1)[:n]
                 vs = vc[blocks[0].long()].flatten(0, 1)[:n]
             o = flash_attention(q[rows].transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],

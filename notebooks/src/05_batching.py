@@ -1,0 +1,424 @@
+# %% [markdown]
+# # 05 · Serving: continuous batching against FIFO and static batches, chunked prefill, CUDA graphs
+#
+# **The question.** At peak traffic the scenario's service has *high latency* and *low GPU utilisation*
+# (notebook 00 reproduced both with HF `generate` served first come, first served). Hint 3 asks how continuous
+# batching compares with simple FIFO queuing. This notebook serves the same requests with `labkit.engine`'s
+# `LLMEngine` under three schedulers and measures what changes:
+#
+# * **FIFO**: one request at a time, start to finish;
+# * **static batching**: up to *B* waiting requests run together until the *longest* one ends, and nobody joins;
+# * **continuous batching** (Orca, vLLM): every step decodes one token for each running request, adds prefill
+#   chunks of new requests up to a token budget (Sarathi-Serve's chunked prefill), retires finished requests at
+#   once, and preempts (by recompute) when the paged KV cache runs out of blocks.
+#
+# Then two techniques inside the step: **chunked prefill** (time to first token against inter-token latency) and
+# **CUDA graphs** (the launch gaps, before and after, in a profiler trace), and a waterfall of decode tokens/s
+# with each technique switched on one at a time.
+#
+# * `ci` / `cpu` profiles: the embedded model (trained weights, float32) on the CPU: every mechanism runs, speeds
+#   are the CPU's.
+# * `gpu` profile: speed on the Llama-3-8B architecture in bf16 with random weights (`random_model`), correctness
+#   on the embedded model on the GPU. The engine runs Triton kernels (RMSNorm, RoPE, SwiGLU, paged and flash
+#   attention) and replays decode steps from CUDA graphs there.
+#
+# The serving clock is **virtual**: each engine step is timed for real and the clock advances by exactly that,
+# but while the server idles the clock jumps to the next arrival instead of sleeping (notebook 00's HF replay
+# works the same way, so the two compare on one footing). `LLMEngine.serve(clock="real")` is the wall-clock mode.
+
+# %% tags=["parameters"]
+profile = "auto"
+seed = 0
+
+# %%
+from labkit.workbook import resolve_profile
+
+PROFILE = resolve_profile(profile)
+
+import math
+import time
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import torch
+
+import labkit  # noqa: F401  (sets up Triton for the host before anything imports it)
+from labkit.bench import output_dir, record_figure, write_record
+from labkit.data import sample_prompts, split_tokens
+from labkit.decode_step import time_decode_step
+from labkit.engine.experiments import (check_greedy_vs_hf, decode_rate, free_device_memory, hf_static_extrapolate,
+                                       hf_static_probe, profile_decode, serve_sweep)
+from labkit.engine.hf_baseline import run_generate, serve_static
+from labkit.engine.metrics import SLO
+from labkit.engine.workload import LengthDist, make_workload
+from labkit.hardware import measure_ceilings
+from labkit.models import get_spec, human_bytes, load_model, random_model
+from labkit.profiling import plot_timeline
+
+SIZES = {
+    "ci": dict(check_tokens=8, sweep_n=12, sweep_prompt=(16, 64), sweep_out=(12, 32), batch=8, budget=128,
+               sweep_kv_tokens=1024, loads=[0.5, 2.0, 8.0], slo=(0.5, 0.05),
+               chunk_n=10, chunk_prompt=(64, 400), chunk_out=(16, 48), chunk_budget=32, chunk_rate_x=1.0,
+               decode_context=64, decode_steps=8, big_batch=8, profile_steps=3,
+               offline_n=16, offline_prompt=64, offline_out=(16, 64), offline_batch=8, offline_kv_tokens=2048,
+               hf_batch=8, hf_probe_tokens=8),
+    "cpu": dict(check_tokens=16, sweep_n=32, sweep_prompt=(32, 256), sweep_out=(24, 96), batch=16, budget=512,
+                sweep_kv_tokens=4096, loads=[0.25, 0.5, 1.0, 2.0, 4.0, 8.0], slo=(1.0, 0.1),
+                chunk_n=24, chunk_prompt=(128, 1024), chunk_out=(24, 96), chunk_budget=128, chunk_rate_x=1.0,
+                decode_context=256, decode_steps=16, big_batch=16, profile_steps=4,
+                offline_n=64, offline_prompt=128, offline_out=(32, 256), offline_batch=16, offline_kv_tokens=8192,
+                hf_batch=16, hf_probe_tokens=16),
+    "gpu": dict(check_tokens=16, sweep_n=24, sweep_prompt=(64, 512), sweep_out=(48, 192), batch=16, budget=2048,
+                sweep_kv_tokens=16384, loads=[0.5, 2.0, 8.0], slo=(0.5, 0.05),
+                chunk_n=24, chunk_prompt=(256, 2048), chunk_out=(64, 256), chunk_budget=512, chunk_rate_x=1.0,
+                decode_context=512, decode_steps=64, big_batch=64, profile_steps=8,
+                offline_n=1000, offline_prompt=512, offline_out=(128, 1024), offline_batch=256,
+                offline_kv_tokens=400_000, hf_batch=64, hf_probe_tokens=16),
+}[PROFILE]
+print(PROFILE, SIZES)
+T0 = time.perf_counter()
+
+
+def elapsed(what: str) -> None:
+    print(f"[{time.perf_counter() - T0:6.1f} s] {what}")
+
+
+# %% [markdown]
+# ## The models and the machine
+# Speed is measured on `speed_model`; correctness always on the embedded model with its trained weights, because
+# with random weights every token is a near-tie and "equal to HF" would test nothing.
+
+# %%
+check_model, tokenizer = load_model(device="cuda" if PROFILE == "gpu" else "cpu", dtype="fp32")
+if PROFILE == "gpu":
+    speed_model = random_model("llama-3-8b", device="cuda", dtype="bf16", seed=seed)
+    source, speed_dtype, model_name = speed_model.config.vocab_size, "bf16", "llama-3-8b (random weights, bf16)"
+else:
+    torch.set_num_threads(1)  # the embedded model's matmuls are tiny; extra threads only contend
+    speed_model, source = check_model, split_tokens("heldout", tokenizer)
+    speed_dtype, model_name = "fp32", "pydocs-llama (embedded, fp32)"
+spec = get_spec(speed_model)
+ceilings = measure_ceilings()
+bandwidth = ceilings["copy_bytes_per_s"]
+print(f"{model_name}: {spec.num_params / 1e6:,.1f} M parameters, {human_bytes(spec.weight_bytes(speed_dtype))}; "
+      f"KV cache {human_bytes(spec.kv_bytes_per_token(speed_dtype))} per token")
+print(f"{ceilings['device']}: measured copy bandwidth {bandwidth / 1e12:.3f} TB/s")
+elapsed("models loaded")
+
+# %% [markdown]
+# ## Predict
+# **Decode is memory-bound**: a step reads every weight once plus each sequence's KV cache, so its floor is
+# *(weight bytes + B x context x KV bytes per token) / bandwidth*, and the tokens a step yields grow with the batch
+# *B* almost for free until the KV reads (or compute) catch up. A server that runs one request at a time pays the
+# whole weight read for one token.
+#
+# **Static batches waste slots**: a batch runs until its longest request ends, so with exponential output lengths
+# most slots idle while the longest finishes. The useful share is *sum of outputs / sum over batches of (B x
+# longest output)*; continuous batching refills a slot the step after it frees, so at saturation its throughput
+# advantage over static batching approaches the inverse of that share (if a step costs the same at any batch).
+
+# %%
+ctx = SIZES["decode_context"]
+floor_rows = []
+for b in (1, 8, 64, 256):
+    step_bytes = spec.decode_weight_bytes(speed_dtype) + b * spec.kv_bytes(ctx, speed_dtype)
+    floor_rows.append({"batch": b, "bytes per step": human_bytes(step_bytes),
+                       "floor per step (ms)": step_bytes / bandwidth * 1e3,
+                       "floor tokens/s": b * bandwidth / step_bytes})
+display(pd.DataFrame(floor_rows).round(3))
+
+sweep_wl = make_workload(SIZES["sweep_n"], 1.0, LengthDist.uniform(*SIZES["sweep_prompt"]),
+                         LengthDist.exponential(SIZES["sweep_out"][0], low=2, high=SIZES["sweep_out"][1]), source,
+                         seed=seed)
+outs = [r.max_new_tokens for r in sweep_wl]
+B = SIZES["batch"]
+static_slots = sum(B * max(outs[i:i + B]) for i in range(0, len(outs), B))
+useful_share = sum(outs) / static_slots
+print(f"sweep workload: {len(outs)} requests, outputs {sorted(outs)}")
+print(f"static batches of {B}: {useful_share:.0%} of decode slots do useful work -> continuous batching predicted "
+      f"up to {1 / useful_share:.1f}x static's throughput at saturation")
+
+# %% [markdown]
+# ## Correctness first: greedy tokens equal HF `generate`, whatever the scheduler did
+# Every request's greedy output must equal HF `generate` for that prompt *alone*, token for token, under each
+# scheduler, with prompts cut into chunks, with prefix caching, and with a KV cache so small that requests are
+# preempted and recomputed. (On the GPU this runs the Triton kernels and the CUDA graphs.)
+
+# %%
+ps = sample_prompts(tokenizer, 7, 40, seed=seed + 3)
+check_prompts = [ps[0][:5], ps[1], ps[2][:23], ps[3][:11], ps[4][:31], ps[1][:24] + ps[5][:9], ps[1][:24] + ps[6][:3]]
+n_check = SIZES["check_tokens"]
+check_configs = {
+    "FIFO": dict(scheduler="fifo"),
+    "static batch 3": dict(scheduler="static", static_batch_size=3),
+    "continuous, chunks of <= 16 tokens": dict(max_num_seqs=4, max_num_batched_tokens=16),
+    "continuous, whole prompts": dict(chunked_prefill=False, max_num_seqs=8, max_num_batched_tokens=64),
+    "continuous, tiny cache (preempts)": dict(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=32),
+    "continuous, prefix caching": dict(enable_prefix_caching=True, block_size=4, max_num_seqs=2,
+                                       max_num_batched_tokens=24),
+}
+check_rows = check_greedy_vs_hf(check_model, check_prompts, n_check, check_configs)
+greedy_ok = all(r["all_equal"] for r in check_rows)
+display(pd.DataFrame(check_rows))
+print("greedy output equals HF generate everywhere:", greedy_ok)
+if not greedy_ok:  # recorded as a figure below rather than stopping the run: the unit tests fail on it too
+    print("WARNING: the engine's greedy output differs from HF generate in a configuration above")
+elapsed("greedy check")
+
+# %% [markdown]
+# ## Baseline and technique: FIFO, static and continuous batching under rising traffic
+# The same requests arrive as a Poisson process at rising rates, given as multiples of the FIFO server's capacity
+# (its throughput when requests queue up: measured first, with everything arriving at once). All three engines
+# get the same KV-cache memory; static batches reserve each member's worst case (prompt + `max_tokens`), the
+# continuous scheduler allocates blocks as sequences grow and preempts when it must.
+
+# %%
+block_size = 16
+common = dict(max_model_len=SIZES["sweep_prompt"][1] + SIZES["sweep_out"][1],
+              num_blocks=SIZES["sweep_kv_tokens"] // block_size, block_size=block_size)
+policies = {
+    "FIFO": dict(common, scheduler="fifo"),
+    f"static batch {B}": dict(common, scheduler="static", static_batch_size=B),
+    "continuous": dict(common, scheduler="continuous", max_num_seqs=B, max_num_batched_tokens=SIZES["budget"]),
+}
+slo = SLO(*SIZES["slo"])
+fifo_offline = serve_sweep(speed_model, sweep_wl, {"FIFO": policies["FIFO"]}, [math.inf], slo, progress=False)[0]
+capacity = fifo_offline["requests_s"]
+rates = [x * capacity for x in SIZES["loads"]]
+print(f"FIFO capacity: {capacity:.2f} requests/s; offered rates {[round(r, 2) for r in rates]} requests/s")
+sweep_rows = serve_sweep(speed_model, sweep_wl, policies, rates, slo)
+sweep = pd.DataFrame(sweep_rows)
+sweep["offered_load"] = sweep.rate_req_s / capacity
+cols = ["policy", "offered_load", "output_tok_s", "requests_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
+        "e2e_p99_s", "goodput_requests_s", "busy_frac", "mean_batch", "preemptions", "peak_kv_bytes"]
+display(sweep[cols].round(4))
+elapsed("load sweep")
+
+# %%
+fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
+for policy, g in sweep.groupby("policy", sort=False):
+    axes[0].plot(g.output_tok_s, g.e2e_p99_s, "o-", label=policy)
+    axes[1].plot(g.offered_load, g.ttft_p99_s, "o-", label=policy)
+    axes[2].plot(g.offered_load, g.output_tok_s, "o-", label=policy)
+    axes[3].plot(g.offered_load, g.busy_frac, "o-", label=policy)
+axes[0].set(xlabel="throughput (output tokens/s)", ylabel="p99 end-to-end latency (s)", yscale="log",
+            title="throughput against latency")
+axes[1].set(xlabel="offered load (x FIFO capacity)", ylabel="p99 time to first token (s)", yscale="log",
+            title="queueing")
+axes[2].set(xlabel="offered load (x FIFO capacity)", ylabel="output tokens/s", title="throughput")
+axes[3].set(xlabel="offered load (x FIFO capacity)", ylabel="share of time stepping", ylim=(0, 1.05),
+            title="server busy fraction")
+for ax in axes:
+    ax.legend(fontsize=7)
+plt.tight_layout()
+plt.show()
+
+# %%
+top = sweep[sweep.offered_load == sweep.offered_load.max()].set_index("policy")
+cont_vs_static = top.loc["continuous", "output_tok_s"] / top.loc[f"static batch {B}", "output_tok_s"]
+cont_vs_fifo = top.loc["continuous", "output_tok_s"] / top.loc["FIFO", "output_tok_s"]
+print(f"at {sweep.offered_load.max():g}x FIFO capacity, same KV memory: continuous batching delivers "
+      f"{cont_vs_static:.2f}x static batching's and {cont_vs_fifo:.2f}x FIFO's output tokens/s "
+      f"(predicted vs static: up to {1 / useful_share:.1f}x)")
+
+# %% [markdown]
+# ## Chunked prefill: time to first token against inter-token latency
+# Long prompts arrive while other requests decode. Prefilling a whole prompt in one step stalls every running
+# request's next token for that step; cutting prompts into chunks that share each step with the decodes (decode
+# first, then prefill up to the budget) bounds the stall, at the price of a longer prefill for the new request.
+
+# %%
+chunk_wl = make_workload(SIZES["chunk_n"], 1.0, LengthDist.uniform(*SIZES["chunk_prompt"]),
+                         LengthDist.exponential(SIZES["chunk_out"][0], low=4, high=SIZES["chunk_out"][1]), source,
+                         seed=seed + 1)
+longest = max(r.prompt_len + r.max_new_tokens for r in chunk_wl)
+chunk_policies = {
+    "whole prompts": dict(max_num_seqs=B, max_num_batched_tokens=longest, chunked_prefill=False,
+                          max_model_len=longest),
+    f"chunks of {SIZES['chunk_budget']}": dict(max_num_seqs=B, max_num_batched_tokens=max(B, SIZES["chunk_budget"]),
+                                               max_model_len=longest),
+}
+chunk_rate = SIZES["chunk_rate_x"] * capacity
+chunk = pd.DataFrame(serve_sweep(speed_model, chunk_wl, chunk_policies, [chunk_rate], slo))
+display(chunk[["policy", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "itl_max_s", "tpot_p99_s",
+               "output_tok_s", "steps"]].round(4))
+fig, ax = plt.subplots(figsize=(6, 3.5))
+for _, r in chunk.iterrows():
+    ax.plot([r.ttft_p50_s, r.ttft_p99_s], [r.itl_p99_s, r.itl_max_s], "o-", label=r.policy)
+ax.set(xlabel="time to first token, p50 -> p99 (s)", ylabel="inter-token gap, p99 -> max (s)",
+       title="chunked prefill trades TTFT for smooth decoding")
+ax.legend(fontsize=8)
+plt.show()
+elapsed("chunked prefill")
+
+# %% [markdown]
+# ## CUDA graphs: the launch gaps, before and after
+# At batch 1 a decode step is hundreds of small kernels; launched one by one from Python, the device waits between
+# them. The engine captures one decode step per batch-size bucket as a CUDA graph (static input buffers, batch
+# padded to the bucket, block tables padded to `max_model_len`) and replays it. The profiler shows both.
+
+# %%
+profiles = {}
+if torch.cuda.is_available():
+    for graphs in (False, True):
+        name = "CUDA graph" if graphs else "eager"
+        trace = str(output_dir() / f"05_decode_{'graph' if graphs else 'eager'}_trace.json")
+        profiles[name] = profile_decode(speed_model, 1, ctx, SIZES["profile_steps"], source, cuda_graphs=graphs,
+                                        trace_path=trace)
+else:
+    print("CUDA graphs exist only on CUDA: on the CPU the engine runs eager, shown alone below")
+    profiles["eager"] = profile_decode(speed_model, 1, ctx, SIZES["profile_steps"], source, cuda_graphs=False)
+prof_rows = [{"mode": k, "wall per step (ms)": p.wall_s / p.steps * 1e3, "busy share": p.busy_s / p.wall_s,
+              "kernels per step": p.kernels_per_step, "trace": p.trace_path} for k, p in profiles.items()]
+display(pd.DataFrame(prof_rows).round(3))
+fig, axes = plt.subplots(len(profiles), 1, figsize=(11, 2.6 * len(profiles)), squeeze=False)
+for ax, (name, p) in zip(axes[:, 0], profiles.items()):
+    plot_timeline(p, ax=ax, max_ms=2 * p.wall_s / p.steps * 1e3)
+    ax.set_title(f"{name}: two decode steps at batch 1 ({p.busy_s / p.wall_s:.0%} busy)")
+plt.tight_layout()
+plt.show()
+elapsed("profiles")
+
+# %% [markdown]
+# ## Decode tokens/s, one technique at a time
+# From HF's eager `generate` at batch 1 to the engine with continuous batching. Each bar says how it was timed:
+# `generate` and the engine's bars are end to end (tokens reaching the host, sampling included); the HF
+# static-cache bar times graph replays of one step alone (`labkit.decode_step`), which flatters it slightly.
+
+# %%
+probe = make_workload(1, math.inf, LengthDist.fixed(ctx), LengthDist.fixed(2), source, seed=seed)[0]
+run_generate(speed_model, [probe.prompt_ids], 2)  # warm-up
+hf_exec, _ = run_generate(speed_model, [probe.prompt_ids], SIZES["decode_steps"] // 2)
+hf_static = time_decode_step(speed_model, 1, ctx, cuda_graph=True, iters=SIZES["decode_steps"])
+eager_bs1 = decode_rate(speed_model, 1, ctx, max(4, SIZES["decode_steps"] // 4), source, cuda_graphs=False)
+engine_bs1 = decode_rate(speed_model, 1, ctx, SIZES["decode_steps"], source)
+engine_big = decode_rate(speed_model, SIZES["big_batch"], ctx, max(4, SIZES["decode_steps"] // 4), source)
+graph_word = "CUDA graph" if torch.cuda.is_available() else "eager on the CPU"
+waterfall = pd.DataFrame([
+    {"step": "HF generate, eager, batch 1", "tok_s": hf_exec.decode_tok_s(), "timed": "end to end"},
+    {"step": f"HF StaticCache + {graph_word}, batch 1", "tok_s": 1 / hf_static.median_s, "timed": hf_static.method},
+    {"step": f"engine: paged cache + {'Triton kernels' if eager_bs1['kernels'] == 'triton' else 'torch'}, "
+             "eager, batch 1", "tok_s": eager_bs1["tok_s"], "timed": "end to end"},
+    {"step": f"engine + {graph_word}, batch 1", "tok_s": engine_bs1["tok_s"], "timed": "end to end"},
+    {"step": f"engine, continuous batch {SIZES['big_batch']}", "tok_s": engine_big["tok_s"],
+     "timed": "end to end"},
+])
+waterfall["x previous"] = waterfall.tok_s / waterfall.tok_s.shift(1)
+display(waterfall.round(2))
+fig, ax = plt.subplots(figsize=(8, 3.8))
+ax.barh(waterfall.step[::-1], waterfall.tok_s[::-1], color="tab:blue")
+ax.set(xscale="log", xlabel="decode tokens/s (log)", title=f"{model_name}, context {ctx}")
+plt.tight_layout()
+plt.show()
+
+bs1_bytes = spec.decode_weight_bytes(speed_dtype) + spec.kv_bytes(engine_bs1["context"], speed_dtype)
+bs1_floor_s = bs1_bytes / bandwidth
+decode_mbu = bs1_floor_s * engine_bs1["tok_s"]
+replay_mbu = bs1_floor_s / engine_bs1["replay_step_s"] if engine_bs1["replay_step_s"] else None
+print(f"batch 1: {engine_bs1['tok_s']:.1f} tokens/s end to end = {decode_mbu:.1%} of the bandwidth floor "
+      f"({bs1_floor_s * 1e3:.3f} ms/token)" + (f"; the replayed step alone {replay_mbu:.1%}" if replay_mbu else ""))
+elapsed("waterfall")
+
+# %% [markdown]
+# ## Offline throughput against HF `generate` in static batches
+# The issue's recipe: prompts of 512 tokens, outputs exponential with mean 128 (clipped at 1,024), all queued at
+# once; the engine runs continuous batching. HF `generate` runs static batches (the `gpu` profile uses batch 64;
+# larger ones risk its full-prompt logits). At ~8 tokens/s per HF step on the H200, HF would need far longer than
+# this notebook's budget for 1,000 requests, so on the GPU HF is **measured on one batch** (prefill, then
+# `hf_probe_tokens` decode steps) **and extrapolated** to the workload: per batch, prefill plus one measured step
+# per token of its longest request. Steps later in a batch attend to longer contexts and are slower, so the
+# extrapolation under-estimates HF's time and the speed-up is conservative. On the CPU profiles HF also runs the
+# whole workload, which checks the extrapolation.
+
+# %%
+off_wl = make_workload(SIZES["offline_n"], math.inf, LengthDist.fixed(SIZES["offline_prompt"]),
+                       LengthDist.exponential(SIZES["offline_out"][0], low=1, high=SIZES["offline_out"][1]), source,
+                       seed=seed + 2)
+off_len = SIZES["offline_prompt"] + SIZES["offline_out"][1]
+engine_off = serve_sweep(speed_model, off_wl, {"continuous": dict(
+    max_num_seqs=SIZES["offline_batch"], max_num_batched_tokens=max(8192, SIZES["offline_batch"]),
+    max_model_len=off_len, num_blocks=SIZES["offline_kv_tokens"] // block_size)}, [math.inf], progress=True)[0]
+elapsed("engine offline")
+probe_hf = hf_static_probe(speed_model, off_wl, SIZES["hf_batch"], SIZES["hf_probe_tokens"])
+hf_est = hf_static_extrapolate(off_wl, probe_hf)
+hf_full = None
+if PROFILE != "gpu":
+    _, hf_busy = serve_static(speed_model, off_wl, SIZES["hf_batch"])
+    hf_full = {"total_s": hf_busy, "output_tok_s": sum(r.max_new_tokens for r in off_wl) / hf_busy}
+offline_speedup = engine_off["output_tok_s"] / hf_est["output_tok_s"]
+off_table = pd.DataFrame([
+    {"server": f"HF generate, static batches of {SIZES['hf_batch']} (extrapolated from one batch)",
+     "output tok/s": hf_est["output_tok_s"], "seconds": hf_est["total_s"]},
+    *([{"server": "HF generate, static batches, measured in full", "output tok/s": hf_full["output_tok_s"],
+        "seconds": hf_full["total_s"]}] if hf_full else []),
+    {"server": f"engine, continuous batching (<= {SIZES['offline_batch']} sequences)",
+     "output tok/s": engine_off["output_tok_s"], "seconds": engine_off["makespan_s"]},
+])
+display(off_table.round(2))
+print(f"{len(off_wl)} requests, {sum(r.max_new_tokens for r in off_wl)} output tokens: engine {offline_speedup:.1f}x "
+      f"HF generate's throughput; peak KV {human_bytes(engine_off['peak_kv_bytes'])}, "
+      f"{engine_off['preemptions']} preemptions")
+elapsed("offline vs HF")
+
+# %% [markdown]
+# ## Trade-offs
+# Accuracy is the same everywhere (greedy tokens equal HF's above); what moves is latency, throughput and memory.
+
+# %%
+trade = top.reset_index()[["policy", "output_tok_s", "ttft_p99_s", "tpot_p99_s", "e2e_p99_s", "busy_frac",
+                           "peak_kv_bytes", "preemptions"]]
+trade["tokens equal HF"] = greedy_ok
+trade["peak KV"] = trade.peak_kv_bytes.map(human_bytes)
+display(trade.drop(columns="peak_kv_bytes").round(4))
+
+rec = write_record("05_batching", {
+    "model": model_name, "spec": spec.__dict__, "ceilings": ceilings, "sizes": SIZES, "clock": "virtual",
+    "greedy_check": check_rows, "floor_prediction": floor_rows,
+    "static_useful_share_predicted": useful_share,
+    "sweep": {"workload": [(r.request_id, r.prompt_len, r.max_new_tokens) for r in sweep_wl],
+              "fifo_capacity_req_s": capacity, "policies": policies, "rows": sweep_rows},
+    "chunked_prefill": {"rate_req_s": chunk_rate, "policies": chunk_policies, "rows": chunk.to_dict("records")},
+    "profiles": prof_rows,
+    "waterfall": waterfall.to_dict("records"),
+    "decode": {"hf_generate_bs1": {"token_times_s": hf_exec.token_times_s, "decode_tok_s": hf_exec.decode_tok_s()},
+               "hf_static_cache_step": hf_static, "engine_eager_bs1": eager_bs1, "engine_bs1": engine_bs1,
+               "engine_big_batch": engine_big, "bs1_bytes_per_step": bs1_bytes, "bs1_floor_s": bs1_floor_s,
+               "bs1_mbu_end_to_end": decode_mbu, "bs1_mbu_replay": replay_mbu},
+    "offline": {"recipe": {"n": len(off_wl), "prompt": SIZES["offline_prompt"],
+                           "output": LengthDist.exponential(SIZES["offline_out"][0], 1,
+                                                            SIZES["offline_out"][1]).describe()},
+                "engine": engine_off, "hf_probe": probe_hf, "hf_extrapolated": hf_est, "hf_full": hf_full,
+                "method": "HF measured on one static batch and extrapolated per batch (prefill + steps x longest "
+                          "output); conservative, steps measured at the prompt's context"},
+})
+record_figure("engine.greedy_matches_hf", bool(greedy_ok), "bool", rec, bar="true",
+              note="embedded model: every scheduler, chunking, prefix caching and preemption")
+record_figure("engine.decode_bs1_tok_s", engine_bs1["tok_s"], "tokens/s", rec,
+              note=f"{model_name}, context {engine_bs1['context']}, end to end through LLMEngine.step")
+record_figure("engine.decode_bs1_mbu", decode_mbu, "fraction of bandwidth floor", rec, bar=">= 0.70",
+              note="bytes = weights + KV read per token; bandwidth = measured copy bandwidth; end to end")
+record_figure("engine.offline_speedup_vs_hf", offline_speedup, "x", rec, bar=">= 10",
+              note=f"{len(off_wl)} requests of {SIZES['offline_prompt']}-token prompts + exponential outputs; HF in "
+                   f"static batches of {SIZES['hf_batch']}" + (", extrapolated from one batch" if hf_full is None
+                                                                 else ", measured"))
+record_figure("engine.continuous_vs_static_throughput", cont_vs_static, "x", rec, bar=">= 2",
+              note=f"same KV memory, {sweep.offered_load.max():g}x FIFO capacity, batch {B}")
+record_figure("engine.continuous_vs_fifo_throughput", cont_vs_fifo, "x", rec,
+              note=f"same KV memory, {sweep.offered_load.max():g}x FIFO capacity")
+elapsed("done")
+
+# %% [markdown]
+# ## Takeaways
+# * **Continuous batching is the scheduling fix for hint 3.** FIFO pays a whole weight read per token and queues
+#   everyone behind one request; static batches share the read but idle while their longest member finishes (the
+#   predicted useful share above). Iteration-level admission and retirement keeps every slot busy, so at the same
+#   memory it delivers the most tokens/s and the shortest queues once traffic exceeds one request's worth.
+# * **Paging is what lets it admit**: blocks are allocated as sequences grow, so memory is not reserved for the
+#   worst case; when blocks run out, the youngest request is preempted and recomputed, never dropped, and its
+#   tokens stay exactly HF's.
+# * **Chunked prefill** trades a little time to first token for a bounded inter-token stall: long prompts no
+#   longer freeze everyone's decoding.
+# * **CUDA graphs** remove the launch gaps that dominate small-batch decode; with the Triton kernels and the paged
+#   cache the batch-1 step approaches the bandwidth floor, and batching multiplies tokens per weight read.
+# * **How to verify in production**: the same instruments as here: TTFT/TPOT/end-to-end percentiles and goodput
+#   under an SLO as load rises, the busy fraction, and a profiler trace of a decode step (gaps = launch overhead).
