@@ -109,7 +109,7 @@ def decode_rate(model, batch_size: int, context: int, steps: int, source, warmup
            else "torch", "replay_step_s": None}
     if replay and engine.runner.graph_batch_sizes:
         bs = min(b for b in engine.runner.graph_batch_sizes if b >= batch_size)
-        replay_fn = partial(engine.runner.replay_graph, bs)
+        replay_fn = partial(engine.runner.graphs.replay, bs)
         row["replay_step_s"] = time_fn(replay_fn, device=engine.device, warmup=3, iters=max(steps, 10)).median_s
         del replay_fn
     del engine

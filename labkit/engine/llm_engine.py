@@ -24,8 +24,9 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 from tqdm.auto import tqdm
 
+from labkit.engine.cuda_graph import default_graph_batch_sizes
 from labkit.engine.metrics import RequestMetrics
-from labkit.engine.model_runner import KERNELS, ModelRunner, default_graph_batch_sizes
+from labkit.engine.model_runner import KERNELS, ModelRunner
 from labkit.engine.sampling import Sampler, SamplingParams, token_seed
 from labkit.engine.scheduler import SCHEDULERS, make_scheduler
 from labkit.engine.sequence import Request, RequestOutput, TokenOutput

@@ -12,16 +12,11 @@ projection -> add residual + RMSNorm -> SwiGLU MLP (gate and up merged, ``silu_a
 ``labkit.kvcache.attention``, so greedy output equals HF ``generate`` token for token in float32; ``'triton'``
 (the CUDA default; on the CPU it runs through Triton's interpreter, slowly, for tests) swaps in the kernels.
 
-Why CUDA graphs: at batch 1 a decode step of an 8B model is ~400 kernels of a few microseconds; launched from
-Python, the GPU idles between them. Capturing the step once per batch size and replaying it removes that. A graph
-replays fixed addresses and shapes, so the inputs live in pre-allocated static buffers, the batch is padded up to
-the next captured size, and block tables are padded to ``max_model_len / block_size`` columns. Padding rows point
-at a private scratch block (so their K/V writes touch nobody's cache) with a context of one token.
+All-decode steps of up to the largest captured batch replay a CUDA graph (``labkit.engine.cuda_graph``).
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -32,13 +27,6 @@ from labkit.kvcache.attention import dequantised_blocks, paged_prefill_attention
 from labkit.kvcache.paged import PagedKVCache
 
 KERNELS = ("auto", "torch", "triton")
-
-
-def default_graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, then every 16 up to 64, then every 32 (padding wastes at most ~1/3 of a small batch)."""
-    sizes = [1, 2, 4, 8] + list(range(16, 65, 16)) + list(range(96, max(max_num_seqs, 96) + 32, 32))
-    out = sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
-    return out
 
 
 @dataclass
@@ -77,8 +65,8 @@ class ModelRunner:
     """Runs a Hugging Face ``LlamaForCausalLM`` (or one with the same module names) on a ``PagedKVCache``.
 
     * ``kernels``: 'auto' (Triton on CUDA, torch on the CPU), 'torch' or 'triton'
-    * ``cuda_graphs``: 'auto' (on with CUDA and an unquantised cache), True, False; graphs are captured for
-      ``graph_batch_sizes`` (default ``default_graph_batch_sizes(max_num_seqs)``)
+    * ``cuda_graphs``: 'auto' (on with CUDA and an unquantised cache), True, False; decode steps are captured
+      for ``graph_batch_sizes`` (default ``cuda_graph.default_graph_batch_sizes(max_num_seqs)``)
     * ``merge_weights``: on the Triton path, point q/k/v and gate/up weights at slices of one merged matrix per
       layer (the same values, no extra memory; the HF model still works), so each is one matmul
     * ``max_model_len``: longest sequence (sets the graphs' block-table width); default the model's maximum
@@ -103,10 +91,17 @@ class ModelRunner:
         self._dequantise = cache.fmt.quantised or cache.fmt.storage_dtype != self.dtype
         self._rope_tables()
         self.merged = self._merge_projections() if (self.use_triton and merge_weights) else False
-        self.cuda_graphs = self._want_graphs(cuda_graphs)
-        self.graph_batch_sizes: list[int] = []
-        if self.cuda_graphs:
-            self.capture(graph_batch_sizes or default_graph_batch_sizes(max_num_seqs))
+        self.scratch_block: int | None = None  # padding rows of captured steps write here (cuda_graph.py)
+        self.graphs = None
+        if self._want_graphs(cuda_graphs):
+            from labkit.engine.cuda_graph import DecodeGraphs, default_graph_batch_sizes
+
+            self.graphs = DecodeGraphs(self, graph_batch_sizes or default_graph_batch_sizes(max_num_seqs))
+
+    @property
+    def graph_batch_sizes(self) -> list[int]:
+        """Batch sizes with a captured decode graph (empty without CUDA graphs)."""
+        return self.graphs.batch_sizes if self.graphs is not None else []
 
     # --- setup ----------------------------------------------------------------------------------------------
     @staticmethod
@@ -184,7 +179,7 @@ class ModelRunner:
         if any(len(t) > width for t in tables):
             raise ValueError(f"a sequence holds {max(len(t) for t in tables)} blocks, more than max_model_len="
                              f"{self.max_model_len} allows ({width} blocks of {self.cache.block_size})")
-        scratch = getattr(self, "scratch_block", 0)
+        scratch = self.scratch_block or 0
         ids, pos = ids + [0] * n_pad, pos + [0] * n_pad
         slots = slots + [scratch * self.cache.block_size] * n_pad
         flat = [b for t in tables for b in (*t, *([scratch] * (width - len(t))))] + [scratch] * (width * n_pad)
@@ -201,10 +196,10 @@ class ModelRunner:
         vocab]`` and marks the tokens computed in the cache. All-decode steps replay a CUDA graph when one is
         captured for the batch size."""
         n = len(seq_ids)
-        if self.graph_batch_sizes and num_decode == n and n <= self.graph_batch_sizes[-1]:
-            bs = self.graph_batch_sizes[bisect.bisect_left(self.graph_batch_sizes, n)]
+        bs = self.graphs.bucket(n) if self.graphs is not None and num_decode == n else None
+        if bs is not None:
             inp = self.prepare(seq_ids, num_tokens, num_decode, pad_to=bs, width=self.max_blocks)
-            logits = self._replay(inp, bs)[:n]
+            logits = self.graphs.run(inp, bs)[:n]
         else:
             inp = self.prepare(seq_ids, num_tokens, num_decode)
             logits = self.forward(inp)
@@ -321,56 +316,6 @@ class ModelRunner:
                                 causal=True, scale=self.scale)  # [1, heads, m, D]
             out[rows] = o[0].transpose(0, 1)
             start += m
-
-    # --- CUDA graphs ----------------------------------------------------------------------------------------
-    def capture(self, batch_sizes: Sequence[int]) -> None:
-        """Capture one decode step per batch size (largest first, sharing one memory pool), on static input
-        buffers padded with a private scratch block."""
-        if self.device.type != "cuda":
-            raise ValueError("CUDA graphs need a CUDA device; this runner is on the CPU")
-        sizes = sorted(set(batch_sizes))
-        if not sizes or sizes[0] < 1:
-            raise ValueError(f"graph_batch_sizes={list(batch_sizes)} must be positive ints")
-        if not hasattr(self, "scratch_block"):
-            (self.scratch_block,) = self.cache.allocator.allocate(1)  # padding rows write here, never read
-        self._static = self._to_device([], [], [], [], [], [], [], 0, sizes[-1], self.max_blocks)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._graph_logits: dict[int, torch.Tensor] = {}
-        pool = None
-        with torch.inference_mode():
-            for bs in reversed(sizes):
-                inp = self._static_input(bs)
-                self.forward(inp)  # warm-up: Triton autotuning, cuBLAS handles
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._graph_logits[bs] = self.forward(inp)
-                pool = graph.pool()
-                self._graphs[bs] = graph
-        torch.cuda.synchronize(self.device)
-        self.graph_batch_sizes = sizes
-
-    def _static_input(self, bs: int) -> ModelInput:
-        s = self._static
-        return ModelInput([], s.input_ids[:bs], s.positions[:bs], s.slot_mapping[:bs], s.block_tables[:bs],
-                          s.context_lens[:bs], [1] * bs, [1] * bs, [], bs)
-
-    def replay_graph(self, batch_size: int) -> torch.Tensor:
-        """Replay the captured step of ``batch_size`` on whatever its static buffers hold (the last step's inputs:
-        the same slots are rewritten with the same K/V), for timing the device alone. Returns its logits."""
-        if batch_size not in getattr(self, "_graphs", {}):
-            raise ValueError(f"batch_size={batch_size} has no captured graph; captured: {self.graph_batch_sizes}")
-        self._graphs[batch_size].replay()
-        return self._graph_logits[batch_size]
-
-    def _replay(self, inp: ModelInput, bs: int) -> torch.Tensor:
-        s = self._static
-        for dst, src in ((s.input_ids, inp.input_ids), (s.positions, inp.positions),
-                         (s.slot_mapping, inp.slot_mapping), (s.context_lens, inp.context_lens),
-                         (s.block_tables, inp.block_tables)):
-            dst[:bs].copy_(src)
-        self._graphs[bs].replay()
-        return self._graph_logits[bs]
 
 
 def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
