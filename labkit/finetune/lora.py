@@ -71,7 +71,10 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] -> [..., out_features], in the base layer's output dtype."""
         y = self.base(x)
-        update = F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B)
+        a = self.dropout(x)
+        if a.dtype != self.lora_A.dtype and not torch.is_autocast_enabled(a.device.type):
+            a = a.to(self.lora_A.dtype)  # a bf16 base outside autocast: run the fp32 adapter in fp32
+        update = F.linear(F.linear(a, self.lora_A), self.lora_B)
         return y + self.scaling * update.to(y.dtype)
 
     @torch.no_grad()

@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from labkit.bench import Timing
-from labkit.evaluate import perplexity
 from labkit.finetune.lora import LLAMA_LINEARS, apply_lora, quantize_nf4, trainable_parameters
 from labkit.finetune.measure import live_tensor_bytes, peak_memory
 from labkit.finetune.memory_model import TrainSetup
@@ -141,9 +141,21 @@ class FinetuneResult:
                 "tokens_per_step": self.tokens_per_step, "tokens_per_s": self.tokens_per_s, **self.extra}
 
 
+def warmup_cosine(steps: int, warmup: int, floor: float = 0.1):
+    """LR multiplier per step: linear warm-up over ``warmup`` steps, then cosine decay to ``floor``."""
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
 def finetune(model: torch.nn.Module, train_ids: torch.Tensor, setup: TrainSetup, steps: int, lr: float,
-             seed: int = 0, weight_decay: float = 0.0, progress: bool = False) -> FinetuneResult:
-    """Train a prepared model (``prepare_model``) for ``steps`` steps on random windows of ``train_ids``.
+             seed: int = 0, weight_decay: float = 0.0, warmup_steps: int | None = None,
+             progress: bool = False) -> FinetuneResult:
+    """Train a prepared model (``prepare_model``) for ``steps`` steps on random windows of ``train_ids``, with
+    a linear warm-up (``warmup_steps``, default a tenth of the steps) and cosine decay of the learning rate.
 
     The first step's time (optimizer state allocation, kernel warm-up) is kept in ``extra`` but left out of
     ``step_times``.
@@ -152,9 +164,13 @@ def finetune(model: torch.nn.Module, train_ids: torch.Tensor, setup: TrainSetup,
 
     if steps < 2:
         raise ValueError(f"steps={steps} must be at least 2 (the first one is a warm-up for the timing)")
+    warmup = max(1, steps // 10) if warmup_steps is None else warmup_steps
+    if not 0 <= warmup <= steps:
+        raise ValueError(f"warmup_steps={warmup_steps} must be in [0, steps={steps}]")
     device = _device_of(model)
     params = trainable_parameters(model)
     opt = make_optimizer(params, setup.optimizer, lr, weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(steps, warmup))
     batches = training_batches(train_ids, setup.batch_size, setup.seq_len, steps, seed).to(device)
     losses, times = [], []
     for i in tqdm(range(steps), desc=f"finetune {setup.method}", disable=not progress):
@@ -163,24 +179,50 @@ def finetune(model: torch.nn.Module, train_ids: torch.Tensor, setup: TrainSetup,
         t0 = time.perf_counter()
         losses.append(train_step(model, opt, batches[i], setup.precision))  # .item() synchronises
         times.append(time.perf_counter() - t0)
+        schedule.step()
     if not all(math.isfinite(x) for x in losses):
         raise FloatingPointError(f"the loss diverged: {losses}")
     return FinetuneResult(losses, Timing(times[1:], "wall_clock_synced"), setup.tokens,
                           extra={"first_step_s": times[0], "optimizer": type(opt).__name__})
 
 
+def heldout_windows(token_ids: torch.Tensor, seq_len: int, num_windows: int | None = None) -> torch.Tensor:
+    """Windows of ``seq_len + 1`` tokens (int64 [n, seq_len + 1]): all non-overlapping ones, or ``num_windows``
+    spread evenly over the whole split (so a small sample sees every part of it, not only its first pages)."""
+    if token_ids.dim() != 1:
+        raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
+    total = (len(token_ids) - 1) // seq_len
+    if seq_len < 1 or total < 1:
+        raise ValueError(f"seq_len={seq_len} must be in [1, {len(token_ids) - 1}] for {len(token_ids)} tokens")
+    if num_windows is not None and not 1 <= num_windows <= total:
+        raise ValueError(f"num_windows={num_windows} must be in [1, {total}] (or None for all {total})")
+    picks = torch.arange(total) if num_windows is None else torch.linspace(0, total - 1, num_windows).round().long()
+    return token_ids[picks[:, None] * seq_len + torch.arange(seq_len + 1)]
+
+
 @torch.no_grad()
 def heldout_loss(model: torch.nn.Module, token_ids: torch.Tensor, seq_len: int = 256,
-                 max_windows: int | None = None, batch_size: int = 8) -> float:
-    """Mean next-token cross-entropy (nats per token) on non-overlapping windows (``evaluate.perplexity``)."""
+                 num_windows: int | None = None, batch_size: int = 8, precision: str = "fp32") -> float:
+    """Mean next-token cross-entropy (nats per token; ``exp`` of it is the perplexity) over ``heldout_windows``,
+    under bf16 autocast for ``precision='bf16-mixed'`` (the model as it trains)."""
+    if precision not in ("fp32", "bf16-mixed"):
+        raise ValueError(f"precision={precision!r} is unknown; allowed: ['fp32', 'bf16-mixed']")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be positive")
+    device = _device_of(model)
+    windows = heldout_windows(token_ids, seq_len, num_windows).to(device)
     was_training = model.training
     model.eval()
+    nll = 0.0
     try:
-        ppl = perplexity(model, token_ids.to(_device_of(model)), seq_len=seq_len, batch_size=batch_size,
-                         max_windows=max_windows)
+        for i in range(0, len(windows), batch_size):
+            w = windows[i:i + batch_size]
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+                logits = model(input_ids=w[:, :-1], use_cache=False).logits
+            nll += F.cross_entropy(logits.float().flatten(0, 1), w[:, 1:].flatten(), reduction="sum").item()
     finally:
         model.train(was_training)
-    return math.log(ppl)
+    return nll / windows[:, 1:].numel()
 
 
 def measure_step_memory(model: torch.nn.Module, setup: TrainSetup, batch: torch.Tensor, lr: float = 1e-4) -> dict:

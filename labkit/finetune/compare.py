@@ -1,0 +1,160 @@
+"""The experiments of notebook 07, as functions: full fine-tuning vs LoRA vs QLoRA on one model (trainable
+parameters, measured and predicted peak memory, step time, held-out loss before and after), the memory model
+checked on several set-ups, and the memory model applied to a large preset (the 175B).
+
+Recipes (``recipe``) are the usual ones: full fine-tuning keeps fp32 master weights with bf16 autocast and
+AdamW; LoRA freezes a bf16 base and trains fp32 adapters with AdamW; QLoRA freezes an NF4 base (bf16 elsewhere)
+and uses 8-bit AdamW, as the QLoRA paper's recipe does.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+
+from labkit.finetune.lora import count_trainable
+from labkit.finetune.memory_model import TrainSetup, inference_memory, training_memory
+from labkit.finetune.train import finetune, heldout_loss, measure_step_memory, prepare_model
+from labkit.models import ModelSpec, get_spec
+
+METHOD_NAMES = ("full", "lora", "qlora")
+# learning rates that work for a few hundred steps on the embedded model (adapters take larger steps)
+DEFAULT_LR = {"full": 1e-4, "lora": 3e-3, "qlora": 3e-3}
+
+
+def recipe(method: str, batch_size: int, seq_len: int, device: str = "cuda", checkpointing: bool = False,
+           lora_rank: int = 8) -> TrainSetup:
+    """The ``TrainSetup`` of a standard recipe for ``method`` ('full', 'lora' or 'qlora')."""
+    if method not in METHOD_NAMES:
+        raise ValueError(f"method={method!r} is unknown; allowed: {list(METHOD_NAMES)}")
+    kw = dict(method=method, precision="bf16-mixed", batch_size=batch_size, seq_len=seq_len, device=device,
+              checkpointing=checkpointing, lora_rank=lora_rank)
+    if method == "full":
+        return TrainSetup(optimizer="adamw", **kw)
+    return TrainSetup(optimizer="adamw" if method == "lora" else "adamw8bit", base_dtype="bf16", **kw)
+
+
+def memory_row(model_factory: Callable[[], torch.nn.Module], setup: TrainSetup, label: str | None = None,
+               seed: int = 0) -> dict:
+    """Measured peak of one training step of a fresh model prepared as ``setup`` against the memory model."""
+    model = prepare_model(model_factory(), setup)
+    spec = get_spec(model)
+    ids = torch.randint(0, spec.vocab_size, (setup.batch_size, setup.seq_len),
+                        generator=torch.Generator().manual_seed(seed))
+    measured = measure_step_memory(model, setup, ids)
+    predicted = training_memory(spec, setup)
+    del model
+    return {"setup": label or describe(setup), "measured_peak": measured["peak"], "predicted_peak": predicted.peak,
+            "rel_err": abs(predicted.peak - measured["peak"]) / measured["peak"], "phase": predicted.peak_phase,
+            "weights": predicted.weights, "grads": predicted.grads, "optimizer": predicted.optimizer_states,
+            "activations": predicted.activations, "transient": predicted.transient,
+            "live_at_start": measured["live_at_start"], "measure": measured["method"]}
+
+
+def describe(setup: TrainSetup) -> str:
+    """A short label: 'lora bf16-mixed adamw ckpt base=bf16'."""
+    parts = [setup.method, setup.precision, setup.optimizer]
+    if setup.checkpointing:
+        parts.append("ckpt")
+    if setup.method != "full":
+        parts.append(f"base={'nf4+' if setup.method == 'qlora' else ''}{setup.base_dtype}")
+    return " ".join(parts)
+
+
+def method_row(model: torch.nn.Module, setup: TrainSetup, train_ids: torch.Tensor,
+               eval_sets: dict[str, torch.Tensor], steps: int, lr: float, eval_seq_len: int,
+               eval_windows: int | None, seed: int = 0, progress: bool = False) -> dict:
+    """Fine-tune ``model`` (fp32, consumed: prepared in place) as ``setup`` and return one row of the
+    comparison: trainable parameters, step time, training losses, and the loss on each of ``eval_sets`` before
+    (the prepared model at step 0, so a QLoRA row starts from its quantised weights) and after."""
+    prepare_model(model, setup)
+    trainable, total = count_trainable(model)
+
+    def losses() -> dict[str, float]:
+        return {name: heldout_loss(model, ids, seq_len=eval_seq_len, num_windows=eval_windows,
+                                   precision=setup.precision) for name, ids in eval_sets.items()}
+
+    before = losses()
+    result = finetune(model, train_ids, setup, steps=steps, lr=lr, seed=seed, progress=progress)
+    after = losses()
+    row = {"method": setup.method, "setup": describe(setup), "trainable_params": trainable, "total_params": total,
+           "trainable_frac": trainable / total, "step_ms": result.step_times.median_ms,
+           "tokens_per_s": result.tokens_per_s, "lr": lr, "steps": steps, "train_losses": result.losses,
+           "step_times": result.step_times}
+    for name in eval_sets:
+        row[f"{name}_before"], row[f"{name}_after"] = before[name], after[name]
+        row[f"{name}_drop"] = before[name] - after[name]
+    return row
+
+
+def fresh(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:
+    """A factory of deep copies of ``model`` (so every method starts from the same weights)."""
+    return lambda: copy.deepcopy(model)
+
+
+# --- arithmetic for large models ------------------------------------------------------------------------------
+def step_flops_per_token(spec: ModelSpec, setup: TrainSetup) -> float:
+    """Matmul FLOPs per trained token: forward 2N, backward 2N for activation gradients, plus 2N for weight
+    gradients when the weights train (full), plus another forward when checkpointing recomputes; attention
+    scores and the adapters' own matmuls included (N = weights in matmuls)."""
+    n = spec.matmul_params
+    attn = spec.attention_flops_per_token((setup.seq_len + 1) / 2)
+    fwd = 2.0 * n + attn
+    passes = 3.0 if setup.method == "full" else 2.0  # forward + input grads (+ weight grads for full)
+    total = passes * fwd + (fwd if setup.checkpointing else 0.0)
+    if setup.method != "full":
+        r = setup.lora_rank
+        h, i, q, kv = spec.hidden_size, spec.intermediate_size, spec.q_dim, spec.kv_dim
+        adapters = r * spec.num_layers * (2 * (h + q) + 2 * (h + kv) + (3 if spec.mlp == "swiglu" else 2) * (h + i))
+        total += 6.0 * adapters
+    return total
+
+
+def plan_rows(preset: str | ModelSpec, batch_size: int, seq_len: int, gpu_memory: float,
+              data_parallel: int = 64, tensor_parallel: int = 8, serve_batch: int = 8) -> list[dict]:
+    """The memory model on a large model: serving against full fine-tuning, sharded and not, LoRA and QLoRA.
+
+    Each row: bytes per GPU by kind, peak, whether it fits ``gpu_memory``, and the GPUs the configuration uses.
+    """
+    spec = get_spec(preset)
+    rows = []
+    inf = inference_memory(spec, batch_size=serve_batch, context_len=seq_len)
+    rows.append({"configuration": f"serve bf16, batch {serve_batch} x {seq_len} tokens (1 replica)", "gpus": 1,
+                 "weights": inf.weights, "grads": 0.0, "optimizer": 0.0, "activations / KV": inf.kv_cache,
+                 "peak_per_gpu": inf.peak})
+    dp, tp = data_parallel, tensor_parallel
+    configs = [
+        ("full FT, bf16 autocast, AdamW", dict(), 1),
+        ("full FT + checkpointing", dict(checkpointing=True), 1),
+        ("full FT + checkpointing + 8-bit AdamW", dict(checkpointing=True, optimizer="adamw8bit"), 1),
+        (f"full FT + ckpt, ZeRO-3 / FSDP over {dp}", dict(checkpointing=True, zero_stage=3, data_parallel=dp), dp),
+        (f"full FT + ckpt, TP {tp} x ZeRO-1 over {dp // tp}",
+         dict(checkpointing=True, tensor_parallel=tp, zero_stage=1, data_parallel=dp // tp), dp),
+        ("LoRA r=8, bf16 base, ckpt", dict(method="lora", base_dtype="bf16", checkpointing=True), 1),
+        ("QLoRA r=8, NF4 base, ckpt", dict(method="qlora", base_dtype="bf16", checkpointing=True,
+                                            optimizer="adamw8bit"), 1),
+    ]
+    for name, kw, gpus in configs:
+        kw = {"precision": "bf16-mixed", "batch_size": batch_size, "seq_len": seq_len, **kw}
+        m = training_memory(spec, TrainSetup(**kw))
+        rows.append({"configuration": name, "gpus": gpus, "weights": m.weights, "grads": m.grads,
+                     "optimizer": m.optimizer_states, "activations / KV": m.activations, "peak_per_gpu": m.peak})
+    for r in rows:
+        r["fits"] = r["peak_per_gpu"] <= gpu_memory
+    return rows
+
+
+def speed_row(model_factory: Callable[[], torch.nn.Module], setup: TrainSetup, steps: int = 6,
+              seed: int = 0) -> dict:
+    """Step time of a fresh model prepared as ``setup``, on random tokens (speed does not depend on the data or
+    the weights' values), with the matmul FLOP rate it implies (``step_flops_per_token``)."""
+    model = prepare_model(model_factory(), setup)
+    spec = get_spec(model)
+    ids = torch.randint(0, spec.vocab_size, (setup.tokens * 4,), generator=torch.Generator().manual_seed(seed))
+    result = finetune(model, ids, setup, steps=steps, lr=1e-5, seed=seed)
+    del model
+    flops = step_flops_per_token(spec, setup) * setup.tokens
+    return {"setup": describe(setup), "step_ms": result.step_times.median_ms, "tokens_per_s": result.tokens_per_s,
+            "tflops_per_s": flops / result.step_times.median_s / 1e12, "step_times": result.step_times}
