@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from labkit.engine.bench import main as bench_main
-from labkit.engine.experiments import check_greedy_vs_hf, decode_rate, hf_static_extrapolate, serve_sweep, token_gaps
+from labkit.engine.experiments import (
+    check_greedy_vs_hf,
+    decode_rate,
+    fifo_executions,
+    fifo_sweep,
+    hf_static_extrapolate,
+    serve_sweep,
+    token_gaps,
+)
 from labkit.engine.metrics import SLO, RequestMetrics
 from labkit.engine.workload import LengthDist, RequestSpec, make_workload
 
@@ -35,6 +43,24 @@ def test_token_gaps():
     assert token_gaps([m, RequestMetrics(1, 0.0, 1.0, 1.0, 3, 1, [1.0])]) == [0.5, 1.0]
 
 
+def test_fifo_executions_from_a_queued_run():
+    ms = [RequestMetrics(1, 0.0, 0.5, 1.0, 4, 2, [0.5, 1.0]), RequestMetrics(0, 0.0, 1.2, 1.5, 4, 3, [1.2, 1.4, 1.5])]
+    ex = fifo_executions(type("R", (), {"metrics": ms})())
+    assert ex[1].token_times_s == [0.5, 1.0] and ex[1].total_s == 1.0
+    assert ex[0].token_times_s == pytest.approx([0.2, 0.4, 0.5]) and ex[0].total_s == pytest.approx(0.5)
+
+
+def test_fifo_sweep_replays_the_measured_services(tiny_model):
+    model, _ = tiny_model
+    wl = make_workload(4, 1.0, LengthDist.uniform(3, 9), LengthDist.exponential(3, high=5), torch.arange(50, 900),
+                       seed=4)
+    rows, capacity = fifo_sweep(model, wl, [0.25, math.inf], slo=SLO(10.0, 10.0))
+    slow, queued = rows
+    assert queued["busy_frac"] == pytest.approx(1.0) and queued["requests_s"] == pytest.approx(capacity)
+    assert slow["rate_req_s"] == pytest.approx(0.25 * capacity) and slow["busy_frac"] < 1
+    assert slow["ttft_p50_s"] < queued["ttft_p50_s"] and slow["output_tokens"] == queued["output_tokens"]
+
+
 def test_greedy_check_decode_rate_and_sweep(tiny_model):
     model, tok = tiny_model
     source = torch.arange(100, 6000)
@@ -59,11 +85,13 @@ def test_greedy_check_decode_rate_and_sweep(tiny_model):
 
 def test_bench_cli_writes_records(tmp_path):
     args = ["--num-requests", "3", "--prompt-len", "6", "--prompt-max", "20", "--output-mean", "3", "--output-max",
-            "5", "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--out", str(tmp_path), "--no-progress"]
+            "5", "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--out", str(tmp_path), "--no-progress",
+            "--device", "cpu"]
     assert bench_main(["serve", "--rate", "3", "inf", *args]) == 0
     rec = json.loads((tmp_path / "records" / "bench_serve.json").read_text())
     assert len(rec["data"]["rows"]) == 6 and rec["env"]["device"] == "cpu"
-    assert bench_main(["decode", "--batch", "1", "2", "--context", "8", "--steps", "3", "--out", str(tmp_path)]) == 0
+    assert bench_main(["decode", "--batch", "1", "2", "--context", "8", "--steps", "3", "--out", str(tmp_path),
+                       "--device", "cpu"]) == 0
     rows = json.loads((tmp_path / "records" / "bench_decode.json").read_text())["data"]["rows"]
     assert [r["batch"] for r in rows] == [1, 2] and all(r["mbu"] > 0 for r in rows)
     with pytest.raises(SystemExit, match="--num-requests=0 must be >= 1"):

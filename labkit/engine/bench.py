@@ -89,7 +89,7 @@ def _decode(args) -> int:
 
     model, _, source, label = _load(args)
     spec, dtype = get_spec(model), next(model.parameters()).dtype
-    bw = measure_ceilings(iters=5)["copy_bytes_per_s"]
+    bw = measure_ceilings(next(model.parameters()).device, iters=5)["copy_bytes_per_s"]
     rows = []
     for b in args.batch:
         kw = _engine_kwargs(args)

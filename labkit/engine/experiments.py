@@ -7,6 +7,8 @@ returns plain rows, so the notebook only arranges and plots them.
 * ``profile_decode``: a profiler trace of decode steps, eager or replayed from CUDA graphs
 * ``serve_sweep``: policies x offered loads on one workload (Poisson arrivals), with latency percentiles,
   inter-token gaps, throughput, busy fraction and memory
+* ``fifo_sweep``: the FIFO engine run once with every request queued, its per-request service replayed at each
+  arrival rate (a FIFO server's service of a request does not depend on when it arrived)
 * ``hf_static_probe`` / ``hf_static_extrapolate``: HF ``generate`` in static batches, measured on one batch and
   extrapolated to a whole offline workload (for workloads too long to run HF on in full)
 """
@@ -23,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from labkit.bench import time_fn
-from labkit.engine.hf_baseline import run_generate
+from labkit.engine.hf_baseline import Execution, replay_fifo, run_generate
 from labkit.engine.llm_engine import LLMEngine
 from labkit.engine.metrics import SLO, percentile, summarize
 from labkit.engine.sampling import SamplingParams
@@ -166,6 +168,39 @@ def serve_sweep(model, workload: list[RequestSpec], policies: dict[str, dict], r
         del engine
         free_device_memory()
     return rows
+
+
+def fifo_executions(result) -> dict[int, Execution]:
+    """Each request's service in a FIFO run with every request queued at once: token times relative to its start
+    (the previous request's last token: the engine steps back to back), and its total service time."""
+    out, start = {}, 0.0
+    for m in sorted(result.metrics, key=lambda m: m.finish_s):
+        out[m.request_id] = Execution(1, [t - start for t in m.token_times_s], m.finish_s - start)
+        start = m.finish_s
+    return out
+
+
+def fifo_sweep(model, workload: list[RequestSpec], loads: Sequence[float], slo: SLO | None = None,
+               seed: int = 0, **engine_kwargs) -> tuple[list[dict], float]:
+    """FIFO at each offered load (a multiple of the FIFO capacity; ``math.inf``: all queued at once) from one
+    engine run with every request queued, whose throughput is the capacity: the measured services are replayed
+    through ``hf_baseline.replay_fifo`` at each rate. Returns the rows (as ``serve_sweep``'s) and the capacity in
+    requests/s."""
+    engine = LLMEngine(model, **dict(engine_kwargs, scheduler="fifo"))
+    offline = engine.serve(at_rate(workload, math.inf, seed=seed), progress=False)
+    del engine
+    free_device_memory()
+    ex = fifo_executions(offline)
+    busy = sum(e.total_s for e in ex.values())
+    capacity = len(workload) / busy
+    rows = []
+    for load in loads:
+        wl = at_rate(workload, load * capacity, seed=seed)
+        replayed = type(offline)(replay_fifo(wl, ex), offline.outputs, dict(offline.stats))
+        replayed.stats["makespan_s"] = max(m.finish_s for m in replayed.metrics) - min(r.arrival_s for r in wl)
+        replayed.stats["busy_frac"] = busy / replayed.stats["makespan_s"]
+        rows.append({"policy": "FIFO", "rate_req_s": load * capacity, **serve_row(replayed, slo)})
+    return rows, capacity
 
 
 # --- HF generate in static batches --------------------------------------------------------------------------------
