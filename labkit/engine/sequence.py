@@ -63,7 +63,6 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
         self.token_times_s: list[float] = []
-        self.admitted_s: float | None = None  # when it first got cache blocks
 
     # --- sizes ----------------------------------------------------------------------------------------------
     @property
