@@ -74,5 +74,7 @@ def test_plan_for_175b():
     full = rows["full FT, bf16 autocast, AdamW"]
     assert full["peak_per_gpu"] > 16 * PRESETS["gpt3-175b"].num_params and not full["fits"]
     assert rows["full FT + ckpt, ZeRO-3 / FSDP over 64"]["fits"]
+    assert not rows["full FT + ckpt, TP 8 x ZeRO-1 over 8"]["fits"]  # TP alone leaves Adam's state too large
+    assert rows["full FT + ckpt, TP 8 x ZeRO-3 over 8"]["fits"]
     assert rows["QLoRA r=8, NF4 base, ckpt"]["fits"]  # one H200 holds a 175B QLoRA step
     assert not rows["LoRA r=8, bf16 base, ckpt"]["fits"]

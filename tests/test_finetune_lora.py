@@ -67,6 +67,24 @@ def test_nf4_base_matches_dequantized_formula():
     assert relative_error(w, base.weight) < 0.1  # and NF4 is within the int4 bar of the original
 
 
+def test_qlora_gradients_survive_an_evaluation(tiny_model):
+    # bitsandbytes would repack NF4 weights for an inference-only CPU kernel on the first no-grad eval forward
+    ids = torch.randint(0, TINY.vocab_size, (2, 21), generator=torch.Generator().manual_seed(6))
+    grads = []
+    for evaluate_first in (False, True):
+        model = apply_lora(quantize_nf4(copy.deepcopy(tiny_model[0]), targets=("q_proj", "up_proj")),
+                           targets=("q_proj", "up_proj"))
+        for p in trainable_parameters(model):
+            with torch.no_grad():
+                p.copy_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        if evaluate_first:
+            with torch.no_grad():
+                model.eval()(ids)
+        model.train()(input_ids=ids, labels=ids).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in trainable_parameters(model)]))
+    assert relative_error(grads[1], grads[0]) < FP32_TOL
+
+
 def test_only_adapters_train(tiny_model):
     model = apply_lora(copy.deepcopy(tiny_model[0]), rank=8, targets=("q_proj", "v_proj", "down_proj"))
     names = {n for n, p in model.named_parameters() if p.requires_grad}

@@ -116,6 +116,7 @@ def test_peak_matches_measured(method, precision, checkpointing, optimizer, batc
     measured = measure_step_memory(model, setup, ids)
     predicted = training_memory(ODD, setup)
     # the state that lives across steps is counted exactly; the peak on top of it within the bar
+    assert sum(predicted.at_peak.values()) == pytest.approx(predicted.peak)
     static = predicted.weights + predicted.optimizer_states + 8 * ids.numel()
     assert static == pytest.approx(measured["live_at_start"], rel=1e-3)  # + the rotary tables (buffers)
     assert abs(predicted.peak - measured["peak"]) / measured["peak"] <= BAR, (predicted.peak_phase, measured)

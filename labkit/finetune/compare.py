@@ -132,6 +132,8 @@ def plan_rows(preset: str | ModelSpec, batch_size: int, seq_len: int, gpu_memory
         (f"full FT + ckpt, ZeRO-3 / FSDP over {dp}", dict(checkpointing=True, zero_stage=3, data_parallel=dp), dp),
         (f"full FT + ckpt, TP {tp} x ZeRO-1 over {dp // tp}",
          dict(checkpointing=True, tensor_parallel=tp, zero_stage=1, data_parallel=dp // tp), dp),
+        (f"full FT + ckpt, TP {tp} x ZeRO-3 over {dp // tp}",
+         dict(checkpointing=True, tensor_parallel=tp, zero_stage=3, data_parallel=dp // tp), dp),
         ("LoRA r=8, bf16 base, ckpt", dict(method="lora", base_dtype="bf16", checkpointing=True), 1),
         ("QLoRA r=8, NF4 base, ckpt", dict(method="qlora", base_dtype="bf16", checkpointing=True,
                                             optimizer="adamw8bit"), 1),

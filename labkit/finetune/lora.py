@@ -142,7 +142,12 @@ def quantize_nf4(model: nn.Module, targets: tuple[str, ...] = LLAMA_LINEARS,
         if not isinstance(module, nn.Linear) or _is_linear4bit(module):
             raise TypeError(f"{name} is {type(module).__name__}; quantize_nf4 must run once, before apply_lora, "
                             f"on plain nn.Linear layers")
-        setattr(parent, name, bnb_nf4_linear(module, double_quant=double_quant, compute_dtype=compute_dtype))
+        q = bnb_nf4_linear(module, double_quant=double_quant, compute_dtype=compute_dtype)
+        # On CPUs with AVX512-BF16, bitsandbytes repacks an NF4 weight for a faster kernel the first time the
+        # layer runs in eval mode without gradients, for good; that kernel has no backward, so training after an
+        # evaluation would get wrong gradients (with only a warning). Training layers keep the autograd path.
+        q.support_avx512bf16_for_cpu = False
+        setattr(parent, name, q)
     return model
 
 

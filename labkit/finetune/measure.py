@@ -17,6 +17,9 @@ too keeps other models that a notebook still holds out of the number.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -38,11 +41,30 @@ def _walk(nodes):
         yield from _walk(n.children)
 
 
+@contextlib.contextmanager
+def _quiet_native_stderr():
+    """Silence file descriptor 2 (Kineto prints two 'USDT ... profiler_start/stop' lines from C++ on every
+    profiled region, which would flood a notebook); Python exceptions still propagate."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no file descriptor 2 (embedded interpreters): nothing to silence
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _cpu_peak(fn: Callable[[], object]) -> PeakMemory:
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
     peak = 0
     for node in _walk(prof.profiler.kineto_results.experimental_event_tree()):

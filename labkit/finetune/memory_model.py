@@ -160,7 +160,8 @@ class MemoryBreakdown:
 
     ``weights``, ``grads``, ``optimizer_states``: the full size of each. ``activations``: tensors saved for
     backward. ``transient``: the largest buffer set alive only at the peak moment. ``peak`` is the phase model's
-    answer (grads and activations are never both at full size at once); ``total`` is the naive sum.
+    answer (grads and activations are never both at full size at once), ``at_peak`` what it is made of (sums to
+    ``peak``); ``total`` is the naive sum of the full sizes.
     """
 
     weights: float = 0.0
@@ -172,6 +173,7 @@ class MemoryBreakdown:
     peak: float = 0.0
     peak_phase: str = ""
     phases: dict[str, float] = field(default_factory=dict)
+    at_peak: dict[str, float] = field(default_factory=dict)
     detail: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -401,8 +403,11 @@ def training_memory(spec: ModelSpec | str, setup: TrainSetup) -> MemoryBreakdown
         moments = {k: (a, g, x + gathered) for k, (a, g, x) in moments.items()}
     phases = {k: static + sum(m) for k, m in moments.items()}
     phase = max(phases, key=phases.get)
+    alive = dict(zip(("activations", "grads", "transient"), moments[phase], strict=True))
+    at_peak = {"weights": weights, "optimizer": optim, "batch": batch, **alive}
     return MemoryBreakdown(weights=weights, grads=grads, optimizer_states=optim, activations=saved,
                            transient=moments[phase][2], peak=phases[phase], peak_phase=phase, phases=phases,
+                           at_peak=at_peak,
                            detail={**{f"weights: {k}": val for k, val in w.items()},
                                    **{f"activations: {k}": val for k, val in acts.items()}, "batch": batch})
 
