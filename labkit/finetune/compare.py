@@ -10,6 +10,7 @@ and uses 8-bit AdamW, as the QLoRA paper's recipe does.
 from __future__ import annotations
 
 import copy
+import gc
 from collections.abc import Callable
 
 import torch
@@ -46,11 +47,19 @@ def memory_row(model_factory: Callable[[], torch.nn.Module], setup: TrainSetup, 
     measured = measure_step_memory(model, setup, ids)
     predicted = training_memory(spec, setup)
     del model
+    _release()
     return {"setup": label or describe(setup), "measured_peak": measured["peak"], "predicted_peak": predicted.peak,
             "rel_err": abs(predicted.peak - measured["peak"]) / measured["peak"], "phase": predicted.peak_phase,
             "weights": predicted.weights, "grads": predicted.grads, "optimizer": predicted.optimizer_states,
             "activations": predicted.activations, "transient": predicted.transient,
             "live_at_start": measured["live_at_start"], "measure": measured["method"]}
+
+
+def _release() -> None:
+    """Free a finished model now (HF modules hold reference cycles), so the next fresh one has the memory."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def describe(setup: TrainSetup) -> str:
@@ -157,6 +166,7 @@ def speed_row(model_factory: Callable[[], torch.nn.Module], setup: TrainSetup, s
     ids = torch.randint(0, spec.vocab_size, (setup.tokens * 4,), generator=torch.Generator().manual_seed(seed))
     result = finetune(model, ids, setup, steps=steps, lr=1e-5, seed=seed)
     del model
+    _release()
     flops = step_flops_per_token(spec, setup) * setup.tokens
     return {"setup": describe(setup), "step_ms": result.step_times.median_ms, "tokens_per_s": result.tokens_per_s,
             "tflops_per_s": flops / result.step_times.median_s / 1e12, "step_times": result.step_times}
