@@ -14,8 +14,10 @@ def test_accuracy_rows(tiny_model):
     assert by["int8"]["weight_bytes_ratio"] < 0.52 and by["int4"]["weight_bytes_ratio"] < 0.30
     assert by["int4"]["bits_per_weight"] == pytest.approx(4.5)  # 4 bits + fp32 scale and zero per 128
     assert len(by["int4"]["layer_errors"]) == 56 and by["int8"]["layer_err_max"] < 2e-2
-    # the logits [1, 16, 8192] in float32 are the largest tensor of that forward
-    assert all(r["forward_peak_bytes"] >= 16 * 8192 * 4 for r in rows)
+    # at least the MLP activation [1, 16, 768] in float32 is live; the torch int4 path also materialises
+    # a float32 copy of each weight it multiplies (768 x 256 for the MLP)
+    assert all(r["forward_peak_bytes"] >= 16 * 768 * 4 for r in rows)
+    assert by["int4"]["forward_peak_bytes"] > by["base"]["forward_peak_bytes"]
 
 
 def test_speed_rows(tiny_model):

@@ -41,7 +41,8 @@ def accuracy_rows(model: nn.Module, tokenizer, methods=METHODS, seq_len: int = 2
                   error_tokens: tuple[int, int] = (4, 128), seed: int = 0, progress: bool = True) -> list[dict]:
     """One row per method (and one for the unquantised ``model``, method ``"base"``): perplexity and its change,
     mean/max per-layer output error, measured weight bytes of the linear layers (and their ratio to bf16),
-    bits per weight, and the peak of tensor memory during one forward over ``error_tokens`` ``(batch, seq)``.
+    bits per weight, and the peak of tensor memory during one forward over ``error_tokens`` ``(batch, seq)``
+    (last-position logits only, as in generation, so the LM head's output does not hide the rest).
     Decode time is ``speed_rows``' business."""
     dev = _device(model)
     g = torch.Generator().manual_seed(seed)
@@ -70,7 +71,7 @@ def accuracy_rows(model: nn.Module, tokenizer, methods=METHODS, seq_len: int = 2
 
         def forward(qm=qm):
             with torch.no_grad():
-                qm(input_ids=ids, use_cache=False)
+                qm(input_ids=ids, use_cache=False, logits_to_keep=1)
 
         row["forward_peak_bytes"] = peak_memory(forward, dev)["peak_bytes"]
         row["status"] = "ok"
