@@ -10,13 +10,17 @@ with or without activation checkpointing; AdamW, 8-bit AdamW or SGD), and divide
 The activation count is not a rule of thumb: it lists the tensors autograd saves, op by op (which tensors an op
 saves depends on which of its inputs need a gradient, so it differs between full fine-tuning and LoRA), and the
 buffers alive at the moments memory peaks. Peak = the state that lives across steps (weights, optimizer state)
-plus the largest of three moments:
+plus the largest of these moments:
 
 * ``head_backward``: every saved activation, plus the gradients of the log-probabilities and of the logits
   ([tokens, vocab] fp32 each) while the log-softmax output is still alive. Largest when activations dominate.
 * ``lm_head_backward``: the log-softmax output freed, the logits' gradient, the LM head's weight gradient.
 * ``end_of_backward``: all activations freed, every gradient allocated, plus the embedding's backward buffers.
 * with checkpointing, ``recompute``: the layer inputs kept, one layer's activations recomputed, its gradients.
+* with 8-bit AdamW on the CPU, ``optimizer_step``: every gradient, plus bitsandbytes' fp32 temporaries.
+
+Other architectures (GPT-3's GELU MLP) are counted with the same enumeration, the MLP's terms adjusted: for them
+the numbers are predictions, checked here only on the Llama family.
 
 ``labkit.finetune.measure`` measures the same peak on the CPU and the GPU; the tests and notebook 07 compare them.
 """
