@@ -60,7 +60,10 @@ SIZES = {
                 scale_layers=4),
 }[PROFILE]
 DEVICE = "cuda" if PROFILE == "gpu" else "cpu"
-print(PROFILE, DEVICE, SIZES)
+if PROFILE == "ci":
+    # steps of a few ms on a shared 2-core runner: threads handing work to each other cost more than they save
+    torch.set_num_threads(1)
+print(PROFILE, DEVICE, SIZES, f"{torch.get_num_threads()} CPU threads")
 
 # %% [markdown]
 # ## Predict: the memory of one training step, against serving
