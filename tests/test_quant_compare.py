@@ -21,8 +21,9 @@ def test_accuracy_rows(tiny_model):
 
 
 def test_speed_rows(tiny_model):
-    rows = speed_rows(tiny_model[0], methods=("int4",), context_len=8, iters=2, progress=False)
+    rows = speed_rows(tiny_model[0], methods=("int4",), context_len=8, iters=2, bandwidth=1e10, progress=False)
     assert [r["method"] for r in rows] == ["base", "int4"]
+    assert rows[1]["step_bytes"] < 0.5 * rows[0]["step_bytes"] and 0 < rows[1]["frac_of_floor"]
     assert rows[0]["speedup"] == 1.0 and rows[1]["weight_bytes_ratio"] < 0.30
 
 

@@ -80,6 +80,19 @@ def test_decode_weight_bytes_of_llama_3_8b():
     assert qm.decode_weight_bytes("llama-3-8b", "int4", lm_head=True) / bf16 == pytest.approx(0.2656, abs=1e-3)
 
 
+def test_decode_step_bytes(tiny_model):
+    from labkit.models import PRESETS, random_model
+
+    model = tiny_model[0]  # tied: the embedding is the LM head, read in full
+    kv = 2 * 8 * 2 * 64 * 4 * 3 * 100  # K and V, layers, KV heads, head dim, fp32 bytes, batch 3 x 100 tokens
+    assert qm.decode_step_bytes(model, 3, 100) == qm.bytes_held(model) + kv
+    big = random_model("llama-3-8b", device="meta", num_layers=1)  # untied, bf16: shapes only
+    spec = PRESETS["llama-3-8b"]
+    expect = 2 * (spec.layer_params + spec.hidden_size + spec.vocab_size * spec.hidden_size)
+    # plus RoPE's inverse-frequency buffers (a few hundred bytes)
+    assert qm.decode_step_bytes(big, 1, 512) == pytest.approx(expect + 512 * 2 * 8 * 128 * 2, abs=1024)
+
+
 def test_bytes_per_weight_bad_method():
     with pytest.raises(ValueError, match="allowed"):
         qm.bytes_per_weight("int2")

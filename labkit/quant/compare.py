@@ -17,7 +17,14 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from labkit.quant.methods import METHODS, quantize, target_linears
-from labkit.quant.metrics import decode_step_time, heldout_perplexity, layer_errors, linear_weight_bytes, peak_memory
+from labkit.quant.metrics import (
+    decode_step_bytes,
+    decode_step_time,
+    heldout_perplexity,
+    layer_errors,
+    linear_weight_bytes,
+    peak_memory,
+)
 
 BASELINE = "base"
 
@@ -93,7 +100,8 @@ def _free(dev: torch.device) -> None:
 
 
 def speed_rows(model: nn.Module, methods=("int8", "int4", "fp8", "bnb-int8", "bnb-nf4"), batch_size: int = 1,
-               context_len: int = 512, iters: int = 50, patch: bool = False, progress: bool = True) -> list[dict]:
+               context_len: int = 512, iters: int = 50, patch: bool = False, bandwidth: float | None = None,
+               progress: bool = True) -> list[dict]:
     """Decode step time of ``model`` (method ``"base"``) and of each quantised copy, at ``batch_size`` with
     ``context_len`` cached tokens, as CUDA-graph replays on CUDA; ``speedup`` is over the base timed the same
     way. bitsandbytes layers are timed eagerly (LLM.int8 picks outlier columns with data-dependent shapes,
@@ -102,6 +110,9 @@ def speed_rows(model: nn.Module, methods=("int8", "int4", "fp8", "bnb-int8", "bn
     ``patch``: also swap RMSNorm, SiLU-and-mul and attention for labkit's Triton kernels
     (``labkit.kernels.patch``) in every model timed, so the non-matmul kernels cost the same on both sides
     of each ratio and the bytes saved by the weights show through.
+
+    ``bandwidth`` (bytes/s, measured): adds each step's floor, the bytes it must read (``decode_step_bytes``)
+    over that bandwidth, and the fraction of the floor reached.
     """
     dev = _device(model)
     graph = dev.type == "cuda"
@@ -113,6 +124,7 @@ def speed_rows(model: nn.Module, methods=("int8", "int4", "fp8", "bnb-int8", "bn
             continue
         qm = model if method == BASELINE else quantize(model, method)
         wb = linear_weight_bytes(qm, list(target_linears(model)))
+        step_bytes = decode_step_bytes(qm, batch_size, context_len)
         modes = [graph] if not method.startswith("bnb") else [False]
         if method == BASELINE and graph:
             modes = [True, False]
@@ -133,8 +145,11 @@ def speed_rows(model: nn.Module, methods=("int8", "int4", "fp8", "bnb-int8", "bn
                 base_ms[timing] = t.median_ms
             rows.append({"method": method, "timing": timing, "patched": patch, "decode_ms": t.median_ms,
                          "spread": t.spread, "speedup": base_ms[timing] / t.median_ms,
-                         "weight_bytes": wb["held"], "weight_bytes_ratio": wb["ratio"], "status": "ok",
-                         "samples_s": t.samples_s})
+                         "weight_bytes": wb["held"], "weight_bytes_ratio": wb["ratio"], "step_bytes": step_bytes,
+                         "status": "ok", "samples_s": t.samples_s})
+            if bandwidth:
+                floor_ms = step_bytes / bandwidth * 1e3
+                rows[-1].update(floor_ms=floor_ms, frac_of_floor=floor_ms / t.median_ms)
         if qm is not model:
             del qm
             _free(dev)

@@ -86,7 +86,8 @@ def bytes_held(module: nn.Module) -> int:
     """Bytes of every tensor ``module`` keeps (parameters, buffers, bitsandbytes states), each storage once."""
     seen, total = set(), 0
     for t in _tensors(module):
-        key = (t.device, t.data_ptr(), t.numel())
+        # the same storage viewed twice (tied weights) counts once; meta tensors have no address, only identity
+        key = id(t) if t.device.type == "meta" else (t.device, t.data_ptr(), t.numel())
         if key not in seen:
             seen.add(key)
             total += t.numel() * t.element_size()
@@ -141,6 +142,20 @@ def decode_weight_bytes(spec, method: str, group_size: int = 128, lm_head: bool 
     bpw = bytes_per_weight(method, in_features=spec.hidden_size, group_size=group_size)
     norms = (spec.num_layers * spec.norm_params_per_layer + spec.hidden_size) * BF16_BYTES
     return linear * bpw + head * (bpw if lm_head else BF16_BYTES) + norms
+
+
+def decode_step_bytes(model: nn.Module, batch_size: int = 1, context_len: int = 512) -> int:
+    """Bytes one decode step must read from memory, *measured* on ``model`` as it is held: every weight it keeps
+    (quantised codes, scales and states included) except an untied embedding table (one row per token is
+    read), plus the KV cache of ``batch_size`` sequences of ``context_len`` tokens in the model's dtype."""
+    from labkit.models import dtype_name, get_spec
+
+    spec = get_spec(model)
+    held = bytes_held(model)
+    embed = model.get_input_embeddings().weight
+    if embed is not getattr(model.get_output_embeddings(), "weight", None):  # untied: not read in full
+        held -= embed.numel() * embed.element_size()
+    return held + batch_size * int(spec.kv_bytes(context_len, dtype_name(model.dtype)))
 
 
 # --- memory and time ----------------------------------------------------------------------------------------------

@@ -159,20 +159,24 @@ display(pd.DataFrame(gen_rows))
 # not quantise cost the same on both sides of the ratio and the bytes saved by the weights show through.
 # On the CPU profiles this section times the embedded model instead: there the quantised layers dequantise on
 # every call (no fused kernel), so they are *slower*: the speed-up is a property of the fused GPU kernels.
+# Each row carries its floor: the bytes the step must read as measured on the model (weights as held, the
+# untied embedding excepted, plus the KV cache) over the measured copy bandwidth, and the fraction reached.
 
 # %%
 if PROFILE == "gpu":
     big = random_model("llama-3-8b", device="cuda", dtype="bf16", seed=seed)
-    speed = speed_rows(big, context_len=SIZES["context"], iters=SIZES["decode_iters"])
+    speed = speed_rows(big, context_len=SIZES["context"], iters=SIZES["decode_iters"], bandwidth=bandwidth)
     try:
         speed += speed_rows(big, methods=("int8", "int4", "fp8"), context_len=SIZES["context"],
-                            iters=SIZES["decode_iters"], patch=True)
+                            iters=SIZES["decode_iters"], patch=True, bandwidth=bandwidth)
     except Exception as e:  # report, keep the unpatched rows
         print(f"patched pass failed: {type(e).__name__}: {e}")
     del big
     torch.cuda.empty_cache()
 else:
-    speed = speed_rows(model, context_len=SIZES["context"], iters=SIZES["decode_iters"])
+    cpu_bandwidth = measure_copy_bandwidth("cpu", nbytes=64 * 2**20, iters=5)
+    print(f"CPU copy bandwidth {cpu_bandwidth / 1e9:.1f} GB/s (measured now)")
+    speed = speed_rows(model, context_len=SIZES["context"], iters=SIZES["decode_iters"], bandwidth=cpu_bandwidth)
 speed_table = pd.DataFrame(speed).drop(columns=["samples_s"], errors="ignore")
 display(speed_table.round(3))
 
