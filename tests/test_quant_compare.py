@@ -38,3 +38,19 @@ def test_speed_rows_cuda_graph_and_patch():
     assert all(r["status"] == "ok" and r["decode_ms"] > 0 for r in rows)
     del model
     torch.cuda.empty_cache()
+
+
+def test_a_failing_method_is_reported_not_dropped(tiny_model, monkeypatch, capsys):
+    import labkit.quant.compare as compare
+
+    real = compare.quantize
+
+    def flaky(model, method, **kw):
+        if method == "int4":
+            raise RuntimeError("kernel exploded")
+        return real(model, method, **kw)
+
+    monkeypatch.setattr(compare, "quantize", flaky)
+    rows = speed_rows(tiny_model[0], methods=("int4", "int8"), context_len=8, iters=1, progress=False)
+    assert [(r["method"], r["status"][:6]) for r in rows] == [("base", "ok"), ("int4", "failed"), ("int8", "ok")]
+    assert "kernel exploded" in rows[1]["status"] and "kernel exploded" in capsys.readouterr().err

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import statistics
+import sys
 import time
 
 import torch
@@ -43,6 +44,14 @@ def _available(method: str) -> str | None:
     return None
 
 
+def _failed(method: str, e: Exception) -> dict:
+    """A row for a method that raised: the error is reported in the table and printed, never dropped. The
+    unquantised baseline never gets here (its failure is re-raised: there would be nothing to compare with)."""
+    msg = f"failed: {type(e).__name__}: {e}"[:300]
+    print(f"{method}: {msg}", file=sys.stderr)
+    return {"method": method, "status": msg}
+
+
 def accuracy_rows(model: nn.Module, tokenizer, methods=METHODS, seq_len: int = 256,
                   max_windows: int | None = None, calib_samples: int = 64, calib_seq_len: int = 256,
                   error_tokens: tuple[int, int] = (4, 128), seed: int = 0, progress: bool = True) -> list[dict]:
@@ -50,47 +59,55 @@ def accuracy_rows(model: nn.Module, tokenizer, methods=METHODS, seq_len: int = 2
     mean/max per-layer output error, measured weight bytes of the linear layers (and their ratio to bf16),
     bits per weight, and the peak of tensor memory during one forward over ``error_tokens`` ``(batch, seq)``
     (last-position logits only, as in generation, so the LM head's output does not hide the rest).
-    Decode time is ``speed_rows``' business."""
+    Decode time is ``speed_rows``' business. A method that cannot run or raises gets a row saying why."""
     dev = _device(model)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, model.config.vocab_size, error_tokens, generator=g).to(dev)
     names = list(target_linears(model))  # the layers every method replaces, sized the same way in each
     rows = []
     for method in tqdm([BASELINE, *methods], desc="methods", disable=not progress):
-        row = {"method": method}
         reason = _available(method) if method != BASELINE else None
         if reason:
-            rows.append({**row, "status": reason})
+            rows.append({"method": method, "status": reason})
             continue
-        t0 = time.perf_counter()
-        opts = {"tokenizer": tokenizer, "calib_samples": calib_samples, "calib_seq_len": calib_seq_len,
-                "seed": seed} if method == "gptq" else {}
-        qm = model if method == BASELINE else quantize(model, method, **opts)
-        row["quantise_s"] = time.perf_counter() - t0
-        row["ppl"] = heldout_perplexity(qm, tokenizer, seq_len=seq_len, max_windows=max_windows)
-        if method != BASELINE:
-            errs = layer_errors(model, qm, ids)
-            row.update(layer_err_mean=statistics.fmean(errs.values()), layer_err_max=max(errs.values()),
-                       layer_errors=errs)
-        wb = linear_weight_bytes(qm, names)
-        row.update(weight_bytes=wb["held"], weight_bytes_ratio=wb["ratio"],
-                   bits_per_weight=8 * wb["held"] / wb["params"])
-
-        def forward(qm=qm):
-            with torch.no_grad():
-                qm(input_ids=ids, use_cache=False, logits_to_keep=1)
-
-        row["forward_peak_bytes"] = peak_memory(forward, dev)["peak_bytes"]
-        row["status"] = "ok"
-        rows.append(row)
-        if qm is not model:
-            del qm
-            _free(dev)
+        try:
+            rows.append(_accuracy_row(model, tokenizer, method, names, ids, seq_len, max_windows, calib_samples,
+                                      calib_seq_len, seed))
+        except Exception as e:  # report and go on to the next method
+            if method == BASELINE:
+                raise
+            rows.append(_failed(method, e))
+        _free(dev)
     base = rows[0]["ppl"]
     for r in rows:
         if "ppl" in r:
             r["ppl_delta_frac"] = r["ppl"] / base - 1
     return rows
+
+
+def _accuracy_row(model, tokenizer, method, names, ids, seq_len, max_windows, calib_samples, calib_seq_len,
+                  seed) -> dict:
+    row = {"method": method}
+    t0 = time.perf_counter()
+    opts = {"tokenizer": tokenizer, "calib_samples": calib_samples, "calib_seq_len": calib_seq_len,
+            "seed": seed} if method == "gptq" else {}
+    qm = model if method == BASELINE else quantize(model, method, **opts)
+    row["quantise_s"] = time.perf_counter() - t0
+    row["ppl"] = heldout_perplexity(qm, tokenizer, seq_len=seq_len, max_windows=max_windows)
+    if method != BASELINE:
+        errs = layer_errors(model, qm, ids)
+        row.update(layer_err_mean=statistics.fmean(errs.values()), layer_err_max=max(errs.values()),
+                   layer_errors=errs)
+    wb = linear_weight_bytes(qm, names)
+    row.update(weight_bytes=wb["held"], weight_bytes_ratio=wb["ratio"], bits_per_weight=8 * wb["held"] / wb["params"])
+
+    def forward():
+        with torch.no_grad():
+            qm(input_ids=ids, use_cache=False, logits_to_keep=1)
+
+    row["forward_peak_bytes"] = peak_memory(forward, _device(model))["peak_bytes"]
+    row["status"] = "ok"
+    return row
 
 
 def _free(dev: torch.device) -> None:
@@ -115,42 +132,52 @@ def speed_rows(model: nn.Module, methods=("int8", "int4", "fp8", "bnb-int8", "bn
     over that bandwidth, and the fraction of the floor reached.
     """
     dev = _device(model)
-    graph = dev.type == "cuda"
     rows, base_ms = [], {}
     for method in tqdm([BASELINE, *methods], desc="decode step", disable=not progress):
         reason = _available(method) if method != BASELINE else None
         if reason:
             rows.append({"method": method, "status": reason})
             continue
-        qm = model if method == BASELINE else quantize(model, method)
-        wb = linear_weight_bytes(qm, list(target_linears(model)))
-        step_bytes = decode_step_bytes(qm, batch_size, context_len)
-        modes = [graph] if not method.startswith("bnb") else [False]
-        if method == BASELINE and graph:
-            modes = [True, False]
-        for use_graph in modes:
-            if patch:
-                from labkit.kernels.patch import patch_model
-
-                patch_model(qm)
-            try:
-                t = decode_step_time(qm, batch_size, context_len, cuda_graph=use_graph, iters=iters)
-            finally:
-                if patch:
-                    from labkit.kernels.patch import unpatch
-
-                    unpatch(qm)
-            timing = "cuda_graph" if use_graph else "eager"
+        try:
+            rows += _speed_rows(model, method, batch_size, context_len, iters, patch, bandwidth, base_ms)
+        except Exception as e:  # report and go on to the next method
             if method == BASELINE:
-                base_ms[timing] = t.median_ms
-            rows.append({"method": method, "timing": timing, "patched": patch, "decode_ms": t.median_ms,
-                         "spread": t.spread, "speedup": base_ms[timing] / t.median_ms,
-                         "weight_bytes": wb["held"], "weight_bytes_ratio": wb["ratio"], "step_bytes": step_bytes,
-                         "status": "ok", "samples_s": t.samples_s})
-            if bandwidth:
-                floor_ms = step_bytes / bandwidth * 1e3
-                rows[-1].update(floor_ms=floor_ms, frac_of_floor=floor_ms / t.median_ms)
-        if qm is not model:
-            del qm
-            _free(dev)
+                raise
+            rows.append(_failed(method, e))
+        _free(dev)
+    return rows
+
+
+def _speed_rows(model, method, batch_size, context_len, iters, patch, bandwidth, base_ms) -> list[dict]:
+    """Rows of one method: CUDA-graph replay (and, for the base on CUDA, also eager) or eager for bnb."""
+    graph = _device(model).type == "cuda"
+    qm = model if method == BASELINE else quantize(model, method)
+    wb = linear_weight_bytes(qm, list(target_linears(model)))
+    step_bytes = decode_step_bytes(qm, batch_size, context_len)
+    modes = [False] if method.startswith("bnb") else [graph]
+    if method == BASELINE and graph:
+        modes = [True, False]
+    rows = []
+    for use_graph in modes:
+        if patch:
+            from labkit.kernels.patch import patch_model
+
+            patch_model(qm)
+        try:
+            t = decode_step_time(qm, batch_size, context_len, cuda_graph=use_graph, iters=iters)
+        finally:
+            if patch:
+                from labkit.kernels.patch import unpatch
+
+                unpatch(qm)
+        timing = "cuda_graph" if use_graph else "eager"
+        if method == BASELINE:
+            base_ms[timing] = t.median_ms
+        row = {"method": method, "timing": timing, "patched": patch, "decode_ms": t.median_ms, "spread": t.spread,
+               "speedup": base_ms[timing] / t.median_ms, "weight_bytes": wb["held"],
+               "weight_bytes_ratio": wb["ratio"], "step_bytes": step_bytes, "status": "ok", "samples_s": t.samples_s}
+        if bandwidth:
+            row["floor_ms"] = step_bytes / bandwidth * 1e3
+            row["frac_of_floor"] = row["floor_ms"] / t.median_ms
+        rows.append(row)
     return rows
