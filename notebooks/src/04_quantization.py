@@ -342,12 +342,14 @@ print(f"record: {rec}")
 # %% [markdown]
 # ## Takeaways
 # * **Bytes are the lever for decode.** Weight-only int8 halves the bytes a decode step reads and int4 (GPTQ or
-#   RTN) cuts them to ~0.27-0.32 of bf16 with scales counted; with fused dequantise-in-register kernels the step
-#   time follows the bytes. Without fused kernels (the torch path, bitsandbytes on the CPU) quantised layers are
-#   *slower*: the speed-up belongs to the kernel, not the format.
-# * **Accuracy:** int8 weight-only is free to within noise; FP8 (weights and activations) costs a little more;
-#   4-bit costs a few percent of perplexity on this small model, NF4 and GPTQ less than plain RTN. Calibration
-#   (GPTQ) is paid once, offline, and the format and kernel are the same as RTN's.
+#   RTN) cuts the linear layers to ~0.27 of bf16 with scales counted (~0.32 of the whole step with the LM head
+#   kept in bf16). Whether the step time follows depends on the kernel: the `gpu` profile's speed table puts each
+#   fused dequantise-in-register kernel against its bandwidth floor. Without fused kernels (the torch path,
+#   bitsandbytes on the CPU) the quantised layers are *slower* than float: the speed-up belongs to the kernel,
+#   not the format.
+# * **Accuracy:** int8 weight-only (and LLM.int8) moves held-out perplexity by a few 1e-4; FP8 on weights *and*
+#   activations by a few 1e-3; 4-bit formats by 1-2 % on this small model, with NF4 and GPTQ below plain RTN.
+#   GPTQ's calibration is paid once, offline, and its format and kernel are RTN's.
 # * **Memory:** 4-bit frees ~70 % of weight memory for KV cache and batch (notebook 02's lever); measure it with
 #   scales, zero-points and quant states included.
 # * **Precision for compute:** bf16 has fp32's range (no overflow in norms, softmax, long dot products) and is
