@@ -34,8 +34,9 @@ def test_speed_rows_cuda_graph_and_patch():
     model = random_model("llama-3-8b", device="cuda", num_layers=2)
     rows = speed_rows(model, methods=("int8", "int4", "fp8"), context_len=64, iters=5, patch=True,
                       progress=False)
+    assert all(r["status"] == "ok" for r in rows), [r["status"] for r in rows]
     assert {r["timing"] for r in rows if r["method"] != "base"} == {"cuda_graph"}
-    assert all(r["status"] == "ok" and r["decode_ms"] > 0 for r in rows)
+    assert all(r["decode_ms"] > 0 for r in rows)
     del model
     torch.cuda.empty_cache()
 
