@@ -137,7 +137,7 @@ def execute_notebook(nb: Path, out_dir: Path, profile: str, timeout: int = 1800)
     try:
         pm.execute_notebook(str(nb), str(target), parameters={"profile": profile}, kernel_name="python3",
                             cwd=str(NOTEBOOK_DIR), progress_bar=False, execution_timeout=timeout,
-                            request_save_on_cell_execute=False)
+                            request_save_on_cell_execute=True)  # a killed run keeps its finished cells
     except Exception as e:  # papermill raises PapermillExecutionError; report the cell, whatever the type
         raise RuntimeError(f"{nb.name} failed at {_failed_cell(target)}") from e
     finally:

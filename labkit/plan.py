@@ -1,0 +1,324 @@
+"""An analytical planner: which layout serves a model on a cluster at a given traffic and latency objective.
+
+For a ``ModelSpec``, a ``Cluster`` (GPU type, GPUs per node, nodes, links), ``Traffic`` (arrival rate, prompt and
+output lengths) and an ``SLO`` (p99 time to first token, time per output token), ``plan`` enumerates
+tensor-parallel x pipeline-parallel layouts, weight and KV precisions and maximum batch sizes, and predicts for
+each: memory per GPU (does it fit), the decode and prefill step times, communication, throughput and latency. The
+step times are roofline floors (``labkit.parallel.cost_model``) scaled by efficiencies *calibrated from measured
+H200 steps* (``scripts/bench_step_sweep.py``), so the prediction says what this software achieves, not what the
+datasheet allows; ``validate`` reports how far the predictions land from the measurements.
+
+Serving model (continuous batching, one replica of ``tp x pp`` GPUs, ``replicas`` of them share the traffic): with
+``n`` sequences decoding, a step takes ``t(n)``; prefills are interleaved and take a share ``rho = lambda_r *
+t_prefill`` of the time, so a token takes ``tpot = t(n) / (1 - rho)`` and Little's law gives ``n = lambda_r x
+output_mean x tpot``, solved by fixed-point iteration; the layout is saturated when ``n`` would exceed the batch
+limit. Time to first token is the prefill of a p99-length prompt, one decode step of waiting for a step boundary,
+and the queueing of an M/D/1 prefill server at p99 (``-ln(0.01)`` times its mean wait). These are approximations,
+stated as such; the engine notebook measures the real thing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from labkit.engine.metrics import SLO
+from labkit.engine.workload import LengthDist
+from labkit.hardware import Hardware
+from labkit.models import REPO_ROOT, ModelSpec, dtype_bytes, get_spec
+from labkit.parallel.cost_model import get_link, memory_per_device, pp_comm, tp_comm
+
+STEP_SWEEP_RECORD = REPO_ROOT / "results" / "h200" / "records" / "step_sweep.json"
+WEIGHT_DTYPES = ("bf16", "fp8", "int8", "int4")
+KV_DTYPES = ("bf16", "fp8", "int8")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` nodes of ``gpus_per_node`` GPUs; ``intra`` links GPUs inside a node, ``inter`` across nodes."""
+
+    gpu: Hardware
+    gpus_per_node: int = 8
+    nodes: int = 1
+    intra: str = "nvlink4"
+    inter: str = "ib-ndr"
+
+    @property
+    def num_gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Poisson arrivals at ``rate_req_s`` with prompt and output lengths from two distributions."""
+
+    rate_req_s: float
+    prompt_len: LengthDist
+    output_len: LengthDist
+
+    def quantile(self, which: str, q: float, n: int = 20000) -> float:
+        import torch
+
+        dist = self.prompt_len if which == "prompt" else self.output_len
+        xs = sorted(dist.sample(n, torch.Generator().manual_seed(0)))
+        return float(xs[min(n - 1, int(q * n))])
+
+    def mean(self, which: str, n: int = 20000) -> float:
+        import torch
+
+        dist = self.prompt_len if which == "prompt" else self.output_len
+        xs = dist.sample(n, torch.Generator().manual_seed(0))
+        return sum(xs) / n
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Fractions of the measured ceilings this software reaches, and a fixed per-step cost.
+
+    ``bandwidth_eff[w]``: bytes of a decode step with weights in ``w`` over (time x copy bandwidth);
+    ``compute_eff``: prefill FLOPs over (time x matmul rate); ``step_overhead_s``: the intercept of decode time.
+    """
+
+    bandwidth_eff: dict
+    compute_eff: float
+    step_overhead_s: float
+    source: str
+
+    def bw(self, weights: str) -> float:
+        return self.bandwidth_eff.get(weights, min(self.bandwidth_eff.values()))
+
+
+NOMINAL = Calibration({"bf16": 0.8}, 0.6, 20e-6, "nominal (no measured record): 80% of bandwidth, 60% of matmul rate")
+
+
+# --- calibration and validation ---------------------------------------------------------------------------
+def _decode_bytes(spec: ModelSpec, tp: int, pp: int, batch: int, context: int, weights: str, kv: str) -> float:
+    """Bytes one stage reads per micro-batch: its weights and its share of the KV cache (the planner's floor)."""
+    mb = max(1, math.ceil(batch / pp))
+    return memory_per_device(spec, tp, pp, mb * context, dtype=weights, kv_dtype=kv)["total"]
+
+
+def fit_calibration(rows: list[dict], spec, bandwidth: float, peak: float, source: str = "") -> Calibration:
+    """Fit efficiencies to measured single-GPU steps.
+
+    Decode: ``t = overhead + bytes / (bandwidth x e_w)`` by least squares, one slope per weight precision and a
+    shared intercept (bytes as the planner counts them); prefill: ``e_c`` is the median of FLOP floor over time.
+    """
+    import torch
+
+    spec = get_spec(spec)
+    dec = [r for r in rows if r["phase"] == "decode"]
+    pre = [r for r in rows if r["phase"] == "prefill"]
+    if not dec or not pre:
+        raise ValueError("rows must hold decode and prefill measurements (scripts/bench_step_sweep.py)")
+    ws = sorted({r["weights"] for r in dec})
+    x = [_decode_bytes(spec, 1, 1, r["batch"], r["context"] + 1, r["weights"], "bf16") / bandwidth for r in dec]
+    design = torch.tensor([[1.0] + [xi if r["weights"] == w else 0.0 for w in ws] for xi, r in zip(x, dec)],
+                          dtype=torch.float64)
+    t = torch.tensor([[r["median_s"]] for r in dec], dtype=torch.float64)
+    coef = torch.linalg.lstsq(design, t).solution[:, 0]
+    if coef[0] < 0:  # a negative fixed cost is unphysical: fit through the origin instead
+        coef = torch.cat([torch.zeros(1, dtype=torch.float64), torch.linalg.lstsq(design[:, 1:], t).solution[:, 0]])
+    eff = {w: 1.0 / float(k) for w, k in zip(ws, coef[1:])}
+    comp = sorted(spec.prefill_flops(r["context"]) / peak / r["median_s"] for r in pre)
+    return Calibration(eff, comp[len(comp) // 2], float(coef[0]), source)
+
+
+def load_calibration(path: Path | str = STEP_SWEEP_RECORD) -> tuple[Calibration, dict | None]:
+    """Calibration from a committed step-sweep record, or ``NOMINAL`` (and ``None``) when there is none."""
+    path = Path(path)
+    if not path.exists():
+        return NOMINAL, None
+    rec = json.loads(path.read_text())
+    data = rec["data"]
+    c = data["ceilings"]
+    try:
+        shown = path.relative_to(REPO_ROOT)
+    except ValueError:
+        shown = path
+    cal = fit_calibration(data["rows"], data["preset"], c["copy_bytes_per_s"], c["matmul_flops"], source=str(shown))
+    return cal, rec
+
+
+def validate(record: dict, cal: Calibration, gpu: Hardware) -> list[dict]:
+    """Predicted against measured step times for every single-GPU configuration in a step-sweep record."""
+    spec = get_spec(record["data"]["preset"])
+    cluster = Cluster(gpu, gpus_per_node=1, nodes=1)
+    out = []
+    for r in record["data"]["rows"]:
+        if r["phase"] == "decode":
+            pred = decode_step_time(spec, cluster, cal, 1, 1, r["batch"], r["context"] + 1, r["weights"], "bf16")
+        else:
+            pred = prefill_time(spec, cluster, cal, 1, 1, r["context"], r["weights"])
+        out.append({"phase": r["phase"], "weights": r["weights"], "batch": r["batch"], "context": r["context"],
+                    "measured_ms": r["median_s"] * 1e3, "predicted_ms": pred * 1e3,
+                    "abs_pct_err": abs(pred - r["median_s"]) / r["median_s"]})
+    return out
+
+
+def mape(rows: list[dict]) -> float:
+    return sum(r["abs_pct_err"] for r in rows) / len(rows)
+
+
+# --- step times ---------------------------------------------------------------------------------------------
+def _links(cluster: Cluster, tp: int, pp: int) -> tuple[str, str]:
+    tp_link = cluster.intra if tp <= cluster.gpus_per_node else cluster.inter
+    pp_link = cluster.intra if tp * pp <= cluster.gpus_per_node else cluster.inter
+    return tp_link, pp_link
+
+
+def decode_step_time(spec: ModelSpec, cluster: Cluster, cal: Calibration, tp: int, pp: int, batch: int,
+                     context: int, weights: str, kv: str) -> float:
+    """Seconds for every one of ``batch`` sequences to gain a token (``pp`` micro-batches in flight).
+
+    Each stage reads its weights and KV once per micro-batch; a token passes all ``pp`` stages."""
+    mb = max(1, math.ceil(batch / pp))
+    layers = math.ceil(spec.num_layers / pp)
+    flops = mb * (2 * spec.matmul_params + spec.attention_flops_per_token(context)) * layers / spec.num_layers / tp
+    read_s = _decode_bytes(spec, tp, pp, batch, context, weights, kv) / (cluster.gpu.mem_bandwidth * cal.bw(weights))
+    compute_s = flops / (cluster.gpu.bf16_flops * cal.compute_eff)
+    tp_link, pp_link = _links(cluster, tp, pp)
+    comm_s = tp_comm(spec, tp, mb, tp_link, layers=layers)["time_s"] if tp > 1 else 0.0
+    stage_s = cal.step_overhead_s + max(read_s, compute_s) + comm_s
+    return pp * stage_s + pp_comm(spec, pp, mb, pp_link)["time_s"]
+
+
+def prefill_time(spec: ModelSpec, cluster: Cluster, cal: Calibration, tp: int, pp: int, prompt_len: int,
+                 weights: str) -> float:
+    """Seconds to prefill one prompt of ``prompt_len`` tokens through all stages (compute-bound)."""
+    flops = spec.prefill_flops(prompt_len) / tp
+    wbytes = memory_per_device(spec, tp, pp, 0, dtype=weights)["weights"] * pp
+    tp_link, pp_link = _links(cluster, tp, pp)
+    compute_s = max(flops / (cluster.gpu.bf16_flops * cal.compute_eff),
+                    wbytes / (cluster.gpu.mem_bandwidth * cal.bw(weights)))
+    comm_s = tp_comm(spec, tp, prompt_len, tp_link)["time_s"] if tp > 1 else 0.0
+    return compute_s + comm_s + pp_comm(spec, pp, prompt_len, pp_link)["time_s"] + pp * cal.step_overhead_s
+
+
+# --- serving ------------------------------------------------------------------------------------------------
+@dataclass
+class Plan:
+    """One candidate layout and what the model predicts for it."""
+
+    tp: int
+    pp: int
+    replicas: int
+    weights: str
+    kv: str
+    max_batch: int
+    fits: bool
+    mem_per_gpu_gb: float
+    decode_step_ms: float
+    prefill_ms: float
+    tpot_ms: float
+    ttft_p99_ms: float
+    concurrent: float
+    capacity_req_s: float
+    meets_slo: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.replicas
+
+    @property
+    def layout(self) -> str:
+        return f"{self.replicas} x (TP{self.tp} x PP{self.pp}), weights {self.weights}, KV {self.kv}, " \
+               f"batch <= {self.max_batch}"
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), gpus=self.gpus, layout=self.layout)
+
+
+def _serve(spec, cluster, cal, tp, pp, batch, weights, kv, traffic, replicas) -> dict:
+    lam = traffic.rate_req_s / replicas
+    p_mean, o_mean = traffic.mean("prompt"), traffic.mean("output")
+    ctx = int(p_mean + o_mean / 2)
+    t_pre = prefill_time(spec, cluster, cal, tp, pp, int(p_mean), weights)
+    rho = lam * t_pre
+    n, tpot = 1.0, float("inf")
+    for _ in range(100):
+        step = decode_step_time(spec, cluster, cal, tp, pp, max(1, math.ceil(n)), ctx, weights, kv)
+        tpot = step / (1 - rho) if rho < 1 else float("inf")
+        n_new = lam * o_mean * tpot
+        if abs(n_new - n) < 1e-3:
+            break
+        n = min(n_new, 10 * batch)
+    full = decode_step_time(spec, cluster, cal, tp, pp, batch, ctx, weights, kv)
+    capacity = replicas * batch / (o_mean * full + batch * t_pre)
+    saturated = rho >= 1 or n > batch
+    t_pre99 = prefill_time(spec, cluster, cal, tp, pp, int(traffic.quantile("prompt", 0.99)), weights)
+    wait = rho * t_pre / (2 * (1 - rho)) if rho < 1 else float("inf")
+    ttft = t_pre99 + (tpot * (1 - rho) if math.isfinite(tpot) else 0) + -math.log(0.01) * wait
+    return {"tpot": tpot if not saturated else float("inf"), "ttft": ttft if not saturated else float("inf"),
+            "n": n, "capacity": capacity, "t_pre": t_pre, "step": full}
+
+
+def plan(spec, cluster: Cluster, traffic: Traffic, slo: SLO, cal: Calibration | None = None,
+         weights: tuple[str, ...] = WEIGHT_DTYPES, kv: tuple[str, ...] = KV_DTYPES,
+         batches: tuple[int, ...] = (8, 16, 32, 64, 128, 256)) -> list[Plan]:
+    """Every layout that uses at most the cluster's GPUs, ranked: meeting the SLO first, then fewest GPUs, then
+    most headroom (capacity over offered rate). ``tp`` divides the query heads and fits in a node, ``pp`` divides
+    the layers; replicas share the traffic."""
+    spec = get_spec(spec)
+    cal = cal or load_calibration()[0]
+    for w in weights:
+        if w not in WEIGHT_DTYPES:
+            raise ValueError(f"weights={w!r} is unknown; allowed: {list(WEIGHT_DTYPES)}")
+    for k in kv:
+        if k not in KV_DTYPES:
+            raise ValueError(f"kv={k!r} is unknown; allowed: {list(KV_DTYPES)}")
+    if traffic.rate_req_s <= 0:
+        raise ValueError(f"rate_req_s={traffic.rate_req_s} must be positive")
+    out = []
+    ctx_max = int(traffic.quantile("prompt", 0.9) + traffic.quantile("output", 0.9))
+    tps = [t for t in (1, 2, 4, 8, 16) if t <= cluster.gpus_per_node and spec.num_heads % t == 0]
+    for tp in tps:
+        for pp in [p for p in range(1, cluster.nodes * cluster.gpus_per_node // tp + 1) if spec.num_layers % p == 0]:
+            for w in weights:
+                for k in kv:
+                    for b in batches:
+                        out.append(_candidate(spec, cluster, cal, traffic, slo, tp, pp, w, k, b, ctx_max))
+    out = [p for p in out if p is not None]
+    return sorted(out, key=lambda p: (not p.meets_slo, not p.fits, p.gpus,
+                                      -p.capacity_req_s / traffic.rate_req_s, p.tpot_ms))
+
+
+def _candidate(spec, cluster, cal, traffic, slo, tp, pp, w, k, b, ctx_max) -> Plan | None:
+    if tp * pp > cluster.num_gpus:
+        return None
+    mem = memory_per_device(spec, tp, pp, math.ceil(b / pp) * ctx_max * pp, dtype=w, kv_dtype=k)
+    fits = mem["total"] <= 0.9 * cluster.gpu.mem_capacity
+    if not fits:
+        return Plan(tp, pp, 0, w, k, b, False, mem["total"] / 1e9, *(float("nan"),) * 6, False,
+                    ["does not fit"])
+    best = None
+    for replicas in range(1, cluster.num_gpus // (tp * pp) + 1):
+        s = _serve(spec, cluster, cal, tp, pp, b, w, k, traffic, replicas)
+        ok = s["ttft"] <= slo.ttft_s and s["tpot"] <= slo.tpot_s
+        best = Plan(tp, pp, replicas, w, k, b, True, mem["total"] / 1e9, s["step"] * 1e3, s["t_pre"] * 1e3,
+                    s["tpot"] * 1e3, s["ttft"] * 1e3, s["n"], s["capacity"], ok)
+        if ok:
+            break
+    return best
+
+
+def explain(p: Plan, spec: ModelSpec, cluster: Cluster) -> str:
+    """Why this layout, in the numbers that decide it."""
+    wb = spec.weight_bytes(p.weights) / 1e9
+    parts = [f"{spec.name} holds {wb:,.0f} GB of {p.weights} weights; {cluster.gpu.name} has "
+             f"{cluster.gpu.mem_capacity / 1e9:.0f} GB, so at least {math.ceil(wb / (0.9 * cluster.gpu.mem_capacity))} "
+             f"GPUs must share them."]
+    if p.tp > 1:
+        parts.append(f"TP{p.tp} inside a node splits every weight read {p.tp} ways (decode is bandwidth-bound) over "
+                     f"{get_link(cluster.intra).name}, at the cost of two all-reduces per layer.")
+    if p.pp > 1:
+        parts.append(f"PP{p.pp} adds memory across {'nodes' if p.tp * p.pp > cluster.gpus_per_node else 'GPUs'}; "
+                     "it sends activations once per stage but does not speed up a single token.")
+    parts.append(f"Weights {p.weights} and KV {p.kv}: {dtype_bytes(p.weights):g} and {dtype_bytes(p.kv):g} bytes "
+                 f"per element; batch up to {p.max_batch}. Predicted: decode step {p.decode_step_ms:.1f} ms, "
+                 f"TPOT {p.tpot_ms:.1f} ms, p99 TTFT {p.ttft_p99_ms:.0f} ms, capacity {p.capacity_req_s:.1f} req/s "
+                 f"on {p.gpus} GPUs ({p.replicas} replica{'s' if p.replicas > 1 else ''}).")
+    return " ".join(parts)
