@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 from labkit.engine.metrics import SLO
@@ -58,19 +59,21 @@ class Traffic:
     prompt_len: LengthDist
     output_len: LengthDist
 
-    def quantile(self, which: str, q: float, n: int = 20000) -> float:
-        import torch
+    def quantile(self, which: str, q: float) -> float:
+        xs = _samples(self.prompt_len if which == "prompt" else self.output_len)
+        return float(xs[min(len(xs) - 1, int(q * len(xs)))])
 
-        dist = self.prompt_len if which == "prompt" else self.output_len
-        xs = sorted(dist.sample(n, torch.Generator().manual_seed(0)))
-        return float(xs[min(n - 1, int(q * n))])
+    def mean(self, which: str) -> float:
+        xs = _samples(self.prompt_len if which == "prompt" else self.output_len)
+        return sum(xs) / len(xs)
 
-    def mean(self, which: str, n: int = 20000) -> float:
-        import torch
 
-        dist = self.prompt_len if which == "prompt" else self.output_len
-        xs = dist.sample(n, torch.Generator().manual_seed(0))
-        return sum(xs) / n
+@lru_cache(maxsize=64)
+def _samples(dist: LengthDist, n: int = 20000) -> tuple[int, ...]:
+    """Sorted draws of a length distribution (seeded), shared by every candidate of a plan."""
+    import torch
+
+    return tuple(sorted(dist.sample(n, torch.Generator().manual_seed(0))))
 
 
 @dataclass(frozen=True)
@@ -308,9 +311,11 @@ def _candidate(spec, cluster, cal, traffic, slo, tp, pp, w, k, b, ctx_max) -> Pl
 def explain(p: Plan, spec: ModelSpec, cluster: Cluster) -> str:
     """Why this layout, in the numbers that decide it."""
     wb = spec.weight_bytes(p.weights) / 1e9
+    need = math.ceil(wb / (0.9 * cluster.gpu.mem_capacity))
     parts = [f"{spec.name} holds {wb:,.0f} GB of {p.weights} weights; {cluster.gpu.name} has "
-             f"{cluster.gpu.mem_capacity / 1e9:.0f} GB, so at least {math.ceil(wb / (0.9 * cluster.gpu.mem_capacity))} "
-             f"GPUs must share them."]
+             f"{cluster.gpu.mem_capacity / 1e9:.0f} GB, so " + (f"at least {need} GPUs must share them." if need > 1
+                                                                 else "one GPU could hold them, with little room "
+                                                                      "left for the KV cache.")]
     if p.tp > 1:
         parts.append(f"TP{p.tp} inside a node splits every weight read {p.tp} ways (decode is bandwidth-bound) over "
                      f"{get_link(cluster.intra).name}, at the cost of two all-reduces per layer.")
@@ -322,3 +327,42 @@ def explain(p: Plan, spec: ModelSpec, cluster: Cluster) -> str:
                  f"TPOT {p.tpot_ms:.1f} ms, p99 TTFT {p.ttft_p99_ms:.0f} ms, capacity {p.capacity_req_s:.1f} req/s "
                  f"on {p.gpus} GPUs ({p.replicas} replica{'s' if p.replicas > 1 else ''}).")
     return " ".join(parts)
+
+
+# --- the capstone's reading of the results ------------------------------------------------------------------
+TIERS = [
+    ("1 measure", "profile and roofline (01)", ["diagnose.decode_bs1_idle_frac", "diagnose.decode_intensity",
+                                               "diagnose.prefill_intensity", "baseline.hf_decode_bs1_mbu"]),
+    ("2 scheduling and CUDA graphs", "continuous batching, graph replay (05)",
+     ["engine.decode_bs1_mbu", "engine.continuous_vs_static_throughput", "engine.offline_speedup_vs_hf"]),
+    ("3 KV memory", "paged cache, prefix sharing, int8/fp8 KV (02)",
+     ["kvcache.paged_waste_frac", "kvcache.max_seqs_ratio", "kvcache.int8_ppl_delta_frac"]),
+    ("4 fused kernels", "Triton RMSNorm, SwiGLU, RoPE, attention (03)",
+     ["kernels.rmsnorm_speedup_vs_eager", "kernels.flash_attn_vs_sdpa", "kernels.paged_attn_bw_frac"]),
+    ("5 weight quantisation", "int8 / int4 / GPTQ / NF4 / FP8 (04)",
+     ["quant.int8_ppl_delta_frac", "quant.int4_calibrated_ppl_delta_frac", "quant.int4_weight_bytes_ratio",
+      "quant.int4_decode_speedup"]),
+    ("6 parallel layout", "TP in a node, PP across nodes (06)",
+     ["parallel.tp_logits_rel_err", "parallel.pp_bubble_measured", "parallel.pp_bubble_formula"]),
+]
+
+
+def load_summary(path: Path | str | None = None) -> dict:
+    """The figures of ``results/summary.json`` (name -> entry with value, unit, machine, record)."""
+    from labkit.bench import SUMMARY_PATH
+
+    path = Path(path or SUMMARY_PATH)
+    return json.loads(path.read_text())["figures"] if path.exists() else {}
+
+
+def strategy_table(figures: dict) -> list[dict]:
+    """One row per tier and figure: the committed value with its machine and record, or what is still missing."""
+    rows = []
+    for tier, technique, names in TIERS:
+        for name in names:
+            e = figures.get(name)
+            rows.append({"tier": tier, "technique": technique, "figure": name,
+                         "value": e["value"] if e else None, "unit": e["unit"] if e else "",
+                         "bar": (e or {}).get("bar", ""), "machine": e["machine"] if e else "not measured yet",
+                         "record": e["record"] if e else ""})
+    return rows
