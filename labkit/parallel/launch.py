@@ -106,6 +106,8 @@ def _worker(local_rank: int, fn: Callable, world_size: int, port: int, backend: 
         rank, world = init_rank(backend, threads, timeout_s)
         result = fn(rank, world, *args, **kwargs)
         torch.save({"ok": True, "result": result}, path)
+        # leave together: a rank that tears gloo down while a peer's last send is in flight aborts that peer
+        dist.barrier()
     except BaseException:
         torch.save({"ok": False, "traceback": traceback.format_exc()}, path)
         raise
