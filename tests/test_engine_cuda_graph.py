@@ -1,10 +1,21 @@
 """CUDA-graph decode steps: bucket sizes and lookup everywhere; on CUDA, replayed steps give the eager steps' logits
-(fp32 on the embedded model, bf16 on 4 layers of the Llama-3-8B shape), with a padding row in the batch."""
+(fp32 on the embedded model, bf16 on 4 layers of the Llama-3-8B shape), with a padding row in the batch.
 
+On the CPU, ``HostGraphs`` runs the real ``DecodeGraphs`` buffer logic with a stand-in for ``torch.cuda.CUDAGraph``
+that behaves as a graph does where it matters: a replay re-runs the step on the *captured* static inputs and writes
+into the *captured* output tensor (fixed addresses), a replay of one bucket may clobber the others' outputs (one
+shared pool), and everything a capture freezes (each op's shapes and non-tensor arguments, each Triton launch's grid
+and scalars) must be the same at every replay; reading a device value on the host or building a tensor from host
+data inside the step fails at once. So a step input not copied into its static buffer, a buffer re-allocated after
+capture, a host value baked into the step, or a caller keeping the graph's output buffer all fail here on the CPU.
+"""
+
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from labkit.engine.cuda_graph import DecodeGraphs, default_graph_batch_sizes
 from labkit.engine.model_runner import ModelRunner
@@ -27,6 +38,275 @@ def test_bucket_sizes_and_lookup():
     assert [DecodeGraphs.bucket(graphs, n) for n in (1, 3, 5, 8, 9)] == [1, 4, 8, 8, None]
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls; on a shared 2-core machine threads only contend
+    yield
+    torch.set_num_threads(n)
+
+
+# --- a host stand-in for CUDA graphs ----------------------------------------------------------------------------
+class HostReadError(AssertionError):
+    pass
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class Recorder(TorchDispatchMode):
+    """Records every torch op (and, through ``recorded``, every Triton launch) with what a captured launch freezes
+    of its arguments; refuses host reads of device values and tensors built from host data."""
+
+    def __init__(self):
+        super().__init__()
+        self.trace = []
+        self.made: set[int] = set()  # storages the step allocated (a graph's pool: fixed, but new on each re-run)
+
+    def frozen(self, x):
+        """A tensor's layout, and its address unless the step made it (static inputs, KV pools and weights must
+        stay where the capture saw them: a re-bound buffer is invisible to a graph); other values as they are."""
+        if isinstance(x, torch.Tensor):
+            where = "made in the step" if _storage(x) in self.made else _storage(x)
+            return "tensor", tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, where
+        if isinstance(x, (list, tuple)):
+            return type(x).__name__, tuple(self.frozen(y) for y in x)
+        if isinstance(x, dict):
+            return tuple((k, self.frozen(v)) for k, v in x.items())
+        if isinstance(x, (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout,
+                          torch.memory_format)):
+            return repr(x)
+        return type(x).__name__  # storages and the like: the Triton interpreter's plumbing
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default):
+            raise HostReadError("the captured step reads a device value on the host (.item(), int(), bool()): a "
+                                "graph would replay the value seen at capture")
+        if func is torch.ops.aten.lift_fresh.default:
+            raise HostReadError("the captured step builds a tensor from host data (torch.tensor(list)): a graph "
+                                "replays it as the constant seen at capture")
+        self.trace.append((str(func), self.frozen(args), self.frozen(kwargs)))
+        out = func(*args, **kwargs)
+        if func is not torch.ops.aten.set_.source_Storage_storage_offset:  # set_ points at an existing storage
+            seen = {_storage(a) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
+            for t in out if isinstance(out, (list, tuple)) else (out,):
+                if isinstance(t, torch.Tensor) and _storage(t) not in seen and _storage(t):
+                    self.made.add(_storage(t))  # a new allocation, not a view or an in-place result
+        return out
+
+
+def recorded(step, monkeypatch):
+    """``step()`` under a ``Recorder``, with ``Tensor.tolist`` refused and Triton launches recorded."""
+    import triton.runtime.interpreter as interp
+
+    rec = Recorder()
+    call = interp.GridExecutor.__call__
+
+    def launch(self, *args, **kwargs):
+        grid = self.grid if not callable(self.grid) else "callable"
+        rec.trace.append(("triton:" + self.fn.__name__, rec.frozen(grid), rec.frozen(args), rec.frozen(kwargs)))
+        return call(self, *args, **kwargs)
+
+    def tolist(self):
+        raise HostReadError("the captured step copies a device tensor to the host (.tolist()): a graph would "
+                            "replay the values seen at capture")
+
+    with monkeypatch.context() as m, torch.inference_mode():  # as DecodeGraphs captures (ops differ outside it)
+        m.setattr(interp.GridExecutor, "__call__", launch)
+        m.setattr(torch.Tensor, "tolist", tolist)
+        with rec:
+            out = step()
+    return out, rec.trace
+
+
+class HostGraph:
+    """``torch.cuda.CUDAGraph`` on the CPU (see the module docstring)."""
+
+    def __init__(self, pool: list, monkeypatch):
+        self.pool, self.mp, self.replays = pool, monkeypatch, 0
+
+    def capture(self, step) -> torch.Tensor:
+        self.step = step
+        self.out, self.trace = recorded(step, self.mp)
+        self.pool.append(self.out)
+        return self.out
+
+    @torch.inference_mode()
+    def replay(self) -> None:
+        out, trace = recorded(self.step, self.mp)
+        for i, (a, b) in enumerate(zip(self.trace, trace)):
+            assert a == b, f"op {i} of the step differs from its capture (a host value or a buffer's address baked " \
+                           f"into the graph): captured {a}, now {b}"
+        assert len(trace) == len(self.trace), "the step launches a different number of ops than at capture"
+        for other in self.pool:  # one pool: a replay may reuse the memory of any other bucket's output
+            if other is not self.out:
+                other.fill_(float("nan"))
+        self.out.copy_(out)
+        self.replays += 1
+
+
+class HostGraphs(DecodeGraphs):
+    """``DecodeGraphs`` with ``HostGraph`` for the CUDA calls."""
+
+    def __init__(self, runner, batch_sizes, monkeypatch):
+        self.mp, self.pool = monkeypatch, []
+        super().__init__(runner, batch_sizes)
+
+    @staticmethod
+    def _check_device(runner) -> None:
+        pass
+
+    def _new_graph(self):
+        return HostGraph(self.pool, self.mp)
+
+    def _capture_into(self, graph, pool, step):
+        assert pool is None or pool is self.pool
+        return graph.capture(step)
+
+    def _pool(self, graph):
+        return self.pool
+
+    def _synchronize(self) -> None:
+        pass
+
+
+def host_graph_runner(model, cache, monkeypatch, sizes=(1, 2, 4), **kw) -> ModelRunner:
+    runner = ModelRunner(model, cache, cuda_graphs=False, **kw)
+    runner.graphs = HostGraphs(runner, list(sizes), monkeypatch)
+    return runner
+
+
+def static_ptrs(graphs) -> list[int]:
+    s = graphs.static
+    return [t.data_ptr() for t in (s.input_ids, s.positions, s.slot_mapping, s.block_tables, s.context_lens)]
+
+
+def owned_by_graphs(graphs, outs) -> list[int]:
+    """Indices of ``outs`` that share memory with a graph's output buffer (rewritten by later replays)."""
+    buffers = {t.untyped_storage().data_ptr() for t in graphs.logits.values()}
+    return [i for i, o in enumerate(outs) if o.untyped_storage().data_ptr() in buffers]
+
+
+def decode_steps(runner, cache, prompts, steps) -> list[torch.Tensor]:
+    """Prefill ``prompts`` (eager), then one decode step per row of ``steps`` (the same fed tokens for every
+    runner) over all sequences, then sequence 0 alone and sequences 0, 1 (other buckets). Returns every step's
+    logits as returned, kept until the end."""
+    for i, p in enumerate(prompts):
+        cache.allocate(i, p)
+    out = [runner.execute(list(range(len(prompts))), [len(p) for p in prompts], 0)]
+    for t in steps:
+        for i in range(len(prompts)):
+            cache.append_slots(i, [t[i]])
+        out.append(runner.execute(list(range(len(prompts))), [1] * len(prompts), len(prompts)))
+    for ids in ([0], [0, 1], list(range(len(prompts)))):
+        for i in ids:
+            cache.append_slots(i, [steps[0][i]])
+        out.append(runner.execute(ids, [1] * len(ids), len(ids)))
+    return out
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_host_graphs_replay_equals_eager(tiny_model, monkeypatch, kernels):
+    """The GPU test's sequence on the CPU: batch 3 replays the graph of 4 (a padding row), then buckets 1 and 2;
+    logits kept across later replays must stay each step's own. Triton: through the interpreter."""
+    model = tiny_model[0]
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    n_steps = 5 if kernels == "torch" else 2
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 33, 17)]
+    steps = torch.randint(3, vocab, (n_steps, 3), generator=g).tolist()
+    eager_cache = nan_cache(model, num_blocks=64, block_size=16)
+    eager = decode_steps(ModelRunner(model, eager_cache, kernels="torch", max_model_len=128), eager_cache, prompts,
+                         steps)
+    cache = nan_cache(model, num_blocks=64, block_size=16)
+    runner = host_graph_runner(model, cache, monkeypatch, kernels=kernels, max_model_len=128)
+    graphs, ptrs = runner.graphs, static_ptrs(runner.graphs)
+    assert runner.graph_batch_sizes == [1, 2, 4] and runner.scratch_block is not None
+    got = decode_steps(runner, cache, prompts, steps)
+    assert [graphs.graphs[b].replays for b in (1, 2, 4)] == [1, 1, n_steps + 1]  # every decode step replayed
+    assert static_ptrs(graphs) == ptrs  # fed by copying into the buffers captured, never by re-binding them
+    assert not owned_by_graphs(graphs, got)
+    for i, (a, b) in enumerate(zip(got, eager)):
+        assert a.shape == b.shape and torch.isfinite(a).all(), i
+        assert relative_error(a, b) <= 1e-5, f"step {i}: relative error {relative_error(a, b):.3g}"
+    assert all(c.num_computed == c.num_tokens for c in cache.seqs.values())
+
+
+def test_host_graphs_catch_host_values(tiny_model, monkeypatch):
+    """The stand-in fails a step that reads device values on the host, bakes a per-step host value in, or reads a
+    buffer re-allocated after capture."""
+    model = tiny_model[0]
+    forward = ModelRunner.forward
+
+    def reads_item(self, inp):
+        _ = int(inp.context_lens.max())  # e.g. a split count picked from the longest context
+        return forward(self, inp)
+
+    def reads_tolist(self, inp):
+        _ = inp.positions.tolist()
+        return forward(self, inp)
+
+    calls = []
+
+    def host_counter(self, inp):  # a host value that changes per step, used in the step
+        calls.append(1)
+        return forward(self, inp) * (1 + len(calls) % 2)
+
+    for bad, match in ((reads_item, "reads a device value"), (reads_tolist, r"\.tolist\(\)")):
+        with monkeypatch.context() as m:
+            m.setattr(ModelRunner, "forward", bad)
+            with pytest.raises(HostReadError, match=match):
+                host_graph_runner(model, nan_cache(model, num_blocks=8, block_size=16), monkeypatch, sizes=(1,))
+    with monkeypatch.context() as m:
+        m.setattr(ModelRunner, "forward", host_counter)
+        runner = host_graph_runner(model, nan_cache(model, num_blocks=8, block_size=16), monkeypatch, sizes=(1,))
+        with pytest.raises(AssertionError, match="differs from its capture"):
+            runner.graphs.replay(1)
+    cache = nan_cache(model, num_blocks=8, block_size=16)
+    runner = host_graph_runner(model, cache, monkeypatch, sizes=(1,))
+    runner.graphs.replay(1)
+    cache.v_caches[3] = cache.v_caches[3].clone()  # a pool re-allocated after capture: the graph keeps the old one
+    with pytest.raises(AssertionError, match=r"differs from its capture \(a host value or a buffer's address"):
+        runner.graphs.replay(1)
+
+
+def test_check_graph_replays_passes_and_catches_a_kept_output_buffer(tiny_model, monkeypatch):
+    """Notebook 05's gate before timing graphs, on the stand-in: all rows ok; with ``run`` handing back the graph's
+    output buffer (the bug the H200 found), kept logits of earlier steps fail; the very last step's still pass."""
+    from labkit.engine.experiments import check_graph_replays
+
+    model = tiny_model[0]
+    runner = host_graph_runner(model, nan_cache(model, num_blocks=20, block_size=16), monkeypatch, max_model_len=64)
+    rows = check_graph_replays(model, rounds=2, runner=runner)
+    assert len(rows) == 8 and all(r["ok"] for r in rows) and {r["graph"] for r in rows} == {1, 2, 4}
+    assert not runner.cache.seqs and max(r["relative_error"] for r in rows) <= 1e-5
+
+    def hands_back_the_buffer(self, inp, bs):
+        DecodeGraphs.run(self, inp, bs)
+        return self.logits[bs][:len(inp.seq_ids)]
+
+    monkeypatch.setattr(HostGraphs, "run", hands_back_the_buffer)
+    bad = [(r["round"], r["batch"]) for r in check_graph_replays(model, rounds=2, runner=runner) if not r["ok"]]
+    assert bad and (1, 4) not in bad and (0, 3) in bad
+
+
+def test_run_refuses_inputs_that_do_not_fit(tiny_model, monkeypatch):
+    model = tiny_model[0]
+    cache = nan_cache(model, num_blocks=16, block_size=16)
+    runner = host_graph_runner(model, cache, monkeypatch, sizes=(1, 2), max_model_len=64)
+    cache.allocate(0, [5, 6, 7])
+    runner.execute([0], [2], 0)
+    inp = runner.prepare([0], [1], 1, pad_to=2, width=runner.max_blocks)
+    narrow = replace(inp, block_tables=inp.block_tables[:, :1])  # copy_ would broadcast it over 4 columns
+    with pytest.raises(ValueError, match=r"block_tables \(2, 1\) torch.int32 does not fit .* need \(2, 4\)"):
+        runner.graphs.run(narrow, 2)
+    with pytest.raises(ValueError, match="batch size 3 has no captured graph"):
+        runner.graphs.run(runner.prepare([0], [1], 1, pad_to=3, width=runner.max_blocks), 3)
+    assert runner.graphs.run(inp, 2).shape == (1, model.config.vocab_size)  # the real row only
+
+
 def test_refused_on_the_cpu(tiny_model):
     runner = ModelRunner(tiny_model[0], PagedKVCache.for_model(tiny_model[0], 4, 4), kernels="torch")
     if not torch.cuda.is_available():
@@ -47,22 +327,26 @@ def test_cuda_graph_replay_equals_eager(dtype):
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 33, 17)]
-    caches, runners = [], []
+    steps = torch.randint(3, vocab, (6, 3), generator=g).tolist()  # the same fed tokens for both runners
+    got = []
     for graphs in (False, True):
         cache = nan_cache(model, num_blocks=64, block_size=16)
-        runners.append(ModelRunner(model, cache, cuda_graphs=graphs, max_num_seqs=4, max_model_len=128))
-        caches.append(cache)
-    assert runners[1].graph_batch_sizes == [1, 2, 4] and not runners[0].graph_batch_sizes
-    steps = torch.randint(3, vocab, (6, 3), generator=g).tolist()  # the same fed tokens for both runners
-    logits = []
-    for cache, runner in zip(caches, runners):
-        for i, p in enumerate(prompts):
-            cache.allocate(i, p)
-        out = [runner.execute([0, 1, 2], [len(p) for p in prompts], 0)]
-        for t in steps:  # batch 3 replays the graph of 4 (one padding row)
-            for i in range(3):
-                cache.append_slots(i, [t[i]])
-            out.append(runner.execute([0, 1, 2], [1, 1, 1], 3))
-        logits.append(out)
-    for eager, graph in zip(*logits):
-        assert torch.isfinite(graph).all() and relative_error(graph, eager) <= tol
+        runner = ModelRunner(model, cache, cuda_graphs=graphs, max_num_seqs=4, max_model_len=128)
+        assert runner.graph_batch_sizes == ([1, 2, 4] if graphs else [])
+        got.append(decode_steps(runner, cache, prompts, steps))  # batch 3 replays the graph of 4, then 1 and 2
+        if graphs:
+            assert not owned_by_graphs(runner.graphs, got[-1])
+    for i, (eager, graph) in enumerate(zip(*got)):  # logits kept across later replays stay each step's own
+        err = relative_error(graph, eager)
+        assert graph.shape == eager.shape and torch.isfinite(graph).all() and err <= tol, f"step {i}: {err:.3g}"
+
+
+@pytest.mark.gpu
+def test_check_graph_replays_on_cuda():
+    """Notebook 05's gate on a real CUDA graph: every replayed step equals the eager forward of its input."""
+    from labkit.engine.experiments import check_graph_replays
+    from labkit.models import load_model
+
+    rows = check_graph_replays(load_model(device="cuda")[0], label="embedded fp32")
+    assert len(rows) == 12 and {r["graph"] for r in rows} == {1, 2, 4}
+    assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]

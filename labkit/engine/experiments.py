@@ -2,6 +2,8 @@
 returns plain rows, so the notebook only arranges and plots them.
 
 * ``check_greedy_vs_hf``: engine output against HF ``generate`` per prompt, for several engine configurations
+* ``check_graph_replays``: decode steps replayed from CUDA graphs against the same steps run eagerly (run it
+  before timing anything with graphs)
 * ``decode_rate``: steady-state decode tokens/s at a batch size through ``LLMEngine.step`` (end to end), and
   the device time of one captured step replayed alone
 * ``profile_decode``: a profiler trace of decode steps, eager or replayed from CUDA graphs
@@ -25,11 +27,15 @@ import torch
 from tqdm.auto import tqdm
 
 from labkit.bench import time_fn
+from labkit.engine.cuda_graph import default_graph_batch_sizes
 from labkit.engine.hf_baseline import Execution, replay_fifo, run_generate
 from labkit.engine.llm_engine import LLMEngine
 from labkit.engine.metrics import SLO, percentile, summarize
+from labkit.engine.model_runner import ModelRunner
 from labkit.engine.sampling import SamplingParams
 from labkit.engine.workload import LengthDist, RequestSpec, at_rate, make_workload
+from labkit.evaluate import relative_error
+from labkit.kvcache import PagedKVCache
 from labkit.profiling import ProfileResult, profile_run
 
 
@@ -67,6 +73,54 @@ def check_greedy_vs_hf(model, prompts: Sequence[Sequence[int]], max_tokens: int,
                      else "torch", "cuda_graph_steps": res.stats["graph_steps"]})
         del engine
         free_device_memory()
+    return rows
+
+
+@torch.inference_mode()
+def check_graph_replays(model, batch_sizes: Sequence[int] = (3, 1, 2, 4), rounds: int = 3, prompt_len: int = 40,
+                        seed: int = 0, runner: ModelRunner | None = None, label: str = "") -> list[dict]:
+    """Decode steps replayed from CUDA graphs against the same steps run eagerly: run it before any graph is timed.
+
+    ``runner`` (default: a fresh ``ModelRunner`` on ``model`` with graphs for ``default_graph_batch_sizes(max(
+    batch_sizes))`` and a small cache of its own) prefills ``max(batch_sizes)`` random prompts of about
+    ``prompt_len`` tokens, then runs ``rounds`` rounds of one decode step per entry of ``batch_sizes`` (the first
+    sequences of the batch; 3 replays the graph of 4 with a padding row), so every step feeds new tokens, positions,
+    slots and context lengths. Each step's reference is the runner's eager ``forward`` of the same padded input
+    (same shapes, same kernels: a correct replay is off by rounding at most, a broken one by O(1)). Every step's
+    logits as ``execute`` returned them are kept until all steps ran, so logits that a later replay overwrote fail
+    too. Returns one row per step: model, round, batch, graph, relative_error, finite, bound (the dtype's test
+    tolerance: 1e-5 in float32, else 1e-2), ok."""
+    n = max(batch_sizes)
+    if runner is None:
+        max_len = prompt_len + rounds * len(batch_sizes) + 1
+        cache = PagedKVCache.for_model(model, num_blocks=n * -(-max_len // 16) + 2, block_size=16)  # + scratch
+        runner = ModelRunner(model, cache, cuda_graphs=True, max_num_seqs=n, max_model_len=max_len,
+                             graph_batch_sizes=default_graph_batch_sizes(n))
+    if runner.graphs is None or runner.graphs.bucket(n) is None:
+        raise ValueError(f"runner has graphs for {runner.graph_batch_sizes}; batch_sizes={list(batch_sizes)} need "
+                         f"one of at least {n}")
+    cache, vocab = runner.cache, model.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    sids = [("graph-check", i) for i in range(n)]
+    for i, sid in enumerate(sids):  # lengths differ by sequence: so do their contexts and block tables
+        cache.allocate(sid, torch.randint(3, vocab, (max(1, prompt_len - 7 * i),), generator=g).tolist())
+    runner.execute(sids, [cache.seq(s).num_tokens for s in sids], 0)
+    kept = []
+    for r in range(rounds):
+        for b in batch_sizes:
+            sub, bucket = sids[:b], runner.graphs.bucket(b)
+            for sid in sub:
+                cache.append_slots(sid, torch.randint(3, vocab, (1,), generator=g).tolist())
+            ref = runner.forward(runner.prepare(sub, [1] * b, b, pad_to=bucket, width=runner.max_blocks))[:b].clone()
+            kept.append((r, b, bucket, ref, runner.execute(sub, [1] * b, b)))
+    for sid in sids:
+        cache.free(sid)
+    bound = 1e-5 if runner.dtype == torch.float32 else 1e-2
+    rows = []
+    for r, b, bucket, ref, got in kept:
+        err, finite = relative_error(got, ref), bool(torch.isfinite(got).all())
+        rows.append({"model": label, "round": r, "batch": b, "graph": bucket, "relative_error": err,
+                     "finite": finite, "bound": bound, "ok": finite and err <= bound})
     return rows
 
 

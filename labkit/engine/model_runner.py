@@ -193,13 +193,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int], num_decode: int) -> torch.Tensor:
         """Compute the scheduled tokens; returns float32 logits of each sequence's last token ``[num_seqs,
-        vocab]`` and marks the tokens computed in the cache. All-decode steps replay a CUDA graph when one is
-        captured for the batch size."""
+        vocab]`` (a tensor of the caller's own, also after a graph replay) and marks the tokens computed in the
+        cache. All-decode steps replay a CUDA graph when one is captured for the batch size."""
         n = len(seq_ids)
         bs = self.graphs.bucket(n) if self.graphs is not None and num_decode == n else None
         if bs is not None:
             inp = self.prepare(seq_ids, num_tokens, num_decode, pad_to=bs, width=self.max_blocks)
-            logits = self.graphs.run(inp, bs)[:n]
+            logits = self.graphs.run(inp, bs)  # a copy: the graph's output buffer is rewritten by every replay
         else:
             inp = self.prepare(seq_ids, num_tokens, num_decode)
             logits = self.forward(inp)
