@@ -15,6 +15,16 @@ def tiny_model():
     return load_model()
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module: the embedded model's matmuls are too small to gain from threads, and on a
+    shared 2-core machine extra threads only contend. Use with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -38,12 +38,7 @@ def test_bucket_sizes_and_lookup():
     assert [DecodeGraphs.bucket(graphs, n) for n in (1, 3, 5, 8, 9)] == [1, 4, 8, 8, None]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls; on a shared 2-core machine threads only contend
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --- a host stand-in for CUDA graphs ----------------------------------------------------------------------------

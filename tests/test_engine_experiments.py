@@ -20,13 +20,7 @@ from labkit.engine.experiments import (
 from labkit.engine.metrics import SLO, RequestMetrics
 from labkit.engine.workload import LengthDist, RequestSpec, make_workload
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_hf_static_extrapolation_arithmetic():

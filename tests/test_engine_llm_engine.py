@@ -16,12 +16,7 @@ from labkit.kvcache import CacheFullError
 N = 10  # tokens per request
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_engine(model, tok=None, **kw) -> LLMEngine:

@@ -11,13 +11,7 @@ from labkit.evaluate import relative_error
 from labkit.kernels.paged_attention import paged_attention_ref
 from labkit.kvcache import PagedKVCache
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls; on a shared 2-core machine threads only contend
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

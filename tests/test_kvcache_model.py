@@ -10,14 +10,7 @@ from labkit.kvcache import PagedKVCache
 from labkit.kvcache.model import PagedModelRunner, prepare_step
 from labkit.models import load_model
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The tiny model's matmuls are too small to gain from threads; on a shared 2-core machine threads only contend.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

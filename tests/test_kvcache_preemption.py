@@ -10,13 +10,7 @@ from labkit.data import sample_prompts
 from labkit.kvcache import CacheFullError, PagedKVCache
 from labkit.kvcache.preemption import PagedGenerator, Request, Scheduler
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,7 @@ from labkit.kvcache import PagedKVCache, kv_format
 from labkit.kvcache.quant import dequantize_kv, quantize_kv
 from labkit.kvcache.quant_eval import attention_latency, kv_format_accuracy
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize(("name", "bound"), [("int8", 1e-2), ("fp8", 4e-2), ("bf16", 1e-2), ("fp32", 0.0)])
