@@ -43,6 +43,39 @@ def test_rms_norm_fused_residual(dtype):
     assert torch.equal(x, _randn(37, 100, dtype=dtype, seed=3))  # inputs untouched
 
 
+@pytest.mark.parametrize("rows_per_program", [2, 4])
+def test_rms_norm_several_rows_per_program(monkeypatch, rows_per_program):
+    import labkit.kernels.rms_norm as rn
+
+    monkeypatch.setattr(rn, "CPU_ROWS", rows_per_program)  # 37 rows: the last program is part-empty
+    x, r = _randn(37, 100, dtype=torch.float16, seed=20), _randn(37, 100, dtype=torch.float16, seed=21)
+    w = _randn(100, dtype=torch.float16, seed=22)
+    assert relative_error(rms_norm(x, w, 1e-5), rms_norm_ref(x.double(), w.double(), 1e-5)) < 1e-2
+    out, res_out = rms_norm(x, w, 1e-5, residual=r)
+    ref_out, ref_res = rms_norm_ref(x, w, 1e-5, residual=r)
+    assert torch.equal(res_out, ref_res) and relative_error(out, ref_out) < 1e-2
+
+
+def test_rms_norm_prune_keeps_registers_bounded():
+    import labkit.kernels.rms_norm as rn
+
+    for block in (128, 4096, 8192, 65536):
+        kept = rn._prune(rn._CONFIGS, {}, BLOCK=block)
+        assert kept and all(c.kwargs["ROWS"] * block // (32 * c.num_warps) <= max(64, block // 512) for c in kept)
+    assert {(c.kwargs["ROWS"], c.num_warps) for c in rn._prune(rn._CONFIGS, {}, BLOCK=4096)} >= {(1, 8), (2, 8)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1024, 4099])  # the autotuned path (rows per program), a ragged last program
+def test_rms_norm_tuned_path_gpu(rows):
+    x, r = _randn(rows, 4096, dtype=torch.bfloat16, seed=23), _randn(rows, 4096, dtype=torch.bfloat16, seed=24)
+    w = _randn(4096, dtype=torch.bfloat16, seed=25)
+    assert relative_error(rms_norm(x, w, 1e-5), rms_norm_ref(x.double(), w.double(), 1e-5)) < 1e-2
+    out, res_out = rms_norm(x, w, 1e-5, residual=r)
+    ref_out, ref_res = rms_norm_ref(x, w, 1e-5, residual=r)
+    assert torch.equal(res_out, ref_res) and relative_error(out, ref_out) < 1e-2
+
+
 def test_rms_norm_matches_hf_bitwise_in_float32():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 

@@ -50,6 +50,80 @@ def test_w4a16(dtype, rows, group):
     assert relative_error(out, w4a16_matmul_ref(x.double(), packed, scales, zeros, group)) < TOL[dtype]
 
 
+# GEMV tiles and split-K on the interpreter: (BLOCK_N, BLOCK_K, SPLIT_K); 3 splits of an odd number of steps
+# leaves the last split short, 16 splits of a short K leaves some empty; LOAD_STAGES is a no-op here
+GEMV_TILES = [(16, 64, 1), (8, 32, 3), (32, 16, 16)]
+
+
+@pytest.mark.parametrize("tile", GEMV_TILES)
+@pytest.mark.parametrize("n, k", [(100, 192), (37, 100)])  # K not a multiple of any step in the second
+def test_w8a16_gemv_split_k(monkeypatch, tile, n, k):
+    import labkit.kernels.quantized_matmul as qm
+
+    bn, bk, split = tile
+    monkeypatch.setitem(qm.CPU_GEMV8, "BLOCK_N", bn)
+    monkeypatch.setitem(qm.CPU_GEMV8, "BLOCK_K", bk)
+    monkeypatch.setitem(qm.CPU_GEMV8, "SPLIT_K", split)
+    monkeypatch.setitem(qm.CPU_GEMV8, "LOAD_STAGES", 3)
+    q, s = _int8(n, k, seed=20)
+    q[0, :2] = torch.tensor([-128, 127], dtype=torch.int8)  # both ends of the range decode exactly
+    x = _x((1, k), torch.float32, seed=21)
+    out = w8a16_matmul(x, q, s)
+    assert relative_error(out, w8a16_matmul_ref(x.double(), q, s)) < 1e-5
+    assert torch.equal(w8a16_matmul(x, q, s), out)  # partials added in a fixed order: the same bits again
+    _, counters = qm._split_buffers(out.device, n)
+    assert not counters.any()  # every row block's last split reset its counter for the next launch
+
+
+@pytest.mark.parametrize("tile", GEMV_TILES)
+@pytest.mark.parametrize("group", [8, 32, 64])
+def test_w4a16_gemv_split_k(monkeypatch, tile, group):
+    import labkit.kernels.quantized_matmul as qm
+
+    bn, bk, split = tile
+    monkeypatch.setitem(qm.CPU_GEMV4, "BLOCK_N", bn)
+    monkeypatch.setitem(qm.CPU_GEMV4, "BLOCK_K", bk)  # raised to the group where smaller
+    monkeypatch.setitem(qm.CPU_GEMV4, "SPLIT_K", split)
+    packed, scales, zeros = _int4(37, 320, group, seed=22)  # 320 / 64 = 5 groups: uneven splits
+    packed[0, 0] = 0xF0  # q = 0 and 15 in one byte
+    x = _x((1, 320), torch.float32, seed=23)
+    out = w4a16_matmul(x, packed, scales, zeros, group)
+    assert relative_error(out, w4a16_matmul_ref(x.double(), packed, scales, zeros, group)) < 1e-5
+    _, counters = qm._split_buffers(out.device, 37)
+    assert not counters.any()
+
+
+def test_w4a16_gemv_bf16_and_unaligned_words():
+    packed, scales, zeros = _int4(37, 256, 128, seed=24)
+    x = _x((1, 256), torch.bfloat16, seed=25)  # the GEMV has no tl.dot: bfloat16 runs on the interpreter too
+    ref = w4a16_matmul_ref(x.double(), packed, scales, zeros, 128)
+    assert relative_error(w4a16_matmul(x, packed, scales, zeros, 128), ref) < 1e-2
+    shifted = torch.empty(packed.numel() + 1, dtype=torch.uint8, device=DEVICE)[1:].view(packed.shape)
+    shifted.copy_(packed)  # rows not on a 4-byte boundary: no int32 view, the any-group kernel instead
+    assert relative_error(w4a16_matmul(x, shifted, scales, zeros, 128), ref) < 1e-2
+
+
+def test_gemv_prune_splits_only_small_grids(monkeypatch):
+    import labkit.kernels.quantized_matmul as qm
+
+    monkeypatch.setattr(qm, "num_sms", lambda device: 132)
+    x = torch.empty(1, device=DEVICE)
+
+    def kept(configs, n, k, group=None):
+        out = qm._prune_gemv(configs, {"x_ptr": x, "N": n, "K": k}, **({"GROUP": group} if group else {}))
+        return [(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["SPLIT_K"]) for c in out]
+
+    w8, w4 = qm._gemv_configs(qm.W8_TILES), qm._gemv_configs(qm.W4_TILES)
+    assert {s for *_, s in kept(w8, 128256, 4096)} == {1}  # the LM head fills the GPU unsplit
+    for n, k in [(14336, 4096), (4096, 14336), (4096, 4096)]:
+        cfgs = kept(w8, n, k)
+        assert any(s > 1 for *_, s in cfgs) and len(cfgs) <= 40
+        assert all(-(-n // bn) * s <= qm.MAX_CTAS_PER_SM * 132 and -(-k // s) >= 2 * bk for bn, bk, s in cfgs if s > 1)
+    cfgs = kept(w4, 14336, 4096, group=128)
+    assert cfgs and all(bk >= 128 for _, bk, _ in cfgs) and any(s > 1 for *_, s in cfgs)
+    assert all(bk >= 512 for _, bk, _ in kept(w4, 4096, 4096, group=512))
+
+
 def test_w4a16_reads_the_quantisers_format():
     from labkit.quant.packing import dequantize_int4
 
@@ -94,3 +168,38 @@ def test_quantized_matmul_gpu_bf16(rows):
     assert relative_error(out8, w8a16_matmul_ref(x.double(), q, s.bfloat16())) < 2e-2
     args = (packed, scales.bfloat16(), zeros.bfloat16(), 128)
     assert relative_error(w4a16_matmul(x, *args), w4a16_matmul_ref(x.double(), *args)) < 2e-2
+
+
+@pytest.mark.gpu
+def test_split_k_gemv_replays_in_a_cuda_graph(monkeypatch):
+    """Split-K forced (the autotuner might not pick it): the last split reduces, counters reset, and the whole
+    thing captures and replays in a CUDA graph with new activations."""
+    import triton
+
+    import labkit.kernels.quantized_matmul as qm
+
+    def forced(kernel, bn, bk, split):
+        cfg = triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "LOAD_STAGES": 3}, num_warps=4)
+        return triton.autotune([cfg], key=["N", "K"])(kernel)
+    monkeypatch.setattr(qm, "_w8_gemv_tuned", forced(qm._w8_gemv, 128, 64, 4))
+    monkeypatch.setattr(qm, "_w4_gemv_tuned", forced(qm._w4_gemv, 128, 128, 4))
+    n, k = 1000, 4096
+    q, s = _int8(n, k, seed=30)
+    packed, scales, zeros = _int4(n, k, 128, seed=31)
+    w8_args, w4_args = (q, s.bfloat16()), (packed, scales.bfloat16(), zeros.bfloat16(), 128)
+    x = _x((1, k), torch.bfloat16, seed=32)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside capture: the workspace is made here
+        w8a16_matmul(x, *w8_args), w4a16_matmul(x, *w4_args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out8, out4 = w8a16_matmul(x, *w8_args), w4a16_matmul(x, *w4_args)
+    for seed in (33, 34):
+        x.copy_(_x((1, k), torch.bfloat16, seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert relative_error(out8, w8a16_matmul_ref(x.double(), *w8_args)) < 2e-2
+        assert relative_error(out4, w4a16_matmul_ref(x.double(), *w4_args)) < 2e-2
+    assert not qm._split_buffers(x.device, n)[1].any()

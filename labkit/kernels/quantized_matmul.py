@@ -7,13 +7,46 @@ Storing 1 or 0.5 bytes per weight instead of 2 and expanding them in registers -
 that time about 2x or 4x (minus the scales' bytes). Dequantising to a bf16 copy first, as the torch
 reference does, would read the int weights, write and re-read bf16: slower than plain bf16.
 
-Two kernels per format: a GEMV for one row of ``x`` (no Tensor Cores; a ``[BLOCK_N, BLOCK_K]`` weight tile
-times a broadcast ``x`` slice, reduced at the end), and a tiled GEMM on Tensor Cores (``tl.dot``) for more
-rows, so every batch size is correct and the decode case is fast.
+Two kernels per format: a GEMV for one row of ``x`` (no Tensor Cores) and a tiled GEMM on Tensor Cores
+(``tl.dot``) for more rows, so every batch size is correct and the decode case is fast.
 
-Int4 in the GEMV: the two nibbles of a byte hold ``k`` and ``k + 1``, so the even and odd elements of ``x``
-multiply the low and high nibbles; stepping one group at a time, the group's scale and zero-point are one
-value per row (``(q - z) * s * x = s * q * x - s * z * x``), loaded once instead of once per weight.
+**The GEMV's budget**, 4096 -> 14336 on an H200 (4.28 TB/s copy; 132 SMs x 4 schedulers x 32 lanes at
+1.98 GHz = 33.4 T lane-instructions/s): int8 weights are 58.7 MB (13.7 us), int4 at group 128 29.4 MB plus
+1.8 MB of bf16 scales and zeros (7.3 us); bf16 is 117 MB (27 us; 30.7 us measured in a CUDA graph). The
+previous kernels took 26.6 us (int8) and 31.4 us (int4): bound by instructions, not bytes. Every weight went
+through an int->float conversion (``I2F``: 16 per clock per SM on Hopper, so 58.7 M / (132 x 16) = 27.8 k
+clocks = 14 us on its own) and the int4 path spent ~6 more float ops per byte on the per-group scale. Now:
+
+* **No conversion instruction.** OR-ing an integer ``v < 2**23`` into the mantissa of a power of two gives
+  that power plus ``v`` exactly; subtracting the power back is one exact float add. int8 (byte tiles):
+  ``(byte ^ 0x4B000080) - (2**23 + 128)`` -- the XOR also turns two's complement into offset binary.
+  int4 (int32 words, 8 nibbles): nibble ``P`` of each 16-bit half is read *in place* under the exponent of
+  ``2**(23 - 4P)``, where it is the units digit -- one AND per weight after one OR per word (two for the
+  shifted high half), no shifts per nibble and no rescaling of the activations.
+* **One FFMA per weight, scales once per group.** int4 accumulates ``sum_k q x`` over each word's 8 weights
+  in a chain, reduces it per group and row, then adds ``s * (sum_k q x - z * sum_k x)`` (``sum_k x`` is
+  shared by all rows). Compiled for sm_90 (Triton 3.9, ptxas) the K loop issues ~5.0 instructions per int8
+  weight and ~4.0-4.6 per int4 weight: 58.7 M x 5.0 / 33.4 T = 8.8 us < 13.7 us (int8 is memory-bound);
+  58.7 M x 4.2 / 33.4 T = 7.4 us ~ 7.3 us (int4 balanced between issue and bytes).
+* **Split-K** (``SPLIT_K`` programs per block of rows) so that tall tiles -- R = 2-8 rows per thread, each
+  converted activation serving R rows -- still give the grid several CTAs per SM. Partial sums go to a
+  float32 workspace; the last split of a row block to arrive (an atomic counter) adds them in split order
+  (deterministic), writes the output and resets its counter: one launch, no memset, CUDA-graph capturable.
+* **16-byte loads** (16 contiguous bytes per thread along K from 16-byte aligned rows; ``other`` is left off
+  the weight loads -- any bit pattern decodes to a finite value -- so no registers are zeroed per step),
+  optionally software-pipelined through shared memory (``tl.range(num_stages=3)``, cp.async).
+* **Autotuned** per ``(N, K)`` over tiles, splits, warps and load stages (tables below ``_gemv_configs``).
+  For 4096 -> 14336: int8 ``128x64`` tiles -> 112 row blocks x 1-4 splits, int4 (group 128) ``512x128``
+  tiles (8 rows per thread) -> 28 row blocks x 8-16 splits; 14336 -> 4096 and 4096 -> 4096 (16-128 row
+  blocks) rely on splits to fill 132 SMs; the LM head (128256 rows) is never split. The autotuner times the
+  candidates once per shape on the first call (L2 flushed): warm up before capturing a CUDA graph (capture
+  also refuses to allocate the workspace).
+
+Expected at 4096 -> 14336 (not yet measured): int8 at 85% of copy bandwidth ~16 us (1.9x bf16; the 1.7x bar
+needs <= 18.1 us, 0.76 of bandwidth); int4 ~9-10 us (3.1-3.4x; 2.5x needs <= 12.3 us; 3x bitsandbytes NF4's
+29.2 us needs <= 9.7 us, 0.75 of bandwidth). bitsandbytes LLM.int8 took 30.9 us there: 3x over it needs
+10.3 us, below the int8 bytes' floor of 13.7 us -- no int8 kernel can meet that bar at this shape (at most
+30.9 / 13.7 = 2.25x).
 """
 
 from __future__ import annotations
@@ -22,7 +55,13 @@ import torch
 import triton
 import triton.language as tl
 
-from labkit.kernels.common import FLOAT_DTYPES, check_tensor, next_pow2, refuse_bf16_dot_on_cpu
+from labkit.kernels.common import FLOAT_DTYPES, check_tensor, next_pow2, num_sms, refuse_bf16_dot_on_cpu
+
+MAX_SPLIT_K = 16  # rows of the float32 partial-sum workspace
+_MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2**23: OR an integer v < 2**23 in, read 2**23 + v
+_TWO23 = tl.constexpr(8388608.0)
+_W8_BITS = tl.constexpr(0x4B000080)  # magic | 0x80: the XOR also maps int8 (two's complement) to v + 128
+_W8_BIAS = tl.constexpr(8388736.0)  # 2**23 + 128
 
 
 def w8a16_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -43,62 +82,135 @@ def w4a16_matmul_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
 
 # --- GEMV (one row of x) ---------------------------------------------------------------------------------
 @triton.jit
-def _w8_gemv(x_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_wn, N_KEY, K_KEY,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # reduce once at the end, not once per tile
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        k_ok = k < K
-        x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-        acc += w.to(tl.float32) * x[None, :]
-    s = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_n, (tl.sum(acc, 1) * s).to(out_ptr.dtype.element_ty), mask=n_ok)
+def _store_rows(part, offs_n, n_ok, out_ptr, ws_ptr, cnt_ptr, N, SPLIT_K: tl.constexpr):
+    """Write this program's float32 sums for its rows; with ``SPLIT_K > 1`` the last split of the row block
+    to finish adds every split's partials in split order and writes the output."""
+    if SPLIT_K == 1:
+        tl.store(out_ptr + offs_n, part.to(out_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        pid_n = tl.program_id(0)
+        tl.store(ws_ptr + tl.program_id(1) * N + offs_n, part, mask=n_ok)
+        tl.debug_barrier()  # all of this CTA's partials are written before its arrival is counted
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")  # release ours, acquire the others'
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros_like(part)
+            for s in tl.static_range(SPLIT_K):  # fixed order: the same bits whichever split came last
+                total += tl.load(ws_ptr + s * N + offs_n, mask=n_ok, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
 
 
 @triton.jit
-def _w4_gemv(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_pn, stride_sn, stride_zn, N_KEY, K_KEY,
-             GROUP: tl.constexpr, FAST_GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _w8_gemv(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, LOAD_STAGES: tl.constexpr):
+    # w_ptr: the int8 weights viewed as uint8 (raw bytes)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K  # whole steps, so splits never overlap
+    k_lo = tl.program_id(1) * k_per
+    k_hi = tl.minimum(k_lo + k_per, K)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # reduced once at the end, not once per step
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=LOAD_STAGES):
+        k = k0 + offs_k
+        k_ok = k < K
+        x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        # no `other`: any byte decodes to a finite value, met by x = 0 (k >= K) or a row never stored
+        b = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :]).to(tl.int32)
+        q = (b ^ _W8_BITS).to(tl.float32, bitcast=True) - _W8_BIAS  # the int8 value, exactly
+        acc += q * x[None, :]
+    s = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    _store_rows(tl.sum(acc, 1) * s, offs_n, n_ok, out_ptr, ws_ptr, cnt_ptr, N, SPLIT_K)
+
+
+@triton.jit
+def _nibble(src, P: tl.constexpr):
+    """Nibble ``P`` (bits 4P..4P+3) of ``src`` -- a word OR-ed with ``0x4F000000`` -- read in place: under the
+    exponent of 2**(23 - 4P) the nibble is the float's units digit, so the float is 2**(23 - 4P) + q exactly.
+    (The OR sets every exponent bit used by P = 0..3; the mask keeps P's and clears the word's own high bits.)"""
+    bits = src & ((0x4B000000 - (P << 25)) | (0xF << (4 * P)))
+    return bits.to(tl.float32, bitcast=True) - 8388608.0 / (1 << (4 * P))
+
+
+@triton.jit
+def _w4_gemv(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_pn, stride_sn, stride_zn, exp_bits,
+             GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+             LOAD_STAGES: tl.constexpr):
+    """Power-of-two groups >= 8. ``p_ptr``: the packed bytes viewed as int32 words (8 nibbles: k = 8w + i at
+    bits 4i); a step is ``BLOCK_K // GROUP`` whole groups, a ``[BLOCK_N, groups, words]`` tile.
+    ``exp_bits`` is 0x4F000000, passed at run time so that the compiler keeps one OR per word instead of
+    folding it into every nibble's mask (which costs a register move per nibble)."""
+    BLOCK_G: tl.constexpr = BLOCK_K // GROUP
+    WORDS: tl.constexpr = GROUP // 8  # int32 words per group and row
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     n64 = offs_n.to(tl.int64)
-    if FAST_GROUPS:
-        # one group per step: its scale and zero-point are one value per row, loaded once, and
-        # sum_k (q - z) s x = s * sum_k q x - s z * sum_k x needs no per-weight scale load
-        HALF_G: tl.constexpr = GROUP // 2
-        offs_j = tl.arange(0, HALF_G)
-        acc2 = tl.zeros([BLOCK_N, HALF_G], tl.float32)  # reduced once at the end
-        for k0 in range(0, K, GROUP):
-            j = k0 // 2 + offs_j  # byte index; K % GROUP == 0, so always in range
-            pk = tl.load(p_ptr + n64[:, None] * stride_pn + j[None, :], mask=n_ok[:, None], other=0)
-            x_even = tl.load(x_ptr + 2 * j).to(tl.float32)
-            x_odd = tl.load(x_ptr + 2 * j + 1).to(tl.float32)
-            g = k0 // GROUP
-            s = tl.load(s_ptr + n64 * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)
-            sz = s * tl.load(z_ptr + n64 * stride_zn + g, mask=n_ok, other=0.0).to(tl.float32)
-            qx = (pk & 0xF).to(tl.float32) * x_even[None, :] + (pk >> 4).to(tl.float32) * x_odd[None, :]
-            acc2 += s[:, None] * qx - sz[:, None] * (x_even + x_odd)[None, :]
-        acc = tl.sum(acc2, 1)
-    else:
-        HALF: tl.constexpr = BLOCK_K // 2
-        offs_j = tl.arange(0, HALF)
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            j = k0 // 2 + offs_j
-            j_ok = j < K // 2
-            ld = n_ok[:, None] & j_ok[None, :]
-            pk = tl.load(p_ptr + n64[:, None] * stride_pn + j[None, :], mask=ld, other=0)
-            x_even = tl.load(x_ptr + 2 * j, mask=j_ok, other=0.0).to(tl.float32)
-            x_odd = tl.load(x_ptr + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)
-            g = (2 * j) // GROUP  # any even group size: both nibbles of a byte share a group
-            s = tl.load(s_ptr + n64[:, None] * stride_sn + g[None, :], mask=ld, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + n64[:, None] * stride_zn + g[None, :], mask=ld, other=0.0).to(tl.float32)
-            qx = (pk & 0xF).to(tl.float32) * x_even[None, :] + (pk >> 4).to(tl.float32) * x_odd[None, :]
-            acc += tl.sum(s * (qx - z * (x_even + x_odd)[None, :]), 1)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_w = tl.arange(0, WORDS)
+    n_groups = K // GROUP
+    g_per = tl.cdiv(tl.cdiv(n_groups, SPLIT_K), BLOCK_G) * BLOCK_G  # whole steps: splits never overlap
+    g_lo = tl.program_id(1) * g_per
+    g_hi = tl.minimum(g_lo + g_per, n_groups)
+    p_rows = p_ptr + n64[:, None, None] * stride_pn
+    acc = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+    for g0 in tl.range(g_lo, g_hi, BLOCK_G, num_stages=LOAD_STAGES):
+        g = g0 + offs_g
+        g_ok = g < n_groups
+        kw = g[:, None] * WORDS + offs_w[None, :]  # [groups, words]: word index along the row
+        # no `other`: masked-off words decode to finite values that meet x = 0 or rows never stored
+        wd = tl.load(p_rows + kw[None, :, :], mask=n_ok[:, None, None] & g_ok[None, :, None])
+        x8 = tl.load(x_ptr + kw[:, :, None] * 8 + tl.arange(0, 8)[None, None, :], mask=g_ok[:, None, None],
+                     other=0.0).to(tl.float32)
+        ev, od = tl.split(tl.reshape(x8, [BLOCK_G, WORDS, 2, 2, 2]))  # the 8 activations of each word
+        ee, eo = tl.split(ev)
+        oe, oo = tl.split(od)
+        x0, x4 = tl.split(ee)
+        x2, x6 = tl.split(eo)
+        x1, x5 = tl.split(oe)
+        x3, x7 = tl.split(oo)
+        x_sum = tl.sum((x0 + x1) + (x2 + x3) + (x4 + x5) + (x6 + x7), 1)  # [groups], for the zero-points
+        lo = wd | exp_bits
+        hi = (wd >> 16) | exp_bits
+        qx = _nibble(lo, 0) * x0[None]  # sum_i q_i x_i, one FFMA per weight
+        qx += _nibble(lo, 1) * x1[None]
+        qx += _nibble(lo, 2) * x2[None]
+        qx += _nibble(lo, 3) * x3[None]
+        qx += _nibble(hi, 0) * x4[None]
+        qx += _nibble(hi, 1) * x5[None]
+        qx += _nibble(hi, 2) * x6[None]
+        qx += _nibble(hi, 3) * x7[None]
+        ld = n_ok[:, None] & g_ok[None, :]
+        s = tl.load(s_ptr + n64[:, None] * stride_sn + g[None, :], mask=ld, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + n64[:, None] * stride_zn + g[None, :], mask=ld, other=0.0).to(tl.float32)
+        acc += s * (tl.sum(qx, 2) - z * x_sum[None, :])  # sum_k (q - z) s x: the scale once per group
+    _store_rows(tl.sum(acc, 1), offs_n, n_ok, out_ptr, ws_ptr, cnt_ptr, N, SPLIT_K)
+
+
+@triton.jit
+def _w4_gemv_any_group(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_pn, stride_sn, stride_zn,
+                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Any even group size (per-weight scale loads): correct, not tuned; power-of-two groups use ``_w4_gemv``."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    n64 = offs_n.to(tl.int64)
+    offs_j = tl.arange(0, HALF)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        j = k0 // 2 + offs_j
+        j_ok = j < K // 2
+        ld = n_ok[:, None] & j_ok[None, :]
+        pk = tl.load(p_ptr + n64[:, None] * stride_pn + j[None, :], mask=ld, other=0).to(tl.int32)
+        x_even = tl.load(x_ptr + 2 * j, mask=j_ok, other=0.0).to(tl.float32)
+        x_odd = tl.load(x_ptr + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)
+        g = (2 * j) // GROUP  # any even group size: both nibbles of a byte share a group
+        s = tl.load(s_ptr + n64[:, None] * stride_sn + g[None, :], mask=ld, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + n64[:, None] * stride_zn + g[None, :], mask=ld, other=0.0).to(tl.float32)
+        lo = ((pk & 0xF) | _MAGIC).to(tl.float32, bitcast=True) - _TWO23
+        hi = (((pk >> 4) & 0xF) | _MAGIC).to(tl.float32, bitcast=True) - _TWO23
+        qx = lo * x_even[None, :] + hi * x_odd[None, :]
+        acc += tl.sum(s * (qx - z * (x_even + x_odd)[None, :]), 1)
     tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -168,10 +280,51 @@ def _w4_gemm(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_pn,
 
 
 # --- autotuning (CUDA) and fixed tiles (interpreter) -----------------------------------------------------
-def _gemv_configs() -> list:
-    # H200 GEMV: many small row blocks so every SM streams weights; 16-byte loads along K
-    cfgs = [(16, 512, 4, 3), (32, 512, 8, 3), (8, 1024, 4, 3), (32, 256, 4, 4), (64, 256, 8, 3), (16, 1024, 8, 2)]
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for n, k, w, s in cfgs]
+# GEMV tiles (BLOCK_N, BLOCK_K, warps): 16 contiguous bytes per thread along K and R = 2-8 rows per thread
+# (one step of one CTA loads 4-32 KB; every converted activation serves R rows); int4's BLOCK_K counts weights.
+# Where BLOCK_K < 32 * warps the activations are loaded straight into the layout the weights need (Triton
+# rematerialises a load with fewer elements than threads); the other tiles pass them through shared memory
+# with two barriers per step, kept so that the autotuner weighs that against their taller tiles.
+# Compiled for sm_90 (Triton 3.9, ptxas): no spills; the loop issues ~5.0 instructions per int8 weight
+# (byte extract, XOR, FADD, FFMA + addressing) and ~4.0-4.6 per int4 weight.
+#   int8 (R, registers): (128,64,4) 4, 120; (64,64,4) 2, 68; (128,128,8) 4, 126; (32,256,4) 4, 119
+#   int4 (R, registers): (512,128,8) 8, 123; (256,128,8) 4, 80; (256,128,4) 8, 128; (128,128,4) 4, 89;
+#                        (256,64,4) 4, 94 (groups <= 64)
+W8_TILES = ((128, 64, 4), (64, 64, 4), (128, 128, 8), (32, 256, 4))
+W4_TILES = ((512, 128, 8), (256, 128, 8), (256, 128, 4), (128, 128, 4), (256, 64, 4))
+SPLITS = (1, 2, 4, 8, 16)
+LOAD_STAGES = (1, 3)  # 1: plain loads into registers; 3: pipelined through shared memory (cp.async)
+MAX_CTAS_PER_SM = 6  # a split is only worth it while the grid is small
+
+
+def _gemv_configs(tiles) -> list:
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": s, "LOAD_STAGES": st}, num_warps=w,
+                          num_stages=1)
+            for n, k, w in tiles for s in SPLITS for st in LOAD_STAGES]
+
+
+def _prune_gemv(configs, named_args, **kwargs):
+    """Per shape: splits that keep the grid under ~6 CTAs per SM and give each split >= 2 steps; per tile no
+    split plus the two largest that qualify. int4 tiles hold whole groups: a group longer than a tile's step
+    widens the step to one group and narrows the tile to keep its bytes."""
+    n, k, group = named_args["N"], named_args["K"], kwargs.get("GROUP", named_args.get("GROUP"))
+    sms = num_sms(named_args["x_ptr"].device)
+    by_tile: dict = {}
+    for c in configs:
+        bn, bk, s = c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["SPLIT_K"]
+        if group and bk < group:
+            bn, bk = max(8, bn * bk // group), group
+            c = triton.Config(dict(c.kwargs, BLOCK_N=bn, BLOCK_K=bk), num_warps=c.num_warps,
+                              num_stages=c.num_stages)
+        if s > 1 and (triton.cdiv(n, bn) * s > MAX_CTAS_PER_SM * sms or triton.cdiv(k, s) < 2 * bk):
+            continue
+        by_tile.setdefault((bn, bk, c.num_warps), {})[(s, c.kwargs["LOAD_STAGES"])] = c
+    kept = []
+    for cs in by_tile.values():
+        splits = sorted({s for s, _ in cs})
+        chosen = {1, *splits[-2:]}
+        kept += [c for (s, _), c in cs.items() if s in chosen]
+    return kept or configs[:1]
 
 
 def _gemm_configs() -> list:
@@ -181,35 +334,51 @@ def _gemm_configs() -> list:
             for m, n, k, w, s in cfgs]
 
 
-def _prune_w4_gemv(configs, named_args, **kwargs):
-    """Fast group path: a step is one group, so BLOCK_K is moot; keep row blocks whose tile fits registers."""
-    group = kwargs.get("GROUP", named_args.get("GROUP"))
-    if not kwargs.get("FAST_GROUPS", named_args.get("FAST_GROUPS")):
-        return configs
-    out, seen = [], set()
-    for c in configs:
-        key = (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
-        if key not in seen and c.kwargs["BLOCK_N"] * group // 2 <= 8192:
-            seen.add(key)
-            out.append(c)
-    return out or configs[:1]
-
-
 def _prune_gemm(configs, named_args, **kwargs):
     m = named_args["M_KEY"]
     kept = [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, m)]
     return kept or configs
 
 
-_w8_gemv_tuned = triton.autotune(_gemv_configs(), key=["N_KEY", "K_KEY"])(_w8_gemv)
-_w4_gemv_tuned = triton.autotune(_gemv_configs(), key=["N_KEY", "K_KEY", "GROUP"],
-                                 prune_configs_by={"early_config_prune": _prune_w4_gemv})(_w4_gemv)
+_w8_gemv_tuned = triton.autotune(_gemv_configs(W8_TILES), key=["N", "K"],
+                                 prune_configs_by={"early_config_prune": _prune_gemv})(_w8_gemv)
+_w4_gemv_tuned = triton.autotune(_gemv_configs(W4_TILES), key=["N", "K", "GROUP"],
+                                 prune_configs_by={"early_config_prune": _prune_gemv})(_w4_gemv)
 _w8_gemm_tuned = triton.autotune(_gemm_configs(), key=["M_KEY", "N_KEY", "K_KEY"],
                                  prune_configs_by={"early_config_prune": _prune_gemm})(_w8_gemm)
 _w4_gemm_tuned = triton.autotune(_gemm_configs(), key=["M_KEY", "N_KEY", "K_KEY", "GROUP"],
                                  prune_configs_by={"early_config_prune": _prune_gemm})(_w4_gemm)
-CPU_GEMV = dict(BLOCK_N=16, BLOCK_K=64)
+# the interpreter's fixed tiles (tests swap in others, split-K included); int4 raises BLOCK_K to the group
+CPU_GEMV8 = dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, LOAD_STAGES=1)
+CPU_GEMV4 = dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, LOAD_STAGES=1)
+ANY_GROUP_GEMV = dict(BLOCK_N=16, BLOCK_K=128, num_warps=4)
 CPU_GEMM = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
+
+_SPLIT_BUFFERS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+_RETIRED_BUFFERS: list = []  # outgrown workspaces stay allocated: a captured CUDA graph may still point at them
+
+
+def _split_buffers(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-K workspace of ``device``: float32 partials ``[MAX_SPLIT_K * n']`` and int32 arrival counters
+    ``[n']`` (zero between launches: each launch's last split resets its own), ``n' >= n``.
+
+    One per device, shared by every GEMV launched on it, so GEMVs must not run concurrently on two streams of
+    one device. Made (or grown) on the first call with a larger ``N``: make that call before CUDA-graph capture
+    (the warm-up that autotunes); an outgrown workspace is kept, since graphs captured earlier still use it.
+    """
+    key = str(device)
+    bufs = _SPLIT_BUFFERS.get(key)
+    if bufs is None or bufs[1].numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"the GEMV split-K workspace for N={n} does not exist yet and cannot be allocated "
+                               "during CUDA-graph capture; call the layer once before capturing (warm-up)")
+        if bufs is not None:
+            _RETIRED_BUFFERS.append(bufs)
+        size = next_pow2(n)
+        bufs = (torch.empty(MAX_SPLIT_K * size, dtype=torch.float32, device=device),
+                torch.zeros(size, dtype=torch.int32, device=device))
+        _SPLIT_BUFFERS[key] = bufs
+    return bufs
 
 
 def _check_x(x: torch.Tensor, k: int, what: str) -> torch.Tensor:
@@ -219,27 +388,32 @@ def _check_x(x: torch.Tensor, k: int, what: str) -> torch.Tensor:
     return x.reshape(-1, k) if x.stride(-1) == 1 else x.reshape(-1, k).contiguous()
 
 
-def _launch(x2: torch.Tensor, n: int, kernels: tuple, args: tuple, w_strides: tuple, gemv_meta: dict,
-            gemm_meta: dict) -> torch.Tensor:
-    """GEMV for one row, GEMM for more; ``kernels`` = (gemv, gemv_tuned, gemm, gemm_tuned)."""
-    gemv, gemv_tuned, gemm, gemm_tuned = kernels
+def _gemv(x2: torch.Tensor, n: int, kernel, tuned, cpu_meta: dict, args: tuple, w_strides: tuple,
+          meta: dict) -> torch.Tensor:
+    """One row of ``x``: the split-K GEMV, autotuned on CUDA, with ``cpu_meta`` under the interpreter."""
+    k = x2.shape[1]
+    out = torch.empty(1, n, dtype=x2.dtype, device=x2.device)
+    ws, cnt = _split_buffers(x2.device, n)
+    ptrs = (x2, *args, out, ws, cnt, n, k, *w_strides)
+    if x2.device.type == "cuda":
+        tuned[lambda c: (triton.cdiv(n, c["BLOCK_N"]), c["SPLIT_K"])](*ptrs, **meta)
+    else:
+        if not 1 <= cpu_meta["SPLIT_K"] <= MAX_SPLIT_K:
+            raise ValueError(f"SPLIT_K={cpu_meta['SPLIT_K']} must be in 1..{MAX_SPLIT_K}")
+        kernel[(triton.cdiv(n, cpu_meta["BLOCK_N"]), cpu_meta["SPLIT_K"])](*ptrs, **meta, **cpu_meta)
+    return out
+
+
+def _gemm(x2: torch.Tensor, n: int, gemm, gemm_tuned, args: tuple, w_strides: tuple,
+          gemm_meta: dict) -> torch.Tensor:
+    """More than one row of ``x``: the Tensor-Core GEMM."""
     m, k = x2.shape
-    out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
-    if m == 0 or n == 0:
-        return out
-    cuda = x2.device.type == "cuda"
-    if m == 1:
-        ptrs = (x2, *args, out, n, k, *w_strides, next_pow2(n), next_pow2(k))
-        if cuda:
-            gemv_tuned[lambda c: (triton.cdiv(n, c["BLOCK_N"]),)](*ptrs, **gemv_meta)
-        else:
-            gemv[(triton.cdiv(n, CPU_GEMV["BLOCK_N"]),)](*ptrs, **gemv_meta, **CPU_GEMV)
-        return out
     refuse_bf16_dot_on_cpu("x", x2)
+    out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     ptrs = (x2, *args, out, m, n, k, x2.stride(0), *w_strides, out.stride(0), next_pow2(m), next_pow2(n),
             next_pow2(k))
     meta = dict(gemm_meta, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32")
-    if cuda:
+    if x2.device.type == "cuda":
         gemm_tuned[lambda c: (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)](*ptrs, **meta)
     else:
         grid = (triton.cdiv(m, CPU_GEMM["BLOCK_M"]) * triton.cdiv(n, CPU_GEMM["BLOCK_N"]),)
@@ -252,7 +426,7 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) ->
 
     ``x`` ``[..., K]`` float16/bfloat16/float32 (bfloat16 with more than one row needs CUDA); ``qweight`` int8
     ``[N, K]``; ``scale`` ``[N]`` (any float dtype). Returns ``[..., N]`` in ``x``'s dtype, accumulated in
-    float32. One row of ``x`` takes the GEMV kernel, more rows the Tensor-Core GEMM.
+    float32. One row of ``x`` takes the split-K GEMV, more rows the Tensor-Core GEMM.
     """
     check_tensor("qweight", qweight, (torch.int8,), dim=2)
     check_tensor("scale", scale, FLOAT_DTYPES, dim=1, device=qweight.device)
@@ -262,8 +436,14 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) ->
     x2 = _check_x(x, k, f"qweight {tuple(qweight.shape)}")
     check_tensor("x", x2, device=qweight.device)
     w = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
-    kernels = (_w8_gemv, _w8_gemv_tuned, _w8_gemm, _w8_gemm_tuned)
-    out = _launch(x2, n, kernels, (w, scale.contiguous()), (w.stride(0),), {}, {})
+    s = scale.contiguous()
+    m = x2.shape[0]
+    if m == 0 or n == 0:
+        out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    elif m == 1:
+        out = _gemv(x2, n, _w8_gemv, _w8_gemv_tuned, CPU_GEMV8, (w.view(torch.uint8), s), (w.stride(0),), {})
+    else:
+        out = _gemm(x2, n, _w8_gemm, _w8_gemm_tuned, (w, s), (w.stride(0),), {})
     return out.view(*x.shape[:-1], n)
 
 
@@ -273,8 +453,8 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
 
     ``x`` ``[..., K]`` float16/bfloat16/float32 (bfloat16 with more than one row needs CUDA); ``packed`` uint8
     ``[N, K // 2]`` (low nibble = even ``k``); ``scales``, ``zeros`` ``[N, K // group_size]`` (any float dtype);
-    ``group_size`` an even divisor of ``K`` (powers of two >= 16 take the per-group fast path at batch 1).
-    Returns ``[..., N]`` in ``x``'s dtype, accumulated in float32.
+    ``group_size`` an even divisor of ``K`` (powers of two from 8 to 1024 take the split-K GEMV at batch 1,
+    other sizes a plain per-weight one). Returns ``[..., N]`` in ``x``'s dtype, accumulated in float32.
     """
     check_tensor("packed", packed, (torch.uint8,), dim=2)
     check_tensor("scales", scales, FLOAT_DTYPES, dim=2, device=packed.device)
@@ -289,8 +469,20 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
     check_tensor("x", x2, device=packed.device)
     p = packed if packed.stride(-1) == 1 else packed.contiguous()
     s, z = scales.contiguous(), zeros.contiguous()
-    fast = group_size >= 16 and group_size & (group_size - 1) == 0
-    kernels = (_w4_gemv, _w4_gemv_tuned, _w4_gemm, _w4_gemm_tuned)
-    out = _launch(x2, n, kernels, (p, s, z), (p.stride(0), s.stride(0), z.stride(0)),
-                  {"GROUP": group_size, "FAST_GROUPS": fast}, {"GROUP": group_size})
+    args, strides = (p, s, z), (p.stride(0), s.stride(0), z.stride(0))
+    m = x2.shape[0]
+    if m == 0 or n == 0:
+        out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    elif m == 1 and 8 <= group_size <= 1024 and group_size & (group_size - 1) == 0 and p.data_ptr() % 4 == 0:
+        cpu = dict(CPU_GEMV4, BLOCK_K=max(CPU_GEMV4["BLOCK_K"], group_size))
+        words = p.view(torch.int32)  # K % 8 == 0 here: whole 4-byte words per row
+        out = _gemv(x2, n, _w4_gemv, _w4_gemv_tuned, cpu, (words, s, z), (words.stride(0), s.stride(0), z.stride(0),
+                    0x4F000000), {"GROUP": group_size})
+    elif m == 1:
+        out = torch.empty(1, n, dtype=x2.dtype, device=x2.device)
+        meta = dict(ANY_GROUP_GEMV)
+        _w4_gemv_any_group[(triton.cdiv(n, meta["BLOCK_N"]),)](x2, *args, out, n, k, *strides, GROUP=group_size,
+                                                              **meta)
+    else:
+        out = _gemm(x2, n, _w4_gemm, _w4_gemm_tuned, args, strides, {"GROUP": group_size})
     return out.view(*x.shape[:-1], n)
