@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -48,3 +50,25 @@ def configure_triton_for_host() -> None:
         print("labkit: triton was imported before labkit on a CPU-only host; set TRITON_INTERPRET=1 "
               "before importing triton to run labkit's kernels", file=sys.stderr)
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+@contextmanager
+def environ(**updates: str | None) -> Iterator[None]:
+    """Set (a string) or unset (``None``) environment variables for the block, restoring every one afterwards.
+
+    Child processes started inside the block (spawned ranks, notebook kernels) inherit the updated values.
+    """
+    before = {k: os.environ.get(k) for k in updates}
+    try:
+        for k, v in updates.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from labkit.device import environ
 from labkit.models import REPO_ROOT
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
@@ -129,23 +130,15 @@ def execute_notebook(nb: Path, out_dir: Path, profile: str, timeout: int = 1800)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / nb.name
-    env_before = {k: os.environ.get(k) for k in ("LABKIT_OUT", "LABKIT_PROFILE", "LABKIT_COMMAND")}
-    os.environ["LABKIT_OUT"] = str(out_dir.resolve())
-    os.environ["LABKIT_PROFILE"] = profile
-    os.environ.setdefault("LABKIT_COMMAND", f"python -m labkit run --profile {profile} --only {nb.stem[:2]}")
+    command = os.environ.get("LABKIT_COMMAND") or f"python -m labkit run --profile {profile} --only {nb.stem[:2]}"
     t0 = time.perf_counter()
-    try:
-        pm.execute_notebook(str(nb), str(target), parameters={"profile": profile}, kernel_name="python3",
-                            cwd=str(NOTEBOOK_DIR), progress_bar=False, execution_timeout=timeout,
-                            request_save_on_cell_execute=True)  # a killed run keeps its finished cells
-    except Exception as e:  # papermill raises PapermillExecutionError; report the cell, whatever the type
-        raise RuntimeError(f"{nb.name} failed at {_failed_cell(target)}") from e
-    finally:
-        for k, v in env_before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with environ(LABKIT_OUT=str(out_dir.resolve()), LABKIT_PROFILE=profile, LABKIT_COMMAND=command):
+        try:
+            pm.execute_notebook(str(nb), str(target), parameters={"profile": profile}, kernel_name="python3",
+                                cwd=str(NOTEBOOK_DIR), progress_bar=False, execution_timeout=timeout,
+                                request_save_on_cell_execute=True)  # a killed run keeps its finished cells
+        except Exception as e:  # papermill raises PapermillExecutionError; report the cell, whatever the type
+            raise RuntimeError(f"{nb.name} failed at {_failed_cell(target)}") from e
     return time.perf_counter() - t0
 
 

@@ -94,3 +94,4 @@ def test_random_model_real_weights_not_zero():
 def test_bad_inputs(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+

@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from labkit.device import environ
+
 BACKENDS = ("gloo", "nccl")
 # NVLink SHARP / multicast stays off everywhere (DESIGN: the machines do not allow cuMulticastCreate).
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -133,27 +135,20 @@ def launch(fn: Callable, world_size: int, *args, backend: str | None = None, thr
     if getattr(fn, "__module__", "__main__") in ("__main__", "__mp_main__") or "<locals>" in fn.__qualname__:
         raise ValueError(f"fn={fn.__qualname__!r} is defined in __main__ or inside a function; spawned ranks "
                          "import fn by name, so define it at the top level of a module (e.g. in labkit)")
-    env_before = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", *NO_MULTICAST_ENV)}
+    env = {}
     if backend == "gloo" and threads:
-        os.environ["OMP_NUM_THREADS"] = str(threads)  # children inherit it before their OpenMP starts
+        env["OMP_NUM_THREADS"] = str(threads)  # children inherit it before their OpenMP starts
     if backend == "nccl":
-        os.environ.update(NO_MULTICAST_ENV)
-    try:
-        with tempfile.TemporaryDirectory(prefix="labkit-launch-") as out_dir:
-            try:
-                mp.start_processes(_worker, nprocs=world_size, join=True, start_method="spawn",
-                                   args=(fn, world_size, free_port(), backend, threads, timeout_s, out_dir,
-                                         args, kwargs))
-            except ProcessException as e:
-                raise _first_failure(out_dir, world_size, e) from None
-            return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)["result"]
-                    for r in range(world_size)]
-    finally:
-        for k, v in env_before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        env.update(NO_MULTICAST_ENV)
+    with environ(**env), tempfile.TemporaryDirectory(prefix="labkit-launch-") as out_dir:
+        try:
+            mp.start_processes(_worker, nprocs=world_size, join=True, start_method="spawn",
+                               args=(fn, world_size, free_port(), backend, threads, timeout_s, out_dir,
+                                     args, kwargs))
+        except ProcessException as e:
+            raise _first_failure(out_dir, world_size, e) from None
+        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)["result"]
+                for r in range(world_size)]
 
 
 def _first_failure(out_dir: str, world_size: int, exc: Exception) -> RankError:
