@@ -93,8 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         del model
         gc.collect()
         torch.cuda.empty_cache()
-    path = write_record("step_sweep", {"preset": args.preset, "ceilings": ceilings, "rows": rows}, out_dir=args.out)
-    print(f"wrote {path}")
+        # rewritten after each precision, so a run stopped at a time limit keeps what it measured
+        path = write_record("step_sweep", {"preset": args.preset, "ceilings": ceilings, "rows": rows},
+                            out_dir=args.out)
+        tqdm.write(f"wrote {path} ({len(rows)} rows)")
     return 0
 
 
