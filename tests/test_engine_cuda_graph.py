@@ -312,17 +312,20 @@ def test_refused_on_the_cpu(tiny_model):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graph_replay_equals_eager(dtype):
+    """Replayed steps against eager steps of a runner without graphs. In float32 they must agree to 1e-5. In
+    bf16 the two runners legitimately round differently (batch 3 runs eager but replays padded to 4, so cuBLAS
+    may pick another kernel), so each is held to DESIGN.md's bf16 tolerance (1e-2) against a float32 runner on the
+    same weights and fed tokens; a wrong replay (stale or aliased buffers) is off by O(1)."""
     from labkit.models import load_model, random_model
 
     if dtype == torch.float32:
         model = load_model(device="cuda")[0]
     else:  # a real GQA shape with random weights: 4 layers of Llama-3-8B
         model = random_model("llama-3-8b", device="cuda", dtype="bf16", num_layers=4)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 33, 17)]
-    steps = torch.randint(3, vocab, (6, 3), generator=g).tolist()  # the same fed tokens for both runners
+    steps = torch.randint(3, vocab, (6, 3), generator=g).tolist()  # the same fed tokens for every runner
     got = []
     for graphs in (False, True):
         cache = nan_cache(model, num_blocks=64, block_size=16)
@@ -331,9 +334,17 @@ def test_cuda_graph_replay_equals_eager(dtype):
         got.append(decode_steps(runner, cache, prompts, steps))  # batch 3 replays the graph of 4, then 1 and 2
         if graphs:
             assert not owned_by_graphs(runner.graphs, got[-1])
-    for i, (eager, graph) in enumerate(zip(*got)):  # logits kept across later replays stay each step's own
-        err = relative_error(graph, eager)
-        assert graph.shape == eager.shape and torch.isfinite(graph).all() and err <= tol, f"step {i}: {err:.3g}"
+    if dtype == torch.float32:
+        refs, tol = got[0], 1e-5
+    else:
+        model.float()
+        cache = nan_cache(model, num_blocks=64, block_size=16)
+        refs, tol = decode_steps(ModelRunner(model, cache, cuda_graphs=False, max_model_len=128), cache, prompts,
+                                 steps), 1e-2
+    for i, (eager, graph, ref) in enumerate(zip(*got, refs)):  # logits kept across later replays stay their own
+        assert graph.shape == eager.shape and torch.isfinite(graph).all(), f"step {i}"
+        errs = relative_error(graph, ref), relative_error(eager, ref)
+        assert max(errs) <= tol, f"step {i}: graph {errs[0]:.3g}, eager {errs[1]:.3g} from the reference"
 
 
 @pytest.mark.gpu

@@ -1,0 +1,68 @@
+"""Every autotuned candidate's time for the GEMVs and RMSNorm at the issue's shapes, on the GPU at hand.
+
+The autotuner keeps only its winner; this prints and records all of them (``Autotuner.configs_timings``), so that
+the next change to a kernel's tiles starts from what each candidate measured rather than from a guess.
+
+    python scripts/autotune_report.py --out results/h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from labkit.bench import write_record  # noqa: E402
+from labkit.kernels import quantized_matmul as qm  # noqa: E402
+from labkit.kernels import rms_norm as rn  # noqa: E402
+from labkit.quant.weight_only import quantize_int4, quantize_int8  # noqa: E402
+
+SHAPES = ((4096, 14336), (14336, 4096), (4096, 4096), (4096, 6144), (4096, 28672))
+
+
+def _timings(tuner) -> list[dict]:
+    rows = []
+    for cfg, t in sorted(tuner.configs_timings.items(), key=lambda kv: kv[1][0] if isinstance(kv[1], list) else kv[1]):
+        t0 = t[0] if isinstance(t, list) else t
+        rows.append({"config": str(cfg), "us": t0 * 1e3})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("autotune_report needs a CUDA device", file=sys.stderr)
+        return 2
+    out = []
+    for k, n in SHAPES:
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        q, s = quantize_int8(w)
+        qm.w8a16_matmul(x, q, s)
+        out.append({"kernel": "w8_gemv", "N": n, "K": k, "candidates": _timings(qm._w8_gemv_tuned)})
+        p, sc, z = quantize_int4(w, 128)
+        qm.w4a16_matmul(x, p, sc, z, 128)
+        out.append({"kernel": "w4_gemv", "N": n, "K": k, "candidates": _timings(qm._w4_gemv_tuned)})
+        for r in out[-2:]:
+            best = r["candidates"][0]
+            print(f"{r['kernel']} {k}->{n}: best {best['us']:.2f} us {best['config']}; "
+                  f"{len(r['candidates'])} candidates, worst {r['candidates'][-1]['us']:.2f} us", flush=True)
+    for residual in (False, True):
+        x = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16)
+        wt = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+        rn.rms_norm(x, wt, residual=torch.randn_like(x) if residual else None)
+        rows = _timings(rn._rms_norm_tuned)
+        out.append({"kernel": "rms_norm", "residual": residual, "rows": 16384, "cols": 4096, "candidates": rows})
+        print(f"rms_norm residual={residual}: " + ", ".join(f"{r['config']} {r['us']:.1f} us" for r in rows))
+    print("wrote", write_record("autotune_report", {"results": out}, out_dir=args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
