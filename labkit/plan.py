@@ -78,55 +78,130 @@ def _samples(dist: LengthDist, n: int = 20000) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Calibration:
-    """Fractions of the measured ceilings this software reaches, and a fixed per-step cost.
+    """How this software's steps relate to the roofline, fitted to measured single-GPU steps.
 
-    ``bandwidth_eff[w]``: bytes of a decode step with weights in ``w`` over (time x copy bandwidth);
-    ``compute_eff``: prefill FLOPs over (time x matmul rate); ``step_overhead_s``: the intercept of decode time.
+    Decode, per stage and micro-batch: ``layers x layer_overhead_s + weight bytes / (bandwidth x
+    bandwidth_eff[w]) + KV bytes / (bandwidth x kv_eff)``, plus ``params x dequant_s_per_param[w]`` when quantised
+    weights multiply more than one row (the dequantising GEMM path, which costs compute per weight that the
+    batch-1 GEMV does not); never less than the FLOPs at ``compute_eff``. Prefill: ``layers x
+    prefill_layer_overhead_s + FLOPs / (matmul rate x compute_eff[w])``. Every efficiency is at most 1 (time
+    is never below its floor) and every overhead at least 0. ``layer_overhead_s`` is the fixed cost of a layer's
+    kernels (launches, tails, small kernels that never reach bandwidth); it scales with the layers a stage holds.
     """
 
     bandwidth_eff: dict
-    compute_eff: float
-    step_overhead_s: float
+    compute_eff: dict
+    layer_overhead_s: float
     source: str
+    kv_eff: float = 1.0
+    dequant_s_per_param: dict = field(default_factory=dict)
+    prefill_layer_overhead_s: float = 0.0
 
     def bw(self, weights: str) -> float:
         return self.bandwidth_eff.get(weights, min(self.bandwidth_eff.values()))
 
+    def compute(self, weights: str) -> float:
+        return self.compute_eff.get(weights, min(self.compute_eff.values()))
 
-NOMINAL = Calibration({"bf16": 0.8}, 0.6, 20e-6, "nominal (no measured record): 80% of bandwidth, 60% of matmul rate")
+    def dequant(self, weights: str) -> float:
+        """Seconds per weight parameter of the batched dequantising path (0 for unquantised weights)."""
+        if weights in ("bf16", "fp16"):
+            return 0.0
+        return self.dequant_s_per_param.get(weights, max(self.dequant_s_per_param.values(), default=0.0))
+
+
+NOMINAL = Calibration({"bf16": 0.8}, {"bf16": 0.6}, 1e-6, "nominal (no measured record): 80% of bandwidth, 60% "
+                      "of matmul rate, 1 us per layer")
 
 
 # --- calibration and validation ---------------------------------------------------------------------------
 def _decode_bytes(spec: ModelSpec, tp: int, pp: int, batch: int, context: int, weights: str, kv: str) -> float:
     """Bytes one stage reads per micro-batch: its weights and its share of the KV cache (the planner's floor)."""
+    return sum(_decode_parts(spec, tp, pp, batch, context, weights, kv))
+
+
+def _decode_parts(spec: ModelSpec, tp: int, pp: int, batch: int, context: int, weights: str,
+                  kv: str) -> tuple[float, float]:
+    """(weight bytes, KV bytes) one stage reads per micro-batch."""
     mb = max(1, math.ceil(batch / pp))
-    return memory_per_device(spec, tp, pp, mb * context, dtype=weights, kv_dtype=kv)["total"]
+    m = memory_per_device(spec, tp, pp, mb * context, dtype=weights, kv_dtype=kv)
+    return m["weights"], m["kv"]
+
+
+def _nnls(a, b):
+    """Non-negative least squares (Lawson-Hanson active set) on float64 tensors: ``argmin |a x - b|, x >= 0``."""
+    import torch
+
+    n = a.shape[1]
+    active = torch.zeros(n, dtype=torch.bool)
+    x = torch.zeros(n, dtype=torch.float64)
+    for _ in range(10 * n):
+        grad = a.T @ (b - a @ x)
+        if active.all() or grad[~active].max() <= 1e-12 * max(1.0, float(grad.abs().max())):
+            break
+        active[torch.where(~active, grad, torch.tensor(-math.inf, dtype=torch.float64)).argmax()] = True
+        while True:
+            z = torch.zeros(n, dtype=torch.float64)
+            z[active] = torch.linalg.lstsq(a[:, active], b[:, None]).solution[:, 0]
+            if (z[active] > 0).all():
+                x = z
+                break
+            neg = active & (z <= 0)
+            alpha = (x[neg] / (x[neg] - z[neg])).min()
+            x = x + alpha * (z - x)
+            active &= x > 1e-15
+    return x
+
+
+def _fit_excess(floors: list[float], features: list[list[float]], times: list[float]):
+    """Non-negative coefficients ``c`` of ``time = floor + features . c``, minimising *relative* errors (a 7 ms
+    and a 340 ms step count alike)."""
+    import torch
+
+    t = torch.tensor(times, dtype=torch.float64)
+    a = torch.tensor(features, dtype=torch.float64) / t[:, None]
+    b = (t - torch.tensor(floors, dtype=torch.float64)) / t
+    return [float(c) for c in _nnls(a, b)]
 
 
 def fit_calibration(rows: list[dict], spec, bandwidth: float, peak: float, source: str = "") -> Calibration:
-    """Fit efficiencies to measured single-GPU steps.
+    """Fit a ``Calibration`` to measured single-GPU steps (rows of ``scripts/bench_step_sweep.py``).
 
-    Decode: ``t = overhead + bytes / (bandwidth x e_w)`` by least squares, one slope per weight precision and a
-    shared intercept (bytes as the planner counts them); prefill: ``e_c`` is the median of FLOP floor over time.
+    Decode: ``t = W/B + KV/B + [W/B per precision, KV/B, params x (quantised and batch > 1) per precision] . c``
+    with ``c >= 0``, so every efficiency ``1 / (1 + c)`` is at most 1; prefill likewise with ``FLOPs / peak`` per
+    precision and a per-layer intercept. Both by relative-error non-negative least squares.
+
+    A sweep varies batch and context but not the weight bytes of a precision, so a fixed per-step cost cannot be
+    told apart from a lower weight-read efficiency: decode's ``layer_overhead_s`` is left at 0 and that cost is
+    folded into ``bandwidth_eff`` (what a step pays besides the bytes' floor then scales with the weights, which
+    under-states it for wide tensor-parallel layouts whose shards are small).
     """
-    import torch
-
     spec = get_spec(spec)
     dec = [r for r in rows if r["phase"] == "decode"]
     pre = [r for r in rows if r["phase"] == "prefill"]
     if not dec or not pre:
         raise ValueError("rows must hold decode and prefill measurements (scripts/bench_step_sweep.py)")
-    ws = sorted({r["weights"] for r in dec})
-    x = [_decode_bytes(spec, 1, 1, r["batch"], r["context"] + 1, r["weights"], "bf16") / bandwidth for r in dec]
-    design = torch.tensor([[1.0] + [xi if r["weights"] == w else 0.0 for w in ws] for xi, r in zip(x, dec)],
-                          dtype=torch.float64)
-    t = torch.tensor([[r["median_s"]] for r in dec], dtype=torch.float64)
-    coef = torch.linalg.lstsq(design, t).solution[:, 0]
-    if coef[0] < 0:  # a negative fixed cost is unphysical: fit through the origin instead
-        coef = torch.cat([torch.zeros(1, dtype=torch.float64), torch.linalg.lstsq(design[:, 1:], t).solution[:, 0]])
-    eff = {w: 1.0 / float(k) for w, k in zip(ws, coef[1:])}
-    comp = sorted(spec.prefill_flops(r["context"]) / peak / r["median_s"] for r in pre)
-    return Calibration(eff, comp[len(comp) // 2], float(coef[0]), source)
+    ws = sorted({r["weights"] for r in rows})
+    quant = [w for w in ws if w not in ("bf16", "fp16")]
+    floors, feats = [], []
+    for r in dec:
+        wb, kvb = (x / bandwidth for x in _decode_parts(spec, 1, 1, r["batch"], r["context"] + 1, r["weights"],
+                                                        "bf16"))
+        batched = r["batch"] > 1
+        floors.append(wb + kvb)
+        feats.append([wb * (r["weights"] == w) for w in ws] + [kvb] +
+                     [spec.matmul_params * (batched and r["weights"] == w) for w in quant])
+    c = _fit_excess(floors, feats, [r["median_s"] for r in dec])
+    n = len(ws)
+    eff = {w: 1.0 / (1.0 + c[i]) for i, w in enumerate(ws)}
+    kv_eff = 1.0 / (1.0 + c[n])
+    dequant = {w: c[1 + n + i] for i, w in enumerate(quant)}
+    pfl = [spec.prefill_flops(r["context"]) / peak for r in pre]
+    cp = _fit_excess(pfl, [[spec.num_layers] + [f * (r["weights"] == w) for w in ws] for f, r in zip(pfl, pre)],
+                     [r["median_s"] for r in pre])
+    comp = {w: 1.0 / (1.0 + cp[1 + i]) for i, w in enumerate(ws) if any(r["weights"] == w for r in pre)}
+    return Calibration(eff, comp, 0.0, source, kv_eff=kv_eff, dequant_s_per_param=dequant,
+                       prefill_layer_overhead_s=cp[0])
 
 
 def load_calibration(path: Path | str = STEP_SWEEP_RECORD) -> tuple[Calibration, dict | None]:
@@ -135,22 +210,33 @@ def load_calibration(path: Path | str = STEP_SWEEP_RECORD) -> tuple[Calibration,
     if not path.exists():
         return NOMINAL, None
     rec = json.loads(path.read_text())
-    data = rec["data"]
-    c = data["ceilings"]
     try:
-        shown = path.relative_to(REPO_ROOT)
+        shown = str(path.relative_to(REPO_ROOT))
     except ValueError:
-        shown = path
-    cal = fit_calibration(data["rows"], data["preset"], c["copy_bytes_per_s"], c["matmul_flops"], source=str(shown))
-    return cal, rec
+        shown = str(path)
+    return calibration_of(rec, shown), rec
 
 
-def validate(record: dict, cal: Calibration, gpu: Hardware) -> list[dict]:
-    """Predicted against measured step times for every single-GPU configuration in a step-sweep record."""
+def calibration_of(record: dict, source: str = "", rows: list[dict] | None = None) -> Calibration:
+    """``fit_calibration`` on a step-sweep record's rows (or on ``rows``, a subset of them)."""
+    data = record["data"]
+    c = data["ceilings"]
+    return fit_calibration(data["rows"] if rows is None else rows, data["preset"], c["copy_bytes_per_s"],
+                           c["matmul_flops"], source=source)
+
+
+def validate(record: dict, cal: Calibration, gpu: Hardware, held_out: bool = False) -> list[dict]:
+    """Predicted against measured step times for every single-GPU configuration in a step-sweep record.
+
+    ``held_out=True`` predicts each row from a calibration fitted to the *other* rows (leave-one-out), the honest
+    error of a model with several fitted parameters; ``cal`` is then not used."""
     spec = get_spec(record["data"]["preset"])
     cluster = Cluster(gpu, gpus_per_node=1, nodes=1)
+    rows = record["data"]["rows"]
     out = []
-    for r in record["data"]["rows"]:
+    for i, r in enumerate(rows):
+        if held_out:
+            cal = calibration_of(record, "leave-one-out", rows[:i] + rows[i + 1:])
         if r["phase"] == "decode":
             pred = decode_step_time(spec, cluster, cal, 1, 1, r["batch"], r["context"] + 1, r["weights"], "bf16")
         else:
@@ -180,11 +266,15 @@ def decode_step_time(spec: ModelSpec, cluster: Cluster, cal: Calibration, tp: in
     mb = max(1, math.ceil(batch / pp))
     layers = math.ceil(spec.num_layers / pp)
     flops = mb * (2 * spec.matmul_params + spec.attention_flops_per_token(context)) * layers / spec.num_layers / tp
-    read_s = _decode_bytes(spec, tp, pp, batch, context, weights, kv) / (cluster.gpu.mem_bandwidth * cal.bw(weights))
-    compute_s = flops / (cluster.gpu.bf16_flops * cal.compute_eff)
+    w_bytes, kv_bytes = _decode_parts(spec, tp, pp, batch, context, weights, kv)
+    bw = cluster.gpu.mem_bandwidth
+    read_s = w_bytes / (bw * cal.bw(weights)) + kv_bytes / (bw * cal.kv_eff)
+    if mb > 1:  # quantised weights times more than one row: the dequantising GEMM's per-weight cost
+        read_s += cal.dequant(weights) * spec.matmul_params * layers / spec.num_layers / tp
+    compute_s = flops / (cluster.gpu.bf16_flops * cal.compute(weights))
     tp_link, pp_link = _links(cluster, tp, pp)
     comm_s = tp_comm(spec, tp, mb, tp_link, layers=layers)["time_s"] if tp > 1 else 0.0
-    stage_s = cal.step_overhead_s + max(read_s, compute_s) + comm_s
+    stage_s = layers * cal.layer_overhead_s + max(read_s, compute_s) + comm_s
     return pp * stage_s + pp_comm(spec, pp, mb, pp_link)["time_s"]
 
 
@@ -194,10 +284,11 @@ def prefill_time(spec: ModelSpec, cluster: Cluster, cal: Calibration, tp: int, p
     flops = spec.prefill_flops(prompt_len) / tp
     wbytes = memory_per_device(spec, tp, pp, 0, dtype=weights)["weights"] * pp
     tp_link, pp_link = _links(cluster, tp, pp)
-    compute_s = max(flops / (cluster.gpu.bf16_flops * cal.compute_eff),
+    compute_s = max(flops / (cluster.gpu.bf16_flops * cal.compute(weights)),
                     wbytes / (cluster.gpu.mem_bandwidth * cal.bw(weights)))
     comm_s = tp_comm(spec, tp, prompt_len, tp_link)["time_s"] if tp > 1 else 0.0
-    return compute_s + comm_s + pp_comm(spec, pp, prompt_len, pp_link)["time_s"] + pp * cal.step_overhead_s
+    return (compute_s + comm_s + pp_comm(spec, pp, prompt_len, pp_link)["time_s"] +
+            spec.num_layers * cal.prefill_layer_overhead_s)
 
 
 # --- serving ------------------------------------------------------------------------------------------------
@@ -311,7 +402,7 @@ def _candidate(spec, cluster, cal, traffic, slo, tp, pp, w, k, b, ctx_max) -> Pl
 def explain(p: Plan, spec: ModelSpec, cluster: Cluster) -> str:
     """Why this layout, in the numbers that decide it."""
     wb = spec.weight_bytes(p.weights) / 1e9
-    need = math.ceil(wb / (0.9 * cluster.gpu.mem_capacity))
+    need = math.ceil(spec.weight_bytes(p.weights) / (0.9 * cluster.gpu.mem_capacity))
     parts = [f"{spec.name} holds {wb:,.0f} GB of {p.weights} weights; {cluster.gpu.name} has "
              f"{cluster.gpu.mem_capacity / 1e9:.0f} GB, so " + (f"at least {need} GPUs must share them." if need > 1
                                                                  else "one GPU could hold them, with little room "

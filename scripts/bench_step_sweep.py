@@ -1,12 +1,15 @@
 """Measure decode and prefill step times of one GPU across batch, context and weight precision.
 
 The planner (``labkit.plan``) is calibrated and validated against these: every configuration of a model that fits
-on one GPU, decode steps timed as CUDA-graph replays over a static cache (``labkit.decode_step``), prefill as one
-forward. Writes ``records/step_sweep.json`` under ``--out`` with every raw timing and the roofline prediction of
-each step.
+on one GPU. ``--runner engine`` (the default) times labkit's serving engine, the software the planner's layouts
+would run: its ``ModelRunner`` on the paged cache with the Triton kernels, decode steps replayed from a CUDA graph
+per batch, prefill as one eager forward (``labkit.engine.experiments.runner_step``). ``--runner hf`` times the
+Hugging Face model instead: decode as CUDA-graph replays over its ``StaticCache`` (``labkit.decode_step``), prefill
+as one eager forward. Writes ``records/step_sweep.json`` under ``--out`` with every raw timing and the roofline
+prediction of each step, after each weight precision (a run stopped early keeps what it measured).
 
-    python scripts/bench_step_sweep.py --out results/h200 [--preset llama-3-8b] [--weights bf16 int8 int4]
-        [--batches 1 8 32 64] [--contexts 512 2048 8192]
+    python scripts/bench_step_sweep.py --out results/h200 [--runner engine] [--preset llama-3-8b]
+        [--weights bf16 int8 int4] [--batches 1 8 32 64] [--contexts 512 2048 8000]
 """
 
 from __future__ import annotations
@@ -40,11 +43,23 @@ def build(preset: str, weights: str):
     return model
 
 
-def sweep_decode(model, spec, hw, weights: str, batches, contexts, iters: int) -> list[dict]:
+def _engine_time(model, phase: str, batch: int, ctx: int, iters: int):
+    from labkit.engine.experiments import runner_step
+
+    step, runner = runner_step(model, phase, batch, ctx)
+    t = time_fn(step, warmup=2, iters=iters)
+    del step, runner
+    return t
+
+
+def sweep_decode(model, spec, hw, weights: str, batches, contexts, iters: int, runner: str) -> list[dict]:
     rows = []
     for ctx in contexts:
         for b in batches:
-            t = time_decode_step(model, b, ctx, cuda_graph=True, iters=iters)
+            if runner == "engine":
+                t = _engine_time(model, "decode", b, ctx, iters)
+            else:
+                t = time_decode_step(model, b, ctx, cuda_graph=True, iters=iters)
             pred = roofline(spec, hw, batch=b, context=ctx + 1, phase="decode", dtype=weights, kv_dtype="bf16")
             rows.append({"phase": "decode", "weights": weights, "batch": b, "context": ctx, "timing": t,
                          "median_s": t.median_s, "pred_s": pred.time_s, "pred_bytes": pred.bytes,
@@ -57,11 +72,15 @@ def sweep_decode(model, spec, hw, weights: str, batches, contexts, iters: int) -
 
 
 @torch.no_grad()
-def sweep_prefill(model, spec, hw, weights: str, contexts, iters: int) -> list[dict]:
+def sweep_prefill(model, spec, hw, weights: str, contexts, iters: int, runner: str) -> list[dict]:
     rows = []
     for ctx in contexts:
-        ids = torch.randint(3, spec.vocab_size, (1, ctx), device="cuda")
-        t = time_fn(lambda ids=ids: model(input_ids=ids, logits_to_keep=1, use_cache=False), warmup=2, iters=iters)
+        if runner == "engine":
+            t = _engine_time(model, "prefill", 1, ctx, iters)
+        else:
+            ids = torch.randint(3, spec.vocab_size, (1, ctx), device="cuda")
+            t = time_fn(lambda ids=ids: model(input_ids=ids, logits_to_keep=1, use_cache=False), warmup=2,
+                        iters=iters)
         pred = roofline(spec, hw, batch=1, context=ctx, phase="prefill", dtype=weights)
         rows.append({"phase": "prefill", "weights": weights, "batch": 1, "context": ctx, "timing": t,
                      "median_s": t.median_s, "pred_s": pred.time_s, "pred_bytes": pred.bytes,
@@ -76,8 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="llama-3-8b")
     ap.add_argument("--weights", nargs="+", default=["bf16", "int8", "int4"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
-    ap.add_argument("--contexts", nargs="+", type=int, default=[512, 2048, 8192])
+    ap.add_argument("--contexts", nargs="+", type=int, default=[512, 2048, 8000])
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--prefill-iters", type=int, default=5)
+    ap.add_argument("--runner", choices=("engine", "hf"), default="engine")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_step_sweep measures GPU steps (CUDA graphs); no CUDA device is present", file=sys.stderr)
@@ -88,13 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for w in tqdm(args.weights, desc="weight precision"):
         model = build(args.preset, w)
-        rows += sweep_decode(model, spec, hw, w, args.batches, args.contexts, args.iters)
-        rows += sweep_prefill(model, spec, hw, w, args.contexts, args.iters)
+        rows += sweep_decode(model, spec, hw, w, args.batches, args.contexts, args.iters, args.runner)
+        rows += sweep_prefill(model, spec, hw, w, args.contexts, args.prefill_iters, args.runner)
         del model
         gc.collect()
         torch.cuda.empty_cache()
         # rewritten after each precision, so a run stopped at a time limit keeps what it measured
-        path = write_record("step_sweep", {"preset": args.preset, "ceilings": ceilings, "rows": rows},
+        path = write_record("step_sweep", {"preset": args.preset, "runner": args.runner, "ceilings": ceilings,
+                                           "rows": rows},
                             out_dir=args.out)
         tqdm.write(f"wrote {path} ({len(rows)} rows)")
     return 0

@@ -14,6 +14,7 @@ from labkit.engine.experiments import (
     fifo_executions,
     fifo_sweep,
     hf_static_extrapolate,
+    runner_step,
     serve_sweep,
     token_gaps,
 )
@@ -92,3 +93,22 @@ def test_bench_cli_writes_records(tmp_path):
         bench_main(["serve", "--num-requests", "0"])
     with pytest.raises(SystemExit):
         bench_main(["serve", "--scheduler", "lifo"])
+
+
+def test_runner_step_decode_and_prefill(tiny_model):
+    """The step-sweep's unit of work: a decode step over a cache filled without a prefill, and one prefill; each
+    call recomputes the same step (same logits), nothing is allocated past the cache."""
+    model = tiny_model[0]
+    vocab = model.config.vocab_size
+    step, runner = runner_step(model, "decode", 3, 37)
+    first = step().clone()
+    assert first.shape == (3, vocab) and torch.isfinite(first).all()
+    assert torch.equal(step(), first) and runner.cache.allocator.num_free <= 1  # (CUDA: the graphs' scratch)
+    assert all(runner.cache.seq(i).num_tokens == 38 for i in range(3))
+    step, runner = runner_step(model, "prefill", 1, 21)
+    out = step()
+    assert out.shape == (1, vocab) and torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="phase"):
+        runner_step(model, "verify", 1, 8)
+    with pytest.raises(ValueError, match="batch_size 1 for prefill"):
+        runner_step(model, "prefill", 2, 8)

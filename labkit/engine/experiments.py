@@ -6,6 +6,8 @@ returns plain rows, so the notebook only arranges and plots them.
   before timing anything with graphs)
 * ``decode_rate``: steady-state decode tokens/s at a batch size through ``LLMEngine.step`` (end to end), and
   the device time of one captured step replayed alone
+* ``runner_step``: one engine forward (a decode step of a batch at a context, or one prefill) as a callable, on
+  a cache filled without a prefill, for sweeps of step time over batch, context and precision
 * ``profile_decode``: a profiler trace of decode steps, eager or replayed from CUDA graphs
 * ``serve_sweep``: policies x offered loads on one workload (Poisson arrivals), with latency percentiles,
   inter-token gaps, throughput, busy fraction and memory
@@ -171,6 +173,47 @@ def decode_rate(model, batch_size: int, context: int, steps: int, source, warmup
     del engine
     free_device_memory()
     return row
+
+
+def runner_step(model, phase: str, batch_size: int, context: int, block_size: int = 16, seed: int = 0):
+    """A callable running one forward of the engine's ``ModelRunner`` and the runner it uses.
+
+    ``phase='decode'``: ``batch_size`` sequences holding ``context`` cached tokens each gain one, replayed from the
+    runner's CUDA graph for that batch where it captures one (eager otherwise). ``phase='prefill'``: one prompt of
+    ``context`` tokens (``batch_size`` must be 1). The cached K/V are whatever the new cache holds rather than a
+    real prompt's (a step's time does not depend on the values), so a point of a sweep costs no prefill. Each call
+    rewrites the same slots: time it as often as needed.
+    """
+    if phase not in ("decode", "prefill"):
+        raise ValueError(f"phase={phase!r}; allowed: 'decode', 'prefill'")
+    if batch_size < 1 or context < 1 or (phase == "prefill" and batch_size != 1):
+        raise ValueError(f"batch_size={batch_size} and context={context} must be >= 1 (batch_size 1 for prefill)")
+    total = context + (phase == "decode")
+    blocks = batch_size * -(-total // block_size) + 1  # + the graphs' scratch block
+    cache = PagedKVCache.for_model(model, num_blocks=blocks, block_size=block_size)
+    for pool in cache.k_caches + cache.v_caches:
+        pool.zero_()  # finite values where a prompt's K/V would be
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, model.config.vocab_size, (total,), generator=g).tolist()
+    if phase == "prefill":
+        runner = ModelRunner(model, cache, cuda_graphs=False, max_num_seqs=1, max_model_len=total)
+        cache.allocate(0, ids)
+        return partial(_inference, runner.forward, runner.prepare([0], [context], 0)), runner
+    runner = ModelRunner(model, cache, max_num_seqs=batch_size, max_model_len=total,
+                         graph_batch_sizes=[batch_size] if cache.device.type == "cuda" else None)
+    seqs = list(range(batch_size))
+    for i in seqs:
+        cache.allocate(i, ids)
+        cache.mark_computed(i, context)
+    if runner.graph_batch_sizes:
+        inp = runner.prepare(seqs, [1] * batch_size, batch_size, pad_to=batch_size, width=runner.max_blocks)
+        return partial(runner.graphs.run, inp, batch_size), runner
+    return partial(_inference, runner.forward, runner.prepare(seqs, [1] * batch_size, batch_size)), runner
+
+
+@torch.inference_mode()
+def _inference(fn, *args):
+    return fn(*args)
 
 
 def _steps(engine: LLMEngine, n: int) -> None:
