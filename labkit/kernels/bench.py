@@ -100,7 +100,7 @@ def bench_rmsnorm(shape, dtype, device, iters=20, compile_=False) -> list[dict]:
     compiled = _maybe_compile(_hf_rms_norm, compile_, device)
     if compiled is not None:
         fns["torch_compile"] = lambda: compiled(x, w)
-    times = _time_all(fns, device, iters, cuda_graph=False)
+    times = _time_all(fns, device, iters, cuda_graph=True)
     err = relative_error(rms_norm(x, w, 1e-5), _hf_rms_norm(x.double(), w.double()))
     b = x.element_size()
     nb = {k: (4 if "residual" in k or "add" in k else 2) * rows * cols * b + cols * b for k in fns}
@@ -118,7 +118,7 @@ def bench_swiglu(shape, dtype, device, iters=20, compile_=False) -> list[dict]:
     compiled = _maybe_compile(eager, compile_, device)
     if compiled is not None:
         fns["torch_compile"] = compiled
-    times = _time_all(fns, device, iters, cuda_graph=False)
+    times = _time_all(fns, device, iters, cuda_graph=True)
     err = relative_error(silu_and_mul(x), F.silu(x[:, :d].double()) * x[:, d:].double())
     nb = 3 * rows * d * x.element_size()
     return [_row("swiglu", k, shape, dtype, t, nb, err=err if k == "triton" else None) for k, t in times.items()]
@@ -140,7 +140,7 @@ def bench_rope(shape, dtype, device, iters=20, compile_=False) -> list[dict]:
     compiled = _maybe_compile(eager, compile_, device)
     if compiled is not None:
         fns["torch_compile"] = compiled
-    times = _time_all(fns, device, iters, cuda_graph=False)
+    times = _time_all(fns, device, iters, cuda_graph=True)
     err = relative_error(apply_rope(q, k, cos, sin)[0], eager()[0])
     nb = 2 * tokens * (hq + hk) * d * q.element_size() + 2 * tokens * (d // 2) * 4
     return [_row("rope", k_, shape, dtype, t, nb, err=err if k_ == "triton" else None) for k_, t in times.items()]
@@ -150,7 +150,7 @@ def bench_softmax(shape, dtype, device, iters=20, compile_=False) -> list[dict]:
     rows, cols = shape
     x = _randn(rows, cols, dtype=dtype, device=device, scale=4.0)
     fns = {"triton": lambda: softmax(x), "eager": lambda: torch.softmax(x, -1)}
-    times = _time_all(fns, device, iters, cuda_graph=False)
+    times = _time_all(fns, device, iters, cuda_graph=True)
     err = relative_error(softmax(x), torch.softmax(x.double(), -1))
     nb = 2 * rows * cols * x.element_size()
     return [_row("softmax", k, shape, dtype, t, nb, err=err if k == "triton" else None) for k, t in times.items()]

@@ -17,7 +17,11 @@ the weight is loaded once for all of them (first, so it is in flight with ``x``)
 in flight per program. 0.90 needs 69.8 us. On CUDA, from ``TUNE_MIN_ROWS`` rows up, rows per program (1, 2,
 4, 8) and warps (4, 8, 16) are autotuned per (hidden size, dtypes, residual, power-of-two row count) on the
 first call -- a warm-up, outside any CUDA-graph capture; the one-row, 8-warp kernel measured above is among
-the candidates. Fewer rows (decode batches) take one row per program with the warps set by the row length
+the candidates. (On 2026-12-03, single launches timed with CUDA events gave the autotuned kernel 0.683 plain
+and 0.912 fused: 21 us more than the one-row kernel's 70.3 us for the plain form, about what the autotuner's
+Python dispatch costs on the host, which such timing counts when nothing else is queued; notebook 03 now times
+graph replays, the device alone, to tell the two apart.)
+Fewer rows (decode batches) take one row per program with the warps set by the row length
 and never autotune, so capturing a decode step needs no warm-up for this kernel.
 
 Rounding follows Hugging Face's ``LlamaRMSNorm`` exactly: statistics in float32, the normalised value cast to

@@ -83,8 +83,11 @@ display(fusion)
 # %% [markdown]
 # ## Baseline and technique: every kernel against torch on the same inputs
 # Memory-bound rows report GB/s and the fraction of measured copy bandwidth; attention reports TFLOP/s and
-# the fraction of the measured bf16 matmul rate. Short launches (paged attention, GEMVs) are timed as
-# CUDA-graph replays on both sides; the rest as CUDA-event medians with L2 flushed.
+# the fraction of the measured bf16 matmul rate. The memory-bound kernels, paged attention and the GEMVs are
+# timed as CUDA-graph replays, every implementation alike: that is the device's time for the kernel, without the
+# host's cost of launching it from Python (an autotuned Triton kernel's dispatch alone takes tens of microseconds
+# on the host, and a single launch timed with CUDA events counts it whenever the GPU has nothing queued). Prefill
+# attention, long enough for that not to matter, is timed as CUDA-event medians with L2 flushed.
 
 # %%
 from tqdm.auto import tqdm

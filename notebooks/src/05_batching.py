@@ -341,6 +341,10 @@ for ax, (name, p) in zip(axes[:, 0], profiles.items()):
     ax.set_title(f"{name}: two decode steps at batch 1 ({p.busy_s / p.wall_s:.0%} busy)")
 plt.tight_layout()
 plt.show()
+# where a step's device time goes, kernel by kernel (per step): what to fuse or speed up next
+kernel_tables = {name: [dict(r, us_per_step=r["total (ms)"] * 1e3 / p.steps) for r in p.top_kernels(30)]
+                 for name, p in profiles.items()}
+display(pd.DataFrame(kernel_tables[list(profiles)[-1]]).drop(columns=["total (ms)"]).round(2))
 elapsed("profiles")
 
 # %% [markdown]
@@ -456,7 +460,7 @@ rec = write_record("05_batching", {
               "fifo_method": "one engine run with all requests queued, services replayed per rate",
               "rows": sweep_rows},
     "chunked_prefill": {"rate_req_s": chunk_rate, "policies": chunk_policies, "rows": chunk.to_dict("records")},
-    "profiles": prof_rows, "device_busy_in_decode_step": busy_in_step,
+    "profiles": prof_rows, "top_kernels": kernel_tables, "device_busy_in_decode_step": busy_in_step,
     "waterfall": waterfall.to_dict("records"),
     "decode": {"hf_generate_bs1": {"token_times_s": hf_exec.token_times_s, "decode_tok_s": hf_exec.decode_tok_s()},
                "hf_static_cache_step": hf_static, "engine_eager_bs1": eager_bs1, "engine_bs1": engine_bs1,
