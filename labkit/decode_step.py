@@ -117,13 +117,28 @@ class StaticDecodeStep:
         return t
 
 
+    def kernel_breakdown(self, top: int = 15, steps: int = 3) -> dict:
+        """Where a step's device time goes: kernels per step, device time per step (kernel durations summed)
+        and the ``top`` kernels by time, from a profile of ``steps`` steps (graph replays on CUDA)."""
+        from labkit.profiling import profile_run
+
+        res = profile_run(lambda: [self.step() for _ in range(steps)], steps=steps, warmup=1)
+        return {"kernels_per_step": res.kernels_per_step, "device_us_per_step": res.device_s * 1e6 / steps,
+                "top": [{"kernel": r["kernel"], "category": r["category"], "calls_per_step": r["calls"] / steps,
+                         "us_per_step": r["total (ms)"] * 1e3 / steps} for r in res.top_kernels(top)]}
+
+
 def time_decode_step(model: torch.nn.Module, batch_size: int, context_len: int, cuda_graph: bool = True,
-                     iters: int = 20) -> Timing:
+                     iters: int = 20, breakdown: int = 0) -> Timing:
     """Time one decode step of ``model`` at ``batch_size`` with ``context_len`` cached tokens.
 
     On CUDA with ``cuda_graph=True`` the step is captured once and its replays are timed; elsewhere it runs eagerly.
+    ``breakdown > 0`` also profiles the step and puts ``StaticDecodeStep.kernel_breakdown(breakdown)`` in
+    ``timing.extra["breakdown"]``.
     """
     step = StaticDecodeStep(model, batch_size, context_len, cuda_graph=cuda_graph)
     timing = step.time(iters=iters)
+    if breakdown:
+        timing.extra["breakdown"] = step.kernel_breakdown(breakdown)
     del step
     return timing

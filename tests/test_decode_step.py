@@ -24,6 +24,17 @@ def test_time_decode_step_reports_samples(tiny_model):
     model, _ = tiny_model
     t = time_decode_step(model, batch_size=2, context_len=17, iters=3)
     assert len(t.samples_s) == 3 and t.median_s > 0 and t.extra["context_len"] == 17
+    assert "breakdown" not in t.extra
+
+
+def test_kernel_breakdown_of_a_step(tiny_model):
+    """On the CPU the profile's 'kernels' are aten operators: the matmuls of the step lead, sorted by time."""
+    t = time_decode_step(tiny_model[0], batch_size=1, context_len=9, iters=2, breakdown=5)
+    bd = t.extra["breakdown"]
+    assert bd["kernels_per_step"] > 10 and bd["device_us_per_step"] > 0 and len(bd["top"]) == 5
+    times = [r["us_per_step"] for r in bd["top"]]
+    assert times == sorted(times, reverse=True) and all(r["calls_per_step"] > 0 for r in bd["top"])
+    assert any("mm" in r["kernel"] or "linear" in r["kernel"] for r in bd["top"])
 
 
 @pytest.mark.parametrize("kwargs,match", [({"batch_size": 0, "context_len": 8}, "batch_size"),

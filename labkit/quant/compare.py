@@ -118,7 +118,7 @@ def _free(dev: torch.device) -> None:
 
 def speed_rows(model: nn.Module, methods=("int8", "int4", "fp8", "bnb-int8", "bnb-nf4"), batch_size: int = 1,
                context_len: int = 512, iters: int = 50, patch: bool = False, bandwidth: float | None = None,
-               progress: bool = True) -> list[dict]:
+               progress: bool = True, breakdown: int = 0) -> list[dict]:
     """Decode step time of ``model`` (method ``"base"``) and of each quantised copy, at ``batch_size`` with
     ``context_len`` cached tokens, as CUDA-graph replays on CUDA; ``speedup`` is over the base timed the same
     way. bitsandbytes layers are timed eagerly (LLM.int8 picks outlier columns with data-dependent shapes,
@@ -130,6 +130,9 @@ def speed_rows(model: nn.Module, methods=("int8", "int4", "fp8", "bnb-int8", "bn
 
     ``bandwidth`` (bytes/s, measured): adds each step's floor, the bytes it must read (``decode_step_bytes``)
     over that bandwidth, and the fraction of the floor reached.
+
+    ``breakdown > 0``: each CUDA-graph row also gets ``breakdown``, its step's top kernels by device time
+    (``StaticDecodeStep.kernel_breakdown``).
     """
     dev = _device(model)
     rows, base_ms = [], {}
@@ -139,7 +142,7 @@ def speed_rows(model: nn.Module, methods=("int8", "int4", "fp8", "bnb-int8", "bn
             rows.append({"method": method, "status": reason})
             continue
         try:
-            rows += _speed_rows(model, method, batch_size, context_len, iters, patch, bandwidth, base_ms)
+            rows += _speed_rows(model, method, batch_size, context_len, iters, patch, bandwidth, base_ms, breakdown)
         except Exception as e:  # report and go on to the next method
             if method == BASELINE:
                 raise
@@ -148,7 +151,8 @@ def speed_rows(model: nn.Module, methods=("int8", "int4", "fp8", "bnb-int8", "bn
     return rows
 
 
-def _speed_rows(model, method, batch_size, context_len, iters, patch, bandwidth, base_ms) -> list[dict]:
+def _speed_rows(model, method, batch_size, context_len, iters, patch, bandwidth, base_ms,
+                breakdown: int = 0) -> list[dict]:
     """Rows of one method: CUDA-graph replay (and, for the base on CUDA, also eager) or eager for bnb."""
     graph = _device(model).type == "cuda"
     qm = model if method == BASELINE else quantize(model, method)
@@ -164,7 +168,8 @@ def _speed_rows(model, method, batch_size, context_len, iters, patch, bandwidth,
 
             patch_model(qm)
         try:
-            t = decode_step_time(qm, batch_size, context_len, cuda_graph=use_graph, iters=iters)
+            t = decode_step_time(qm, batch_size, context_len, cuda_graph=use_graph, iters=iters,
+                                 breakdown=breakdown if use_graph else 0)
         finally:
             if patch:
                 from labkit.kernels.patch import unpatch
@@ -176,6 +181,8 @@ def _speed_rows(model, method, batch_size, context_len, iters, patch, bandwidth,
         row = {"method": method, "timing": timing, "patched": patch, "decode_ms": t.median_ms, "spread": t.spread,
                "speedup": base_ms[timing] / t.median_ms, "weight_bytes": wb["held"],
                "weight_bytes_ratio": wb["ratio"], "step_bytes": step_bytes, "status": "ok", "samples_s": t.samples_s}
+        if "breakdown" in t.extra:
+            row["breakdown"] = t.extra["breakdown"]
         if bandwidth:
             row["floor_ms"] = step_bytes / bandwidth * 1e3
             row["frac_of_floor"] = row["floor_ms"] / t.median_ms

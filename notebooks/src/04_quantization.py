@@ -168,7 +168,7 @@ if PROFILE == "gpu":
     speed = speed_rows(big, context_len=SIZES["context"], iters=SIZES["decode_iters"], bandwidth=bandwidth)
     try:
         speed += speed_rows(big, methods=("int8", "int4", "fp8"), context_len=SIZES["context"],
-                            iters=SIZES["decode_iters"], patch=True, bandwidth=bandwidth)
+                            iters=SIZES["decode_iters"], patch=True, bandwidth=bandwidth, breakdown=12)
     except Exception as e:  # report, keep the unpatched rows
         print(f"patched pass failed: {type(e).__name__}: {e}")
     del big
@@ -177,8 +177,15 @@ else:
     cpu_bandwidth = measure_copy_bandwidth("cpu", nbytes=64 * 2**20, iters=5)
     print(f"CPU copy bandwidth {cpu_bandwidth / 1e9:.1f} GB/s (measured now)")
     speed = speed_rows(model, context_len=SIZES["context"], iters=SIZES["decode_iters"], bandwidth=cpu_bandwidth)
-speed_table = pd.DataFrame(speed).drop(columns=["samples_s"], errors="ignore")
+speed_table = pd.DataFrame(speed).drop(columns=["samples_s", "breakdown"], errors="ignore")
 display(speed_table.round(3))
+# where each patched step's device time goes (GPU): the kernels that the weight bytes do not explain
+profiled = [r for r in speed if r.get("breakdown")]
+if profiled:
+    print({r["method"]: f"{r['breakdown']['kernels_per_step']:.0f} kernels, "
+                        f"{r['breakdown']['device_us_per_step'] / 1e3:.2f} ms of kernels per step" for r in profiled})
+    display(pd.concat({r["method"]: pd.DataFrame(r["breakdown"]["top"]).set_index("kernel").us_per_step
+                       for r in profiled}, axis=1).round(1))
 
 # %% [markdown]
 # ## Trade-off table and plot
