@@ -49,7 +49,7 @@ def test_fifo_sweep_replays_the_measured_services(tiny_model):
     model, _ = tiny_model
     wl = make_workload(4, 1.0, LengthDist.uniform(3, 9), LengthDist.exponential(3, high=5), torch.arange(50, 900),
                        seed=4)
-    rows, capacity = fifo_sweep(model, wl, [0.25, math.inf], slo=SLO(10.0, 10.0))
+    rows, capacity = fifo_sweep(model, wl, [0.25, math.inf], slo=SLO(10.0, 10.0), warmup=True)
     slow, queued = rows
     assert queued["busy_frac"] == pytest.approx(1.0) and queued["requests_s"] == pytest.approx(capacity)
     assert slow["rate_req_s"] == pytest.approx(0.25 * capacity) and slow["busy_frac"] < 1
@@ -68,7 +68,7 @@ def test_greedy_check_decode_rate_and_sweep(tiny_model):
     wl = make_workload(5, 1.0, LengthDist.uniform(3, 12), LengthDist.exponential(3, high=6), source, seed=1)
     rows = serve_sweep(model, wl, {"fifo": dict(scheduler="fifo"), "static": dict(scheduler="static",
                                                                                    static_batch_size=2)},
-                       [5.0, math.inf], slo=SLO(10.0, 10.0), progress=False)
+                       [5.0, math.inf], slo=SLO(10.0, 10.0), progress=False, warmup=True)  # (CPU: forced)
     assert [(r["policy"], r["rate_req_s"]) for r in rows] == [("fifo", 5.0), ("fifo", math.inf), ("static", 5.0),
                                                                ("static", math.inf)]
     for row in rows:

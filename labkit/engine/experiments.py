@@ -252,13 +252,24 @@ def serve_row(result, slo: SLO | None = None) -> dict:
     return s
 
 
+def _warm(engine: LLMEngine, workload: list[RequestSpec], warmup: bool | None, seed: int) -> None:
+    """Serve ``workload`` once, untimed, where kernels compile on first use (CUDA: Triton compiles and autotunes
+    each new shape bucket of the prefill and decode kernels, seconds that would otherwise land inside the timed
+    steps as false latency). ``warmup=None``: on CUDA only."""
+    if warmup or (warmup is None and engine.device.type == "cuda"):
+        engine.serve(at_rate(workload, math.inf, seed=seed), progress=False)
+
+
 def serve_sweep(model, workload: list[RequestSpec], policies: dict[str, dict], rates: Sequence[float],
-                slo: SLO | None = None, progress: bool = True, seed: int = 0) -> list[dict]:
+                slo: SLO | None = None, progress: bool = True, seed: int = 0,
+                warmup: bool | None = None) -> list[dict]:
     """Serve ``workload`` at each arrival rate (requests/s; ``math.inf``: all at once) under each policy (engine
-    keyword arguments). One engine per policy, reused across rates. Returns one row per (policy, rate)."""
+    keyword arguments). One engine per policy, reused across rates, warmed up first (``_warm``). Returns one row
+    per (policy, rate)."""
     rows = []
     for name, kw in policies.items():
         engine = LLMEngine(model, **kw)
+        _warm(engine, workload, warmup, seed)
         for rate in tqdm(rates, desc=name, disable=not progress):
             res = engine.serve(at_rate(workload, rate, seed=seed), progress=False)
             rows.append({"policy": name, "rate_req_s": rate, **serve_row(res, slo)})
@@ -278,12 +289,13 @@ def fifo_executions(result) -> dict[int, Execution]:
 
 
 def fifo_sweep(model, workload: list[RequestSpec], loads: Sequence[float], slo: SLO | None = None,
-               seed: int = 0, **engine_kwargs) -> tuple[list[dict], float]:
+               seed: int = 0, warmup: bool | None = None, **engine_kwargs) -> tuple[list[dict], float]:
     """FIFO at each offered load (a multiple of the FIFO capacity; ``math.inf``: all queued at once) from one
-    engine run with every request queued, whose throughput is the capacity: the measured services are replayed
-    through ``hf_baseline.replay_fifo`` at each rate. Returns the rows (as ``serve_sweep``'s) and the capacity in
-    requests/s."""
+    engine run with every request queued (after a warm-up, ``_warm``), whose throughput is the capacity: the
+    measured services are replayed through ``hf_baseline.replay_fifo`` at each rate. Returns the rows (as
+    ``serve_sweep``'s) and the capacity in requests/s."""
     engine = LLMEngine(model, **dict(engine_kwargs, scheduler="fifo"))
+    _warm(engine, workload, warmup, seed)
     offline = engine.serve(at_rate(workload, math.inf, seed=seed), progress=False)
     del engine
     free_device_memory()

@@ -34,6 +34,9 @@
 # The serving clock is **virtual**: each engine step is timed for real and the clock advances by exactly that,
 # but while the server idles the clock jumps to the next arrival instead of sleeping (notebook 00's HF replay
 # works the same way, so the two compare on one footing). `LLMEngine.serve(clock="real")` is the wall-clock mode.
+# On the GPU each engine first serves its workload once untimed: Triton compiles and autotunes every new shape
+# bucket of the prefill and decode kernels on first use, seconds that would otherwise show up as latency (the
+# first H200 run's chunked-prefill row was dominated by exactly that).
 
 # %% tags=["parameters"]
 profile = "auto"
