@@ -50,6 +50,16 @@ def test_w4a16(dtype, rows, group):
     assert relative_error(out, w4a16_matmul_ref(x.double(), packed, scales, zeros, group)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("group,k,rows", [(16, 96, 3), (128, 384, 5), (256, 512, 17)])
+def test_w4a16_grouped_gemm(group, k, rows):
+    """The GEMM for power-of-two groups: steps narrower than a group (128, 256 with the interpreter's 32-wide
+    step: several steps share one scale), as wide as one (16), row counts that leave partial tiles."""
+    packed, scales, zeros = _int4(50, k, group, seed=7)
+    x = _x((rows, k), torch.float32, seed=8)
+    out = w4a16_matmul(x, packed, scales, zeros, group)
+    assert relative_error(out, w4a16_matmul_ref(x.double(), packed, scales, zeros, group)) < 1e-5
+
+
 # GEMV tiles and split-K on the interpreter: (BLOCK_N, BLOCK_K, SPLIT_K); 3 splits of an odd number of steps
 # leaves the last split short, 16 splits of a short K leaves some empty; LOAD_STAGES is a no-op here
 GEMV_TILES = [(16, 64, 1), (8, 32, 3), (32, 16, 16)]

@@ -8,7 +8,10 @@ that time about 2x or 4x (minus the scales' bytes). Dequantising to a bf16 copy 
 reference does, would read the int weights, write and re-read bf16: slower than plain bf16.
 
 Two kernels per format: a GEMV for one row of ``x`` (no Tensor Cores) and a tiled GEMM on Tensor Cores
-(``tl.dot``) for more rows, so every batch size is correct and the decode case is fast.
+(``tl.dot``) for more rows, so every batch size is correct and the decode case is fast. The int4 GEMM for
+power-of-two groups steps through K inside one group at a time, so it loads each scale and zero-point once per
+step and row of weights (the general one loads them once per weight: on the H200 it made a batch-8 decode step
+of the 8B shape 9x slower than batch 1, 52.6 ms against 6.0, through HF's model; unmeasured since).
 
 **The GEMV's budget**, 4096 -> 14336 on an H200 (4.28 TB/s copy; 132 SMs x 4 schedulers x 32 lanes at
 1.98 GHz = 33.4 T lane-instructions/s): int8 weights are 58.7 MB (13.7 us), int4 at group 128 29.4 MB plus
@@ -279,6 +282,38 @@ def _w4_gemm(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_pn,
              acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _w4_gemm_grouped(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_pn, stride_sn, stride_zn,
+                     stride_om, M_KEY, N_KEY, K_KEY, GROUP: tl.constexpr, PRECISION: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Power-of-two groups >= 16 with ``BLOCK_K`` dividing ``GROUP``: every K step lies inside one group, so its
+    scales and zero-points are one ``[BLOCK_N]`` load per step (not one per weight), the nibbles become floats
+    without a conversion instruction (the magic-number trick of the GEMV) and are interleaved back into k order
+    for one ``tl.dot`` over the whole step."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    pid_m, pid_n = _tile_pids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n64 = offs_n.to(tl.int64)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BLOCK_K)[None, :]
+    p_rows = p_ptr + n64[:, None] * stride_pn + tl.arange(0, HALF)[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # K is a multiple of GROUP, hence of BLOCK_K: no mask along K
+        a = tl.load(x_rows + k0, mask=m_ok[:, None], other=0.0)
+        pk = tl.load(p_rows + k0 // 2, mask=n_ok[:, None], other=0).to(tl.int32)
+        g = k0 // GROUP
+        s = tl.load(s_ptr + n64 * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + n64 * stride_zn + g, mask=n_ok, other=0.0).to(tl.float32)
+        lo = ((pk & 0xF) | _MAGIC).to(tl.float32, bitcast=True) - _TWO23  # the even k of each byte
+        hi = (((pk >> 4) & 0xF) | _MAGIC).to(tl.float32, bitcast=True) - _TWO23  # the odd k
+        q = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])  # [n, j, 2] -> [n, 2j + {0, 1}]
+        w = ((q - z[:, None]) * s[:, None]).to(a.dtype)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
 # --- autotuning (CUDA) and fixed tiles (interpreter) -----------------------------------------------------
 # GEMV tiles (BLOCK_N, BLOCK_K, warps): 16 contiguous bytes per thread along K and R = 2-8 rows per thread
 # (one step of one CTA loads 4-32 KB; every converted activation serves R rows); int4's BLOCK_K counts weights.
@@ -340,6 +375,17 @@ def _prune_gemm(configs, named_args, **kwargs):
     return kept or configs
 
 
+def _prune_gemm_grouped(configs, named_args, **kwargs):
+    """As ``_prune_gemm``, with each step narrowed to divide the group (``BLOCK_K <= GROUP``)."""
+    group = kwargs.get("GROUP", named_args.get("GROUP"))
+    out = {}
+    for c in _prune_gemm(configs, named_args, **kwargs):
+        meta = dict(c.kwargs, BLOCK_K=min(c.kwargs["BLOCK_K"], group))
+        out.setdefault(tuple(sorted(meta.items())) + (c.num_warps, c.num_stages),
+                       triton.Config(meta, num_warps=c.num_warps, num_stages=c.num_stages))
+    return list(out.values())
+
+
 _w8_gemv_tuned = triton.autotune(_gemv_configs(W8_TILES), key=["N", "K"],
                                  prune_configs_by={"early_config_prune": _prune_gemv})(_w8_gemv)
 _w4_gemv_tuned = triton.autotune(_gemv_configs(W4_TILES), key=["N", "K", "GROUP"],
@@ -348,6 +394,9 @@ _w8_gemm_tuned = triton.autotune(_gemm_configs(), key=["M_KEY", "N_KEY", "K_KEY"
                                  prune_configs_by={"early_config_prune": _prune_gemm})(_w8_gemm)
 _w4_gemm_tuned = triton.autotune(_gemm_configs(), key=["M_KEY", "N_KEY", "K_KEY", "GROUP"],
                                  prune_configs_by={"early_config_prune": _prune_gemm})(_w4_gemm)
+_w4_gemm_grouped_tuned = triton.autotune(_gemm_configs(), key=["M_KEY", "N_KEY", "K_KEY", "GROUP"],
+                                         prune_configs_by={"early_config_prune": _prune_gemm_grouped})(
+    _w4_gemm_grouped)
 # the interpreter's fixed tiles (tests swap in others, split-K included); int4 raises BLOCK_K to the group
 CPU_GEMV8 = dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, LOAD_STAGES=1)
 CPU_GEMV4 = dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, LOAD_STAGES=1)
@@ -405,8 +454,9 @@ def _gemv(x2: torch.Tensor, n: int, kernel, tuned, cpu_meta: dict, args: tuple, 
 
 
 def _gemm(x2: torch.Tensor, n: int, gemm, gemm_tuned, args: tuple, w_strides: tuple,
-          gemm_meta: dict) -> torch.Tensor:
-    """More than one row of ``x``: the Tensor-Core GEMM."""
+          gemm_meta: dict, cpu_meta: dict | None = None) -> torch.Tensor:
+    """More than one row of ``x``: the Tensor-Core GEMM (``cpu_meta``: the interpreter's tile, default
+    ``CPU_GEMM``)."""
     m, k = x2.shape
     refuse_bf16_dot_on_cpu("x", x2)
     out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
@@ -416,8 +466,9 @@ def _gemm(x2: torch.Tensor, n: int, gemm, gemm_tuned, args: tuple, w_strides: tu
     if x2.device.type == "cuda":
         gemm_tuned[lambda c: (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)](*ptrs, **meta)
     else:
-        grid = (triton.cdiv(m, CPU_GEMM["BLOCK_M"]) * triton.cdiv(n, CPU_GEMM["BLOCK_N"]),)
-        gemm[grid](*ptrs, **meta, **CPU_GEMM)
+        tile = cpu_meta or CPU_GEMM
+        grid = (triton.cdiv(m, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"]),)
+        gemm[grid](*ptrs, **meta, **tile)
     return out
 
 
@@ -483,6 +534,9 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
         meta = dict(ANY_GROUP_GEMV)
         _w4_gemv_any_group[(triton.cdiv(n, meta["BLOCK_N"]),)](x2, *args, out, n, k, *strides, GROUP=group_size,
                                                               **meta)
+    elif group_size >= 16 and group_size & (group_size - 1) == 0:
+        out = _gemm(x2, n, _w4_gemm_grouped, _w4_gemm_grouped_tuned, args, strides, {"GROUP": group_size},
+                    cpu_meta=dict(CPU_GEMM, BLOCK_K=min(CPU_GEMM["BLOCK_K"], group_size)))
     else:
         out = _gemm(x2, n, _w4_gemm, _w4_gemm_tuned, args, strides, {"GROUP": group_size})
     return out.view(*x.shape[:-1], n)
