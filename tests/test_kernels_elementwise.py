@@ -5,7 +5,7 @@ import torch
 
 from labkit.evaluate import relative_error
 from labkit.kernels.rms_norm import rms_norm, rms_norm_ref
-from labkit.kernels.rope import apply_rope, apply_rope_ref
+from labkit.kernels.rope import apply_rope, apply_rope_and_cache, apply_rope_ref
 from labkit.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
 from labkit.kernels.softmax import MAX_FUSED_COLS, softmax, softmax_ref
 
@@ -170,3 +170,30 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="inplace"):
         q = _randn(8, 5, 2, 16).transpose(0, 1)  # [5, 8, 2, 16] with tokens not collapsible
         apply_rope(q, _randn(5, 8, 1, 16), _randn(5, 8, 8), _randn(5, 8, 8), inplace=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_and_cache_write_in_one_launch(dtype):
+    """Against apply_rope_ref and an indexed write: q and k rotated, the rotated k and v land at their slots
+    (scattered across blocks, in any order), every other slot is untouched, and a slot of -1 is skipped."""
+    g = torch.Generator().manual_seed(5)
+    t, hq, hk, d, blocks, bs = 7, 6, 2, 24, 5, 4
+    q, k, v = (torch.randn(t, h, d, generator=g).to(dtype).to(DEVICE) for h in (hq, hk, hk))
+    ang = torch.randn(t, d // 2, generator=g)
+    cos, sin = ang.cos().to(DEVICE), ang.sin().to(DEVICE)
+    kc = torch.full((blocks, bs, hk, d), 7.0, dtype=dtype, device=DEVICE)
+    vc = kc.clone()
+    slots = torch.tensor([13, 2, 19, 0, 8, -1, 5], device=DEVICE)
+    q_rot, k_rot = apply_rope_and_cache(q, k, v, cos, sin, kc, vc, slots)
+    q_ref, k_ref = apply_rope_ref(q, k, cos, sin)
+    assert relative_error(q_rot, q_ref) < TOL[dtype] and relative_error(k_rot, k_ref) < TOL[dtype]
+    written = slots >= 0
+    flat_k, flat_v = kc.view(-1, hk, d), vc.view(-1, hk, d)
+    assert torch.equal(flat_k[slots[written]], k_rot[written]) and torch.equal(flat_v[slots[written]], v[written])
+    rest = torch.ones(blocks * bs, dtype=torch.bool, device=DEVICE)
+    rest[slots[written]] = False
+    assert (flat_k[rest] == 7).all() and (flat_v[rest] == 7).all()
+    with pytest.raises(ValueError, match="k_cache"):
+        apply_rope_and_cache(q, k, v, cos, sin, kc[:, :, :1], vc, slots)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        apply_rope_and_cache(q, k, v, cos, sin, kc, vc, slots[:3])

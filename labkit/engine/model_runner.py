@@ -4,7 +4,8 @@ with labkit's Triton kernels on CUDA and decode steps replayed from CUDA graphs 
 A step is a ``ModelInput`` (vLLM's names): ``num_tokens`` tokens of ``num_seqs`` sequences back to back, single-
 token rows (decodes) first, with each token's cache slot (``slot_mapping``) and each sequence's ``block_table``
 and ``context_len``. Per layer: [add residual +] RMSNorm -> q, k, v (one merged matmul on the Triton path) ->
-RoPE -> write k, v at ``slot_mapping`` -> attention (decode rows: ``paged_attention`` over the block tables;
+RoPE -> write k, v at ``slot_mapping`` (one kernel for both on the Triton path with an unquantised cache) ->
+attention (decode rows: ``paged_attention`` over the block tables;
 prefill chunks: ``flash_attention``, causal and bottom-right aligned over the chunk's cached context) -> o
 projection -> add residual + RMSNorm -> SwiGLU MLP (gate and up merged, ``silu_and_mul``).
 
@@ -245,14 +246,20 @@ class ModelRunner:
         else:
             q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
         q, k, v = q.view(T, -1, D), k.view(T, -1, D), v.view(T, -1, D)
-        if self.use_triton:
-            from labkit.kernels.rope import apply_rope
+        if self.use_triton and not self._dequantise:  # one launch: RoPE and the cache write of k and v
+            from labkit.kernels.rope import apply_rope_and_cache
 
-            q, k = apply_rope(q, k, cos, sin)
+            q, k = apply_rope_and_cache(q, k, v, cos, sin, self.cache.k_caches[i], self.cache.v_caches[i],
+                                        inp.slot_mapping)
         else:
-            q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
-            k = k * cos[:, None] + _rotate_half(k) * sin[:, None]
-        self.cache.write(i, inp.slot_mapping, k, v)
+            if self.use_triton:
+                from labkit.kernels.rope import apply_rope
+
+                q, k = apply_rope(q, k, cos, sin)
+            else:
+                q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
+                k = k * cos[:, None] + _rotate_half(k) * sin[:, None]
+            self.cache.write(i, inp.slot_mapping, k, v)
         return attn.o_proj(self._attend(i, q, k, v, inp).reshape(T, -1))
 
     def _mlp(self, i: int, mlp, x: torch.Tensor) -> torch.Tensor:

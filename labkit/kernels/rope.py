@@ -115,3 +115,87 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     if inplace:
         return q, k
     return q_out.view(q.shape), k_out.view(k.shape)
+
+
+# --- RoPE fused with the paged KV-cache write (the serving engine's per-layer step) ----------------------------
+@triton.jit
+def _copy_heads(src, dst, n_heads, stride_sh, stride_dh, D: tl.constexpr, BLOCK_H: tl.constexpr,
+                BLOCK_FULL: tl.constexpr):
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_FULL)[None, :]
+    mask = (h < n_heads) & (d < D)
+    tl.store(dst + h * stride_dh + d, tl.load(src + h * stride_sh + d, mask=mask), mask=mask)
+
+
+@triton.jit
+def _cache_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, tok, slot, n_k_heads, stride_kt, stride_kh, stride_vt, stride_vh,
+                stride_cs, stride_ch, c, s, HALF: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_FULL: tl.constexpr):
+    # the destination is pre-offset to the slot, with token stride 0
+    _rotate_heads(k_ptr, kc_ptr + slot * stride_cs, tok, stride_kt, stride_kh, 0, stride_ch, n_k_heads, c, s, HALF,
+                  BLOCK_HK, BLOCK_D)
+    _copy_heads(v_ptr + tok * stride_vt, vc_ptr + slot * stride_cs, n_k_heads, stride_vh, stride_ch, 2 * HALF,
+                BLOCK_HK, BLOCK_FULL)
+
+
+@triton.jit
+def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, k_out_ptr, kc_ptr, vc_ptr,
+                       n_q_heads, n_k_heads, n_slots, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                       stride_vh, stride_ct, stride_st, stride_cs, stride_ch, HALF: tl.constexpr,
+                       BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_FULL: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)[None, :]
+    c = tl.load(cos_ptr + tok * stride_ct + d, mask=d < HALF, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + tok * stride_st + d, mask=d < HALF, other=0.0).to(tl.float32)
+    D: tl.constexpr = 2 * HALF
+    _rotate_heads(q_ptr, q_out_ptr, tok, stride_qt, stride_qh, n_q_heads * D, D, n_q_heads, c, s, HALF, BLOCK_HQ,
+                  BLOCK_D)
+    _rotate_heads(k_ptr, k_out_ptr, tok, stride_kt, stride_kh, n_k_heads * D, D, n_k_heads, c, s, HALF, BLOCK_HK,
+                  BLOCK_D)
+    if (slot >= 0) & (slot < n_slots):  # a slot outside the pools (-1: padding, as in vLLM) is not written
+        _cache_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, tok, slot, n_k_heads, stride_kt, stride_kh, stride_vt, stride_vh,
+                    stride_cs, stride_ch, c, s, HALF, BLOCK_HK, BLOCK_D, BLOCK_FULL)
+
+
+def apply_rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor):
+    """RoPE on ``q`` and ``k`` and the paged-cache write of the rotated ``k`` and of ``v``, in one launch.
+
+    ``q`` ``[T, num_heads, D]``, ``k``/``v`` ``[T, num_kv_heads, D]`` (last dim contiguous), ``cos``/``sin``
+    ``[T, D // 2]`` or ``[T, D]`` (as ``apply_rope``), ``k_cache``/``v_cache`` contiguous ``[num_blocks,
+    block_size, num_kv_heads, D]`` in the dtype of ``k`` (unquantised caches), ``slot_mapping`` int ``[T]``
+    (slot = block * block_size + offset; a slot outside the pools, such as -1, is skipped). Returns ``(q_rot,
+    k_rot)``, new ``[T, heads, D]`` tensors; the caches hold ``k_rot`` and ``v`` at the slots. Replaces
+    ``apply_rope`` then ``PagedKVCache.write`` (three or more launches per layer) in the engine's step.
+    """
+    check_tensor("q", q, FLOAT_DTYPES)
+    check_tensor("k", k, (q.dtype,), device=q.device)
+    check_tensor("v", v, (q.dtype,), device=q.device)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, c, (k.dtype,), dim=4, device=q.device)
+        if not c.is_contiguous() or tuple(c.shape[2:]) != tuple(k.shape[1:]):
+            raise ValueError(f"{name} {tuple(c.shape)} must be contiguous [num_blocks, block_size, "
+                             f"{k.shape[1]}, {k.shape[2]}]")
+    if q.dim() != 3 or k.dim() != 3 or tuple(v.shape) != tuple(k.shape) or q.shape[0] != k.shape[0] or \
+            q.shape[2] != k.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be [T, heads, D] with "
+                         "k and v of one shape")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != q.shape[0] or slot_mapping.dtype.is_floating_point:
+        raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} {slot_mapping.dtype} must be int [T={q.shape[0]}]")
+    check_tensor("slot_mapping", slot_mapping, device=q.device)
+    half = q.shape[-1] // 2
+    c, s = _table_view(cos, "cos", q.shape[:1], half), _table_view(sin, "sin", q.shape[:1], half)
+    q3, k3, v3 = (_tokens_view(x, n, False) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    q_out, k_out = torch.empty_like(q3), torch.empty_like(k3)
+    if q3.shape[0]:
+        bhq, bhk = next_pow2(q3.shape[1]), next_pow2(k3.shape[1])
+        _rope_cache_kernel[(q3.shape[0],)](
+            q3, k3, v3, c, s, slot_mapping, q_out, k_out, k_cache, v_cache, q3.shape[1], k3.shape[1],
+            k_cache.shape[0] * k_cache.shape[1], q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1),
+            v3.stride(0), v3.stride(1),
+            c.stride(0), s.stride(0), k_cache.stride(1), k_cache.stride(2), HALF=half, BLOCK_HQ=bhq,
+            BLOCK_HK=bhk, BLOCK_D=next_pow2(half), BLOCK_FULL=next_pow2(2 * half),
+            num_warps=4 if (bhq + 2 * bhk) * half <= 2048 else 8)
+    return q_out, k_out
