@@ -1,0 +1,122 @@
+"""Compile the quantised GEMVs for Hopper (sm_90) without a GPU and count what their inner loop issues.
+
+For each tile of ``W8_TILES`` / ``W4_TILES`` this compiles the kernel with Triton's own toolchain, reads the
+cubin with the ``cuobjdump`` that ships with Triton, and reports registers, spills (local memory), the
+instructions of the K loop per weight each thread handles, and the most frequent opcodes. An H200 issues about
+33 T lane-instructions per second (132 SMs x 4 schedulers x 32 lanes x 1.98 GHz), so ``instructions per weight x
+weights / 33.4e12`` is the time the kernel needs for issue alone; compare it with the bytes' floor. A kernel above
+that floor is instruction-bound; below it, a slow measured time points at latency (too few bytes in flight per
+SM), not at the arithmetic.
+
+    python scripts/sass_report.py [--kernel w8 w4] [--group 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.pop("TRITON_INTERPRET", None)
+import triton  # noqa: E402  (compiled, not interpreted: imported before labkit routes it to the interpreter)
+
+H200_LANE_INSTR_PER_S = 132 * 4 * 32 * 1.98e9
+W8_SIG = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
+          "cnt_ptr": "*i32", "N": "i32", "K": "i32", "stride_wn": "i32", "BLOCK_N": "constexpr",
+          "BLOCK_K": "constexpr", "SPLIT_K": "constexpr", "LOAD_STAGES": "constexpr"}
+W4_SIG = {"x_ptr": "*bf16", "p_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "out_ptr": "*bf16",
+          "ws_ptr": "*fp32", "cnt_ptr": "*i32", "N": "i32", "K": "i32", "stride_pn": "i32", "stride_sn": "i32",
+          "stride_zn": "i32", "exp_bits": "i32", "GROUP": "constexpr", "BLOCK_N": "constexpr",
+          "BLOCK_K": "constexpr", "SPLIT_K": "constexpr", "LOAD_STAGES": "constexpr"}
+_INSTR = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")
+
+
+def _jit_kernels():
+    """The kernels as compilable ``JITFunction``s (labkit routes Triton through its interpreter on a CPU host)."""
+    import importlib
+
+    import labkit.kernels.quantized_matmul as qm
+
+    os.environ.pop("TRITON_INTERPRET", None)
+    return importlib.reload(qm)
+
+
+def _tool(name: str) -> str:
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def _loop(sass: str) -> list[str]:
+    """The instructions of the largest loop (a backward branch and what it jumps over)."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in map(_INSTR.match, sass.splitlines()) if m]
+    best: tuple[int, int] | None = None
+    for addr, text in ins:
+        m = re.search(r"BRA.*0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            span = (int(m.group(1), 16), addr)
+            if best is None or span[1] - span[0] > best[1] - best[0]:
+                best = span
+    return [t for a, t in ins if best and best[0] <= a <= best[1]]
+
+
+def _opcode(text: str) -> str:
+    words = text.split()
+    return (words[1] if words[0].startswith("@") else words[0]).split(".")[0]
+
+
+def report(fn, signature: dict, constexprs: dict, num_warps: int, weights_per_thread: int) -> dict:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    # as a launch at LLM shapes specialises them: pointers 16-byte aligned, every integer a multiple of 16
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(signature.items())
+             if ty != "constexpr"}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": num_warps,
+                                                                           "num_stages": 1})
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True)
+    sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    res = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", usage.stdout))
+    body = _loop(sass)
+    ops: dict[str, int] = {}
+    for t in body:
+        ops[_opcode(t)] = ops.get(_opcode(t), 0) + 1
+    return {"registers": int(res.get("REG", 0)), "spill_bytes": int(res.get("LOCAL", 0)),
+            "loop_instructions": len(body), "per_weight": len(body) / weights_per_thread,
+            "top_ops": sorted(ops.items(), key=lambda kv: -kv[1])[:8]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernel", nargs="+", default=["w8", "w4"], choices=["w8", "w4"])
+    ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--weights", type=float, default=4096 * 14336, help="weights of the layer, for the issue time")
+    args = ap.parse_args(argv)
+    qm = _jit_kernels()
+    for name in args.kernel:
+        tiles = qm.W8_TILES if name == "w8" else qm.W4_TILES
+        for bn, bk, warps in tiles:
+            meta = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 4, "LOAD_STAGES": 1}
+            if name == "w8":
+                r = report(qm._w8_gemv, W8_SIG, meta, warps, bn * bk // (32 * warps))
+            else:
+                bk = max(bk, args.group)
+                meta.update(GROUP=args.group, BLOCK_K=bk)
+                r = report(qm._w4_gemv, W4_SIG, meta, warps, bn * bk // (32 * warps))
+            issue_us = r["per_weight"] * args.weights / H200_LANE_INSTR_PER_S * 1e6
+            print(f"{name} tile {bn}x{bk}, {warps} warps: {r['registers']} registers, {r['spill_bytes']} B spilled, "
+                  f"{r['per_weight']:.2f} instructions per weight (issue alone {issue_us:.1f} us for "
+                  f"{args.weights / 1e6:.1f} M weights); {r['top_ops']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
