@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -183,10 +184,17 @@ class ModelRunner:
         scratch = self.scratch_block or 0
         ids, pos = ids + [0] * n_pad, pos + [0] * n_pad
         slots = slots + [scratch * self.cache.block_size] * n_pad
-        flat = [b for t in tables for b in (*t, *([scratch] * (width - len(t))))] + [scratch] * (width * n_pad)
-        longs = torch.tensor([ids, pos, slots], dtype=torch.long).to(self.device, non_blocking=True)
-        ints = torch.tensor(ctx + [1] * n_pad + flat, dtype=torch.int32).to(self.device, non_blocking=True)
         n_seqs = len(ctx) + n_pad
+        # one int32 buffer: context lengths, then the block tables padded with the scratch block (filled row by
+        # row in numpy: a graph step's tables are max_model_len / block_size wide, too many ints for Python lists)
+        host = np.full(n_seqs * (1 + width), scratch, dtype=np.int32)
+        host[:len(ctx)] = ctx
+        host[len(ctx):n_seqs] = 1
+        rows = host[n_seqs:].reshape(n_seqs, width)
+        for r, t in enumerate(tables):
+            rows[r, :len(t)] = t
+        longs = torch.tensor([ids, pos, slots], dtype=torch.long).to(self.device, non_blocking=True)
+        ints = torch.from_numpy(host).to(self.device, non_blocking=True)
         return ModelInput(seq_ids, longs[0], longs[1], longs[2], ints[n_seqs:].view(n_seqs, width), ints[:n_seqs],
                           qlens, ctx, tables, num_decode)
 
