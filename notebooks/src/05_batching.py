@@ -23,13 +23,13 @@
 #   attention) and replays decode steps from CUDA graphs there, after checking that a replayed step gives the
 #   eager step's logits (the notebook stops if it does not).
 #
-# The `gpu` sizes are cut to finish in about 150 s on one H200 with a cold Triton cache (each section prints its
+# The `gpu` sizes are cut to finish in about 200 s on one H200 with a cold Triton cache (each section prints its
 # time): the load sweep serves 32 requests (prompts 32-256 tokens, outputs exponential with mean 16, at most 64) at
 # 0.5x, 2x and 8x the FIFO capacity and all at once, with batches of 16; chunked prefill serves 12 requests
 # (prompts 256-1,024, outputs mean 32, at most 128) in chunks of 256 tokens; decode rates are at context 512 over
-# 32 steps (batch 1) and 8 steps (batch 64); the profiles trace 4 steps; the offline comparison serves 200
-# requests of the issue's recipe (512-token prompts, outputs mean 128, at most 1,024) against HF `generate` probed
-# on one batch of 64 for 8 steps. `python -m labkit bench serve` runs the full 1,000-request recipe.
+# 32 steps (batch 1) and 8 steps (batch 64); the profiles trace 4 steps; the offline comparison serves the issue's
+# 1,000 requests (512-token prompts, outputs mean 128, at most 1,024; about 40 s of engine time on the H200) against
+# HF `generate` probed on one batch of 64 for 8 steps.
 #
 # The serving clock is **virtual**: each engine step is timed for real and the clock advances by exactly that,
 # but while the server idles the clock jumps to the next arrival instead of sleeping (notebook 00's HF replay
@@ -81,12 +81,12 @@ SIZES = {
                 decode_context=256, decode_steps=16, big_batch=16, profile_steps=4,
                 offline_n=64, offline_prompt=128, offline_out=(32, 256), offline_batch=16, offline_kv_tokens=8192,
                 hf_batch=16, hf_probe_tokens=16),
-    # gpu: cut to finish in ~150 s on one H200 with a cold Triton cache (the sizes are listed in the introduction)
+    # gpu: cut to finish in ~200 s on one H200 with a cold Triton cache (the sizes are listed in the introduction)
     "gpu": dict(check_tokens=16, sweep_n=32, sweep_prompt=(32, 256), sweep_out=(16, 64), batch=16, budget=2048,
                 sweep_kv_tokens=8192, loads=[0.5, 2.0, 8.0, math.inf], slo=(0.5, 0.05),
                 chunk_n=12, chunk_prompt=(256, 1024), chunk_out=(32, 128), chunk_budget=256, chunk_rate_x=0.5,
                 decode_context=512, decode_steps=32, big_batch=64, profile_steps=4,
-                offline_n=200, offline_prompt=512, offline_out=(128, 1024), offline_batch=256,
+                offline_n=1000, offline_prompt=512, offline_out=(128, 1024), offline_batch=256,
                 offline_kv_tokens=400_000, hf_batch=64, hf_probe_tokens=8),
 }[PROFILE]
 print(PROFILE, SIZES)
@@ -396,10 +396,10 @@ elapsed("waterfall")
 # %% [markdown]
 # ## Offline throughput against HF `generate` in static batches
 # The issue's recipe: prompts of 512 tokens, outputs exponential with mean 128 (clipped at 1,024), all queued at
-# once; the engine runs continuous batching. The `gpu` profile serves 200 such requests (the issue asks 1,000:
-# `python -m labkit bench serve` runs them; here they would not fit the notebook's time budget). HF `generate` runs
-# static batches (the `gpu` profile uses batch 64; larger ones risk its full-prompt logits). At ~8 tokens/s per HF
-# step on the H200, HF would need far longer than this notebook's budget even for 200 requests, so on the GPU HF is
+# once; the engine runs continuous batching. The `gpu` profile serves the issue's 1,000 such requests; the CPU
+# profiles fewer and shorter ones. HF `generate` runs static batches (the `gpu` profile uses batch 64; larger ones
+# risk its full-prompt logits). At ~8 tokens/s per HF step on the H200, HF would need hours for 1,000 requests, so
+# on the GPU HF is
 # **measured on one batch** (prefill, then
 # `hf_probe_tokens` decode steps) **and extrapolated** to the workload: per batch, prefill plus one measured step
 # per token of its longest request. Steps later in a batch attend to longer contexts and are slower, so the
