@@ -132,6 +132,10 @@ best = plans[0]
 print(f"weights of {spec.name}: {human_bytes(spec.weight_bytes('bf16'))} in bf16")
 print("recommended:", best.layout)
 print(explain(best, spec, cluster))
+if sweep is not None and sweep["data"].get("runner", "hf") == "hf":
+    print(f"\nNote: this calibration comes from Hugging Face's model (KV read at {cal.kv_eff:.0%} of bandwidth, "
+          f"weights at {cal.bw('bf16'):.0%}), so the plans above are what that software would achieve; "
+          "scripts/bench_step_sweep.py --runner engine measures the labkit engine that these layouts would run.")
 
 # %%
 by_w = {}
