@@ -38,6 +38,17 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+def native_bf16(device: str | torch.device) -> bool:
+    """Whether ``device`` multiplies bf16 natively: CUDA, or a CPU with AVX-512 BF16 or AMX. Elsewhere torch's CPU
+    bf16 matmul falls back to a slow path (on an AVX2-only EPYC, 1000 ms against fp32's 8 ms for a
+    256 x 512 x 2048 product), so CPU runs there should compute in fp32."""
+    dev = torch.device(device)
+    if dev.type != "cpu":
+        return True
+    cpu = torch.cpu
+    return any(getattr(cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
 def configure_triton_for_host() -> None:
     """Route Triton through its interpreter when there is no GPU.
 

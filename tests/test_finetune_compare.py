@@ -32,6 +32,17 @@ def test_recipes():
         recipe("prefix-tuning", 2, 8)
 
 
+def test_recipes_compute_in_fp32_where_bf16_is_emulated():
+    from labkit.device import native_bf16
+
+    assert native_bf16("cuda") and isinstance(native_bf16("cpu"), bool)
+    slow = recipe("lora", 2, 8, device="cpu", bf16=False)
+    assert slow.precision == "fp32" and slow.base_dtype == "fp32"
+    fast = recipe("qlora", 2, 8, device="cpu", bf16=True)
+    assert fast.precision == "bf16-mixed" and fast.base_dtype == "bf16"
+    assert recipe("full", 2, 8, device="cpu").precision == ("bf16-mixed" if native_bf16("cpu") else "fp32")
+
+
 def test_method_row_trains_and_reports():
     model = random_model(SMALL, device="cpu", dtype=torch.float32)
     train = _ids(30, 1).repeat(20)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from labkit.device import native_bf16
 from labkit.finetune.lora import count_trainable
 from labkit.finetune.memory_model import TrainSetup, inference_memory, training_memory
 from labkit.finetune.train import finetune, heldout_loss, measure_step_memory, prepare_model
@@ -26,15 +27,19 @@ DEFAULT_LR = {"full": 1e-4, "lora": 3e-3, "qlora": 3e-3}
 
 
 def recipe(method: str, batch_size: int, seq_len: int, device: str = "cuda", checkpointing: bool = False,
-           lora_rank: int = 8) -> TrainSetup:
-    """The ``TrainSetup`` of a standard recipe for ``method`` ('full', 'lora' or 'qlora')."""
+           lora_rank: int = 8, bf16: bool | None = None) -> TrainSetup:
+    """The ``TrainSetup`` of a standard recipe for ``method`` ('full', 'lora' or 'qlora'): bf16 autocast (and a
+    bf16 frozen base for the adapters) where ``bf16`` (default: where ``device`` multiplies bf16 natively,
+    ``labkit.device.native_bf16``), else the same recipe computing in fp32."""
     if method not in METHOD_NAMES:
         raise ValueError(f"method={method!r} is unknown; allowed: {list(METHOD_NAMES)}")
-    kw = dict(method=method, precision="bf16-mixed", batch_size=batch_size, seq_len=seq_len, device=device,
-              checkpointing=checkpointing, lora_rank=lora_rank)
+    bf16 = native_bf16(device) if bf16 is None else bf16
+    kw = dict(method=method, precision="bf16-mixed" if bf16 else "fp32", batch_size=batch_size, seq_len=seq_len,
+              device=device, checkpointing=checkpointing, lora_rank=lora_rank)
     if method == "full":
         return TrainSetup(optimizer="adamw", **kw)
-    return TrainSetup(optimizer="adamw" if method == "lora" else "adamw8bit", base_dtype="bf16", **kw)
+    return TrainSetup(optimizer="adamw" if method == "lora" else "adamw8bit", base_dtype="bf16" if bf16 else "fp32",
+                      **kw)
 
 
 def memory_row(model_factory: Callable[[], torch.nn.Module], setup: TrainSetup, label: str | None = None,

@@ -41,6 +41,7 @@ import torch
 import labkit  # noqa: F401  (before anything imports triton)
 from labkit.bench import record_figure, write_record
 from labkit.data import split_tokens
+from labkit.device import native_bf16
 from labkit.evaluate import relative_error
 from labkit.finetune import compare as C
 from labkit.finetune.lora import LoRALinear, apply_lora, merge_lora, trainable_parameters
@@ -60,10 +61,12 @@ SIZES = {
                 scale_layers=4),
 }[PROFILE]
 DEVICE = "cuda" if PROFILE == "gpu" else "cpu"
+BF16 = native_bf16(DEVICE)  # bf16 recipes where the device multiplies bf16 natively, fp32 compute elsewhere
 if PROFILE == "ci":
     # steps of a few ms on a shared 2-core runner: threads handing work to each other cost more than they save
     torch.set_num_threads(1)
-print(PROFILE, DEVICE, SIZES, f"{torch.get_num_threads()} CPU threads")
+print(PROFILE, DEVICE, SIZES, f"{torch.get_num_threads()} CPU threads", "bf16 native" if BF16 else
+      "no native bf16: recipes compute in fp32")
 
 # %% [markdown]
 # ## Predict: the memory of one training step, against serving
@@ -76,7 +79,9 @@ print(PROFILE, DEVICE, SIZES, f"{torch.get_num_threads()} CPU threads")
 #
 # Recipes (`compare.recipe`): **full** = fp32 master weights, bf16 autocast, AdamW; **LoRA** = bf16 frozen base,
 # fp32 adapters on all seven linears of every layer (rank 8), AdamW; **QLoRA** = NF4 base (bf16 embeddings and
-# norms), the same adapters, 8-bit AdamW.
+# norms), the same adapters, 8-bit AdamW. On a CPU without bf16 instructions (AVX2 only; `native_bf16` says)
+# torch multiplies bf16 through a fallback about 100 times slower than fp32, so there the recipes compute in fp32
+# (fp32 base, no autocast) and only the memory checks below keep a bf16 variant; the GPU runs them as written.
 
 # %%
 base_model, tok = load_model(device=DEVICE, dtype="fp32")
@@ -193,13 +198,14 @@ by = {r["method"]: r for r in rows}
 # ## Trade-offs: accuracy, latency, memory
 # Ratios are against full fine-tuning in this run. `task drop` is the held-out loss gained on the task (positive:
 # better); `forgetting` is the loss lost on the general docs (positive: worse). The step's matmul FLOP rate
-# (`compare.step_flops_per_token` x tokens / step time) is given against the bf16 matmul rate measured now on
-# this device: the floor a step could reach if it were only large matmuls.
+# (`compare.step_flops_per_token` x tokens / step time) is given against the matmul rate of the recipes' compute
+# dtype measured now on this device: the floor a step could reach if it were only large matmuls.
 
 # %%
 full = by["full"]
-mm_rate = measure_matmul_flops(DEVICE, dtype=torch.bfloat16, iters=5)
-print(f"measured bf16 matmul rate on {DEVICE}: {mm_rate / 1e12:.2f} TFLOP/s")
+mm_dtype = torch.bfloat16 if BF16 else torch.float32
+mm_rate = measure_matmul_flops(DEVICE, dtype=mm_dtype, iters=5)
+print(f"measured {str(mm_dtype)[6:]} matmul rate on {DEVICE}: {mm_rate / 1e12:.2f} TFLOP/s")
 trade = pd.DataFrame([{
     "method": r["method"], "trainable params": r["trainable_params"], "trainable frac": r["trainable_frac"],
     "peak memory": human_bytes(r["measured_peak"]), "peak vs full": r["measured_peak"] / full["measured_peak"],
