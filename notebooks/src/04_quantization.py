@@ -37,6 +37,7 @@ import torch
 
 import labkit  # noqa: F401  (before anything imports triton)
 from labkit.bench import SUMMARY_PATH, record_figure, write_record
+from labkit.device import native_bf16
 from labkit.hardware import KNOWN, measure_copy_bandwidth
 from labkit.models import PRESETS, load_model, random_model
 from labkit.quant import METHODS, quantize
@@ -60,6 +61,10 @@ SIZES = {
 if PROFILE == "ci":
     # seconds-long runs of tiny ops on a shared 2-core runner: thread hand-offs cost more than they save
     torch.set_num_threads(1)
+if PROFILE == "cpu" and not native_bf16("cpu"):
+    # without bf16 instructions torch multiplies bf16 and fp16 on the CPU through a fallback ~100x slower than fp32:
+    # the precision section's bf16/fp16 model and matmuls take the ci sizes here (minutes, not an hour)
+    SIZES.update(matmul_size=256, dtype_windows=4)
 print(PROFILE, SIZES, f"{torch.get_num_threads()} CPU threads")
 
 # %% [markdown]
