@@ -230,12 +230,24 @@ def _tile_pids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.c
 
 
 @triton.jit
+def _tile_offsets(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Row and column offsets of this program's output tile (in ``_tile_pids`` order)."""
+    pid_m, pid_n = _tile_pids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
+def _store_tile(out_ptr, acc, offs_m, offs_n, M, N, stride_om):
+    """Write a float32 accumulator tile in the output's dtype, inside ``[M, N]``."""
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
 def _w8_gemm(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, M_KEY, N_KEY, K_KEY,
              PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              GROUP_M: tl.constexpr):
-    pid_m, pid_n = _tile_pids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n = _tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -246,9 +258,7 @@ def _w8_gemm(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride
                     mask=(offs_n[:, None] < N) & (k[None, :] < K), other=0)
         acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=PRECISION)  # int8 -> x dtype: exact
     s = tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-    out = (acc * s[None, :]).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], out,
-             mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    _store_tile(out_ptr, acc * s[None, :], offs_m, offs_n, M, N, stride_om)
 
 
 @triton.jit
@@ -256,9 +266,7 @@ def _w4_gemm(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_pn,
              stride_om, M_KEY, N_KEY, K_KEY, GROUP: tl.constexpr, PRECISION: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     HALF: tl.constexpr = BLOCK_K // 2
-    pid_m, pid_n = _tile_pids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n = _tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     n64 = offs_n.to(tl.int64)
     m_ok, n_ok = offs_m < M, offs_n < N
     offs_j = tl.arange(0, HALF)
@@ -278,8 +286,7 @@ def _w4_gemm(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_pn,
         w_hi = (((pk >> 4).to(tl.float32) - z) * s).to(a_even.dtype)   # weights of the odd k
         acc = tl.dot(a_even, tl.trans(w_lo), acc, input_precision=PRECISION)
         acc = tl.dot(a_odd, tl.trans(w_hi), acc, input_precision=PRECISION)
-    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    _store_tile(out_ptr, acc, offs_m, offs_n, M, N, stride_om)
 
 
 @triton.jit
@@ -291,9 +298,7 @@ def _w4_gemm_grouped(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, st
     without a conversion instruction (the magic-number trick of the GEMV) and are interleaved back into k order
     for one ``tl.dot`` over the whole step."""
     HALF: tl.constexpr = BLOCK_K // 2
-    pid_m, pid_n = _tile_pids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n = _tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     n64 = offs_n.to(tl.int64)
     m_ok, n_ok = offs_m < M, offs_n < N
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BLOCK_K)[None, :]
@@ -310,8 +315,7 @@ def _w4_gemm_grouped(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, st
         q = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])  # [n, j, 2] -> [n, 2j + {0, 1}]
         w = ((q - z[:, None]) * s[:, None]).to(a.dtype)
         acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
-    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    _store_tile(out_ptr, acc, offs_m, offs_n, M, N, stride_om)
 
 
 # --- autotuning (CUDA) and fixed tiles (interpreter) -----------------------------------------------------
