@@ -116,7 +116,6 @@ class StaticDecodeStep:
         t.extra.update(batch_size=self.batch_size, context_len=self.context_len)
         return t
 
-
     def kernel_breakdown(self, top: int = 15, steps: int = 3) -> dict:
         """Where a step's device time goes: kernels per step, device time per step (kernel durations summed)
         and the ``top`` kernels by time, from a profile of ``steps`` steps (graph replays on CUDA)."""
@@ -124,8 +123,7 @@ class StaticDecodeStep:
 
         res = profile_run(lambda: [self.step() for _ in range(steps)], steps=steps, warmup=1)
         return {"kernels_per_step": res.kernels_per_step, "device_us_per_step": res.device_s * 1e6 / steps,
-                "top": [{"kernel": r["kernel"], "category": r["category"], "calls_per_step": r["calls"] / steps,
-                         "us_per_step": r["total (ms)"] * 1e3 / steps} for r in res.top_kernels(top)]}
+                "top": res.top_kernels_per_step(top)}
 
 
 def time_decode_step(model: torch.nn.Module, batch_size: int, context_len: int, cuda_graph: bool = True,

@@ -115,14 +115,9 @@ NOMINAL = Calibration({"bf16": 0.8}, {"bf16": 0.6}, 1e-6, "nominal (no measured 
 
 
 # --- calibration and validation ---------------------------------------------------------------------------
-def _decode_bytes(spec: ModelSpec, tp: int, pp: int, batch: int, context: int, weights: str, kv: str) -> float:
-    """Bytes one stage reads per micro-batch: its weights and its share of the KV cache (the planner's floor)."""
-    return sum(_decode_parts(spec, tp, pp, batch, context, weights, kv))
-
-
 def _decode_parts(spec: ModelSpec, tp: int, pp: int, batch: int, context: int, weights: str,
                   kv: str) -> tuple[float, float]:
-    """(weight bytes, KV bytes) one stage reads per micro-batch."""
+    """(weight bytes, KV bytes) one stage reads per micro-batch: the planner's floor of a decode step."""
     mb = max(1, math.ceil(batch / pp))
     m = memory_per_device(spec, tp, pp, mb * context, dtype=weights, kv_dtype=kv)
     return m["weights"], m["kv"]
@@ -401,9 +396,9 @@ def _candidate(spec, cluster, cal, traffic, slo, tp, pp, w, k, b, ctx_max) -> Pl
 
 def explain(p: Plan, spec: ModelSpec, cluster: Cluster) -> str:
     """Why this layout, in the numbers that decide it."""
-    wb = spec.weight_bytes(p.weights) / 1e9
-    need = math.ceil(spec.weight_bytes(p.weights) / (0.9 * cluster.gpu.mem_capacity))
-    parts = [f"{spec.name} holds {wb:,.0f} GB of {p.weights} weights; {cluster.gpu.name} has "
+    weight_bytes = spec.weight_bytes(p.weights)
+    need = math.ceil(weight_bytes / (0.9 * cluster.gpu.mem_capacity))
+    parts = [f"{spec.name} holds {weight_bytes / 1e9:,.0f} GB of {p.weights} weights; {cluster.gpu.name} has "
              f"{cluster.gpu.mem_capacity / 1e9:.0f} GB, so " + (f"at least {need} GPUs must share them." if need > 1
                                                                  else "one GPU could hold them, with little room "
                                                                       "left for the KV cache.")]

@@ -290,6 +290,11 @@ class ProfileResult:
         return [{"kernel": k[:90], "calls": len(v), "total (ms)": sum(v) / 1e3, "category": categorize(k)}
                 for k, v in rows]
 
+    def top_kernels_per_step(self, n: int = 10) -> list[dict]:
+        """``top_kernels`` as calls and microseconds per step (of ``steps``)."""
+        return [{"kernel": r["kernel"], "category": r["category"], "calls_per_step": r["calls"] / self.steps,
+                 "us_per_step": r["total (ms)"] * 1e3 / self.steps} for r in self.top_kernels(n)]
+
 
 def _device_events(prof, on_cuda: bool) -> list[KernelEvent]:
     from torch.autograd import DeviceType

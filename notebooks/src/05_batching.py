@@ -345,9 +345,8 @@ for ax, (name, p) in zip(axes[:, 0], profiles.items()):
 plt.tight_layout()
 plt.show()
 # where a step's device time goes, kernel by kernel (per step): what to fuse or speed up next
-kernel_tables = {name: [dict(r, us_per_step=r["total (ms)"] * 1e3 / p.steps) for r in p.top_kernels(30)]
-                 for name, p in profiles.items()}
-display(pd.DataFrame(kernel_tables[list(profiles)[-1]]).drop(columns=["total (ms)"]).round(2))
+kernel_tables = {name: p.top_kernels_per_step(30) for name, p in profiles.items()}
+display(pd.DataFrame(kernel_tables[list(profiles)[-1]]).round(2))
 elapsed("profiles")
 
 # %% [markdown]
