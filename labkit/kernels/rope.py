@@ -32,7 +32,11 @@ def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
 
 @triton.jit
 def _rotate_heads(x_ptr, out_ptr, tok, stride_xt, stride_xh, stride_ot, stride_oh, n_heads, c, s,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, copy_ptr=None, stride_ch=0,
+                  copy_heads=0):
+    """Rotate one token's heads into ``out_ptr``; with ``copy_ptr`` (a row of heads, ``stride_ch`` apart) also
+    store the first ``copy_heads`` rotated heads there (the paged-cache row of k: rotated once, written twice;
+    0 heads skips the copy)."""
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < n_heads) & (d < HALF)
@@ -40,9 +44,15 @@ def _rotate_heads(x_ptr, out_ptr, tok, stride_xt, stride_xh, stride_ot, stride_o
     x1 = tl.load(src, mask=mask, other=0.0)
     x2 = tl.load(src + HALF, mask=mask, other=0.0)
     x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    lo, hi = (x1f * c - x2f * s).to(x1.dtype), (x2f * c + x1f * s).to(x1.dtype)
     dst = out_ptr + tok * stride_ot + h * stride_oh + d
-    tl.store(dst, (x1f * c - x2f * s).to(x1.dtype), mask=mask)
-    tl.store(dst + HALF, (x2f * c + x1f * s).to(x1.dtype), mask=mask)
+    tl.store(dst, lo, mask=mask)
+    tl.store(dst + HALF, hi, mask=mask)
+    if copy_ptr is not None:
+        dst = copy_ptr + h * stride_ch + d
+        copy_mask = (h < copy_heads) & (d < HALF)
+        tl.store(dst, lo, mask=copy_mask)
+        tl.store(dst + HALF, hi, mask=copy_mask)
 
 
 @triton.jit
@@ -128,17 +138,6 @@ def _copy_heads(src, dst, n_heads, stride_sh, stride_dh, D: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _cache_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, tok, slot, n_k_heads, stride_kt, stride_kh, stride_vt, stride_vh,
-                stride_cs, stride_ch, c, s, HALF: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_FULL: tl.constexpr):
-    # the destination is pre-offset to the slot, with token stride 0
-    _rotate_heads(k_ptr, kc_ptr + slot * stride_cs, tok, stride_kt, stride_kh, 0, stride_ch, n_k_heads, c, s, HALF,
-                  BLOCK_HK, BLOCK_D)
-    _copy_heads(v_ptr + tok * stride_vt, vc_ptr + slot * stride_cs, n_k_heads, stride_vh, stride_ch, 2 * HALF,
-                BLOCK_HK, BLOCK_FULL)
-
-
-@triton.jit
 def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, k_out_ptr, kc_ptr, vc_ptr,
                        n_q_heads, n_k_heads, n_slots, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
                        stride_vh, stride_ct, stride_st, stride_cs, stride_ch, HALF: tl.constexpr,
@@ -146,6 +145,9 @@ def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_pt
                        BLOCK_FULL: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
+    in_pool = (slot >= 0) & (slot < n_slots)  # a slot outside the pools (-1: padding, as in vLLM) is not written
+    row = tl.where(in_pool, slot, 0) * stride_cs
+    cached_heads = tl.where(in_pool, n_k_heads, 0)
     d = tl.arange(0, BLOCK_D)[None, :]
     c = tl.load(cos_ptr + tok * stride_ct + d, mask=d < HALF, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + tok * stride_st + d, mask=d < HALF, other=0.0).to(tl.float32)
@@ -153,10 +155,8 @@ def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_pt
     _rotate_heads(q_ptr, q_out_ptr, tok, stride_qt, stride_qh, n_q_heads * D, D, n_q_heads, c, s, HALF, BLOCK_HQ,
                   BLOCK_D)
     _rotate_heads(k_ptr, k_out_ptr, tok, stride_kt, stride_kh, n_k_heads * D, D, n_k_heads, c, s, HALF, BLOCK_HK,
-                  BLOCK_D)
-    if (slot >= 0) & (slot < n_slots):  # a slot outside the pools (-1: padding, as in vLLM) is not written
-        _cache_rows(k_ptr, v_ptr, kc_ptr, vc_ptr, tok, slot, n_k_heads, stride_kt, stride_kh, stride_vt, stride_vh,
-                    stride_cs, stride_ch, c, s, HALF, BLOCK_HK, BLOCK_D, BLOCK_FULL)
+                  BLOCK_D, kc_ptr + row, stride_ch, cached_heads)
+    _copy_heads(v_ptr + tok * stride_vt, vc_ptr + row, cached_heads, stride_vh, stride_ch, D, BLOCK_HK, BLOCK_FULL)
 
 
 def apply_rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
