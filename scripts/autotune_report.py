@@ -35,12 +35,14 @@ def _timings(tuner) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--kernels", nargs="+", choices=("gemv", "rms_norm"), default=("gemv", "rms_norm"),
+                    help="which kernels' candidates to time (the GEMVs take about a minute to tune)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("autotune_report needs a CUDA device", file=sys.stderr)
         return 2
     out = []
-    for k, n in SHAPES:
+    for k, n in SHAPES if "gemv" in args.kernels else ():
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         q, s = quantize_int8(w)
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             best = r["candidates"][0]
             print(f"{r['kernel']} {k}->{n}: best {best['us']:.2f} us {best['config']}; "
                   f"{len(r['candidates'])} candidates, worst {r['candidates'][-1]['us']:.2f} us", flush=True)
-    for residual in (False, True):
+    for residual in (False, True) if "rms_norm" in args.kernels else ():
         x = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16)
         wt = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
         rn.rms_norm(x, wt, residual=torch.randn_like(x) if residual else None)
