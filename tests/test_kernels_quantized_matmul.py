@@ -61,8 +61,9 @@ def test_w4a16_grouped_gemm(group, k, rows):
 
 
 # GEMV tiles and split-K on the interpreter: (BLOCK_N, BLOCK_K, SPLIT_K); 3 splits of an odd number of steps
-# leaves the last split short, 16 splits of a short K leaves some empty; LOAD_STAGES is a no-op here
-GEMV_TILES = [(16, 64, 1), (8, 32, 3), (32, 16, 16)]
+# leaves the last split short, 16 splits of a short K leaves some empty, a step wider than K masks most of itself;
+# LOAD_STAGES is a no-op here
+GEMV_TILES = [(16, 64, 1), (8, 32, 3), (32, 16, 16), (4, 256, 1)]
 
 
 @pytest.mark.parametrize("tile", GEMV_TILES)
