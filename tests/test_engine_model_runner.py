@@ -98,6 +98,25 @@ def test_triton_path_matches_torch_path(tiny_model, prompts):
     assert torch.equal(hf_last_logits(model, prompts[0]), before)  # merging the weights changed nothing in HF
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the quantised layers' CPU path; CUDA runs the fused GEMVs")
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantised_projections_merge(tiny_model, prompts, method):
+    """labkit's int8/int4 linears merge into one q/k/v and one gate/up layer per layer, and the merged runner
+    computes what the unmerged one does."""
+    from labkit.quant import quantize
+    from labkit.quant.weight_only import Int4Linear, Int8Linear
+
+    qmodel = quantize(tiny_model[0], method)
+    short = [prompts[0][:12], prompts[1], prompts[2][:5]]
+    ref_cache = nan_cache(qmodel, num_blocks=24, block_size=4)
+    ref = run_steps(ModelRunner(qmodel, ref_cache, kernels="triton", merge_weights=False), ref_cache, short)
+    cache = nan_cache(qmodel, num_blocks=24, block_size=4)
+    runner = ModelRunner(qmodel, cache, kernels="triton")
+    assert runner.merged and type(runner.w_qkv[0]) is {"int8": Int8Linear, "int4": Int4Linear}[method]
+    for (a, _), (b, _) in zip(run_steps(runner, cache, short), ref):
+        assert relative_error(a, b) <= 1e-5
+
+
 def test_padded_rows_touch_nothing(tiny_model, prompts):
     """The CUDA-graph input layout (rows padded to a bucket, block tables padded to max_model_len) on the CPU."""
     model, _ = tiny_model

@@ -5,7 +5,7 @@ from torch import nn
 
 from labkit.evaluate import relative_error
 from labkit.quant.packing import dequantize_int4, unpack_int4
-from labkit.quant.weight_only import Int4Linear, Int8Linear, fused_kernel, quantize_int4, quantize_int8
+from labkit.quant.weight_only import Int4Linear, Int8Linear, concat_linears, fused_kernel, quantize_int4, quantize_int8
 
 INT8_TOL, INT4_TOL = 2e-2, 1e-1  # DESIGN.md tolerance table
 
@@ -117,3 +117,41 @@ def test_cuda_layers_match_reference(m):
             assert out.dtype == torch.bfloat16 and relative_error(out, ref) < tol
             q.backend = "torch"
             assert relative_error(out, q(x)) < 1e-2  # fused kernel vs dequantise-then-matmul
+
+
+def _layers(kind: str, rows, k: int = 64, seed: int = 40):
+    g = torch.Generator().manual_seed(seed)
+    plain = [nn.Linear(k, n, bias=False) for n in rows]
+    for lin in plain:
+        lin.weight.data = torch.randn(lin.weight.shape, generator=g)
+    if kind == "plain":
+        return plain
+    if kind == "int8":
+        return [Int8Linear.from_linear(lin) for lin in plain]
+    return [Int4Linear.from_linear(lin, group_size=16) for lin in plain]
+
+
+@pytest.mark.parametrize("kind", ["plain", "int8", "int4"])
+def test_concat_linears_one_matmul_same_values_no_copy(kind):
+    layers = _layers(kind, [48, 16, 16])
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(41))
+    before = [lin(x) for lin in layers]
+    merged = concat_linears(layers)
+    assert type(merged) is type(layers[0]) and merged.out_features == 80
+    assert relative_error(merged(x), torch.cat(before, -1)) < 1e-6
+    for lin, ref in zip(layers, before):
+        assert torch.equal(lin(x), ref)  # each layer still computes what it did, from its slice of the merged one
+    name = {"plain": "weight", "int8": "qweight", "int4": "packed"}[kind]
+    base = getattr(merged, name).untyped_storage().data_ptr()
+    assert all(getattr(lin, name).untyped_storage().data_ptr() == base for lin in layers)
+
+
+def test_concat_linears_refuses_what_cannot_merge():
+    mixed = _layers("int8", [8]) + _layers("int4", [8])
+    assert concat_linears(mixed) is None
+    assert concat_linears(_layers("int4", [8]) + [Int4Linear.from_linear(nn.Linear(64, 8, bias=False), 32)]) is None
+    biased = _layers("plain", [8, 8])
+    biased[1].bias = nn.Parameter(torch.zeros(8))
+    weight = biased[0].weight
+    assert concat_linears(biased) is None and biased[0].weight is weight  # nothing changed
+    assert concat_linears(_layers("plain", [8]) + [nn.Linear(32, 8, bias=False)]) is None

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from labkit.kvcache.attention import dequantised_blocks, paged_prefill_attention_ref
 from labkit.kvcache.paged import PagedKVCache
+from labkit.quant.weight_only import concat_linears
 
 KERNELS = ("auto", "torch", "triton")
 
@@ -70,7 +70,8 @@ class ModelRunner:
     * ``cuda_graphs``: 'auto' (on with CUDA and an unquantised cache), True, False; decode steps are captured
       for ``graph_batch_sizes`` (default ``cuda_graph.default_graph_batch_sizes(max_num_seqs)``)
     * ``merge_weights``: on the Triton path, point q/k/v and gate/up weights at slices of one merged matrix per
-      layer (the same values, no extra memory; the HF model still works), so each is one matmul
+      layer (the same values, no extra memory; the HF model still works), so each is one matmul; plain, int8 and
+      int4 linears (``labkit.quant``) merge
     * ``max_model_len``: longest sequence (sets the graphs' block-table width); default the model's maximum
     """
 
@@ -131,11 +132,12 @@ class ModelRunner:
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
 
     def _merge_projections(self) -> bool:
-        """Re-point q/k/v and gate/up weights at row slices of one matrix per layer (kept in ``self.w_qkv``,
-        ``self.w_gate_up``) where all are plain bias-free ``nn.Linear``; returns whether every layer merged."""
-        self.w_qkv = [_merge_linears([ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj])
+        """Re-point q/k/v and gate/up weights at row slices of one layer per layer (kept in ``self.w_qkv``,
+        ``self.w_gate_up``) where all are bias-free layers of one kind: plain ``nn.Linear`` or labkit's int8 /
+        int4 ones (``labkit.quant.weight_only.concat_linears``); returns whether every layer merged."""
+        self.w_qkv = [concat_linears([ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj])
                       for ly in self.layers]
-        self.w_gate_up = [_merge_linears([ly.mlp.gate_proj, ly.mlp.up_proj]) for ly in self.layers]
+        self.w_gate_up = [concat_linears([ly.mlp.gate_proj, ly.mlp.up_proj]) for ly in self.layers]
         return all(w is not None for w in self.w_qkv + self.w_gate_up)
 
     def _want_graphs(self, cuda_graphs: bool | str) -> bool:
@@ -249,7 +251,7 @@ class ModelRunner:
                    inp: ModelInput) -> torch.Tensor:
         T, D = x.shape[0], self.head_dim
         if self.merged:
-            q, k, v = F.linear(x, self.w_qkv[i]).split(
+            q, k, v = self.w_qkv[i](x).split(
                 [self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1)
         else:
             q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
@@ -276,7 +278,7 @@ class ModelRunner:
         from labkit.kernels.silu_and_mul import silu_and_mul
 
         if self.merged:
-            return mlp.down_proj(silu_and_mul(F.linear(x, self.w_gate_up[i])))
+            return mlp.down_proj(silu_and_mul(self.w_gate_up[i](x)))
         return mlp.down_proj(silu_and_mul(mlp.gate_proj(x), mlp.up_proj(x)))
 
     # --- attention ------------------------------------------------------------------------------------------
@@ -353,16 +355,3 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
 
 def cache_name(cache: PagedKVCache) -> str:
     return cache.fmt.name
-
-
-def _merge_linears(linears: list[torch.nn.Module]) -> torch.Tensor | None:
-    """Make ``linears`` (plain, bias-free, one dtype and device) views of one weight matrix, concatenated by rows,
-    and return it; ``None`` (nothing changed) if they cannot be merged."""
-    ws = [lin.weight for lin in linears]
-    if not all(type(lin) is torch.nn.Linear and lin.bias is None for lin in linears) or \
-            len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1:
-        return None
-    merged = torch.cat([w.detach() for w in ws], dim=0)
-    for lin, part in zip(linears, merged.split([w.shape[0] for w in ws], dim=0)):
-        lin.weight = torch.nn.Parameter(part, requires_grad=False)
-    return merged
