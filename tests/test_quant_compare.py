@@ -27,6 +27,17 @@ def test_speed_rows(tiny_model):
     assert rows[0]["speedup"] == 1.0 and rows[1]["weight_bytes_ratio"] < 0.30
 
 
+def test_speed_rows_engine_runner(tiny_model):
+    rows = speed_rows(tiny_model[0], methods=("int8", "bnb-int8"), context_len=8, iters=2, runner="engine",
+                      progress=False)
+    assert [r["method"] for r in rows] == ["base", "int8", "bnb-int8"]
+    assert [r["timing"] for r in rows[:2]] == ["engine_eager"] * 2 and rows[0]["speedup"] == 1.0
+    assert rows[1]["weight_bytes_ratio"] < 0.52 and rows[1]["decode_ms"] > 0
+    assert "capturable" in rows[2]["status"] or rows[2]["status"] != "ok"
+    with pytest.raises(ValueError, match="runner='vllm'"):
+        speed_rows(tiny_model[0], methods=(), runner="vllm")
+
+
 @pytest.mark.gpu
 def test_speed_rows_cuda_graph_and_patch():
     from labkit.models import random_model
@@ -37,6 +48,8 @@ def test_speed_rows_cuda_graph_and_patch():
     assert all(r["status"] == "ok" for r in rows), [r["status"] for r in rows]
     assert {r["timing"] for r in rows if r["method"] != "base"} == {"cuda_graph"}
     assert all(r["decode_ms"] > 0 for r in rows)
+    rows = speed_rows(model, methods=("int8", "int4"), context_len=64, iters=5, runner="engine", progress=False)
+    assert [r["timing"] for r in rows] == ["engine_graph"] * 3 and all(r["status"] == "ok" for r in rows)
     del model
     torch.cuda.empty_cache()
 

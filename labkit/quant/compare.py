@@ -118,7 +118,7 @@ def _free(dev: torch.device) -> None:
 
 def speed_rows(model: nn.Module, methods=("int8", "int4", "fp8", "bnb-int8", "bnb-nf4"), batch_size: int = 1,
                context_len: int = 512, iters: int = 50, patch: bool = False, bandwidth: float | None = None,
-               progress: bool = True, breakdown: int = 0) -> list[dict]:
+               progress: bool = True, breakdown: int = 0, runner: str = "hf") -> list[dict]:
     """Decode step time of ``model`` (method ``"base"``) and of each quantised copy, at ``batch_size`` with
     ``context_len`` cached tokens, as CUDA-graph replays on CUDA; ``speedup`` is over the base timed the same
     way. bitsandbytes layers are timed eagerly (LLM.int8 picks outlier columns with data-dependent shapes,
@@ -133,7 +133,15 @@ def speed_rows(model: nn.Module, methods=("int8", "int4", "fp8", "bnb-int8", "bn
 
     ``breakdown > 0``: each CUDA-graph row also gets ``breakdown``, its step's top kernels by device time
     (``StaticDecodeStep.kernel_breakdown``).
+
+    ``runner``: ``"hf"`` times the model's own forward (``labkit.decode_step``); ``"engine"`` times labkit's
+    serving forward on the same weights (``labkit.engine`` ``ModelRunner``: q/k/v and gate/up merged into one
+    GEMV each, RoPE and the cache write in one kernel, paged decode attention; a CUDA-graph replay on CUDA), where
+    a layer costs a dozen kernels instead of HF's ~25, so the step is closer to its weight bytes. bitsandbytes
+    rows are refused there (its layers are not capturable).
     """
+    if runner not in ("hf", "engine"):
+        raise ValueError(f"runner={runner!r}; allowed: 'hf', 'engine'")
     dev = _device(model)
     rows, base_ms = [], {}
     for method in tqdm([BASELINE, *methods], desc="decode step", disable=not progress):
@@ -142,7 +150,11 @@ def speed_rows(model: nn.Module, methods=("int8", "int4", "fp8", "bnb-int8", "bn
             rows.append({"method": method, "status": reason})
             continue
         try:
-            rows += _speed_rows(model, method, batch_size, context_len, iters, patch, bandwidth, base_ms, breakdown)
+            if runner == "engine":
+                rows += _engine_rows(model, method, batch_size, context_len, iters, bandwidth, base_ms)
+            else:
+                rows += _speed_rows(model, method, batch_size, context_len, iters, patch, bandwidth, base_ms,
+                                    breakdown)
         except Exception as e:  # report and go on to the next method
             if method == BASELINE:
                 raise
@@ -151,13 +163,41 @@ def speed_rows(model: nn.Module, methods=("int8", "int4", "fp8", "bnb-int8", "bn
     return rows
 
 
+def _row(method, timing, t, base_ms, qm, model, batch_size, context_len, bandwidth, **extra) -> dict:
+    wb = linear_weight_bytes(qm, list(target_linears(model)))
+    step_bytes = decode_step_bytes(qm, batch_size, context_len)
+    if method == BASELINE:
+        base_ms[timing] = t.median_ms
+    row = {"method": method, "timing": timing, **extra, "decode_ms": t.median_ms, "spread": t.spread,
+           "speedup": base_ms[timing] / t.median_ms, "weight_bytes": wb["held"], "weight_bytes_ratio": wb["ratio"],
+           "step_bytes": step_bytes, "status": "ok", "samples_s": t.samples_s}
+    if bandwidth:
+        row["floor_ms"] = step_bytes / bandwidth * 1e3
+        row["frac_of_floor"] = row["floor_ms"] / t.median_ms
+    return row
+
+
+def _engine_rows(model, method, batch_size, context_len, iters, bandwidth, base_ms) -> list[dict]:
+    """One row: labkit's ``ModelRunner`` decode step over a paged cache (``engine.experiments.runner_step``)."""
+    from labkit.bench import time_fn
+    from labkit.engine.experiments import runner_step
+
+    if method.startswith("bnb"):
+        return [{"method": method, "timing": "engine", "status": "bitsandbytes layers are not CUDA-graph "
+                 "capturable; timed through HF's forward only"}]
+    qm = model if method == BASELINE else quantize(model, method)
+    step, runner = runner_step(qm, "decode", batch_size, context_len)
+    timing = "engine_graph" if runner.graph_batch_sizes else "engine_eager"
+    t = time_fn(step, device=_device(model), warmup=2, iters=iters)
+    del step, runner
+    return [_row(method, timing, t, base_ms, qm, model, batch_size, context_len, bandwidth)]
+
+
 def _speed_rows(model, method, batch_size, context_len, iters, patch, bandwidth, base_ms,
                 breakdown: int = 0) -> list[dict]:
     """Rows of one method: CUDA-graph replay (and, for the base on CUDA, also eager) or eager for bnb."""
     graph = _device(model).type == "cuda"
     qm = model if method == BASELINE else quantize(model, method)
-    wb = linear_weight_bytes(qm, list(target_linears(model)))
-    step_bytes = decode_step_bytes(qm, batch_size, context_len)
     modes = [False] if method.startswith("bnb") else [graph]
     if method == BASELINE and graph:
         modes = [True, False]
@@ -176,15 +216,8 @@ def _speed_rows(model, method, batch_size, context_len, iters, patch, bandwidth,
 
                 unpatch(qm)
         timing = "cuda_graph" if use_graph else "eager"
-        if method == BASELINE:
-            base_ms[timing] = t.median_ms
-        row = {"method": method, "timing": timing, "patched": patch, "decode_ms": t.median_ms, "spread": t.spread,
-               "speedup": base_ms[timing] / t.median_ms, "weight_bytes": wb["held"],
-               "weight_bytes_ratio": wb["ratio"], "step_bytes": step_bytes, "status": "ok", "samples_s": t.samples_s}
+        row = _row(method, timing, t, base_ms, qm, model, batch_size, context_len, bandwidth, patched=patch)
         if "breakdown" in t.extra:
             row["breakdown"] = t.extra["breakdown"]
-        if bandwidth:
-            row["floor_ms"] = step_bytes / bandwidth * 1e3
-            row["frac_of_floor"] = row["floor_ms"] / t.median_ms
         rows.append(row)
     return rows
