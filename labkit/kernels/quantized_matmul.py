@@ -31,17 +31,19 @@ clocks = 14 us on its own) and the int4 path spent ~6 more float ops per byte on
   shared by all rows). Compiled for sm_90 (Triton 3.9, ptxas) the K loop issues ~5.0 instructions per int8
   weight and ~4.0-4.6 per int4 weight: 58.7 M x 5.0 / 33.4 T = 8.8 us < 13.7 us (int8 is memory-bound);
   58.7 M x 4.2 / 33.4 T = 7.4 us ~ 7.3 us (int4 balanced between issue and bytes).
-* **Split-K** (``SPLIT_K`` programs per block of rows) so that small grids (4096 rows in blocks of 16-256)
-  still give several CTAs per SM. Partial sums go to a
+* **Split-K** (``SPLIT_K`` programs per block of rows) so that tall tiles -- R = 2-8 rows per thread, each
+  converted activation serving R rows -- still give the grid several CTAs per SM. Partial sums go to a
   float32 workspace; the last split of a row block to arrive (an atomic counter) adds them in split order
   (deterministic), writes the output and resets its counter: one launch, no memset, CUDA-graph capturable.
 * **16-byte loads** (16 contiguous bytes per thread along K from 16-byte aligned rows; ``other`` is left off
   the weight loads -- any bit pattern decodes to a finite value -- so no registers are zeroed per step),
   optionally software-pipelined through shared memory (``tl.range(num_stages=3)``, cp.async).
-* **Autotuned** per ``(N, K)`` over tiles, splits, warps and load stages (tables above ``_gemv_configs``):
-  wide steps along K (up to 2048 weights x 8-16 rows, 32 KB a step) for bytes in flight, narrow ones with
-  more rows. The autotuner times the candidates once per shape on the first call (L2 flushed): warm up before
-  capturing a CUDA graph (capture also refuses to allocate the workspace).
+* **Autotuned** per ``(N, K)`` over tiles, splits, warps and load stages (tables below ``_gemv_configs``).
+  For 4096 -> 14336: int8 ``128x64`` tiles -> 112 row blocks x 1-4 splits, int4 (group 128) ``512x128``
+  tiles (8 rows per thread) -> 28 row blocks x 8-16 splits; 14336 -> 4096 and 4096 -> 4096 (16-128 row
+  blocks) rely on splits to fill 132 SMs; the LM head (128256 rows) is never split. The autotuner times the
+  candidates once per shape on the first call (L2 flushed): warm up before capturing a CUDA graph (capture
+  also refuses to allocate the workspace).
 
 Expected at 4096 -> 14336 (not yet measured): int8 at 85% of copy bandwidth ~16 us (1.9x bf16; the 1.7x bar
 needs <= 18.1 us, 0.76 of bandwidth); int4 ~9-10 us (3.1-3.4x; 2.5x needs <= 12.3 us; 3x bitsandbytes NF4's
@@ -104,26 +106,23 @@ def _store_rows(part, offs_n, n_ok, out_ptr, ws_ptr, cnt_ptr, N, SPLIT_K: tl.con
 @triton.jit
 def _w8_gemv(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr,
              BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, LOAD_STAGES: tl.constexpr):
-    """``w_ptr``: the int8 weights viewed as uint8 (raw bytes). A step is a ``[BLOCK_N, BLOCK_K // 16, 16]``
-    tile: each thread holds whole 16-byte chunks and sums each chunk's 16 products in its own registers, so the
-    accumulator is one float per chunk, not per weight, and the registers go to loads in flight instead."""
-    CHUNKS: tl.constexpr = BLOCK_K // 16
+    # w_ptr: the int8 weights viewed as uint8 (raw bytes)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    offs_k = tl.arange(0, CHUNKS)[:, None] * 16 + tl.arange(0, 16)[None, :]  # [chunks, 16]
+    offs_k = tl.arange(0, BLOCK_K)
     k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K  # whole steps, so splits never overlap
     k_lo = tl.program_id(1) * k_per
     k_hi = tl.minimum(k_lo + k_per, K)
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None, None] * stride_wn
-    acc = tl.zeros([BLOCK_N, CHUNKS], tl.float32)  # reduced over chunks once at the end
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # reduced once at the end, not once per step
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=LOAD_STAGES):
         k = k0 + offs_k
         k_ok = k < K
         x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
         # no `other`: any byte decodes to a finite value, met by x = 0 (k >= K) or a row never stored
-        b = tl.load(w_rows + k[None, :, :], mask=n_ok[:, None, None] & k_ok[None, :, :]).to(tl.int32)
+        b = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :]).to(tl.int32)
         q = (b ^ _W8_BITS).to(tl.float32, bitcast=True) - _W8_BIAS  # the int8 value, exactly
-        acc += tl.sum(q * x[None, :, :], 2)
+        acc += q * x[None, :]
     s = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     _store_rows(tl.sum(acc, 1) * s, offs_n, n_ok, out_ptr, ws_ptr, cnt_ptr, N, SPLIT_K)
 
@@ -320,22 +319,18 @@ def _w4_gemm_grouped(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, st
 
 
 # --- autotuning (CUDA) and fixed tiles (interpreter) -----------------------------------------------------
-# GEMV tiles (BLOCK_N, BLOCK_K, warps): 16 contiguous bytes per chunk; a thread holds 4-16 chunks of a step
-# (one step of one CTA loads 8-32 KB); int4's BLOCK_K counts weights. The GEMVs are latency-bound at decode
-# shapes (about 5 instructions per weight issue in 9 us what the H200's bandwidth moves in 14), so the tiles
-# aim at bytes in flight per SM: wide steps along K with few rows, and registers left for the loads (the int8
-# accumulator is one float per 16-byte chunk). Where BLOCK_K < 32 * warps the activations are loaded straight
-# into the layout the weights need; the other tiles may pass them through shared memory (a barrier per step).
-# Compiled for sm_90 (Triton 3.9, ptxas; `scripts/sass_report.py`), no spills:
-#   int8 (bytes per thread and step, registers, instructions per weight):
-#        (8,2048,4) 128, 64, 5.3; (16,2048,4) 256, 96, 5.1; (16,1024,4) 128, 125, 5.2; (32,256,4) 64, 80, 5.3;
-#        (128,64,4) 64, 56, 5.5
-#   int4 (group 128): (256,128,8) 64, 80, 4.6; (128,128,4) 64, 89, 4.1; (32,1024,4) 128, 126, 4.1;
-#        (16,2048,4) 128, 128, 4.3; (256,64,4) (groups <= 64)
-# The H200 picked (32,256,4) for int8 and (256,128,8) for int4 at 4096 -> 14336 among the previous tiles (the
-# int8 ones then kept one float per weight: 120 registers for 64 bytes per thread).
-W8_TILES = ((8, 2048, 4), (16, 2048, 4), (16, 1024, 4), (32, 256, 4), (128, 64, 4))
-W4_TILES = ((256, 128, 8), (128, 128, 4), (32, 1024, 4), (16, 2048, 4), (256, 64, 4))
+# GEMV tiles (BLOCK_N, BLOCK_K, warps): 16 contiguous bytes per thread along K and R = 2-8 rows per thread
+# (one step of one CTA loads 4-32 KB; every converted activation serves R rows); int4's BLOCK_K counts weights.
+# Where BLOCK_K < 32 * warps the activations are loaded straight into the layout the weights need (Triton
+# rematerialises a load with fewer elements than threads); the other tiles pass them through shared memory
+# with two barriers per step, kept so that the autotuner weighs that against their taller tiles.
+# Compiled for sm_90 (Triton 3.9, ptxas): no spills; the loop issues ~5.0 instructions per int8 weight
+# (byte extract, XOR, FADD, FFMA + addressing) and ~4.0-4.6 per int4 weight.
+#   int8 (R, registers): (128,64,4) 4, 120; (64,64,4) 2, 68; (128,128,8) 4, 126; (32,256,4) 4, 119
+#   int4 (R, registers): (512,128,8) 8, 123; (256,128,8) 4, 80; (256,128,4) 8, 128; (128,128,4) 4, 89;
+#                        (256,64,4) 4, 94 (groups <= 64)
+W8_TILES = ((128, 64, 4), (64, 64, 4), (128, 128, 8), (32, 256, 4))
+W4_TILES = ((512, 128, 8), (256, 128, 8), (256, 128, 4), (128, 128, 4), (256, 64, 4))
 SPLITS = (1, 2, 4, 8, 16)
 LOAD_STAGES = (1, 3)  # 1: plain loads into registers; 3: pipelined through shared memory (cp.async)
 MAX_CTAS_PER_SM = 6  # a split is only worth it while the grid is small
