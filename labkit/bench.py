@@ -137,7 +137,12 @@ def time_region(fn: Callable[[], object], device: torch.device | str | None = No
 
 # --- records --------------------------------------------------------------------------------------------------
 def git_commit() -> str:
-    """The commit of the code that ran: git's HEAD (with ``-dirty``), else ``$LABKIT_GIT_COMMIT``, else unknown."""
+    """The commit of the code that ran: ``$LABKIT_GIT_COMMIT`` when set (a copy of a working tree, as the H200
+    runs get, can sit on an older ``.git`` whose HEAD is not the code), else git's HEAD (with ``-dirty``), else
+    unknown."""
+    given = os.environ.get("LABKIT_GIT_COMMIT")
+    if given:
+        return given
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
                               timeout=10)
@@ -147,7 +152,7 @@ def git_commit() -> str:
             return head.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.TimeoutExpired):
         pass
-    return os.environ.get("LABKIT_GIT_COMMIT", "unknown")
+    return "unknown"
 
 
 def environment() -> dict:

@@ -39,3 +39,12 @@ def test_records_figures_and_summary(tmp_path):
     assert merged["figures"]["unit.x"]["record"] == "results/h200/records/unit.json"
     table = summary_table(summary)
     assert "`unit.x`" in table and "<= 2" in table
+
+
+def test_git_commit_prefers_the_commit_given(monkeypatch):
+    from labkit.bench import git_commit
+
+    monkeypatch.setenv("LABKIT_GIT_COMMIT", "abc1234")
+    assert git_commit() == "abc1234"  # a copied tree's .git may be older than the code that runs
+    monkeypatch.delenv("LABKIT_GIT_COMMIT")
+    assert git_commit() != "abc1234"
