@@ -45,12 +45,26 @@ def test_split_context_merges_exactly():
     assert relative_error(split, paged_attention_ref(q, k, v, tables, ctx, scale=None)) < 1e-5
 
 
+@pytest.mark.parametrize("num_splits", [5, 16])
+def test_ranges_follow_each_context_not_the_table_width(num_splits):
+    """A CUDA-graph step's tables are max_model_len wide: each sequence's ranges are cut from its own length
+    (some of the 16 ranges hold no token; a one-token context has one non-empty range)."""
+    lens = [1, 37, 300]
+    q, k, v, _, ctx = _case(3, 4, 2, 32, 8, lens, 200, torch.float32, seed=6)
+    g = torch.Generator().manual_seed(7)
+    tables = torch.randperm(200, generator=g)[:3 * 64].view(3, 64).int().to(DEVICE)  # 512 slots per row
+    out = paged_attention(q, k, v, tables, ctx, num_splits=num_splits)
+    assert relative_error(out, paged_attention_ref(q.double(), k.double(), v.double(), tables, ctx)) < 1e-5
+
+
 def test_scale_and_auto_splits():
     q, k, v, tables, ctx = _case(2, 2, 2, 16, 16, [40, 17], 10, torch.float32, seed=4)
     out = paged_attention(q, k, v, tables, ctx, scale=0.3)
     assert relative_error(out, paged_attention_ref(q, k, v, tables, ctx, scale=0.3)) < 1e-5
     assert auto_num_splits(32, 8, 4096, torch.device("cpu")) == 1       # plenty of programs already
     assert auto_num_splits(1, 8, 65536, torch.device("cpu")) == 2       # one sequence: split its context
+    assert auto_num_splits(1, 1, 600, torch.device("cpu")) == 9         # short contexts split too (>= 64 each)
+    assert auto_num_splits(1, 1, 100, torch.device("cpu")) == 1
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
