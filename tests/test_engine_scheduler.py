@@ -103,6 +103,21 @@ def test_without_chunking_a_prompt_waits_for_a_step_with_room():
         sched.add(make_seqs([(20, 5)])[0])
 
 
+def test_min_admit_groups_admissions_while_others_decode():
+    cache = PagedKVCache(1, 1, 4, num_blocks=64, block_size=4)
+    sched = ContinuousBatchingScheduler(cache, max_num_seqs=4, max_num_batched_tokens=64, min_admit=3)
+    seqs = make_seqs([(3, 2), (3, 4), (3, 9), (3, 30), (4, 3), (4, 5), (4, 3), (5, 2)])
+    seen, groups = set(), []
+    for b in drive(sched, seqs):
+        new = [s.seq_id for s in b.seqs[b.num_decode:] if s.seq_id not in seen]
+        seen.update(new)
+        if new:
+            groups.append((b.num_decode, new))
+    # nothing running: admit at once; requests 0 and 1 end (2 slots free): no admission until 2 ends too, then
+    # 3 together while request 3 decodes; the last one alone (all that wait) once a slot frees, 2 still decoding
+    assert groups == [(0, [0, 1, 2, 3]), (1, [4, 5, 6]), (2, [7])]
+
+
 def test_preemption_by_recompute_finishes_everything():
     cache = PagedKVCache(1, 1, 4, num_blocks=7, block_size=4)  # 28 slots for 4 requests of up to 15 each
     sched = ContinuousBatchingScheduler(cache, max_num_seqs=4, max_num_batched_tokens=32)
@@ -119,14 +134,16 @@ def test_preemption_by_recompute_finishes_everything():
 @settings(max_examples=40, deadline=None)
 @given(specs=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12)), min_size=1, max_size=8),
        num_blocks=st.integers(8, 40), block_size=st.sampled_from([1, 2, 4, 8]), max_num_seqs=st.integers(1, 6),
-       extra_budget=st.integers(0, 20), chunked=st.booleans(), policy=st.sampled_from(["fifo", "static", "continuous"]))
-def test_any_workload_finishes_correctly(specs, num_blocks, block_size, max_num_seqs, extra_budget, chunked, policy):
+       extra_budget=st.integers(0, 20), chunked=st.booleans(), policy=st.sampled_from(["fifo", "static", "continuous"]),
+       min_admit=st.integers(1, 6))
+def test_any_workload_finishes_correctly(specs, num_blocks, block_size, max_num_seqs, extra_budget, chunked, policy,
+                                         min_admit):
     cache = PagedKVCache(1, 1, 2, num_blocks=num_blocks, block_size=block_size, allocate_pools=False)
     budget = max_num_seqs + extra_budget
     if policy == "continuous" and not chunked:
         budget = max(budget, max(p + m for p, m in specs))
     sched = make_scheduler(policy, cache, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                           chunked_prefill=chunked)
+                           chunked_prefill=chunked, min_admit=min(min_admit, max_num_seqs))
     seqs = make_seqs(specs)
     fits = [cache.blocks_for(s.max_kv_tokens) <= num_blocks for s in seqs]
     if not all(fits):
@@ -144,6 +161,8 @@ def test_bad_arguments():
         make_scheduler("lifo", cache)
     with pytest.raises(ValueError, match="max_num_batched_tokens=4 must be >= max_num_seqs=8"):
         ContinuousBatchingScheduler(cache, max_num_seqs=8, max_num_batched_tokens=4)
+    with pytest.raises(ValueError, match="min_admit=5 must be an int in 1..max_num_seqs=4"):
+        ContinuousBatchingScheduler(cache, max_num_seqs=4, max_num_batched_tokens=8, min_admit=5)
     with pytest.raises(ValueError, match="batch_size=0"):
         StaticBatchScheduler(cache, batch_size=0)
     with pytest.raises(ValueError, match="exceeds max_model_len=10"):

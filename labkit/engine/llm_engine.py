@@ -43,7 +43,8 @@ class EngineConfig:
 
     * ``scheduler``: 'fifo', 'static' or 'continuous'; ``static_batch_size`` (default ``max_num_seqs``)
     * ``max_num_seqs``: running sequences at most; ``max_num_batched_tokens``: tokens per step (continuous)
-    * ``chunked_prefill``: split long prompts over steps (continuous)
+    * ``chunked_prefill``: split long prompts over steps (continuous); ``min_admit``: admit waiting requests in
+      groups of at least this many while others decode (continuous; see ``ContinuousBatchingScheduler``)
     * ``max_model_len``: prompt + output tokens at most (default: the model's maximum position)
     * ``block_size``, ``num_blocks``: the paged cache; ``num_blocks=None`` sizes it from
       ``gpu_memory_utilization`` of free device memory on CUDA, and for ``max_num_seqs`` full-length sequences
@@ -56,6 +57,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     chunked_prefill: bool = True
+    min_admit: int = 1
     static_batch_size: int | None = None
     max_model_len: int | None = None
     block_size: int = 16
@@ -169,7 +171,7 @@ class LLMEngine:
         self.scheduler = make_scheduler(cfg.scheduler, self.cache, max_num_seqs=cfg.max_num_seqs,
                                         max_num_batched_tokens=cfg.max_num_batched_tokens,
                                         chunked_prefill=cfg.chunked_prefill, static_batch_size=cfg.static_batch_size,
-                                        max_model_len=self.max_model_len)
+                                        max_model_len=self.max_model_len, min_admit=cfg.min_admit)
         self.sampler = Sampler()
         eos = getattr(model.config, "eos_token_id", None)
         self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
