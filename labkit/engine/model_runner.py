@@ -132,7 +132,7 @@ class ModelRunner:
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
 
     def _merge_projections(self) -> bool:
-        """Re-point q/k/v and gate/up weights at row slices of one layer per layer (kept in ``self.w_qkv``,
+        """Re-point each layer's q/k/v and gate/up weights at row slices of one merged layer (kept in ``self.w_qkv``,
         ``self.w_gate_up``) where all are bias-free layers of one kind: plain ``nn.Linear`` or labkit's int8 /
         int4 ones (``labkit.quant.weight_only.concat_linears``); returns whether every layer merged."""
         self.w_qkv = [concat_linears([ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj])

@@ -163,9 +163,12 @@ def speed_rows(model: nn.Module, methods=("int8", "int4", "fp8", "bnb-int8", "bn
     return rows
 
 
-def _row(method, timing, t, base_ms, qm, model, batch_size, context_len, bandwidth, **extra) -> dict:
-    wb = linear_weight_bytes(qm, list(target_linears(model)))
-    step_bytes = decode_step_bytes(qm, batch_size, context_len)
+def _step_bytes(qm, model, batch_size, context_len) -> tuple[dict, float]:
+    """The quantised copy's linear weight bytes (held and over bf16) and the bytes one decode step reads."""
+    return linear_weight_bytes(qm, list(target_linears(model))), decode_step_bytes(qm, batch_size, context_len)
+
+
+def _row(method, timing, t, base_ms, wb: dict, step_bytes: float, bandwidth, **extra) -> dict:
     if method == BASELINE:
         base_ms[timing] = t.median_ms
     row = {"method": method, "timing": timing, **extra, "decode_ms": t.median_ms, "spread": t.spread,
@@ -190,7 +193,7 @@ def _engine_rows(model, method, batch_size, context_len, iters, bandwidth, base_
     timing = "engine_graph" if runner.graph_batch_sizes else "engine_eager"
     t = time_fn(step, device=_device(model), warmup=2, iters=iters)
     del step, runner
-    return [_row(method, timing, t, base_ms, qm, model, batch_size, context_len, bandwidth)]
+    return [_row(method, timing, t, base_ms, *_step_bytes(qm, model, batch_size, context_len), bandwidth)]
 
 
 def _speed_rows(model, method, batch_size, context_len, iters, patch, bandwidth, base_ms,
@@ -198,6 +201,7 @@ def _speed_rows(model, method, batch_size, context_len, iters, patch, bandwidth,
     """Rows of one method: CUDA-graph replay (and, for the base on CUDA, also eager) or eager for bnb."""
     graph = _device(model).type == "cuda"
     qm = model if method == BASELINE else quantize(model, method)
+    wb, step_bytes = _step_bytes(qm, model, batch_size, context_len)
     modes = [False] if method.startswith("bnb") else [graph]
     if method == BASELINE and graph:
         modes = [True, False]
@@ -216,7 +220,7 @@ def _speed_rows(model, method, batch_size, context_len, iters, patch, bandwidth,
 
                 unpatch(qm)
         timing = "cuda_graph" if use_graph else "eager"
-        row = _row(method, timing, t, base_ms, qm, model, batch_size, context_len, bandwidth, patched=patch)
+        row = _row(method, timing, t, base_ms, wb, step_bytes, bandwidth, patched=patch)
         if "breakdown" in t.extra:
             row["breakdown"] = t.extra["breakdown"]
         rows.append(row)

@@ -226,10 +226,15 @@ class Int4Linear(nn.Module):
 
 # --- merging layers that read one input ----------------------------------------------------------------------
 def _repoint(linears: list[nn.Module], name: str, merged: torch.Tensor) -> None:
-    """Make each module's ``name`` a row slice of ``merged`` (the rows it held, in order)."""
+    """Make each module's ``name`` a row slice of ``merged`` (the rows it held, in order); a parameter stays a
+    (frozen) parameter, a buffer a buffer."""
     parts = merged.split([getattr(m, name).shape[0] for m in linears], dim=0)
     for m, part in zip(linears, parts):
-        setattr(m, name, part)
+        setattr(m, name, nn.Parameter(part, requires_grad=False) if name in m._parameters else part)
+
+
+# the tensors that hold each mergeable kind's weight, row by output feature
+_WEIGHT_TENSORS = {nn.Linear: ("weight",), Int8Linear: ("qweight", "scale"), Int4Linear: ("packed", "scales", "zeros")}
 
 
 def concat_linears(linears: list[nn.Module]) -> nn.Module | None:
@@ -245,26 +250,21 @@ def concat_linears(linears: list[nn.Module]) -> nn.Module | None:
     rows).
     """
     kinds = {type(m) for m in linears}
-    if len(kinds) != 1 or any(getattr(m, "bias", None) is not None for m in linears):
+    names = _WEIGHT_TENSORS.get(next(iter(kinds))) if len(kinds) == 1 else None
+    if names is None or any(getattr(m, "bias", None) is not None for m in linears):
         return None
-    kind = kinds.pop()
+    shape = {(m.in_features, getattr(m, "backend", None), getattr(m, "group_size", None)) for m in linears}
+    if len(shape) != 1 or any(len({(getattr(m, n).dtype, getattr(m, n).device) for m in linears}) != 1
+                              for n in names):
+        return None
+    kind, first = type(linears[0]), linears[0]
+    cat = [torch.cat([getattr(m, n).detach() for m in linears], dim=0) for n in names]
     if kind is nn.Linear:
-        ws = [m.weight for m in linears]
-        if len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1:
-            return None
-        merged = nn.Linear(ws[0].shape[1], sum(w.shape[0] for w in ws), bias=False, device="meta")
-        merged.weight = nn.Parameter(torch.cat([w.detach() for w in ws], dim=0), requires_grad=False)
-        for lin, part in zip(linears, merged.weight.split([w.shape[0] for w in ws], dim=0)):
-            lin.weight = nn.Parameter(part, requires_grad=False)
-        return merged
-    names = {Int8Linear: ("qweight", "scale"), Int4Linear: ("packed", "scales", "zeros")}.get(kind)
-    if names is None or len({(m.in_features, m.backend, getattr(m, "group_size", None)) for m in linears}) != 1:
-        return None
-    if any(len({(getattr(m, n).dtype, getattr(m, n).device) for m in linears}) != 1 for n in names):
-        return None
-    cat = {n: torch.cat([getattr(m, n) for m in linears], dim=0) for n in names}
-    extra = (linears[0].group_size,) if kind is Int4Linear else ()
-    merged = kind(*cat.values(), *extra, backend=linears[0].backend)
+        merged = nn.Linear(first.in_features, cat[0].shape[0], bias=False, device="meta")
+        merged.weight = nn.Parameter(cat[0], requires_grad=False)
+    else:
+        extra = (first.group_size,) if kind is Int4Linear else ()
+        merged = kind(*cat, *extra, backend=first.backend)
     for n in names:
         _repoint(linears, n, getattr(merged, n))
     return merged
