@@ -1,7 +1,7 @@
 """CUDA-graph decode steps: bucket sizes and lookup everywhere; on CUDA, replayed steps give the eager steps' logits
 (fp32 on the embedded model, bf16 on 4 layers of the Llama-3-8B shape), with a padding row in the batch.
 
-On the CPU, ``HostGraphs`` runs the real ``DecodeGraphs`` buffer logic with a stand-in for ``torch.cuda.CUDAGraph``
+On the CPU, ``HostGraphs`` runs the real ``StepGraphs`` buffer logic with a stand-in for ``torch.cuda.CUDAGraph``
 that behaves as a graph does where it matters: a replay re-runs the step on the *captured* static inputs and writes
 into the *captured* output tensor (fixed addresses), a replay of one bucket may clobber the others' outputs (one
 shared pool), and everything a capture freezes (each op's shapes and non-tensor arguments, each Triton launch's grid
@@ -11,13 +11,14 @@ capture, a host value baked into the step, or a caller keeping the graph's outpu
 """
 
 from dataclasses import replace
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from labkit.engine.cuda_graph import DecodeGraphs, default_graph_batch_sizes
+from labkit.engine.cuda_graph import GraphKey, StepGraphs, default_graph_batch_sizes, default_graph_token_sizes
 from labkit.engine.model_runner import ModelRunner
 from labkit.evaluate import relative_error
 from labkit.kvcache import PagedKVCache
@@ -35,7 +36,17 @@ def test_bucket_sizes_and_lookup():
     assert default_graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
     assert default_graph_batch_sizes(256)[-3:] == [192, 224, 256]
     graphs = SimpleNamespace(batch_sizes=[1, 2, 4, 8])
-    assert [DecodeGraphs.bucket(graphs, n) for n in (1, 3, 5, 8, 9)] == [1, 4, 8, 8, None]
+    assert [StepGraphs.bucket(graphs, n) for n in (1, 3, 5, 8, 9)] == [1, 4, 8, 8, None]
+    assert default_graph_token_sizes(100) == [16, 32, 64, 100]
+    sizes = default_graph_token_sizes(2048)
+    assert sizes[:6] == [16, 32, 64, 128, 192, 256] and sizes[-3:] == [1536, 1792, 2048] and len(sizes) == 18
+    graphs = SimpleNamespace(batch_sizes=[1, 2, 4], token_sizes=[16, 64], runner=SimpleNamespace(max_num_seqs=4))
+    graphs.bucket = partial(StepGraphs.bucket, graphs)
+    lookup = partial(StepGraphs.lookup, graphs)
+    assert lookup(3, 3, 3) == GraphKey("decode", 4, 4)  # all decode: the batch bucket
+    assert lookup(3, 20, 2) == GraphKey("mixed", 4, 64)  # a prefill chunk: the token bucket, seqs up to 4
+    assert lookup(1, 9, 0) == GraphKey("mixed", 4, 16)
+    assert lookup(5, 5, 5) is None and lookup(2, 65, 1) is None  # too many sequences or tokens: eager
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -108,7 +119,7 @@ def recorded(step, monkeypatch):
         raise HostReadError("the captured step copies a device tensor to the host (.tolist()): a graph would "
                             "replay the values seen at capture")
 
-    with monkeypatch.context() as m, torch.inference_mode():  # as DecodeGraphs captures (ops differ outside it)
+    with monkeypatch.context() as m, torch.inference_mode():  # as StepGraphs captures (ops differ outside it)
         m.setattr(interp.GridExecutor, "__call__", launch)
         m.setattr(torch.Tensor, "tolist", tolist)
         with rec:
@@ -142,12 +153,12 @@ class HostGraph:
         self.replays += 1
 
 
-class HostGraphs(DecodeGraphs):
-    """``DecodeGraphs`` with ``HostGraph`` for the CUDA calls."""
+class HostGraphs(StepGraphs):
+    """``StepGraphs`` with ``HostGraph`` for the CUDA calls."""
 
-    def __init__(self, runner, batch_sizes, monkeypatch):
+    def __init__(self, runner, batch_sizes, monkeypatch, token_sizes=()):
         self.mp, self.pool = monkeypatch, []
-        super().__init__(runner, batch_sizes)
+        super().__init__(runner, batch_sizes, token_sizes)
 
     @staticmethod
     def _check_device(runner) -> None:
@@ -167,15 +178,16 @@ class HostGraphs(DecodeGraphs):
         pass
 
 
-def host_graph_runner(model, cache, monkeypatch, sizes=(1, 2, 4), **kw) -> ModelRunner:
+def host_graph_runner(model, cache, monkeypatch, sizes=(1, 2, 4), token_sizes=(), **kw) -> ModelRunner:
     runner = ModelRunner(model, cache, cuda_graphs=False, **kw)
-    runner.graphs = HostGraphs(runner, list(sizes), monkeypatch)
+    runner.graphs = HostGraphs(runner, list(sizes), monkeypatch, list(token_sizes))
     return runner
 
 
 def static_ptrs(graphs) -> list[int]:
     s = graphs.static
-    return [t.data_ptr() for t in (s.input_ids, s.positions, s.slot_mapping, s.block_tables, s.context_lens)]
+    return [t.data_ptr() for t in (s.input_ids, s.positions, s.slot_mapping, s.block_tables, s.context_lens,
+                                   s.query_start_loc, s.logits_indices)]
 
 
 def owned_by_graphs(graphs, outs) -> list[int]:
@@ -220,13 +232,91 @@ def test_host_graphs_replay_equals_eager(tiny_model, monkeypatch, kernels):
     graphs, ptrs = runner.graphs, static_ptrs(runner.graphs)
     assert runner.graph_batch_sizes == [1, 2, 4] and runner.scratch_block is not None
     got = decode_steps(runner, cache, prompts, steps)
-    assert [graphs.graphs[b].replays for b in (1, 2, 4)] == [1, 1, n_steps + 1]  # every decode step replayed
+    replays = [graphs.graphs[GraphKey("decode", b, b)].replays for b in (1, 2, 4)]
+    assert replays == [1, 1, n_steps + 1]  # every decode step replayed
     assert static_ptrs(graphs) == ptrs  # fed by copying into the buffers captured, never by re-binding them
     assert not owned_by_graphs(graphs, got)
     for i, (a, b) in enumerate(zip(got, eager)):
         assert a.shape == b.shape and torch.isfinite(a).all(), i
         assert relative_error(a, b) <= 1e-5, f"step {i}: relative error {relative_error(a, b):.3g}"
     assert all(c.num_computed == c.num_tokens for c in cache.seqs.values())
+
+
+def mixed_steps(runner, cache, prompts, fed, replayed: list | None = None) -> list[torch.Tensor]:
+    """Continuous batching's step shapes: two prompts prefilled in one step, then two steps that decode them while
+    a third prompt arrives in two chunks (the second completes it), then a decode step of all three. Returns every
+    step's logits as returned, kept until the end; appends whether each step replayed a graph to ``replayed``."""
+    out = []
+
+    def step(ids, counts, num_decode):
+        out.append(runner.execute(ids, counts, num_decode))
+        if replayed is not None:
+            replayed.append(runner.last_step_replayed)
+
+    for i in (0, 1):
+        cache.allocate(i, prompts[i])
+    step([0, 1], [len(prompts[0]), len(prompts[1])], 0)
+    cache.allocate(2, prompts[2])
+    first = len(prompts[2]) // 2
+    for t, chunk in zip(fed, (first, len(prompts[2]) - first)):
+        for i in (0, 1):
+            cache.append_slots(i, [t[i]])
+        step([0, 1, 2], [1, 1, chunk], 2)
+    for i in range(3):
+        cache.append_slots(i, [fed[2][i]])
+    step([0, 1, 2], [1, 1, 1], 3)
+    return out
+
+
+def test_host_graphs_replay_mixed_steps(tiny_model, monkeypatch):
+    """Steps that carry prefill chunks replay the token-count graphs (Triton path, through the interpreter):
+    the same logits as the eager torch runner, the real rows only, every step replayed."""
+    model = tiny_model[0]
+    g = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 33, 19)]
+    fed = torch.randint(3, vocab, (3, 3), generator=g).tolist()
+    eager_cache = nan_cache(model, num_blocks=64, block_size=16)
+    eager = mixed_steps(ModelRunner(model, eager_cache, kernels="torch", max_model_len=128), eager_cache, prompts,
+                        fed)
+    cache = nan_cache(model, num_blocks=64, block_size=16)
+    runner = host_graph_runner(model, cache, monkeypatch, sizes=(4,), token_sizes=(16, 64), kernels="triton",
+                               max_num_seqs=4, max_model_len=128)
+    graphs, ptrs = runner.graphs, static_ptrs(runner.graphs)
+    got = mixed_steps(runner, cache, prompts, fed)
+    replays = {k: graphs.graphs[k].replays for k in graphs.keys}
+    assert replays == {GraphKey("decode", 4, 4): 1, GraphKey("mixed", 4, 16): 2, GraphKey("mixed", 4, 64): 1}
+    assert static_ptrs(graphs) == ptrs and not owned_by_graphs(graphs, got)
+    for i, (a, b) in enumerate(zip(got, eager)):
+        assert a.shape == b.shape and torch.isfinite(a).all(), i
+        assert relative_error(a, b) <= 1e-5, f"step {i}: relative error {relative_error(a, b):.3g}"
+    assert all(c.num_computed == c.num_tokens for c in cache.seqs.values())
+
+
+def test_engine_on_host_graphs_equals_hf_generate(tiny_model, monkeypatch):
+    """The continuous engine with both kinds of graphs (stand-ins, Triton through the interpreter): prompts cut
+    into chunks that share steps with decodes, every step replayed, greedy tokens equal to HF ``generate``'s."""
+    from labkit.engine.experiments import hf_greedy
+    from labkit.engine.llm_engine import LLMEngine
+    from labkit.engine.sampling import SamplingParams
+
+    model = tiny_model[0]
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (9, 20, 4)]
+    engine = LLMEngine(model, kernels="triton", cuda_graphs=False, max_num_seqs=2, max_num_batched_tokens=16,
+                       num_blocks=16, max_model_len=32)
+    engine.runner.graphs = HostGraphs(engine.runner, [1, 2], monkeypatch, [8, 16])
+    outs = engine.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True), progress=False)
+    assert [o.output_token_ids for o in outs] == [hf_greedy(model, p, 3) for p in prompts]
+    st = engine.stats
+    assert st.graph_steps == st.steps and st.prefill_tokens == 33  # each step replayed; nothing recomputed
+
+
+def test_token_graphs_need_the_triton_path(tiny_model, monkeypatch):
+    model = tiny_model[0]
+    with pytest.raises(ValueError, match="graph_token_sizes need the runner's Triton kernels"):
+        host_graph_runner(model, nan_cache(model, num_blocks=8, block_size=16), monkeypatch, token_sizes=(16,),
+                          kernels="torch")
 
 
 def test_host_graphs_catch_host_values(tiny_model, monkeypatch):
@@ -279,8 +369,8 @@ def test_check_graph_replays_passes_and_catches_a_kept_output_buffer(tiny_model,
     assert not runner.cache.seqs and max(r["relative_error"] for r in rows) <= 1e-5
 
     def hands_back_the_buffer(self, inp, bs):
-        DecodeGraphs.run(self, inp, bs)
-        return self.logits[bs][:len(inp.seq_ids)]
+        StepGraphs.run(self, inp, bs)
+        return self.logits[self._key(bs)][:len(inp.seq_ids)]
 
     monkeypatch.setattr(HostGraphs, "run", hands_back_the_buffer)
     bad = [(r["round"], r["batch"]) for r in check_graph_replays(model, rounds=2, runner=runner) if not r["ok"]]
@@ -306,7 +396,7 @@ def test_refused_on_the_cpu(tiny_model):
     runner = ModelRunner(tiny_model[0], PagedKVCache.for_model(tiny_model[0], 4, 4), kernels="torch")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="need a CUDA device"):
-            DecodeGraphs(runner, [1, 2])
+            StepGraphs(runner, [1, 2])
 
 
 @pytest.mark.gpu
@@ -345,6 +435,28 @@ def test_cuda_graph_replay_equals_eager(dtype):
         assert graph.shape == eager.shape and torch.isfinite(graph).all(), f"step {i}"
         errs = relative_error(graph, ref), relative_error(eager, ref)
         assert max(errs) <= tol, f"step {i}: graph {errs[0]:.3g}, eager {errs[1]:.3g} from the reference"
+
+
+@pytest.mark.gpu
+def test_cuda_mixed_graph_replay_equals_eager():
+    """Steps with prefill chunks replayed from token-count graphs against a runner without graphs (fp32, the
+    embedded model): equal to 1e-5, logits kept across later replays their own."""
+    from labkit.models import load_model
+
+    model = load_model(device="cuda")[0]
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (5, 33, 19)]
+    fed = torch.randint(3, model.config.vocab_size, (3, 3), generator=g).tolist()
+    got, replayed = [], []
+    for tokens in ((), (16, 64)):
+        cache = nan_cache(model, num_blocks=64, block_size=16)
+        runner = ModelRunner(model, cache, cuda_graphs=bool(tokens), max_num_seqs=4, max_model_len=128,
+                             graph_batch_sizes=[4], graph_token_sizes=tokens)
+        got.append(mixed_steps(runner, cache, prompts, fed, replayed))
+    assert replayed == [False] * 4 + [True] * 4
+    for i, (eager, graph) in enumerate(zip(*got)):
+        assert graph.shape == eager.shape and torch.isfinite(graph).all(), f"step {i}"
+        assert relative_error(graph, eager) <= 1e-5, f"step {i}: {relative_error(graph, eager):.3g}"
 
 
 @pytest.mark.gpu

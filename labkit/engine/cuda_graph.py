@@ -1,15 +1,22 @@
-"""Decode steps captured as CUDA graphs, one per batch-size bucket, and replayed.
+"""Engine steps captured as CUDA graphs and replayed: all-decode steps per batch-size bucket, and steps that carry
+prefill chunks per token-count bucket.
 
 Why: at batch 1 a decode step of an 8B model is ~400 kernels of a few microseconds each; launched one by one
 from Python, the GPU idles between them (notebook 00 measured HF ``generate`` at 3% of the bandwidth floor).
-A CUDA graph records the whole step once and replays it with one launch.
+A CUDA graph records the whole step once and replays it with one launch. Under continuous batching most steps
+carry a prefill chunk beside the decodes (a request is admitted whenever one retires); run eagerly such a step
+took ~22 ms on the H200 against ~6 ms for a replayed decode step, so those steps are captured too.
 
 A graph replays fixed addresses and shapes, so (as vLLM and nano-vllm do):
 
 * the step's inputs live in pre-allocated static buffers (``input_ids``, ``positions``, ``slot_mapping``,
-  ``context_lens``, ``block_tables``) that each step copies into before the replay;
-* a batch is padded up to the next captured size; padding rows write their K/V into a private *scratch block*
-  taken from the allocator (so they touch no sequence's cache) and attend to that one slot;
+  ``context_lens``, ``query_start_loc``, ``logits_indices``, ``block_tables``) that each step copies into
+  before the replay;
+* a decode batch is padded up to the next captured size; padding rows write their K/V into a private *scratch
+  block* taken from the allocator (so they touch no sequence's cache) and attend to that one slot;
+* a step with prefill chunks is padded up to the next captured token count ``T`` and to ``min(T,
+  max_num_seqs)`` sequences: padding tokens write to the scratch block, padding sequences own no tokens, and its
+  attention (``paged_prefill_attention``) has a grid that depends on ``T`` and the sequence count alone;
 * block tables are padded to ``max_model_len / block_size`` columns, whatever the batch's longest sequence.
 
 Graphs are captured largest first and share one memory pool (only one replays at a time). Each is preceded by
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -42,33 +50,60 @@ def default_graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
 
 
-class DecodeGraphs:
-    """One captured all-decode step of ``runner`` per batch size in ``batch_sizes``."""
+def default_graph_token_sizes(max_num_batched_tokens: int) -> list[int]:
+    """Token counts for steps with prefill chunks: powers of two from 16 to 128, then every 64 to 512, every 128
+    to 1,024 and every 256 beyond, up to ``max_num_batched_tokens`` (included). Past ~150 tokens an 8B step is
+    compute-bound, where each padding token costs its FLOPs, hence the finer steps there."""
+    sizes = [16, 32, 64, 128] + list(range(192, 513, 64)) + list(range(640, 1025, 128)) + \
+        list(range(1280, max(max_num_batched_tokens, 1280) + 256, 256))
+    return sorted({s for s in sizes if s < max_num_batched_tokens} | {max_num_batched_tokens})
 
-    def __init__(self, runner: ModelRunner, batch_sizes: Sequence[int]):
+
+@dataclass(frozen=True)
+class GraphKey:
+    """A captured step: ``decode`` batch of ``seqs`` single-token rows, or ``tokens`` rows of ``seqs``
+    sequences that may carry prefill chunks."""
+
+    kind: str
+    seqs: int
+    tokens: int
+
+
+class StepGraphs:
+    """Captured steps of ``runner``: an all-decode step per batch size in ``batch_sizes`` and a step of each token
+    count in ``token_sizes`` (any mix of prefill chunks and decodes; needs the runner's Triton path)."""
+
+    def __init__(self, runner: ModelRunner, batch_sizes: Sequence[int], token_sizes: Sequence[int] = ()):
         self._check_device(runner)
-        sizes = sorted(set(batch_sizes))
-        if not sizes or sizes[0] < 1 or not all(isinstance(b, int) for b in sizes):
-            raise ValueError(f"graph_batch_sizes={list(batch_sizes)} must be positive ints")
-        self.runner, self.batch_sizes = runner, sizes
+        sizes, tokens = sorted(set(batch_sizes)), sorted(set(token_sizes))
+        for name, vals in (("graph_batch_sizes", sizes), ("graph_token_sizes", tokens)):
+            if (name == "graph_batch_sizes" and not vals) or any(not isinstance(b, int) or b < 1 for b in vals):
+                raise ValueError(f"{name}={vals} must be positive ints")
+        if tokens and not runner.use_triton:
+            raise ValueError("graph_token_sizes need the runner's Triton kernels (kernels='triton'): the torch "
+                             "path's prefill attention reads the chunk lengths on the host")
+        self.runner, self.batch_sizes, self.token_sizes = runner, sizes, tokens
+        self.keys = [GraphKey("decode", b, b) for b in sizes] + \
+            [GraphKey("mixed", min(t, runner.max_num_seqs), t) for t in tokens]
         if runner.scratch_block is None:
             (runner.scratch_block,) = runner.cache.allocator.allocate(1)
-        self.static = runner._to_device([], [], [], [], [], [], [], 0, sizes[-1], runner.max_blocks)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.static = runner._to_device([], [], [], [], [], [], [], 0, max(k.seqs for k in self.keys),
+                                        runner.max_blocks, max(k.tokens for k in self.keys))
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[GraphKey, torch.Tensor] = {}
         self._capture()
 
     @torch.inference_mode()
     def _capture(self) -> None:
         pool = None
-        for bs in reversed(self.batch_sizes):
-            inp = self._static_input(bs)
+        for key in sorted(self.keys, key=lambda k: (k.tokens, k.kind == "mixed"), reverse=True):
+            inp = self._static_input(key)
             self.runner.forward(inp)  # warm-up, eager: Triton autotuning and cuBLAS handles happen here
             self._synchronize()
             graph = self._new_graph()
-            self.logits[bs] = self._capture_into(graph, pool, partial(self.runner.forward, inp))
+            self.logits[key] = self._capture_into(graph, pool, partial(self.runner.forward, inp))
             pool = self._pool(graph)
-            self.graphs[bs] = graph
+            self.graphs[key] = graph
         self._synchronize()
 
     # --- the CUDA calls (the tests replace these with a host stand-in) ---------------------------------------
@@ -90,39 +125,66 @@ class DecodeGraphs:
     def _synchronize(self) -> None:
         torch.cuda.synchronize(self.runner.device)
 
-    def _static_input(self, bs: int) -> ModelInput:
-        s = self.static
-        return ModelInput([], s.input_ids[:bs], s.positions[:bs], s.slot_mapping[:bs], s.block_tables[:bs],
-                          s.context_lens[:bs], [1] * bs, [1] * bs, [], bs)
+    def _static_input(self, key: GraphKey) -> ModelInput:
+        s, n, t = self.static, key.seqs, key.tokens
+        decodes = n if key.kind == "decode" else 0
+        return ModelInput([], s.input_ids[:t], s.positions[:t], s.slot_mapping[:t], s.block_tables[:n],
+                          s.context_lens[:n], s.query_start_loc[:n + 1], s.logits_indices[:n], [1] * n, [1] * n,
+                          [], decodes)
 
+    # --- lookup and replay ----------------------------------------------------------------------------------
     def bucket(self, num_seqs: int) -> int | None:
-        """The smallest captured batch size that holds ``num_seqs`` rows, or ``None``."""
+        """The smallest captured decode batch size that holds ``num_seqs`` rows, or ``None``."""
         i = bisect.bisect_left(self.batch_sizes, num_seqs)
         return self.batch_sizes[i] if i < len(self.batch_sizes) else None
 
-    def run(self, inp: ModelInput, bs: int) -> torch.Tensor:
-        """Copy ``inp`` (already padded to ``bs`` rows, block tables ``max_blocks`` wide) into the static buffers
-        and replay; returns a new tensor: the logits of ``inp``'s real rows ``[len(inp.seq_ids), vocab]`` (the
-        graph's own output buffer is overwritten by the next replay of any bucket)."""
-        if bs not in self.graphs:
-            raise ValueError(f"batch size {bs} has no captured graph; captured: {self.batch_sizes}")
-        s = self.static
-        for name, dst, src in (("input_ids", s.input_ids, inp.input_ids), ("positions", s.positions, inp.positions),
-                               ("slot_mapping", s.slot_mapping, inp.slot_mapping),
-                               ("context_lens", s.context_lens, inp.context_lens),
-                               ("block_tables", s.block_tables, inp.block_tables)):
-            if src.shape != dst[:bs].shape or src.dtype != dst.dtype:  # copy_ would broadcast or cast silently
-                raise ValueError(f"{name} {tuple(src.shape)} {src.dtype} does not fit the captured step of batch "
-                                 f"{bs}: need {tuple(dst[:bs].shape)} {dst.dtype} (prepare with pad_to={bs}, "
-                                 f"width=max_blocks)")
-            dst[:bs].copy_(src)
-        return self.replay(bs)[:len(inp.seq_ids)].clone()
+    def lookup(self, num_seqs: int, num_tokens: int, num_decode: int) -> GraphKey | None:
+        """The captured step for a step of ``num_seqs`` sequences and ``num_tokens`` tokens of which
+        ``num_decode`` are decodes: the decode graph of the smallest batch that holds an all-decode step, else
+        the smallest token count that holds the step (and its sequences), else ``None`` (run eagerly)."""
+        if num_decode == num_seqs and (bs := self.bucket(num_seqs)) is not None:
+            return GraphKey("decode", bs, bs)
+        i = bisect.bisect_left(self.token_sizes, num_tokens)
+        if i < len(self.token_sizes) and num_seqs <= self.runner.max_num_seqs:
+            t = self.token_sizes[i]
+            return GraphKey("mixed", min(t, self.runner.max_num_seqs), t)
+        return None
 
-    def replay(self, bs: int) -> torch.Tensor:
-        """Replay the step of batch ``bs`` on whatever its buffers hold (for timing the device alone: the last
+    def run(self, inp: ModelInput, key: GraphKey | int) -> torch.Tensor:
+        """Copy ``inp`` (already padded to ``key``'s shape, block tables ``max_blocks`` wide; an int ``key`` is a
+        decode batch size) into the static buffers and replay; returns a new tensor: the logits of ``inp``'s real
+        rows ``[len(inp.seq_ids), vocab]`` (the graph's own output buffer is overwritten by the next replay of
+        any bucket)."""
+        key = self._key(key)
+        s, n, t = self.static, key.seqs, key.tokens
+        for name, dst, src in (("input_ids", s.input_ids[:t], inp.input_ids),
+                               ("positions", s.positions[:t], inp.positions),
+                               ("slot_mapping", s.slot_mapping[:t], inp.slot_mapping),
+                               ("context_lens", s.context_lens[:n], inp.context_lens),
+                               ("query_start_loc", s.query_start_loc[:n + 1], inp.query_start_loc),
+                               ("logits_indices", s.logits_indices[:n], inp.logits_indices),
+                               ("block_tables", s.block_tables[:n], inp.block_tables)):
+            if src.shape != dst.shape or src.dtype != dst.dtype:  # copy_ would broadcast or cast silently
+                raise ValueError(f"{name} {tuple(src.shape)} {src.dtype} does not fit the captured step of "
+                                 f"{key.kind} batch {n} ({t} tokens): need {tuple(dst.shape)} {dst.dtype} "
+                                 f"(prepare with pad_to={n}, pad_tokens={t}, width=max_blocks)")
+            dst.copy_(src)
+        return self.replay(key)[:len(inp.seq_ids)].clone()
+
+    def replay(self, key: GraphKey | int) -> torch.Tensor:
+        """Replay the captured step ``key`` on whatever its buffers hold (for timing the device alone: the last
         step's inputs rewrite the same slots with the same K/V). Returns the graph's output buffer itself,
-        ``[bs, vocab]``: valid until the next replay."""
-        if bs not in self.graphs:
-            raise ValueError(f"batch size {bs} has no captured graph; captured: {self.batch_sizes}")
-        self.graphs[bs].replay()
-        return self.logits[bs]
+        ``[seqs, vocab]``: valid until the next replay."""
+        key = self._key(key)
+        self.graphs[key].replay()
+        return self.logits[key]
+
+    def _key(self, key: GraphKey | int) -> GraphKey:
+        if isinstance(key, int):
+            if key not in self.batch_sizes:
+                raise ValueError(f"batch size {key} has no captured graph; captured: {self.batch_sizes}")
+            return GraphKey("decode", key, key)
+        if key not in self.keys:
+            raise ValueError(f"{key} has no captured graph; captured decode batches {self.batch_sizes}, token "
+                             f"counts {self.token_sizes}")
+        return key

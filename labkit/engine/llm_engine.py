@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 from tqdm.auto import tqdm
 
-from labkit.engine.cuda_graph import default_graph_batch_sizes
+from labkit.engine.cuda_graph import default_graph_batch_sizes, default_graph_token_sizes
 from labkit.engine.metrics import RequestMetrics
 from labkit.engine.model_runner import KERNELS, ModelRunner
 from labkit.engine.sampling import Sampler, SamplingParams, token_seed
@@ -49,7 +49,10 @@ class EngineConfig:
     * ``block_size``, ``num_blocks``: the paged cache; ``num_blocks=None`` sizes it from
       ``gpu_memory_utilization`` of free device memory on CUDA, and for ``max_num_seqs`` full-length sequences
       (capped at 1 GiB) on the CPU
-    * ``kernels``: 'auto' | 'torch' | 'triton'; ``cuda_graphs``: 'auto' | True | False
+    * ``kernels``: 'auto' | 'torch' | 'triton'; ``cuda_graphs``: 'auto' | True | False; ``graph_batch_sizes``:
+      the captured all-decode batches (default ``default_graph_batch_sizes``); ``graph_token_sizes``: the
+      captured steps with prefill chunks, by token count (default: ``default_graph_token_sizes`` of the token
+      budget for the continuous scheduler on the Triton path, none otherwise)
     * ``seed``: seeds requests that bring none (``SamplingParams.seed``)
     """
 
@@ -68,6 +71,7 @@ class EngineConfig:
     kernels: str = "auto"
     cuda_graphs: bool | str = "auto"
     graph_batch_sizes: tuple[int, ...] | None = None
+    graph_token_sizes: tuple[int, ...] | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -96,7 +100,7 @@ class EngineStats:
     prefill_tokens: int = 0  # prompt (and recomputed) tokens computed
     decode_tokens: int = 0
     output_tokens: int = 0
-    graph_steps: int = 0  # all-decode steps replayed from a CUDA graph
+    graph_steps: int = 0  # steps replayed from a CUDA graph
     peak_device_bytes: int | None = None
     step_s: list[float] = field(default_factory=list)
     step_seqs: list[int] = field(default_factory=list)
@@ -167,7 +171,7 @@ class LLMEngine:
                                             enable_prefix_caching=cfg.enable_prefix_caching)
         sizes = cfg.graph_batch_sizes or default_graph_batch_sizes(cfg.seqs_per_step)
         self.runner = ModelRunner(model, self.cache, cfg.kernels, cfg.cuda_graphs, cfg.seqs_per_step,
-                                  self.max_model_len, sizes)
+                                  self.max_model_len, sizes, graph_token_sizes=self._token_sizes())
         self.scheduler = make_scheduler(cfg.scheduler, self.cache, max_num_seqs=cfg.max_num_seqs,
                                         max_num_batched_tokens=cfg.max_num_batched_tokens,
                                         chunked_prefill=cfg.chunked_prefill, static_batch_size=cfg.static_batch_size,
@@ -178,6 +182,17 @@ class LLMEngine:
         self.seqs: dict[int, Seq] = {}
         self._next_id = 0
         self.reset()
+
+    def _token_sizes(self) -> tuple[int, ...]:
+        """Token counts of the captured steps with prefill chunks: by default the continuous scheduler's (most of
+        its steps carry one), up to its token budget, where the runner's Triton path can capture them."""
+        cfg = self.config
+        if cfg.graph_token_sizes is not None:
+            return cfg.graph_token_sizes
+        triton = cfg.kernels == "triton" or (cfg.kernels == "auto" and self.device.type == "cuda")
+        if cfg.scheduler != "continuous" or not triton:
+            return ()
+        return tuple(default_graph_token_sizes(cfg.max_num_batched_tokens))
 
     def _num_blocks(self, model) -> int:
         cfg = self.config
@@ -256,8 +271,7 @@ class LLMEngine:
         s.decode_tokens += batch.num_decode
         s.prefill_tokens += batch.num_prefill_tokens
         s.output_tokens += n_out
-        s.graph_steps += int(bool(self.runner.graph_batch_sizes) and batch.num_decode == len(batch.seqs)
-                             and len(batch.seqs) <= self.runner.graph_batch_sizes[-1])
+        s.graph_steps += int(self.runner.last_step_replayed)
         s.step_s.append(dt)
         s.step_seqs.append(len(batch.seqs))
 

@@ -5,15 +5,17 @@ A step is a ``ModelInput`` (vLLM's names): ``num_tokens`` tokens of ``num_seqs``
 token rows (decodes) first, with each token's cache slot (``slot_mapping``) and each sequence's ``block_table``
 and ``context_len``. Per layer: [add residual +] RMSNorm -> q, k, v (one merged matmul on the Triton path) ->
 RoPE -> write k, v at ``slot_mapping`` (one kernel for both on the Triton path with an unquantised cache) ->
-attention (decode rows: ``paged_attention`` over the block tables;
-prefill chunks: ``flash_attention``, causal and bottom-right aligned over the chunk's cached context) -> o
-projection -> add residual + RMSNorm -> SwiGLU MLP (gate and up merged, ``silu_and_mul``).
+attention (an all-decode step: ``paged_attention`` over the block tables, flash-decoding for long contexts; a step
+with prefill chunks: ``paged_prefill_attention``, every row causally over its sequence's cached tokens, decode rows
+included, in one launch) -> o projection -> add residual + RMSNorm -> SwiGLU MLP (gate and up merged,
+``silu_and_mul``). Logits are computed for each sequence's last token only (``logits_indices``).
 
 ``kernels='torch'`` (the CPU default) calls the model's own modules and the torch references of
 ``labkit.kvcache.attention``, so greedy output equals HF ``generate`` token for token in float32; ``'triton'``
 (the CUDA default; on the CPU it runs through Triton's interpreter, slowly, for tests) swaps in the kernels.
 
-All-decode steps of up to the largest captured batch replay a CUDA graph (``labkit.engine.cuda_graph``).
+All-decode steps of up to the largest captured batch replay a CUDA graph, and so do steps with prefill chunks of up
+to the largest captured token count when ``graph_token_sizes`` are given (``labkit.engine.cuda_graph``).
 """
 
 from __future__ import annotations
@@ -35,8 +37,11 @@ KERNELS = ("auto", "torch", "triton")
 class ModelInput:
     """Inputs of one forward. Device tensors: ``input_ids``, ``positions``, ``slot_mapping`` (int64
     ``[num_tokens]``), ``block_tables`` (int32 ``[num_seqs, width]``), ``context_lens`` (int32 ``[num_seqs]``,
-    tokens cached after this step). Host lists: ``query_lens`` and ``context_lens_host`` per sequence,
-    ``tables_host`` (each sequence's block table); ``num_decode`` leading sequences have one token each."""
+    tokens cached after this step), ``query_start_loc`` (int32 ``[num_seqs + 1]``, sequence ``s`` owns token rows
+    ``query_start_loc[s]:query_start_loc[s + 1]``) and ``logits_indices`` (int32 ``[num_seqs]``, each sequence's
+    last row). Host lists: ``query_lens`` and ``context_lens_host`` per sequence, ``tables_host`` (each sequence's
+    block table); ``num_decode`` leading sequences have one token each. Padding (a captured step's) adds token
+    rows past the last sequence's and sequences of no tokens."""
 
     seq_ids: list[Hashable]
     input_ids: torch.Tensor
@@ -44,6 +49,8 @@ class ModelInput:
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     context_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    logits_indices: torch.Tensor
     query_lens: list[int]
     context_lens_host: list[int]
     tables_host: list[list[int]]
@@ -68,7 +75,9 @@ class ModelRunner:
 
     * ``kernels``: 'auto' (Triton on CUDA, torch on the CPU), 'torch' or 'triton'
     * ``cuda_graphs``: 'auto' (on with CUDA and an unquantised cache), True, False; decode steps are captured
-      for ``graph_batch_sizes`` (default ``cuda_graph.default_graph_batch_sizes(max_num_seqs)``)
+      for ``graph_batch_sizes`` (default ``cuda_graph.default_graph_batch_sizes(max_num_seqs)``), steps with
+      prefill chunks for ``graph_token_sizes`` (total tokens of the step; default none, see
+      ``cuda_graph.default_graph_token_sizes``)
     * ``merge_weights``: on the Triton path, point q/k/v and gate/up weights at slices of one merged matrix per
       layer (the same values, no extra memory; the HF model still works), so each is one matmul; plain, int8 and
       int4 linears (``labkit.quant``) merge
@@ -77,7 +86,8 @@ class ModelRunner:
 
     def __init__(self, model, cache: PagedKVCache, kernels: str = "auto", cuda_graphs: bool | str = "auto",
                  max_num_seqs: int = 256, max_model_len: int | None = None,
-                 graph_batch_sizes: Sequence[int] | None = None, merge_weights: bool = True):
+                 graph_batch_sizes: Sequence[int] | None = None, merge_weights: bool = True,
+                 graph_token_sizes: Sequence[int] = ()):
         self._check_model(model, cache)
         if kernels not in KERNELS:
             raise ValueError(f"kernels={kernels!r} is unknown; allowed: {KERNELS}")
@@ -90,16 +100,19 @@ class ModelRunner:
         self.num_heads = attn.q_proj.out_features // self.head_dim
         self.num_kv_heads = cache.num_kv_heads
         self.max_model_len = max_model_len or model.config.max_position_embeddings
+        self.max_num_seqs = max_num_seqs
         self.max_blocks = cache.blocks_for(self.max_model_len)
         self._dequantise = cache.fmt.quantised or cache.fmt.storage_dtype != self.dtype
         self._rope_tables()
         self.merged = self._merge_projections() if (self.use_triton and merge_weights) else False
         self.scratch_block: int | None = None  # padding rows of captured steps write here (cuda_graph.py)
         self.graphs = None
+        self.last_step_replayed = False  # whether the last ``execute`` replayed a graph
         if self._want_graphs(cuda_graphs):
-            from labkit.engine.cuda_graph import DecodeGraphs, default_graph_batch_sizes
+            from labkit.engine.cuda_graph import StepGraphs, default_graph_batch_sizes
 
-            self.graphs = DecodeGraphs(self, graph_batch_sizes or default_graph_batch_sizes(max_num_seqs))
+            self.graphs = StepGraphs(self, graph_batch_sizes or default_graph_batch_sizes(max_num_seqs),
+                                     graph_token_sizes)
 
     @property
     def graph_batch_sizes(self) -> list[int]:
@@ -155,10 +168,11 @@ class ModelRunner:
 
     # --- inputs ---------------------------------------------------------------------------------------------
     def prepare(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int], num_decode: int,
-                pad_to: int | None = None, width: int | None = None) -> ModelInput:
+                pad_to: int | None = None, width: int | None = None, pad_tokens: int | None = None) -> ModelInput:
         """A ``ModelInput`` computing the next ``num_tokens[i]`` uncomputed tokens of each sequence (slots
-        reserved already). ``pad_to`` adds padding rows (scratch slot, context 1); ``width`` fixes the block-table
-        width."""
+        reserved already). ``pad_to`` adds padding sequences (no tokens, context 1, scratch-block tables) and as
+        many token rows, ``pad_tokens`` pads the token rows to that count instead (scratch slot, position 0);
+        ``width`` fixes the block-table width."""
         if not seq_ids or len(seq_ids) != len(num_tokens):
             raise ValueError(f"need one num_tokens per sequence and at least one sequence, got {len(seq_ids)} "
                              f"sequences and {len(num_tokens)} counts")
@@ -175,42 +189,54 @@ class ModelRunner:
             ctx.append(end)
             tables.append(seq.block_table)
         return self._to_device(list(seq_ids), ids, pos, slots, ctx, tables, list(num_tokens), num_decode, pad_to,
-                               width)
+                               width, pad_tokens)
 
-    def _to_device(self, seq_ids, ids, pos, slots, ctx, tables, qlens, num_decode, pad_to, width) -> ModelInput:
-        n_pad = (pad_to or len(ctx)) - len(ctx)
+    def _to_device(self, seq_ids, ids, pos, slots, ctx, tables, qlens, num_decode, pad_to, width,
+                   pad_tokens=None) -> ModelInput:
+        n_seqs = pad_to or len(ctx)
+        n_tok = pad_tokens or len(ids) + n_seqs - len(ctx)
+        if n_seqs < len(ctx) or n_tok < len(ids):
+            raise ValueError(f"pad_to={pad_to} and pad_tokens={pad_tokens} must hold the step's {len(ctx)} "
+                             f"sequences and {len(ids)} tokens")
         width = width or max(len(t) for t in tables)
         if any(len(t) > width for t in tables):
             raise ValueError(f"a sequence holds {max(len(t) for t in tables)} blocks, more than max_model_len="
                              f"{self.max_model_len} allows ({width} blocks of {self.cache.block_size})")
         scratch = self.scratch_block or 0
+        n_pad = n_tok - len(ids)
         ids, pos = ids + [0] * n_pad, pos + [0] * n_pad
         slots = slots + [scratch * self.cache.block_size] * n_pad
-        n_seqs = len(ctx) + n_pad
-        # one int32 buffer: context lengths, then the block tables padded with the scratch block (filled row by
-        # row in numpy: a graph step's tables are max_model_len / block_size wide, too many ints for Python lists)
-        host = np.full(n_seqs * (1 + width), scratch, dtype=np.int32)
-        host[:len(ctx)] = ctx
-        host[len(ctx):n_seqs] = 1
-        rows = host[n_seqs:].reshape(n_seqs, width)
+        # one int32 buffer: context lengths, query starts, logits rows, then the block tables padded with the
+        # scratch block (filled row by row in numpy: a graph step's tables are max_model_len / block_size wide,
+        # too many ints for Python lists)
+        host = np.full(n_seqs * (3 + width) + 1, scratch, dtype=np.int32)
+        c, q, g, t0 = 0, n_seqs, 2 * n_seqs + 1, 3 * n_seqs + 1
+        host[c:q] = 1
+        host[c:c + len(ctx)] = ctx
+        host[q] = 0
+        host[q + 1:g] = np.cumsum(qlens + [0] * (n_seqs - len(ctx)))
+        host[g:t0] = 0
+        host[g:g + len(ctx)] = host[q + 1:q + 1 + len(ctx)] - 1
+        rows = host[t0:].reshape(n_seqs, width)
         for r, t in enumerate(tables):
             rows[r, :len(t)] = t
         longs = torch.tensor([ids, pos, slots], dtype=torch.long).to(self.device, non_blocking=True)
         ints = torch.from_numpy(host).to(self.device, non_blocking=True)
-        return ModelInput(seq_ids, longs[0], longs[1], longs[2], ints[n_seqs:].view(n_seqs, width), ints[:n_seqs],
-                          qlens, ctx, tables, num_decode)
+        return ModelInput(seq_ids, longs[0], longs[1], longs[2], ints[t0:].view(n_seqs, width), ints[c:q],
+                          ints[q:g], ints[g:t0], qlens, ctx, tables, num_decode)
 
     # --- the step -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int], num_decode: int) -> torch.Tensor:
         """Compute the scheduled tokens; returns float32 logits of each sequence's last token ``[num_seqs,
         vocab]`` (a tensor of the caller's own, also after a graph replay) and marks the tokens computed in the
-        cache. All-decode steps replay a CUDA graph when one is captured for the batch size."""
-        n = len(seq_ids)
-        bs = self.graphs.bucket(n) if self.graphs is not None and num_decode == n else None
-        if bs is not None:
-            inp = self.prepare(seq_ids, num_tokens, num_decode, pad_to=bs, width=self.max_blocks)
-            logits = self.graphs.run(inp, bs)  # a copy: the graph's output buffer is rewritten by every replay
+        cache. A step replays a CUDA graph when one is captured for its shape (``StepGraphs.lookup``)."""
+        key = self.graphs.lookup(len(seq_ids), sum(num_tokens), num_decode) if self.graphs is not None else None
+        self.last_step_replayed = key is not None
+        if key is not None:
+            inp = self.prepare(seq_ids, num_tokens, num_decode, pad_to=key.seqs, width=self.max_blocks,
+                               pad_tokens=key.tokens)
+            logits = self.graphs.run(inp, key)  # a copy: the graph's output buffer is rewritten by every replay
         else:
             inp = self.prepare(seq_ids, num_tokens, num_decode)
             logits = self.forward(inp)
@@ -229,8 +255,8 @@ class ModelRunner:
             x, residual = self._add_norm(layer.post_attention_layernorm, h, residual)
             h = self._mlp(i, layer.mlp, x)
         if not inp.is_decode:  # only each sequence's last token needs logits
-            last = torch.tensor(inp.query_lens, device=self.device).cumsum(0) - 1
-            h, residual = h[last], residual[last]
+            h = h.index_select(0, inp.logits_indices)
+            residual = residual.index_select(0, inp.logits_indices)
         h, _ = self._add_norm(self.inner.norm, h, residual)
         return self.model.lm_head(h).float()
 
@@ -293,16 +319,19 @@ class ModelRunner:
         d = inp.num_decode
         if inp.is_decode:
             return self._decode_attention(i, q, inp.block_tables, inp.context_lens)
+        if self.use_triton:  # every row, decode rows included, in one launch whose grid depends on shapes only
+            from labkit.kernels.paged_prefill_attention import paged_prefill_attention
+
+            k_cache, v_cache, tables = self._pools(i, inp.block_tables, q.dtype)
+            return paged_prefill_attention(q, k_cache, v_cache, tables, inp.query_start_loc, inp.context_lens,
+                                           self.scale, out=torch.zeros_like(q))  # padding rows stay finite
         out = torch.empty_like(q)
         if d:
             out[:d] = self._decode_attention(i, q[:d], inp.block_tables[:d], inp.context_lens[:d])
-        if self.use_triton:
-            self._prefill_attention_triton(i, q, k, v, inp, out)
-        else:
-            k_cache, v_cache, tables = self._pools(i, inp.block_tables[d:], q.dtype)
-            qsl = torch.tensor([0, *inp.query_lens[d:]]).cumsum(0)
-            out[d:] = paged_prefill_attention_ref(q[d:], k_cache, v_cache, tables, qsl,
-                                                  inp.context_lens[d:], self.scale)
+        k_cache, v_cache, tables = self._pools(i, inp.block_tables[d:], q.dtype)
+        qsl = torch.tensor([0, *inp.query_lens[d:]]).cumsum(0)
+        out[d:] = paged_prefill_attention_ref(q[d:], k_cache, v_cache, tables, qsl, inp.context_lens[d:],
+                                              self.scale)
         return out
 
     def _decode_attention(self, i: int, q: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
@@ -312,27 +341,6 @@ class ModelRunner:
 
             return paged_attention(q, k_cache, v_cache, tables, ctx, scale=self.scale)
         return paged_decode_attention_torch(q, k_cache, v_cache, tables, ctx, self.scale)
-
-    def _prefill_attention_triton(self, i: int, q, k, v, inp: ModelInput, out: torch.Tensor) -> None:
-        """Per prefill chunk: ``flash_attention`` of its queries over its context (bottom-right causal). A chunk
-        with no cached prefix attends to its own k, v; otherwise its blocks are gathered from the cache."""
-        from labkit.kernels.flash_attention import flash_attention
-
-        bs, d = self.cache.block_size, inp.num_decode
-        start = d
-        for s in range(d, inp.num_seqs):
-            m, n = inp.query_lens[s], inp.context_lens_host[s]
-            rows = slice(start, start + m)
-            if m == n:
-                ks, vs = k[rows], v[rows]
-            else:
-                kc, vc, blocks = self._pools(i, inp.block_tables[s:s + 1, :-(-n // bs)], q.dtype)
-                ks = kc[blocks[0].long()].flatten(0, 1)[:n]
-                vs = vc[blocks[0].long()].flatten(0, 1)[:n]
-            o = flash_attention(q[rows].transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
-                                causal=True, scale=self.scale)  # [1, heads, m, D]
-            out[rows] = o[0].transpose(0, 1)
-            start += m
 
 
 def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -19,13 +19,14 @@
 # * `ci` / `cpu` profiles: the embedded model (trained weights, float32) on the CPU: every mechanism runs, speeds
 #   are the CPU's.
 # * `gpu` profile: speed on the Llama-3-8B architecture in bf16 with random weights (`random_model`), correctness
-#   on the embedded model on the GPU. The engine runs Triton kernels (RMSNorm, RoPE, SwiGLU, paged and flash
-#   attention) and replays decode steps from CUDA graphs there, after checking that a replayed step gives the
-#   eager step's logits (the notebook stops if it does not).
+#   on the embedded model on the GPU. The engine runs Triton kernels (RMSNorm, RoPE, SwiGLU, paged decode and
+#   paged prefill attention) and replays its steps from CUDA graphs there (decode steps per batch size; steps
+#   with prefill chunks per token count), after checking that a replayed decode step gives the eager step's
+#   logits (the notebook stops if it does not; the greedy check below runs the captured mixed steps against HF).
 #
-# The `gpu` sizes are cut to finish in about 200 s on one H200 with a cold Triton cache (each section prints its
+# The `gpu` sizes are cut to finish in about 400 s on one H200 with a cold Triton cache (each section prints its
 # time): the load sweep serves 96 requests (prompts 32-256 tokens, outputs exponential with mean 32, at most 128) at
-# 0.5x, 2x and 8x the FIFO capacity and all at once, with batches of 16 (six static batches: with two, as an earlier
+# 0.5x and 4x the FIFO capacity and all at once, with batches of 16 (six static batches: with two, as an earlier
 # run had, the continuous engine spent much of its run draining its last requests, which measures the workload's
 # end rather than the policy); chunked prefill serves 12 requests
 # (prompts 256-1,024, outputs mean 32, at most 128) in chunks of 256 tokens; decode rates are at context 512 over
@@ -83,9 +84,9 @@ SIZES = {
                 decode_context=256, decode_steps=16, big_batch=16, profile_steps=4,
                 offline_n=64, offline_prompt=128, offline_out=(32, 256), offline_batch=16, offline_kv_tokens=8192,
                 hf_batch=16, hf_probe_tokens=16),
-    # gpu: cut to finish in ~200 s on one H200 with a cold Triton cache (the sizes are listed in the introduction)
+    # gpu: cut to finish in ~400 s on one H200 with a cold Triton cache (the sizes are listed in the introduction)
     "gpu": dict(check_tokens=16, sweep_n=96, sweep_prompt=(32, 256), sweep_out=(32, 128), batch=16, budget=2048,
-                sweep_kv_tokens=8192, loads=[0.5, 2.0, 8.0, math.inf], slo=(0.5, 0.05),
+                sweep_kv_tokens=8192, loads=[0.5, 4.0, math.inf], slo=(0.5, 0.05),
                 chunk_n=12, chunk_prompt=(256, 1024), chunk_out=(32, 128), chunk_budget=256, chunk_rate_x=0.5,
                 decode_context=512, decode_steps=32, big_batch=64, profile_steps=4,
                 offline_n=1000, offline_prompt=512, offline_out=(128, 1024), offline_batch=256,
@@ -297,9 +298,13 @@ elapsed("load sweep plots")
 # run-to-run noise of a shared machine; the queueing (TTFT) differences remain.
 #
 # The third policy is continuous batching that admits waiting requests only when a quarter of the batch can start
-# together (`min_admit`). On the GPU a step that carries a prefill cannot replay a decode CUDA graph and runs
-# eagerly (several times a replayed step's time), so admitting one request per freed slot makes a busy server's
-# steps mostly eager ones; grouping admissions trades some time to first token for fewer of them.
+# together (`min_admit`). Under continuous batching most steps carry a prefill chunk beside the decodes (a request
+# is admitted whenever one retires). Run eagerly such a step took ~22 ms on the H200 against ~6 ms for a replayed
+# decode step, so the engine also captures steps with prefill chunks as CUDA graphs, one per token count (16 to
+# the token budget, `cuda_graph.default_graph_token_sizes`; the step is padded up to the next count, and its
+# attention, `paged_prefill_attention`, takes every row's sequence from device buffers). A prefill-carrying step
+# still reads every weight once more than a decode step would need to, and pays its padding; grouping admissions
+# trades some time to first token for fewer such steps.
 
 # %% [markdown]
 # ## Chunked prefill: time to first token against inter-token latency
@@ -335,7 +340,8 @@ elapsed("chunked prefill")
 # ## CUDA graphs: the launch gaps, before and after
 # At batch 1 a decode step is hundreds of small kernels; launched one by one from Python, the device waits between
 # them. The engine captures one decode step per batch-size bucket as a CUDA graph (static input buffers, batch
-# padded to the bucket, block tables padded to `max_model_len`) and replays it. The profiler shows both.
+# padded to the bucket, block tables padded to `max_model_len`) and replays it (and, under continuous batching,
+# one step with prefill chunks per token-count bucket). The profiler shows an eager and a replayed decode step.
 
 # %%
 profiles = {}
