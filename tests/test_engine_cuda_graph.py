@@ -404,8 +404,10 @@ def test_refused_on_the_cpu(tiny_model):
 def test_cuda_graph_replay_equals_eager(dtype):
     """Replayed steps against eager steps of a runner without graphs. In float32 they must agree to 1e-5. In
     bf16 the two runners legitimately round differently (batch 3 runs eager but replays padded to 4, so cuBLAS
-    may pick another kernel), so each is held to DESIGN.md's bf16 tolerance (1e-2) against a float32 runner on the
-    same weights and fed tokens; a wrong replay (stale or aliased buffers) is off by O(1)."""
+    may pick another kernel), so both are measured against a float32 runner on the same weights and fed tokens,
+    and the replay may be no further from it than the eager bf16 runner is, with DESIGN.md's bf16 tolerance (1e-2)
+    as slack; a wrong replay (stale or aliased buffers) is off by O(1). (Whole-model bf16 logits are not one op:
+    on the H200 the eager bf16 runner's prefill step, where no graph is involved, was 0.0177 from float32.)"""
     from labkit.models import load_model, random_model
 
     if dtype == torch.float32:
@@ -434,7 +436,7 @@ def test_cuda_graph_replay_equals_eager(dtype):
     for i, (eager, graph, ref) in enumerate(zip(*got, refs)):  # logits kept across later replays stay their own
         assert graph.shape == eager.shape and torch.isfinite(graph).all(), f"step {i}"
         errs = relative_error(graph, ref), relative_error(eager, ref)
-        assert max(errs) <= tol, f"step {i}: graph {errs[0]:.3g}, eager {errs[1]:.3g} from the reference"
+        assert errs[0] <= errs[1] + tol, f"step {i}: graph {errs[0]:.3g}, eager {errs[1]:.3g} from the reference"
 
 
 @pytest.mark.gpu
