@@ -14,6 +14,7 @@ from dataclasses import replace
 from functools import partial
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -368,11 +369,11 @@ def test_check_graph_replays_passes_and_catches_a_kept_output_buffer(tiny_model,
     assert len(rows) == 8 and all(r["ok"] for r in rows) and {r["graph"] for r in rows} == {1, 2, 4}
     assert not runner.cache.seqs and max(r["relative_error"] for r in rows) <= 1e-5
 
-    def hands_back_the_buffer(self, inp, bs):
-        StepGraphs.run(self, inp, bs)
-        return self.logits[self._key(bs)][:len(inp.seq_ids)]
+    def hands_back_the_buffer(self, longs, ints, key, num_seqs):
+        StepGraphs.run_packed(self, longs, ints, key, num_seqs)
+        return self.logits[self._key(key)][:num_seqs]
 
-    monkeypatch.setattr(HostGraphs, "run", hands_back_the_buffer)
+    monkeypatch.setattr(HostGraphs, "run_packed", hands_back_the_buffer)
     bad = [(r["round"], r["batch"]) for r in check_graph_replays(model, rounds=2, runner=runner) if not r["ok"]]
     assert bad and (1, 4) not in bad and (0, 3) in bad
 
@@ -390,6 +391,8 @@ def test_run_refuses_inputs_that_do_not_fit(tiny_model, monkeypatch):
     with pytest.raises(ValueError, match="batch size 3 has no captured graph"):
         runner.graphs.run(runner.prepare([0], [1], 1, pad_to=3, width=runner.max_blocks), 3)
     assert runner.graphs.run(inp, 2).shape == (1, model.config.vocab_size)  # the real row only
+    with pytest.raises(ValueError, match=r"packed longs \(3, 1\) do not match the static buffer \(3, 2\)"):
+        runner.graphs.run_packed(np.zeros((3, 1), np.int64), np.zeros(5, np.int32), GraphKey("decode", 2, 2), 1)
 
 
 def test_refused_on_the_cpu(tiny_model):

@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
 import torch
 
 from labkit.engine.model_runner import ModelInput, ModelRunner
@@ -87,8 +88,9 @@ class StepGraphs:
             [GraphKey("mixed", min(t, runner.max_num_seqs), t) for t in tokens]
         if runner.scratch_block is None:
             (runner.scratch_block,) = runner.cache.allocator.allocate(1)
-        self.static = runner._to_device([], [], [], [], [], [], [], 0, max(k.seqs for k in self.keys),
-                                        runner.max_blocks, max(k.tokens for k in self.keys))
+        self.static_shape = (max(k.seqs for k in self.keys), max(k.tokens for k in self.keys))
+        self.static = runner._to_device([], [], [], [], [], [], [], 0, self.static_shape[0], runner.max_blocks,
+                                        self.static_shape[1])
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.logits: dict[GraphKey, torch.Tensor] = {}
         self._capture()
@@ -170,6 +172,17 @@ class StepGraphs:
                                  f"(prepare with pad_to={n}, pad_tokens={t}, width=max_blocks)")
             dst.copy_(src)
         return self.replay(key)[:len(inp.seq_ids)].clone()
+
+    def run_packed(self, longs: np.ndarray, ints: np.ndarray, key: GraphKey, num_seqs: int) -> torch.Tensor:
+        """``run`` for a step packed on the host in the layout of the static buffers (``ModelRunner._pack`` at
+        ``static_shape`` and ``max_blocks``): two host-to-device copies instead of a device tensor per field and
+        a copy of each; returns a copy of the logits of the first ``num_seqs`` rows."""
+        for name, dst, src in zip(("longs", "ints"), self.static.buffers, (longs, ints)):
+            if tuple(dst.shape) != src.shape:
+                raise ValueError(f"packed {name} {src.shape} do not match the static buffer {tuple(dst.shape)}; "
+                                 f"pack at static_shape={self.static_shape}, width=max_blocks")
+            dst.copy_(torch.from_numpy(src), non_blocking=True)
+        return self.replay(key)[:num_seqs].clone()
 
     def replay(self, key: GraphKey | int) -> torch.Tensor:
         """Replay the captured step ``key`` on whatever its buffers hold (for timing the device alone: the last

@@ -55,6 +55,7 @@ class ModelInput:
     context_lens_host: list[int]
     tables_host: list[list[int]]
     num_decode: int
+    buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # the flat int64 and int32 tensors of the fields
 
     @property
     def num_seqs(self) -> int:
@@ -173,6 +174,12 @@ class ModelRunner:
         reserved already). ``pad_to`` adds padding sequences (no tokens, context 1, scratch-block tables) and as
         many token rows, ``pad_tokens`` pads the token rows to that count instead (scratch slot, position 0);
         ``width`` fixes the block-table width."""
+        step = self._collect(seq_ids, num_tokens)
+        return self._to_device(list(seq_ids), *step, list(num_tokens), num_decode, pad_to, width, pad_tokens)
+
+    def _collect(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> tuple[list, ...]:
+        """Host lists of a step: token ids, positions and slots of every token; each sequence's context length
+        after the step and its block table."""
         if not seq_ids or len(seq_ids) != len(num_tokens):
             raise ValueError(f"need one num_tokens per sequence and at least one sequence, got {len(seq_ids)} "
                              f"sequences and {len(num_tokens)} counts")
@@ -188,42 +195,57 @@ class ModelRunner:
             slots += self.cache.slots(sid, start, end)
             ctx.append(end)
             tables.append(seq.block_table)
-        return self._to_device(list(seq_ids), ids, pos, slots, ctx, tables, list(num_tokens), num_decode, pad_to,
-                               width, pad_tokens)
+        return ids, pos, slots, ctx, tables
+
+    def _pack(self, ids, pos, slots, ctx, tables, qlens, n_seqs: int, n_tok: int,
+              width: int) -> tuple[np.ndarray, np.ndarray]:
+        """The step as two host arrays in the device layout: int64 ``[3, n_tok]`` (token ids, positions, slots)
+        and int32 ``[n_seqs * (3 + width) + 1]`` (context lengths, query starts, logits rows, block tables), padded
+        as ``prepare`` says (built in numpy: a graph step's tables are max_model_len / block_size wide)."""
+        if n_seqs < len(ctx) or n_tok < len(ids):
+            raise ValueError(f"padding to {n_seqs} sequences and {n_tok} tokens cannot hold the step's {len(ctx)} "
+                             f"sequences and {len(ids)} tokens")
+        if any(len(t) > width for t in tables):
+            raise ValueError(f"a sequence holds {max(len(t) for t in tables)} blocks, more than max_model_len="
+                             f"{self.max_model_len} allows ({width} blocks of {self.cache.block_size})")
+        scratch = self.scratch_block or 0
+        longs = np.zeros((3, n_tok), dtype=np.int64)
+        longs[:, :len(ids)] = (ids, pos, slots)
+        longs[2, len(ids):] = scratch * self.cache.block_size
+        ints = np.full(n_seqs * (3 + width) + 1, scratch, dtype=np.int32)
+        c, q, g, t0 = self._layout(n_seqs)
+        n = len(ctx)
+        ints[c:q] = 1
+        ints[c:c + n] = ctx
+        ints[q] = 0
+        ints[q + 1:g] = np.cumsum(qlens + [0] * (n_seqs - n))
+        ints[g:t0] = 0
+        ints[g:g + n] = ints[q + 1:q + 1 + n] - 1
+        rows = ints[t0:].reshape(n_seqs, width)
+        for r, t in enumerate(tables):
+            rows[r, :len(t)] = t
+        return longs, ints
+
+    @staticmethod
+    def _layout(n_seqs: int) -> tuple[int, int, int, int]:
+        """Offsets in the int32 array: context lengths, query starts, logits rows, block tables."""
+        return 0, n_seqs, 2 * n_seqs + 1, 3 * n_seqs + 1
 
     def _to_device(self, seq_ids, ids, pos, slots, ctx, tables, qlens, num_decode, pad_to, width,
                    pad_tokens=None) -> ModelInput:
         n_seqs = pad_to or len(ctx)
         n_tok = pad_tokens or len(ids) + n_seqs - len(ctx)
-        if n_seqs < len(ctx) or n_tok < len(ids):
-            raise ValueError(f"pad_to={pad_to} and pad_tokens={pad_tokens} must hold the step's {len(ctx)} "
-                             f"sequences and {len(ids)} tokens")
         width = width or max(len(t) for t in tables)
-        if any(len(t) > width for t in tables):
-            raise ValueError(f"a sequence holds {max(len(t) for t in tables)} blocks, more than max_model_len="
-                             f"{self.max_model_len} allows ({width} blocks of {self.cache.block_size})")
-        scratch = self.scratch_block or 0
-        n_pad = n_tok - len(ids)
-        ids, pos = ids + [0] * n_pad, pos + [0] * n_pad
-        slots = slots + [scratch * self.cache.block_size] * n_pad
-        # one int32 buffer: context lengths, query starts, logits rows, then the block tables padded with the
-        # scratch block (filled row by row in numpy: a graph step's tables are max_model_len / block_size wide,
-        # too many ints for Python lists)
-        host = np.full(n_seqs * (3 + width) + 1, scratch, dtype=np.int32)
-        c, q, g, t0 = 0, n_seqs, 2 * n_seqs + 1, 3 * n_seqs + 1
-        host[c:q] = 1
-        host[c:c + len(ctx)] = ctx
-        host[q] = 0
-        host[q + 1:g] = np.cumsum(qlens + [0] * (n_seqs - len(ctx)))
-        host[g:t0] = 0
-        host[g:g + len(ctx)] = host[q + 1:q + 1 + len(ctx)] - 1
-        rows = host[t0:].reshape(n_seqs, width)
-        for r, t in enumerate(tables):
-            rows[r, :len(t)] = t
-        longs = torch.tensor([ids, pos, slots], dtype=torch.long).to(self.device, non_blocking=True)
-        ints = torch.from_numpy(host).to(self.device, non_blocking=True)
+        longs, ints = self._pack(ids, pos, slots, ctx, tables, qlens, n_seqs, n_tok, width)
+        longs = torch.from_numpy(longs).to(self.device, non_blocking=True)
+        ints = torch.from_numpy(ints).to(self.device, non_blocking=True)
+        return self._views(longs, ints, n_seqs, width, seq_ids, qlens, ctx, tables, num_decode)
+
+    def _views(self, longs: torch.Tensor, ints: torch.Tensor, n_seqs: int, width: int, seq_ids, qlens, ctx,
+               tables, num_decode: int) -> ModelInput:
+        c, q, g, t0 = self._layout(n_seqs)
         return ModelInput(seq_ids, longs[0], longs[1], longs[2], ints[t0:].view(n_seqs, width), ints[c:q],
-                          ints[q:g], ints[g:t0], qlens, ctx, tables, num_decode)
+                          ints[q:g], ints[g:t0], qlens, ctx, tables, num_decode, buffers=(longs, ints))
 
     # --- the step -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -233,14 +255,15 @@ class ModelRunner:
         cache. A step replays a CUDA graph when one is captured for its shape (``StepGraphs.lookup``)."""
         key = self.graphs.lookup(len(seq_ids), sum(num_tokens), num_decode) if self.graphs is not None else None
         self.last_step_replayed = key is not None
-        if key is not None:
-            inp = self.prepare(seq_ids, num_tokens, num_decode, pad_to=key.seqs, width=self.max_blocks,
-                               pad_tokens=key.tokens)
-            logits = self.graphs.run(inp, key)  # a copy: the graph's output buffer is rewritten by every replay
+        if key is not None:  # packed on the host in the static buffers' layout: two copies feed the graph
+            ids, pos, slots, ctx, tables = self._collect(seq_ids, num_tokens)
+            longs, ints = self._pack(ids, pos, slots, ctx, tables, list(num_tokens), *self.graphs.static_shape,
+                                     self.max_blocks)
+            logits = self.graphs.run_packed(longs, ints, key, len(seq_ids))  # a copy of the real rows
         else:
             inp = self.prepare(seq_ids, num_tokens, num_decode)
-            logits = self.forward(inp)
-        for sid, c in zip(inp.seq_ids, inp.context_lens_host):
+            logits, ctx = self.forward(inp), inp.context_lens_host
+        for sid, c in zip(seq_ids, ctx):
             self.cache.mark_computed(sid, c)
         return logits
 
