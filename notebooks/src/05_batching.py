@@ -299,8 +299,8 @@ elapsed("load sweep plots")
 #
 # The third policy is continuous batching that admits waiting requests only when a quarter of the batch can start
 # together (`min_admit`). Under continuous batching most steps carry a prefill chunk beside the decodes (a request
-# is admitted whenever one retires). Run eagerly such a step took ~22 ms on the H200 against ~6 ms for a replayed
-# decode step, so the engine also captures steps with prefill chunks as CUDA graphs, one per token count (16 to
+# is admitted whenever one retires). Run eagerly, such a step is hundreds of launches from Python, several times a
+# replayed step's time (the profiles below show it for a decode step), so the engine also captures steps with prefill chunks as CUDA graphs, one per token count (16 to
 # the token budget, `cuda_graph.default_graph_token_sizes`; the step is padded up to the next count, and its
 # attention, `paged_prefill_attention`, takes every row's sequence from device buffers). A prefill-carrying step
 # still reads every weight once more than a decode step would need to, and pays its padding; grouping admissions
@@ -528,7 +528,8 @@ elapsed("records written")
 #   cache the batch-1 step approaches the bandwidth floor, and batching multiplies tokens per weight read. Under
 #   continuous batching the steps that carry a prefill chunk need graphs too (one per token count, attention whose
 #   grid depends on shapes alone): on the H200, run eagerly they held continuous batching to about static
-#   batching's throughput; captured, it reached over twice static's. What is left between replays is host work
+#   batching's throughput (`results/h200/logs/2026-12-03c_call1_05_batching_timed_out.ipynb`); captured, it
+#   reached over twice static's (`results/h200/05_batching.ipynb`). What is left between replays is host work
 #   (scheduling, packing the inputs, sampling), a few tenths of a millisecond per step that the device waits for.
 # * **How to verify in production**: the same instruments as here: TTFT/TPOT/end-to-end percentiles and goodput
 #   under an SLO as load rises, the busy fraction, and a profiler trace of a decode step (gaps = launch overhead).
