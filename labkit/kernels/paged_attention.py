@@ -62,6 +62,21 @@ MIN_SPLIT_TOKENS = 64  # a range shorter than about one tile only adds partials 
 
 
 @triton.jit
+def _block_slots(block_tables_ptr, row_off, tok, ok, BLOCK_SIZE: tl.constexpr):
+    """Token index -> (physical block, offset in it) through one sequence's block table (vLLM's slot arithmetic);
+    ``row_off`` is the table row's offset, ``ok`` masks tokens past the range."""
+    blk = tl.load(block_tables_ptr + row_off + tok // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+    return blk, (tok % BLOCK_SIZE).to(tl.int64)
+
+
+@triton.jit
+def _kv_tile(pool_ptr, blk, in_blk, head_off, stride_b, stride_t, stride_h, offs_d, mask):
+    """``[tokens, head_dim]`` of one KV head gathered from a pool ``[num_blocks, block_size, kv_heads, head_dim]``."""
+    return tl.load(pool_ptr + blk[:, None] * stride_b + in_blk[:, None] * stride_t + head_off * stride_h
+                   + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
 def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_acc_ptr,
                        part_ml_ptr, k_scale_ptr, v_scale_ptr, qk_scale, group, n_heads, n_splits,
                        stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -91,12 +106,9 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, 
     for t0 in range(start, end, BLOCK_N):
         tok = t0 + offs_n
         t_ok = tok < end
-        # token -> physical slot through the block table (vLLM's block_table / slot arithmetic)
-        blk = tl.load(block_tables_ptr + seq * stride_bt + tok // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
-        in_blk = (tok % BLOCK_SIZE).to(tl.int64)
+        blk, in_blk = _block_slots(block_tables_ptr, seq * stride_bt, tok, t_ok, BLOCK_SIZE)
         ld_mask = t_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + blk[:, None] * stride_kb + in_blk[:, None] * stride_kt + kv_head_off * stride_kh
-                    + offs_d[None, :], mask=ld_mask, other=0.0)
+        k = _kv_tile(k_ptr, blk, in_blk, kv_head_off, stride_kb, stride_kt, stride_kh, offs_d, ld_mask)
         if KV_QUANT:
             # int8/fp8 K with one scale per (token, head): q . (kq * s) = (q . kq) * s, so the scale is
             # applied to the [G, N] scores, not to the [N, D] tile
@@ -110,8 +122,7 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, 
         p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + blk[:, None] * stride_vb + in_blk[:, None] * stride_vt + kv_head_off * stride_vh
-                    + offs_d[None, :], mask=ld_mask, other=0.0)
+        v = _kv_tile(v_ptr, blk, in_blk, kv_head_off, stride_vb, stride_vt, stride_vh, offs_d, ld_mask)
         if KV_QUANT:  # p @ (vq * s) = (p * s) @ vq
             vs = tl.load(v_scale_ptr + slot, mask=t_ok, other=0.0)
             acc = tl.dot((p * vs[None, :]).to(q.dtype), v.to(q.dtype), acc * alpha[:, None],

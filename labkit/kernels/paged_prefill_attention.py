@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from labkit.kernels.common import FLOAT_DTYPES, check_tensor, next_pow2, refuse_bf16_dot_on_cpu
+from labkit.kernels.paged_attention import _block_slots, _kv_tile
 
 LOG2E = 1.4426950408889634
 
@@ -87,11 +88,9 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, query_
         for n0 in range(0, end, BLOCK_N):
             key = n0 + offs_n
             k_ok = key < end
-            blk = tl.load(block_tables_ptr + seq64 * stride_bt + key // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-            in_blk = (key % BLOCK_SIZE).to(tl.int64)
+            blk, in_blk = _block_slots(block_tables_ptr, seq64 * stride_bt, key, k_ok, BLOCK_SIZE)
             ld_mask = k_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + blk[:, None] * stride_kb + in_blk[:, None] * stride_kt + kv_head_off * stride_kh
-                        + offs_d[None, :], mask=ld_mask, other=0.0)
+            k = _kv_tile(k_ptr, blk, in_blk, kv_head_off, stride_kb, stride_kt, stride_kh, offs_d, ld_mask)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             seen = (key[None, :] <= q_pos[:, None]) & k_ok[None, :]
             qk = tl.where(seen, qk, -float("inf"))
@@ -100,8 +99,7 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, query_
             p = tl.math.exp2(qk - m_safe[:, None])
             alpha = tl.math.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + blk[:, None] * stride_vb + in_blk[:, None] * stride_vt + kv_head_off * stride_vh
-                        + offs_d[None, :], mask=ld_mask, other=0.0)
+            v = _kv_tile(v_ptr, blk, in_blk, kv_head_off, stride_vb, stride_vt, stride_vh, offs_d, ld_mask)
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
             m_i = m_new
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
