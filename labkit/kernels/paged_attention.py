@@ -185,6 +185,18 @@ def auto_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: 
     return max(1, min(want, max_context // MIN_SPLIT_TOKENS, 64))
 
 
+def check_pools_fit_q(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Raise unless both pools are ``[num_blocks, block_size, num_kv_heads, head_dim]`` with ``q``'s head_dim
+    (its last dimension) and ``q``'s head count (its second to last) a multiple of ``num_kv_heads``."""
+    num_heads, head_dim = q.shape[-2:]
+    if k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be "
+                         f"[num_blocks, block_size, num_kv_heads, head_dim={head_dim}]")
+    if num_heads % k_cache.shape[2]:
+        raise ValueError(f"q's num_heads={num_heads} must be a multiple of the cache's "
+                         f"num_kv_heads={k_cache.shape[2]}")
+
+
 def _check_paged_args(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale) -> None:
     check_tensor("q", q, FLOAT_DTYPES, dim=3)
     quant = k_cache.dtype in QUANT_KV_DTYPES if isinstance(k_cache, torch.Tensor) else False
@@ -203,13 +215,8 @@ def _check_paged_args(q, k_cache, v_cache, block_tables, context_lens, k_scale, 
     check_tensor("block_tables", block_tables, (torch.int32,), dim=2, device=q.device)
     check_tensor("context_lens", context_lens, (torch.int32,), dim=1, device=q.device)
     refuse_bf16_dot_on_cpu("q", q)
-    num_seqs, num_heads, head_dim = q.shape
-    if k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be "
-                         f"[num_blocks, block_size, num_kv_heads, head_dim={head_dim}]")
-    if num_heads % k_cache.shape[2]:
-        raise ValueError(f"q's num_heads={num_heads} must be a multiple of the cache's "
-                         f"num_kv_heads={k_cache.shape[2]}")
+    check_pools_fit_q(q, k_cache, v_cache)
+    num_seqs = q.shape[0]
     if block_tables.shape[0] != num_seqs or context_lens.shape[0] != num_seqs:
         raise ValueError(f"block_tables {tuple(block_tables.shape)} and context_lens "
                          f"{tuple(context_lens.shape)} need one row per sequence (num_seqs={num_seqs})")

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from labkit.kernels.common import FLOAT_DTYPES, check_tensor, next_pow2, refuse_bf16_dot_on_cpu
-from labkit.kernels.paged_attention import _block_slots, _kv_tile
+from labkit.kernels.paged_attention import _block_slots, _kv_tile, check_pools_fit_q
 
 LOG2E = 1.4426950408889634
 
@@ -127,13 +127,7 @@ def _check_args(q, k_cache, v_cache, block_tables, query_start_loc, context_lens
     check_tensor("query_start_loc", query_start_loc, (torch.int32,), dim=1, device=q.device)
     check_tensor("context_lens", context_lens, (torch.int32,), dim=1, device=q.device)
     refuse_bf16_dot_on_cpu("q", q)
-    num_heads, head_dim = q.shape[1:]
-    if k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be "
-                         f"[num_blocks, block_size, num_kv_heads, head_dim={head_dim}]")
-    if num_heads % k_cache.shape[2]:
-        raise ValueError(f"q's num_heads={num_heads} must be a multiple of the cache's "
-                         f"num_kv_heads={k_cache.shape[2]}")
+    check_pools_fit_q(q, k_cache, v_cache)
     num_seqs = context_lens.shape[0]
     if block_tables.shape[0] != num_seqs or query_start_loc.shape[0] != num_seqs + 1 or num_seqs == 0:
         raise ValueError(f"need block_tables [num_seqs, max_blocks], query_start_loc [num_seqs + 1] and "
