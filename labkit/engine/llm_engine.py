@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from labkit.engine.cuda_graph import default_graph_batch_sizes, default_graph_token_sizes
 from labkit.engine.metrics import RequestMetrics
-from labkit.engine.model_runner import KERNELS, ModelRunner
+from labkit.engine.model_runner import KERNELS, ModelRunner, uses_triton
 from labkit.engine.sampling import Sampler, SamplingParams, token_seed
 from labkit.engine.scheduler import SCHEDULERS, make_scheduler
 from labkit.engine.sequence import Request, RequestOutput, TokenOutput
@@ -189,8 +189,7 @@ class LLMEngine:
         cfg = self.config
         if cfg.graph_token_sizes is not None:
             return cfg.graph_token_sizes
-        triton = cfg.kernels == "triton" or (cfg.kernels == "auto" and self.device.type == "cuda")
-        if cfg.scheduler != "continuous" or not triton:
+        if cfg.scheduler != "continuous" or not uses_triton(cfg.kernels, self.device):
             return ()
         return tuple(default_graph_token_sizes(cfg.max_num_batched_tokens))
 

@@ -33,6 +33,11 @@ from labkit.quant.weight_only import concat_linears
 KERNELS = ("auto", "torch", "triton")
 
 
+def uses_triton(kernels: str, device: torch.device) -> bool:
+    """Whether ``kernels`` ('auto', 'torch', 'triton') runs labkit's Triton kernels on ``device``."""
+    return kernels == "triton" or (kernels == "auto" and device.type == "cuda")
+
+
 @dataclass
 class ModelInput:
     """Inputs of one forward. Device tensors: ``input_ids``, ``positions``, ``slot_mapping`` (int64
@@ -95,7 +100,7 @@ class ModelRunner:
         self.model, self.cache, self.inner = model, cache, model.model
         self.layers = list(self.inner.layers)
         self.device, self.dtype = cache.device, next(model.parameters()).dtype
-        self.use_triton = kernels == "triton" or (kernels == "auto" and self.device.type == "cuda")
+        self.use_triton = uses_triton(kernels, self.device)
         attn = self.layers[0].self_attn
         self.head_dim, self.scale = attn.head_dim, attn.scaling
         self.num_heads = attn.q_proj.out_features // self.head_dim

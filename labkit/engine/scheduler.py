@@ -224,10 +224,10 @@ class ContinuousBatchingScheduler(Scheduler):
     ``chunked_prefill=False``: a prompt is prefilled in one step, so prompt + ``max_tokens`` must fit the budget
     (a preempted request is prefilled again with its outputs).
     ``min_admit``: while sequences are decoding, admit waiting requests only once this many can start together
-    (or all that wait, if fewer). A step that carries a prefill cannot replay a decode CUDA graph -- on the H200
-    it ran eagerly at ~22 ms against 6 ms replayed -- so admitting one request per freed slot turns most steps of
-    a busy server into eager ones; grouping admissions trades a little time to first token for many fewer of
-    them (vLLM's ``scheduler_delay_factor`` makes the same trade by time). ``1`` admits at once.
+    (or all that wait, if fewer). A step that carries a prefill costs more than a decode step (its chunk's
+    compute, and padding up to a captured token count; run eagerly, where no graph is captured, several times a
+    replayed step), so grouping admissions trades a little time to first token for fewer such steps (vLLM's
+    ``scheduler_delay_factor`` makes the same trade by time). ``1`` admits at once.
     """
 
     name = "continuous"
