@@ -10,7 +10,6 @@ data inside the step fails at once. So a step input not copied into its static b
 capture, a host value baked into the step, or a caller keeping the graph's output buffer all fail here on the CPU.
 """
 
-from dataclasses import replace
 from functools import partial
 from types import SimpleNamespace
 
@@ -384,13 +383,15 @@ def test_run_refuses_inputs_that_do_not_fit(tiny_model, monkeypatch):
     runner = host_graph_runner(model, cache, monkeypatch, sizes=(1, 2), max_model_len=64)
     cache.allocate(0, [5, 6, 7])
     runner.execute([0], [2], 0)
-    inp = runner.prepare([0], [1], 1, pad_to=2, width=runner.max_blocks)
-    narrow = replace(inp, block_tables=inp.block_tables[:, :1])  # copy_ would broadcast it over 4 columns
-    with pytest.raises(ValueError, match=r"block_tables \(2, 1\) torch.int32 does not fit .* need \(2, 4\)"):
-        runner.graphs.run(narrow, 2)
+    cache.append_slots(0, [8])
+    longs, ints, _ = runner.pack_for_graphs([0], [1])
+    _, narrow = runner._pack(*runner._collect([0], [1]), [1], *runner.graphs.static_shape, 1)  # tables 1 wide
+    with pytest.raises(ValueError, match=r"packed ints \(9,\) do not match the static buffer \(15,\)"):
+        runner.graphs.run_packed(longs, narrow, GraphKey("decode", 2, 2), 1)
     with pytest.raises(ValueError, match="batch size 3 has no captured graph"):
-        runner.graphs.run(runner.prepare([0], [1], 1, pad_to=3, width=runner.max_blocks), 3)
-    assert runner.graphs.run(inp, 2).shape == (1, model.config.vocab_size)  # the real row only
+        runner.graphs.replay(3)
+    assert runner.graphs.run_packed(longs, ints, GraphKey("decode", 2, 2), 1).shape == \
+        (1, model.config.vocab_size)  # the real row only
     with pytest.raises(ValueError, match=r"packed longs \(3, 1\) do not match the static buffer \(3, 2\)"):
         runner.graphs.run_packed(np.zeros((3, 1), np.int64), np.zeros(5, np.int32), GraphKey("decode", 2, 2), 1)
 

@@ -152,31 +152,11 @@ class StepGraphs:
             return GraphKey("mixed", min(t, self.runner.max_num_seqs), t)
         return None
 
-    def run(self, inp: ModelInput, key: GraphKey | int) -> torch.Tensor:
-        """Copy ``inp`` (already padded to ``key``'s shape, block tables ``max_blocks`` wide; an int ``key`` is a
-        decode batch size) into the static buffers and replay; returns a new tensor: the logits of ``inp``'s real
-        rows ``[len(inp.seq_ids), vocab]`` (the graph's own output buffer is overwritten by the next replay of
-        any bucket)."""
-        key = self._key(key)
-        s, n, t = self.static, key.seqs, key.tokens
-        for name, dst, src in (("input_ids", s.input_ids[:t], inp.input_ids),
-                               ("positions", s.positions[:t], inp.positions),
-                               ("slot_mapping", s.slot_mapping[:t], inp.slot_mapping),
-                               ("context_lens", s.context_lens[:n], inp.context_lens),
-                               ("query_start_loc", s.query_start_loc[:n + 1], inp.query_start_loc),
-                               ("logits_indices", s.logits_indices[:n], inp.logits_indices),
-                               ("block_tables", s.block_tables[:n], inp.block_tables)):
-            if src.shape != dst.shape or src.dtype != dst.dtype:  # copy_ would broadcast or cast silently
-                raise ValueError(f"{name} {tuple(src.shape)} {src.dtype} does not fit the captured step of "
-                                 f"{key.kind} batch {n} ({t} tokens): need {tuple(dst.shape)} {dst.dtype} "
-                                 f"(prepare with pad_to={n}, pad_tokens={t}, width=max_blocks)")
-            dst.copy_(src)
-        return self.replay(key)[:len(inp.seq_ids)].clone()
-
     def run_packed(self, longs: np.ndarray, ints: np.ndarray, key: GraphKey, num_seqs: int) -> torch.Tensor:
-        """``run`` for a step packed on the host in the layout of the static buffers (``ModelRunner._pack`` at
-        ``static_shape`` and ``max_blocks``): two host-to-device copies instead of a device tensor per field and
-        a copy of each; returns a copy of the logits of the first ``num_seqs`` rows."""
+        """Copy a step packed on the host in the layout of the static buffers (``ModelRunner._pack`` at
+        ``static_shape`` and ``max_blocks``: two host-to-device copies feed every field) and replay ``key``;
+        returns a new tensor: the logits of the first ``num_seqs`` rows ``[num_seqs, vocab]`` (the graph's own
+        output buffer is overwritten by the next replay of any bucket)."""
         for name, dst, src in zip(("longs", "ints"), self.static.buffers, (longs, ints)):
             if tuple(dst.shape) != src.shape:
                 raise ValueError(f"packed {name} {src.shape} do not match the static buffer {tuple(dst.shape)}; "

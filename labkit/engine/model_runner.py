@@ -231,6 +231,14 @@ class ModelRunner:
             rows[r, :len(t)] = t
         return longs, ints
 
+    def pack_for_graphs(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> tuple[np.ndarray, ...]:
+        """The step packed for ``StepGraphs.run_packed`` (the static buffers' shape, tables ``max_blocks`` wide):
+        ``(longs, ints, context_lens)``, the last a host list of each sequence's context after the step."""
+        ids, pos, slots, ctx, tables = self._collect(seq_ids, num_tokens)
+        longs, ints = self._pack(ids, pos, slots, ctx, tables, list(num_tokens), *self.graphs.static_shape,
+                                 self.max_blocks)
+        return longs, ints, ctx
+
     @staticmethod
     def _layout(n_seqs: int) -> tuple[int, int, int, int]:
         """Offsets in the int32 array: context lengths, query starts, logits rows, block tables."""
@@ -261,9 +269,7 @@ class ModelRunner:
         key = self.graphs.lookup(len(seq_ids), sum(num_tokens), num_decode) if self.graphs is not None else None
         self.last_step_replayed = key is not None
         if key is not None:  # packed on the host in the static buffers' layout: two copies feed the graph
-            ids, pos, slots, ctx, tables = self._collect(seq_ids, num_tokens)
-            longs, ints = self._pack(ids, pos, slots, ctx, tables, list(num_tokens), *self.graphs.static_shape,
-                                     self.max_blocks)
+            longs, ints, ctx = self.pack_for_graphs(seq_ids, num_tokens)
             logits = self.graphs.run_packed(longs, ints, key, len(seq_ids))  # a copy of the real rows
         else:
             inp = self.prepare(seq_ids, num_tokens, num_decode)
