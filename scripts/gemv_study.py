@@ -1,0 +1,264 @@
+"""Every GEMV tile, split and load-pipeline candidate timed the way a decode step runs it, at the 8B shapes.
+
+The autotuner times each candidate once, alone, with ``do_bench`` (an L2 flush that leaves the cache full of dirty
+lines before every call); a decode step runs the GEMVs back to back inside a CUDA graph, each on weights that are
+not in L2. This times every candidate that way: a graph of launches that cycle through enough copies of the
+weights to exceed L2 several times, replayed, per launch. Beside them: cuBLAS at bf16 on the same shape and the
+same rotation, and an empty Triton kernel (what one graph node costs before any work).
+
+    python scripts/gemv_study.py --out /tmp/h200            # sweep: records/gemv_study.json
+    python scripts/gemv_study.py --best /tmp/h200/records/gemv_study.json   # each shape's best, once (for ncu)
+
+Prints, per shape and kernel, the best candidate and the autotuner's pick, in us and as a fraction of the copy
+bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+from labkit.bench import write_record  # noqa: E402
+from labkit.kernels import quantized_matmul as qm  # noqa: E402
+
+# (N, K) of the 8B decode step's linears: the engine merges q/k/v and gate/up; Hugging Face's model does not
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "gate_or_up": (14336, 4096), "k_or_v": (1024, 4096)}
+GROUP = 128
+ROTATE_BYTES = 400e6  # > 8x the H200's 50 MB L2
+W8_TILES = ((128, 64, 4), (64, 64, 4), (128, 128, 8), (32, 256, 4), (16, 512, 4), (8, 1024, 4), (64, 128, 4),
+            (256, 64, 8), (32, 128, 4), (64, 256, 8), (16, 256, 2))
+W4_TILES = ((512, 128, 8), (256, 128, 8), (256, 128, 4), (128, 128, 4), (64, 256, 4), (32, 512, 4),
+            (16, 1024, 4), (128, 256, 8), (64, 512, 8), (64, 128, 2), (32, 256, 2))
+SPLITS = (1, 2, 4, 8, 16)
+STAGES = (1, 3)
+
+
+@triton.jit
+def _empty(out_ptr):
+    tl.store(out_ptr + tl.program_id(0), 0)
+
+
+def _copies(nbytes: int) -> int:
+    return max(2, min(64, math.ceil(ROTATE_BYTES / nbytes)))
+
+
+def _weights(kind: str, n: int, k: int, copies: int, dev) -> list[tuple]:
+    """Random quantised weights (every bit pattern of the codes is valid), ``copies`` independent sets."""
+    out = []
+    for _ in range(copies):
+        if kind == "w8":
+            q = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=dev)
+            out.append((q, torch.rand(n, device=dev, dtype=torch.bfloat16) * 0.01 + 1e-3))
+        elif kind == "w4":
+            p = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev)
+            s = torch.rand(n, k // GROUP, device=dev, dtype=torch.bfloat16) * 0.01 + 1e-3
+            out.append((p, s, torch.rand_like(s) * 15))
+        else:
+            out.append((torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02,))
+    return out
+
+
+def _nbytes(kind: str, n: int, k: int) -> int:
+    return {"w8": n * k + 2 * n, "w4": n * k // 2 + 4 * n * k // GROUP, "bf16": 2 * n * k}[kind]
+
+
+def _launcher(kind: str, x, ws, n: int, k: int, cfg: dict | None):
+    """A function of one weight set that launches ``kind`` once (``cfg``: a fixed candidate; None: the public
+    wrapper, i.e. the autotuner's pick, or cuBLAS for bf16)."""
+    out = torch.empty(1, n, device=x.device, dtype=x.dtype)
+    wsb, cnt = qm._split_buffers(x.device, n)
+    if kind == "bf16":
+        return lambda w: F.linear(x, w[0])
+    if cfg is None:
+        return ((lambda w: qm.w8a16_matmul(x, *w)) if kind == "w8" else
+                (lambda w: qm.w4a16_matmul(x, *w, GROUP)))
+    meta = {key: cfg[key] for key in ("BLOCK_N", "BLOCK_K", "SPLIT_K", "LOAD_STAGES")}
+    grid = (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
+    if kind == "w8":
+        def launch(w):
+            qm._w8_gemv[grid](x, w[0].view(torch.uint8), w[1], out, wsb, cnt, n, k, k, **meta,
+                              num_warps=cfg["num_warps"], num_stages=1)
+            return out
+    else:
+        def launch(w):
+            qm._w4_gemv[grid](x, w[0].view(torch.int32), w[1], w[2], out, wsb, cnt, n, k, k // 8, k // GROUP,
+                              k // GROUP, 0x4F000000, GROUP=GROUP, **meta, num_warps=cfg["num_warps"], num_stages=1)
+            return out
+    return launch
+
+
+def graph_us(launch, sets: list, reps: int = 10) -> list[float]:
+    """Per-launch microseconds of ``launch(w)`` cycling over ``sets`` inside one CUDA graph (>= 32 launches),
+    one sample per replay."""
+    per = max(1, math.ceil(32 / len(sets)))
+    for w in sets[:2]:
+        launch(w)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        for _ in range(per):
+            for w in sets:
+                launch(w)
+    torch.cuda.synchronize()
+    g.replay()
+    samples = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b) * 1e3 / (per * len(sets)))
+    return samples
+
+
+def _candidates(tiles, n: int, k: int, kind: str) -> list[dict]:
+    out = []
+    for bn, bk, w in tiles:
+        if kind == "w4" and bk < GROUP:
+            continue
+        for sp in SPLITS:
+            steps = k / sp / bk
+            if sp > 1 and (steps < 1 or triton.cdiv(n, bn) * sp > 8 * 132):
+                continue
+            for st in STAGES:
+                out.append({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp, "LOAD_STAGES": st, "num_warps": w})
+    return out
+
+
+def copy_bandwidth(dev) -> float:
+    a = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    t = graph_us(lambda w: b.copy_(a), [None], reps=5)
+    return 2 * a.numel() / (sorted(t)[len(t) // 2] * 1e-6)
+
+
+def sweep(shapes: dict, dev, out: str | None = None) -> dict:
+    """Time every candidate of every shape; with ``out``, rewrite the record after each shape (a run cut short
+    keeps what it finished)."""
+    x = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)
+    bw = copy_bandwidth(dev)
+    empty_out = torch.empty(1, device=dev, dtype=torch.int32)
+    empty = graph_us(lambda w: _empty[(1,)](empty_out), [None] * 32)
+    rows = []
+    for name, (n, k) in shapes.items():
+        xk = torch.randn(1, k, device=dev, dtype=torch.bfloat16) if k != x.shape[1] else x
+        for kind in ("bf16", "w8", "w4"):
+            nbytes = _nbytes(kind, n, k)
+            sets = _weights(kind, n, k, _copies(nbytes), dev)
+            qm._split_buffers(dev, n)
+            ref = F.linear(xk.float(), _dequant(kind, sets[0], n, k))
+            todo = [None] + ([] if kind == "bf16" else
+                             _candidates(W8_TILES if kind == "w8" else W4_TILES, n, k, kind))
+            for cfg in tqdm(todo, desc=f"{name} {kind}", mininterval=5):
+                launch = _launcher(kind, xk, sets, n, k, cfg)
+                try:
+                    got = launch(sets[0]).float()
+                    err = ((got - ref).norm() / ref.norm()).item()
+                    t = graph_us(launch, sets)
+                except Exception as e:  # a candidate that does not compile or launch is recorded, not fatal
+                    rows.append({"shape": name, "N": n, "K": k, "kind": kind, "config": cfg, "error": str(e)[:200]})
+                    continue
+                pick = _picked(kind) if cfg is None and kind != "bf16" else None
+                med = sorted(t)[len(t) // 2]
+                rows.append({"shape": name, "N": n, "K": k, "kind": kind, "config": cfg or "wrapper",
+                             "autotuned": pick, "us": t, "median_us": med, "bytes": nbytes,
+                             "bw_frac": nbytes / (med * 1e-6) / bw, "rel_err": err})
+            del sets
+            torch.cuda.empty_cache()
+        data = {"copy_bw_bytes_per_s": bw, "empty_kernel_graph_us": empty, "rotate_bytes": ROTATE_BYTES,
+                "rows": rows}
+        if out:
+            print("wrote", write_record("gemv_study", data, out_dir=out), flush=True)
+    return data
+
+
+def _dequant(kind: str, w: tuple, n: int, k: int) -> torch.Tensor:
+    from labkit.quant.packing import dequantize_int4, dequantize_int8
+
+    if kind == "w8":
+        return dequantize_int8(w[0], w[1], torch.float32)
+    if kind == "w4":
+        return dequantize_int4(w[0], w[1].float(), w[2].float(), GROUP)
+    return w[0].float()
+
+
+def _picked(kind: str):
+    tuned = qm._w8_gemv_tuned if kind == "w8" else qm._w4_gemv_tuned
+    best = getattr(tuned, "best_config", None)
+    return None if best is None else dict(best.kwargs, num_warps=best.num_warps)
+
+
+def summarise(data: dict) -> None:
+    bw = data["copy_bw_bytes_per_s"]
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; empty kernel in a graph "
+          f"{sorted(data['empty_kernel_graph_us'])[5]:.2f} us/launch")
+    by = {}
+    for r in data["rows"]:
+        if "median_us" in r:
+            by.setdefault((r["shape"], r["kind"]), []).append(r)
+    print(f"{'shape':<11}{'kind':<6}{'floor us':>9}{'wrapper':>9}{'best':>8}  best config")
+    for (shape, kind), rs in by.items():
+        floor = rs[0]["bytes"] / bw * 1e6
+        wrap = next((r for r in rs if r["config"] == "wrapper"), None)
+        cands = [r for r in rs if r["config"] != "wrapper"] or rs
+        best = min(cands, key=lambda r: r["median_us"])
+        cfg = best["config"] if isinstance(best["config"], str) else " ".join(
+            f"{v}" for v in best["config"].values())
+        print(f"{shape:<11}{kind:<6}{floor:9.2f}{wrap['median_us'] if wrap else float('nan'):9.2f}"
+              f"{best['median_us']:8.2f}  {cfg}  (autotuner: {wrap and wrap.get('autotuned')})")
+
+
+def run_best(path: str, dev) -> None:
+    """Launch each shape's best candidate twice (for a profiler such as ncu to catch)."""
+    data = json.loads(Path(path).read_text())["data"]
+    best = {}
+    for r in data["rows"]:
+        if isinstance(r.get("config"), dict) and "median_us" in r:
+            key = (r["shape"], r["kind"])
+            if key not in best or r["median_us"] < best[key]["median_us"]:
+                best[key] = r
+    for (shape, kind), r in best.items():
+        n, k = r["N"], r["K"]
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        sets = _weights(kind, n, k, 2, dev)
+        launch = _launcher(kind, x, sets, n, k, r["config"])
+        for w in sets:
+            launch(w)
+        torch.cuda.synchronize()
+        print(shape, kind, r["config"], f"{r['median_us']:.2f} us")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="folder for records/gemv_study.json")
+    ap.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), default=tuple(SHAPES)[:5])
+    ap.add_argument("--best", help="a gemv_study.json: launch each shape's best candidate (for ncu)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gemv_study needs a CUDA device", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    if args.best:
+        run_best(args.best, dev)
+        return 0
+    data = sweep({s: SHAPES[s] for s in args.shapes}, dev, args.out)
+    summarise(data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
