@@ -31,6 +31,7 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from labkit.bench import write_record  # noqa: E402
 from labkit.kernels import quantized_matmul as qm  # noqa: E402
+from labkit.kernels.common import cold_l2_bench  # noqa: E402
 
 # (N, K) of the 8B decode step's linears: the engine merges q/k/v and gate/up; Hugging Face's model does not
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
@@ -38,7 +39,8 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 GROUP = 128
 ROTATE_BYTES = 400e6  # > 8x the H200's 50 MB L2
 W8_TILES = ((128, 64, 4), (64, 64, 4), (128, 128, 8), (32, 256, 4), (16, 512, 4), (8, 1024, 4), (64, 128, 4),
-            (256, 64, 8), (32, 128, 4), (64, 256, 8), (16, 256, 2))
+            (256, 64, 8), (32, 128, 4), (64, 256, 8), (16, 256, 2), (32, 512, 8), (16, 1024, 4), (64, 256, 4),
+            (128, 128, 4))
 W4_TILES = ((512, 128, 8), (256, 128, 8), (256, 128, 4), (128, 128, 4), (64, 256, 4), (32, 512, 4),
             (16, 1024, 4), (128, 256, 8), (64, 512, 8), (64, 128, 2), (32, 256, 2))
 SPLITS = (1, 2, 4, 8, 16)
@@ -86,15 +88,17 @@ def _launcher(kind: str, x, ws, n: int, k: int, cfg: dict | None):
                 (lambda w: qm.w4a16_matmul(x, *w, GROUP)))
     meta = {key: cfg[key] for key in ("BLOCK_N", "BLOCK_K", "SPLIT_K", "LOAD_STAGES")}
     grid = (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
+    even = qm._even(dict(meta, N=n, K=k))
     if kind == "w8":
         def launch(w):
-            qm._w8_gemv[grid](x, w[0].view(torch.uint8), w[1], out, wsb, cnt, n, k, k, **meta,
-                              num_warps=cfg["num_warps"], num_stages=1)
+            qm._w8_gemv[grid](x, w[0].view(torch.uint8), w[1], out, wsb, cnt, n, k, k, 0xFF, 0xFF00, **meta,
+                              WORDS_ALIGNED=True, EVEN=even, num_warps=cfg["num_warps"], num_stages=1)
             return out
     else:
         def launch(w):
             qm._w4_gemv[grid](x, w[0].view(torch.int32), w[1], w[2], out, wsb, cnt, n, k, k // 8, k // GROUP,
-                              k // GROUP, 0x4F000000, GROUP=GROUP, **meta, num_warps=cfg["num_warps"], num_stages=1)
+                              k // GROUP, 0x4F000000, GROUP=GROUP, **meta, EVEN=even, num_warps=cfg["num_warps"],
+                              num_stages=1)
             return out
     return launch
 
@@ -169,13 +173,14 @@ def sweep(shapes: dict, dev, out: str | None = None) -> dict:
                     got = launch(sets[0]).float()
                     err = ((got - ref).norm() / ref.norm()).item()
                     t = graph_us(launch, sets)
+                    cold = cold_l2_bench(lambda f=launch, w=sets[0]: f(w), (0.5,))[0] * 1e3
                 except Exception as e:  # a candidate that does not compile or launch is recorded, not fatal
                     rows.append({"shape": name, "N": n, "K": k, "kind": kind, "config": cfg, "error": str(e)[:200]})
                     continue
                 pick = _picked(kind) if cfg is None and kind != "bf16" else None
                 med = sorted(t)[len(t) // 2]
                 rows.append({"shape": name, "N": n, "K": k, "kind": kind, "config": cfg or "wrapper",
-                             "autotuned": pick, "us": t, "median_us": med, "bytes": nbytes,
+                             "autotuned": pick, "us": t, "median_us": med, "cold_l2_us": cold, "bytes": nbytes,
                              "bw_frac": nbytes / (med * 1e-6) / bw, "rel_err": err})
             del sets
             torch.cuda.empty_cache()

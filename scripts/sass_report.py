@@ -27,12 +27,13 @@ import triton  # noqa: E402  (compiled, not interpreted: imported before labkit 
 
 H200_LANE_INSTR_PER_S = 132 * 4 * 32 * 1.98e9
 W8_SIG = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
-          "cnt_ptr": "*i32", "N": "i32", "K": "i32", "stride_wn": "i32", "BLOCK_N": "constexpr",
-          "BLOCK_K": "constexpr", "SPLIT_K": "constexpr", "LOAD_STAGES": "constexpr"}
+          "cnt_ptr": "*i32", "N": "i32", "K": "i32", "stride_wn": "i32", "lo_mask": "i32", "hi_mask": "i32",
+          "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr", "LOAD_STAGES": "constexpr",
+          "WORDS_ALIGNED": "constexpr", "EVEN": "constexpr"}
 W4_SIG = {"x_ptr": "*bf16", "p_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "out_ptr": "*bf16",
           "ws_ptr": "*fp32", "cnt_ptr": "*i32", "N": "i32", "K": "i32", "stride_pn": "i32", "stride_sn": "i32",
           "stride_zn": "i32", "exp_bits": "i32", "GROUP": "constexpr", "BLOCK_N": "constexpr",
-          "BLOCK_K": "constexpr", "SPLIT_K": "constexpr", "LOAD_STAGES": "constexpr"}
+          "BLOCK_K": "constexpr", "SPLIT_K": "constexpr", "LOAD_STAGES": "constexpr", "EVEN": "constexpr"}
 _INSTR = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")
 
 
@@ -106,10 +107,11 @@ def main(argv: list[str] | None = None) -> int:
         for bn, bk, warps in tiles:
             meta = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 4, "LOAD_STAGES": 1}
             if name == "w8":
+                meta.update(WORDS_ALIGNED=True, EVEN=True)
                 r = report(qm._w8_gemv, W8_SIG, meta, warps, bn * bk // (32 * warps))
             else:
                 bk = max(bk, args.group)
-                meta.update(GROUP=args.group, BLOCK_K=bk)
+                meta.update(GROUP=args.group, BLOCK_K=bk, EVEN=True)
                 r = report(qm._w4_gemv, W4_SIG, meta, warps, bn * bk // (32 * warps))
             issue_us = r["per_weight"] * args.weights / H200_LANE_INSTR_PER_S * 1e6
             print(f"{name} tile {bn}x{bk}, {warps} warps: {r['registers']} registers, {r['spill_bytes']} B spilled, "

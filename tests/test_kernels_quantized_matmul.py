@@ -67,7 +67,8 @@ GEMV_TILES = [(16, 64, 1), (8, 32, 3), (32, 16, 16), (4, 256, 1)]
 
 
 @pytest.mark.parametrize("tile", GEMV_TILES)
-@pytest.mark.parametrize("n, k", [(100, 192), (37, 100)])  # K not a multiple of any step in the second
+# K not a multiple of any step in the second; the third is even for two tiles (no masks: `_even`)
+@pytest.mark.parametrize("n, k", [(100, 192), (37, 100), (96, 192)])
 def test_w8a16_gemv_split_k(monkeypatch, tile, n, k):
     import labkit.kernels.quantized_matmul as qm
 
@@ -88,19 +89,20 @@ def test_w8a16_gemv_split_k(monkeypatch, tile, n, k):
 
 @pytest.mark.parametrize("tile", GEMV_TILES)
 @pytest.mark.parametrize("group", [8, 32, 64])
-def test_w4a16_gemv_split_k(monkeypatch, tile, group):
+@pytest.mark.parametrize("n, k", [(37, 320), (32, 256)])  # uneven splits; even for some tiles (no masks)
+def test_w4a16_gemv_split_k(monkeypatch, tile, group, n, k):
     import labkit.kernels.quantized_matmul as qm
 
     bn, bk, split = tile
     monkeypatch.setitem(qm.CPU_GEMV4, "BLOCK_N", bn)
     monkeypatch.setitem(qm.CPU_GEMV4, "BLOCK_K", bk)  # raised to the group where smaller
     monkeypatch.setitem(qm.CPU_GEMV4, "SPLIT_K", split)
-    packed, scales, zeros = _int4(37, 320, group, seed=22)  # 320 / 64 = 5 groups: uneven splits
+    packed, scales, zeros = _int4(n, k, group, seed=22)  # 320 / 64 = 5 groups: uneven splits
     packed[0, 0] = 0xF0  # q = 0 and 15 in one byte
-    x = _x((1, 320), torch.float32, seed=23)
+    x = _x((1, k), torch.float32, seed=23)
     out = w4a16_matmul(x, packed, scales, zeros, group)
     assert relative_error(out, w4a16_matmul_ref(x.double(), packed, scales, zeros, group)) < 1e-5
-    _, counters = qm._split_buffers(out.device, 37)
+    _, counters = qm._split_buffers(out.device, n)
     assert not counters.any()
 
 
@@ -112,6 +114,27 @@ def test_w4a16_gemv_bf16_and_unaligned_words():
     shifted = torch.empty(packed.numel() + 1, dtype=torch.uint8, device=DEVICE)[1:].view(packed.shape)
     shifted.copy_(packed)  # rows not on a 4-byte boundary: no int32 view, the any-group kernel instead
     assert relative_error(w4a16_matmul(x, shifted, scales, zeros, 128), ref) < 1e-2
+
+
+@pytest.mark.parametrize("k", [102, 192])
+def test_w8a16_gemv_unaligned_words(k):
+    """K not a multiple of 4, or rows not on a 4-byte boundary: each word is assembled from byte loads."""
+    q, s = _int8(37, k, seed=26)
+    x = _x((1, k), torch.float32, seed=27)
+    ref = w8a16_matmul_ref(x.double(), q, s)
+    shifted = torch.empty(q.numel() + 1, dtype=torch.int8, device=DEVICE)[1:].view(q.shape)
+    shifted.copy_(q)
+    for w in (q, shifted):
+        assert relative_error(w8a16_matmul(x, w, s), ref) < 1e-5
+
+
+def test_even_needs_whole_steps_real_rows_and_words():
+    import labkit.kernels.quantized_matmul as qm
+
+    meta = {"N": 4096, "K": 4096, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 4}
+    assert qm._even(meta) and qm._even(dict(meta, WORDS_ALIGNED=True))
+    assert not qm._even(dict(meta, N=4100)) and not qm._even(dict(meta, SPLIT_K=32))
+    assert not qm._even(dict(meta, WORDS_ALIGNED=False))
 
 
 def test_gemv_prune_splits_only_small_grids(monkeypatch):
@@ -171,9 +194,10 @@ def test_bad_inputs():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 5, 300])
-def test_quantized_matmul_gpu_bf16(rows):
-    q, s = _int8(1000, 4096, seed=14)
-    packed, scales, zeros = _int4(1000, 4096, 128, seed=15)
+@pytest.mark.parametrize("n", [1000, 4096])  # 4096: whole tiles, the GEMVs' unmasked (EVEN) path
+def test_quantized_matmul_gpu_bf16(rows, n):
+    q, s = _int8(n, 4096, seed=14)
+    packed, scales, zeros = _int4(n, 4096, 128, seed=15)
     x = _x((rows, 4096), torch.bfloat16, seed=16)
     out8 = w8a16_matmul(x, q, s.bfloat16())
     assert relative_error(out8, w8a16_matmul_ref(x.double(), q, s.bfloat16())) < 2e-2
@@ -191,7 +215,7 @@ def test_split_k_gemv_replays_in_a_cuda_graph(monkeypatch):
 
     def forced(kernel, bn, bk, split):
         cfg = triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "LOAD_STAGES": 3}, num_warps=4)
-        return triton.autotune([cfg], key=["N", "K"])(kernel)
+        return triton.autotune([cfg], key=["N", "K"])(triton.heuristics({"EVEN": qm._even})(kernel))
     monkeypatch.setattr(qm, "_w8_gemv_tuned", forced(qm._w8_gemv, 128, 64, 4))
     monkeypatch.setattr(qm, "_w4_gemv_tuned", forced(qm._w4_gemv, 128, 128, 4))
     n, k = 1000, 4096

@@ -84,3 +84,33 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
+
+
+_FLUSH: dict[str, torch.Tensor] = {}
+
+
+def cold_l2_bench(fn, quantiles=(0.5, 0.2, 0.8), reps: int = 25) -> list[float]:
+    """Milliseconds of ``fn()`` at ``quantiles`` with the L2 cache holding *clean* lines of another buffer before
+    each call, as Triton's autotuner expects from its ``do_bench`` argument.
+
+    ``triton.testing.do_bench`` empties the cache by writing zeros over 256 MB, which leaves it full of dirty
+    lines: a kernel timed after that also pays their write-back, about as many bytes as it reads, which distorts
+    memory-bound kernels of a few microseconds (the GEMVs) and their ranking. ``quantiles`` come back in the
+    order given (the autotuner asks for ``(0.5, 0.2, 0.8)``). Reading 256 MB instead (a sum)
+    evicts the kernel's data just as well and leaves nothing to write back -- as in a decode step, where the
+    weights of one layer are not in cache when its GEMV starts."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf = _FLUSH.get(str(dev))
+    if buf is None:
+        buf = _FLUSH.setdefault(str(dev), torch.ones(64 << 20, dtype=torch.float32, device=dev))
+    fn()
+    torch.cuda.synchronize(dev)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        buf.sum()  # the cache now holds the end of buf, unmodified
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(dev)
+    times = torch.tensor([s.elapsed_time(e) for s, e in events])
+    return torch.quantile(times, torch.tensor(quantiles, dtype=times.dtype)).tolist()

@@ -58,13 +58,11 @@ import torch
 import triton
 import triton.language as tl
 
-from labkit.kernels.common import FLOAT_DTYPES, check_tensor, next_pow2, num_sms, refuse_bf16_dot_on_cpu
+from labkit.kernels.common import FLOAT_DTYPES, check_tensor, cold_l2_bench, next_pow2, num_sms, refuse_bf16_dot_on_cpu
 
 MAX_SPLIT_K = 16  # rows of the float32 partial-sum workspace
 _MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2**23: OR an integer v < 2**23 in, read 2**23 + v
 _TWO23 = tl.constexpr(8388608.0)
-_W8_BITS = tl.constexpr(0x4B000080)  # magic | 0x80: the XOR also maps int8 (two's complement) to v + 128
-_W8_BIAS = tl.constexpr(8388736.0)  # 2**23 + 128
 
 
 def w8a16_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -104,25 +102,68 @@ def _store_rows(part, offs_n, n_ok, out_ptr, ws_ptr, cnt_ptr, N, SPLIT_K: tl.con
 
 
 @triton.jit
-def _w8_gemv(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, LOAD_STAGES: tl.constexpr):
-    # w_ptr: the int8 weights viewed as uint8 (raw bytes)
+def _byte_pair(src, lo_mask, hi_mask):
+    """Bytes 0 and 1 of ``src`` (int8 weights, two's complement) as exact floats, read in place: each byte is the
+    units digit of a float whose exponent puts its lowest bit at 1 -- 2**23 for bits 0-7 (AND 0xFF, XOR
+    0x4B000080: one LOP3), 2**15 for bits 8-15 (AND 0xFF00, XOR 0x47008000) -- so no shift is needed; the XORs'
+    0x80 also turns two's complement into offset binary, and one FADD takes the power and the 128 back off."""
+    b0 = ((src & lo_mask) ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0  # 2**23 + 128
+    b1 = ((src & hi_mask) ^ 0x47008000).to(tl.float32, bitcast=True) - 32896.0  # 2**15 + 128
+    return b0, b1
+
+
+@triton.jit
+def _w8_gemv(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_wn, lo_mask, hi_mask,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, LOAD_STAGES: tl.constexpr,
+             WORDS_ALIGNED: tl.constexpr, EVEN: tl.constexpr):
+    """``w_ptr``: the int8 weights as raw bytes, taken four at a time as int32 words (k = 4w + i at bits 8i).
+    ``WORDS_ALIGNED`` (rows start on 4-byte boundaries, K % 4 == 0): one 32-bit load per word; otherwise each
+    word is assembled from byte loads (correct, slower). ``lo_mask``/``hi_mask`` are 0xFF/0xFF00, passed at run
+    time so that each byte's AND + XOR stays one LOP3 with a constant-bank operand."""
+    WORDS: tl.constexpr = BLOCK_K // 4
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K  # whole steps, so splits never overlap
-    k_lo = tl.program_id(1) * k_per
-    k_hi = tl.minimum(k_lo + k_per, K)
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # reduced once at the end, not once per step
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=LOAD_STAGES):
-        k = k0 + offs_k
-        k_ok = k < K
-        x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-        # no `other`: any byte decodes to a finite value, met by x = 0 (k >= K) or a row never stored
-        b = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :]).to(tl.int32)
-        q = (b ^ _W8_BITS).to(tl.float32, bitcast=True) - _W8_BIAS  # the int8 value, exactly
-        acc += q * x[None, :]
+    n64 = offs_n.to(tl.int64)
+    offs_w = tl.arange(0, WORDS)
+    n_words = tl.cdiv(K, 4)
+    w_per = tl.cdiv(tl.cdiv(n_words, SPLIT_K), WORDS) * WORDS  # whole steps, so splits never overlap
+    w_lo = tl.program_id(1) * w_per
+    w_hi = tl.minimum(w_lo + w_per, n_words)
+    k4 = (w_lo + offs_w)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [words, 4]: k of each byte, this step
+    x_ptrs = x_ptr + k4
+    if WORDS_ALIGNED:
+        w_ptrs = w_ptr.to(tl.pointer_type(tl.int32)) + n64[:, None] * (stride_wn // 4) + (w_lo + offs_w)[None, :]
+    else:
+        w_ptrs = w_ptr + n64[:, None, None] * stride_wn + k4[None, :, :]
+    acc = tl.zeros([BLOCK_N, WORDS], tl.float32)  # reduced once at the end, not once per step
+    for w0 in tl.range(w_lo, w_hi, WORDS, num_stages=LOAD_STAGES):
+        # no `other` on whole words: any bits decode to finite values, met by x = 0 (k >= K) or rows never stored
+        if EVEN:  # every step whole and every row real (the autotuner's heuristic): no masks
+            wd = tl.load(w_ptrs)
+            x4 = tl.load(x_ptrs)
+        elif WORDS_ALIGNED:
+            wd = tl.load(w_ptrs, mask=n_ok[:, None] & (w0 + offs_w < n_words)[None, :])
+            x4 = tl.load(x_ptrs, mask=k4 < K, other=0.0)
+        else:
+            b = tl.load(w_ptrs, mask=n_ok[:, None, None] & (k4 < K)[None, :, :], other=0).to(tl.int32)
+            wd = tl.sum(b << (tl.arange(0, 4) * 8)[None, None, :], 2)
+            x4 = tl.load(x_ptrs, mask=k4 < K, other=0.0)
+        x4 = x4.to(tl.float32)
+        x_ptrs += BLOCK_K
+        k4 += BLOCK_K
+        if WORDS_ALIGNED:
+            w_ptrs += WORDS
+        else:
+            w_ptrs += BLOCK_K
+        ev, od = tl.split(tl.reshape(x4, [WORDS, 2, 2]))
+        x0, x2 = tl.split(ev)
+        x1, x3 = tl.split(od)
+        b0, b1 = _byte_pair(wd, lo_mask, hi_mask)
+        acc += b0 * x0[None, :]
+        acc += b1 * x1[None, :]
+        b2, b3 = _byte_pair(wd >> 16, lo_mask, hi_mask)
+        acc += b2 * x2[None, :]
+        acc += b3 * x3[None, :]
     s = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     _store_rows(tl.sum(acc, 1) * s, offs_n, n_ok, out_ptr, ws_ptr, cnt_ptr, N, SPLIT_K)
 
@@ -139,7 +180,7 @@ def _nibble(src, P: tl.constexpr):
 @triton.jit
 def _w4_gemv(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_pn, stride_sn, stride_zn, exp_bits,
              GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-             LOAD_STAGES: tl.constexpr):
+             LOAD_STAGES: tl.constexpr, EVEN: tl.constexpr):
     """Power-of-two groups >= 8. ``p_ptr``: the packed bytes viewed as int32 words (8 nibbles: k = 8w + i at
     bits 4i); a step is ``BLOCK_K // GROUP`` whole groups, a ``[BLOCK_N, groups, words]`` tile.
     ``exp_bits`` is 0x4F000000, passed at run time so that the compiler keeps one OR per word instead of
@@ -155,16 +196,32 @@ def _w4_gemv(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_
     g_per = tl.cdiv(tl.cdiv(n_groups, SPLIT_K), BLOCK_G) * BLOCK_G  # whole steps: splits never overlap
     g_lo = tl.program_id(1) * g_per
     g_hi = tl.minimum(g_lo + g_per, n_groups)
-    p_rows = p_ptr + n64[:, None, None] * stride_pn
+    g = g_lo + offs_g
+    kw = g[:, None] * WORDS + offs_w[None, :]  # [groups, words]: word index along the row, this step
+    p_ptrs = p_ptr + n64[:, None, None] * stride_pn + kw[None, :, :]
+    x_ptrs = x_ptr + kw[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    s_ptrs = s_ptr + n64[:, None] * stride_sn + g[None, :]
+    z_ptrs = z_ptr + n64[:, None] * stride_zn + g[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
     for g0 in tl.range(g_lo, g_hi, BLOCK_G, num_stages=LOAD_STAGES):
-        g = g0 + offs_g
-        g_ok = g < n_groups
-        kw = g[:, None] * WORDS + offs_w[None, :]  # [groups, words]: word index along the row
-        # no `other`: masked-off words decode to finite values that meet x = 0 or rows never stored
-        wd = tl.load(p_rows + kw[None, :, :], mask=n_ok[:, None, None] & g_ok[None, :, None])
-        x8 = tl.load(x_ptr + kw[:, :, None] * 8 + tl.arange(0, 8)[None, None, :], mask=g_ok[:, None, None],
-                     other=0.0).to(tl.float32)
+        if EVEN:  # whole steps, real rows (the autotuner's heuristic): no masks
+            wd = tl.load(p_ptrs)
+            x8 = tl.load(x_ptrs)
+            s = tl.load(s_ptrs)
+            z = tl.load(z_ptrs)
+        else:
+            g_ok = g0 + offs_g < n_groups
+            # no `other`: masked-off words decode to finite values that meet x = 0 or rows never stored
+            wd = tl.load(p_ptrs, mask=n_ok[:, None, None] & g_ok[None, :, None])
+            x8 = tl.load(x_ptrs, mask=g_ok[:, None, None], other=0.0)
+            ld = n_ok[:, None] & g_ok[None, :]
+            s = tl.load(s_ptrs, mask=ld, other=0.0)
+            z = tl.load(z_ptrs, mask=ld, other=0.0)
+        x8 = x8.to(tl.float32)
+        p_ptrs += BLOCK_G * WORDS
+        x_ptrs += BLOCK_K
+        s_ptrs += BLOCK_G
+        z_ptrs += BLOCK_G
         ev, od = tl.split(tl.reshape(x8, [BLOCK_G, WORDS, 2, 2, 2]))  # the 8 activations of each word
         ee, eo = tl.split(ev)
         oe, oo = tl.split(od)
@@ -183,10 +240,8 @@ def _w4_gemv(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_
         qx += _nibble(hi, 1) * x5[None]
         qx += _nibble(hi, 2) * x6[None]
         qx += _nibble(hi, 3) * x7[None]
-        ld = n_ok[:, None] & g_ok[None, :]
-        s = tl.load(s_ptr + n64[:, None] * stride_sn + g[None, :], mask=ld, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + n64[:, None] * stride_zn + g[None, :], mask=ld, other=0.0).to(tl.float32)
-        acc += s * (tl.sum(qx, 2) - z * x_sum[None, :])  # sum_k (q - z) s x: the scale once per group
+        # sum_k (q - z) s x: the scale once per group
+        acc += s.to(tl.float32) * (tl.sum(qx, 2) - z.to(tl.float32) * x_sum[None, :])
     _store_rows(tl.sum(acc, 1), offs_n, n_ok, out_ptr, ws_ptr, cnt_ptr, N, SPLIT_K)
 
 
@@ -366,6 +421,13 @@ def _prune_gemv(configs, named_args, **kwargs):
     return kept or configs[:1]
 
 
+def _even(args: dict) -> bool:
+    """Every program of the GEMV has whole steps and real rows (N a multiple of BLOCK_N, K of BLOCK_K x SPLIT_K,
+    whole aligned words), so it runs without masks: at LLM shapes, always."""
+    return (args["N"] % args["BLOCK_N"] == 0 and args["K"] % (args["BLOCK_K"] * args["SPLIT_K"]) == 0
+            and args.get("WORDS_ALIGNED", True))
+
+
 def _gemm_configs() -> list:
     cfgs = [(16, 64, 128, 4, 4), (32, 128, 64, 4, 4), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3),
             (128, 256, 64, 8, 3)]
@@ -390,10 +452,12 @@ def _prune_gemm_grouped(configs, named_args, **kwargs):
     return list(out.values())
 
 
-_w8_gemv_tuned = triton.autotune(_gemv_configs(W8_TILES), key=["N", "K"],
-                                 prune_configs_by={"early_config_prune": _prune_gemv})(_w8_gemv)
-_w4_gemv_tuned = triton.autotune(_gemv_configs(W4_TILES), key=["N", "K", "GROUP"],
-                                 prune_configs_by={"early_config_prune": _prune_gemv})(_w4_gemv)
+_w8_gemv_tuned = triton.autotune(_gemv_configs(W8_TILES), key=["N", "K"], do_bench=cold_l2_bench,
+                                 prune_configs_by={"early_config_prune": _prune_gemv})(
+    triton.heuristics({"EVEN": _even})(_w8_gemv))
+_w4_gemv_tuned = triton.autotune(_gemv_configs(W4_TILES), key=["N", "K", "GROUP"], do_bench=cold_l2_bench,
+                                 prune_configs_by={"early_config_prune": _prune_gemv})(
+    triton.heuristics({"EVEN": _even})(_w4_gemv))
 _w8_gemm_tuned = triton.autotune(_gemm_configs(), key=["M_KEY", "N_KEY", "K_KEY"],
                                  prune_configs_by={"early_config_prune": _prune_gemm})(_w8_gemm)
 _w4_gemm_tuned = triton.autotune(_gemm_configs(), key=["M_KEY", "N_KEY", "K_KEY", "GROUP"],
@@ -453,7 +517,8 @@ def _gemv(x2: torch.Tensor, n: int, kernel, tuned, cpu_meta: dict, args: tuple, 
     else:
         if not 1 <= cpu_meta["SPLIT_K"] <= MAX_SPLIT_K:
             raise ValueError(f"SPLIT_K={cpu_meta['SPLIT_K']} must be in 1..{MAX_SPLIT_K}")
-        kernel[(triton.cdiv(n, cpu_meta["BLOCK_N"]), cpu_meta["SPLIT_K"])](*ptrs, **meta, **cpu_meta)
+        even = {"EVEN": _even(dict(meta, **cpu_meta, N=n, K=k))} if "EVEN" in kernel.arg_names else {}
+        kernel[(triton.cdiv(n, cpu_meta["BLOCK_N"]), cpu_meta["SPLIT_K"])](*ptrs, **meta, **cpu_meta, **even)
     return out
 
 
@@ -496,7 +561,9 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) ->
     if m == 0 or n == 0:
         out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     elif m == 1:
-        out = _gemv(x2, n, _w8_gemv, _w8_gemv_tuned, CPU_GEMV8, (w.view(torch.uint8), s), (w.stride(0),), {})
+        aligned = k % 4 == 0 and w.stride(0) % 4 == 0 and w.data_ptr() % 4 == 0
+        out = _gemv(x2, n, _w8_gemv, _w8_gemv_tuned, CPU_GEMV8, (w.view(torch.uint8), s),
+                    (w.stride(0), 0xFF, 0xFF00), {"WORDS_ALIGNED": aligned})
     else:
         out = _gemm(x2, n, _w8_gemm, _w8_gemm_tuned, (w, s), (w.stride(0),), {})
     return out.view(*x.shape[:-1], n)
