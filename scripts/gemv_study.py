@@ -38,11 +38,10 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
           "gate_or_up": (14336, 4096), "k_or_v": (1024, 4096)}
 GROUP = 128
 ROTATE_BYTES = 400e6  # > 8x the H200's 50 MB L2
-W8_TILES = ((128, 64, 4), (64, 64, 4), (128, 128, 8), (32, 256, 4), (16, 512, 4), (8, 1024, 4), (64, 128, 4),
-            (256, 64, 8), (32, 128, 4), (64, 256, 8), (16, 256, 2), (32, 512, 8), (16, 1024, 4), (64, 256, 4),
-            (128, 128, 4))
-W4_TILES = ((512, 128, 8), (256, 128, 8), (256, 128, 4), (128, 128, 4), (64, 256, 4), (32, 512, 4),
-            (16, 1024, 4), (128, 256, 8), (64, 512, 8), (64, 128, 2), (32, 256, 2))
+# the autotuners' tiles and a few more around them (BLOCK_N, BLOCK_K, warps)
+W8_TILES = tuple(dict.fromkeys(qm.W8_TILES + ((128, 64, 4), (64, 128, 4), (32, 512, 8), (128, 128, 4))))
+W4_TILES = tuple(dict.fromkeys(qm.W4_TILES + ((256, 128, 4), (128, 256, 4), (512, 128, 8), (16, 512, 2),
+                                              (32, 512, 4))))
 SPLITS = (1, 2, 4, 8, 16)
 STAGES = (1, 3)
 
@@ -97,8 +96,8 @@ def _launcher(kind: str, x, ws, n: int, k: int, cfg: dict | None):
     else:
         def launch(w):
             qm._w4_gemv[grid](x, w[0].view(torch.int32), w[1], w[2], out, wsb, cnt, n, k, k // 8, k // GROUP,
-                              k // GROUP, 0x4F000000, GROUP=GROUP, **meta, EVEN=even, num_warps=cfg["num_warps"],
-                              num_stages=1)
+                              k // GROUP, 0x4F000000, GROUP=GROUP, **meta, EVEN=even, HALF_MATH=1,
+                              num_warps=cfg["num_warps"], num_stages=1)
             return out
     return launch
 
@@ -150,7 +149,7 @@ def copy_bandwidth(dev) -> float:
     return 2 * a.numel() / (sorted(t)[len(t) // 2] * 1e-6)
 
 
-def sweep(shapes: dict, dev, out: str | None = None) -> dict:
+def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4")) -> dict:
     """Time every candidate of every shape; with ``out``, rewrite the record after each shape (a run cut short
     keeps what it finished)."""
     x = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)
@@ -160,7 +159,7 @@ def sweep(shapes: dict, dev, out: str | None = None) -> dict:
     rows = []
     for name, (n, k) in shapes.items():
         xk = torch.randn(1, k, device=dev, dtype=torch.bfloat16) if k != x.shape[1] else x
-        for kind in ("bf16", "w8", "w4"):
+        for kind in kinds:
             nbytes = _nbytes(kind, n, k)
             sets = _weights(kind, n, k, _copies(nbytes), dev)
             qm._split_buffers(dev, n)
@@ -251,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="folder for records/gemv_study.json")
     ap.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), default=tuple(SHAPES)[:5])
+    ap.add_argument("--kinds", nargs="+", choices=("bf16", "w8", "w4"), default=("bf16", "w8", "w4"))
     ap.add_argument("--best", help="a gemv_study.json: launch each shape's best candidate (for ncu)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.best:
         run_best(args.best, dev)
         return 0
-    data = sweep({s: SHAPES[s] for s in args.shapes}, dev, args.out)
+    data = sweep({s: SHAPES[s] for s in args.shapes}, dev, args.out, args.kinds)
     summarise(data)
     return 0
 

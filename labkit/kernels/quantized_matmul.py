@@ -177,10 +177,86 @@ def _nibble(src, P: tl.constexpr):
     return bits.to(tl.float32, bitcast=True) - 8388608.0 / (1 << (4 * P))
 
 
+_W4_WORD_DOT = tl.constexpr("""{
+.reg .b32 m, r16, n64, t0, t1, t2, t3, w8, acc;
+.reg .b16 lo, hi;
+.reg .f32 flo, fhi;
+mov.b32 m, 0x64006400;
+mov.b32 r16, 0x2C002C00;
+mov.b32 n64, 0xD400D400;
+lop3.b32 t0, $1, 0x000F000F, m, 0xEA;
+lop3.b32 t1, $1, 0x00F000F0, m, 0xEA;
+shr.u32 w8, $1, 8;
+lop3.b32 t2, w8, 0x000F000F, m, 0xEA;
+lop3.b32 t3, w8, 0x00F000F0, m, 0xEA;
+sub.f16x2 t0, t0, m;
+fma.rn.f16x2 t1, t1, r16, n64;
+sub.f16x2 t2, t2, m;
+fma.rn.f16x2 t3, t3, r16, n64;
+mul.f16x2 acc, t0, $2;
+fma.rn.f16x2 acc, t1, $3, acc;
+fma.rn.f16x2 acc, t2, $4, acc;
+fma.rn.f16x2 acc, t3, $5, acc;
+mov.b32 {lo, hi}, acc;
+cvt.f32.f16 flo, lo;
+cvt.f32.f16 fhi, hi;
+add.f32 $0, flo, fhi;
+}""")
+
+
+@triton.jit
+def _f16_halves(v):
+    """The float16 pair in each int32 word of ``v`` (low half first)."""
+    lo = (v & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    return lo, ((v >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _w4_word_dot_emulated(wd, xa, xb, xc, xd):
+    """``_w4_word_dot`` in Triton operations (for the CPU interpreter, which runs no PTX): the same float16
+    values, nibble order and pairing, with the multiply and the add of each HFMA2 rounded separately."""
+    acc_lo = tl.zeros(wd.shape, tl.float16)
+    acc_hi = tl.zeros(wd.shape, tl.float16)
+    for i in tl.static_range(4):
+        src = wd if i < 2 else wd >> 8
+        mask = 0x000F000F if i % 2 == 0 else 0x00F000F0
+        t_lo, t_hi = _f16_halves((src & mask) | 0x64006400)  # 1024 + q, or 1024 + 16 q for odd i
+        x_lo, x_hi = _f16_halves(xa if i == 0 else (xb if i == 1 else (xc if i == 2 else xd)))
+        div = 1.0 if i % 2 == 0 else 16.0
+        acc_lo += ((t_lo - 1024.0) / div).to(tl.float16) * x_lo
+        acc_hi += ((t_hi - 1024.0) / div).to(tl.float16) * x_hi
+    return acc_lo.to(tl.float32) + acc_hi.to(tl.float32)
+
+
+@triton.jit
+def _w4_word_dot(wd, xa, xb, xc, xd):
+    """``sum_i q_i x_i`` over the 8 nibbles of each int32 word ``wd`` in packed float16 arithmetic (CUDA only:
+    inline PTX). ``(w & 0x000F000F) | 0x6400_6400`` is a pair of float16 ``1024 + q`` (nibbles 0 and 4) in one
+    LOP3; the mask ``0x00F000F0`` reads nibbles 1 and 5 in place as ``1024 + 16 q``, and the word shifted by 8
+    gives nibbles 2, 6 and 3, 7 the same way. ``t - 1024`` and ``t / 16 - 64`` give every ``q`` exactly (two
+    HSUB2, two HFMA2), then four HFMA2 multiply by the activation pairs ``xa = (x0, x4)``, ``xb = (x1, x5)``,
+    ``xc = (x2, x6)``, ``xd = (x3, x7)`` (int32 words holding float16 pairs, low half first) and sum the eight
+    products in two float16 lanes, added in float32: 16 instructions per 8 weights, against 27 on the float32
+    path. The caller scales the activations so that ``|x| < 512`` (no partial sum reaches float16's 65504)."""
+    return tl.inline_asm_elementwise(_W4_WORD_DOT, "=f,r,r,r,r,r", [wd, xa, xb, xc, xd], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _half2(lo, hi, ASM: tl.constexpr):
+    """Two float32 tensors as float16 pairs packed in int32 words (``lo`` in bits 0-15): one CVT per pair
+    (``ASM``), or the same bits through Triton casts."""
+    if ASM:
+        return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    bits_lo = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return (hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16) | bits_lo
+
+
 @triton.jit
 def _w4_gemv(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_pn, stride_sn, stride_zn, exp_bits,
              GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-             LOAD_STAGES: tl.constexpr, EVEN: tl.constexpr):
+             LOAD_STAGES: tl.constexpr, EVEN: tl.constexpr, HALF_MATH: tl.constexpr):
     """Power-of-two groups >= 8. ``p_ptr``: the packed bytes viewed as int32 words (8 nibbles: k = 8w + i at
     bits 4i); a step is ``BLOCK_K // GROUP`` whole groups, a ``[BLOCK_N, groups, words]`` tile.
     ``exp_bits`` is 0x4F000000, passed at run time so that the compiler keeps one OR per word instead of
@@ -230,18 +306,37 @@ def _w4_gemv(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_
         x1, x5 = tl.split(oe)
         x3, x7 = tl.split(oo)
         x_sum = tl.sum((x0 + x1) + (x2 + x3) + (x4 + x5) + (x6 + x7), 1)  # [groups], for the zero-points
-        lo = wd | exp_bits
-        hi = (wd >> 16) | exp_bits
-        qx = _nibble(lo, 0) * x0[None]  # sum_i q_i x_i, one FFMA per weight
-        qx += _nibble(lo, 1) * x1[None]
-        qx += _nibble(lo, 2) * x2[None]
-        qx += _nibble(lo, 3) * x3[None]
-        qx += _nibble(hi, 0) * x4[None]
-        qx += _nibble(hi, 1) * x5[None]
-        qx += _nibble(hi, 2) * x6[None]
-        qx += _nibble(hi, 3) * x7[None]
+        if HALF_MATH:  # 16-bit activations: packed float16 pairs (1: PTX on CUDA, 2: emulated on the CPU)
+            # per group a power of two that puts max |x| in [256, 512): float16 holds every x that matters
+            # (down to 2**-23 of the group's largest) and no partial sum of 4 products q x can overflow
+            e = (tl.max(tl.max(tl.abs(x8), 2), 1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+            e = tl.maximum(e, 9)
+            up = ((262 - e) << 23).to(tl.float32, bitcast=True)  # 2**(8 - E) for max |x| = m 2**E
+            down = ((e - 8) << 23).to(tl.float32, bitcast=True)  # its inverse
+            u = up[:, None]
+            xa = _half2(x0 * u, x4 * u, HALF_MATH == 1)
+            xb = _half2(x1 * u, x5 * u, HALF_MATH == 1)
+            xc = _half2(x2 * u, x6 * u, HALF_MATH == 1)
+            xd = _half2(x3 * u, x7 * u, HALF_MATH == 1)
+            if HALF_MATH == 1:
+                q_x = _w4_word_dot(wd, xa[None], xb[None], xc[None], xd[None])
+            else:
+                q_x = _w4_word_dot_emulated(wd, xa[None], xb[None], xc[None], xd[None])
+            q_x = tl.sum(q_x, 2) * down[None, :]
+        else:
+            lo = wd | exp_bits
+            hi = (wd >> 16) | exp_bits
+            qx = _nibble(lo, 0) * x0[None]  # sum_i q_i x_i, one FFMA per weight
+            qx += _nibble(lo, 1) * x1[None]
+            qx += _nibble(lo, 2) * x2[None]
+            qx += _nibble(lo, 3) * x3[None]
+            qx += _nibble(hi, 0) * x4[None]
+            qx += _nibble(hi, 1) * x5[None]
+            qx += _nibble(hi, 2) * x6[None]
+            qx += _nibble(hi, 3) * x7[None]
+            q_x = tl.sum(qx, 2)
         # sum_k (q - z) s x: the scale once per group
-        acc += s.to(tl.float32) * (tl.sum(qx, 2) - z.to(tl.float32) * x_sum[None, :])
+        acc += s.to(tl.float32) * (q_x - z.to(tl.float32) * x_sum[None, :])
     _store_rows(tl.sum(acc, 1), offs_n, n_ok, out_ptr, ws_ptr, cnt_ptr, N, SPLIT_K)
 
 
@@ -374,21 +469,24 @@ def _w4_gemm_grouped(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, st
 
 
 # --- autotuning (CUDA) and fixed tiles (interpreter) -----------------------------------------------------
-# GEMV tiles (BLOCK_N, BLOCK_K, warps): 16 contiguous bytes per thread along K and R = 2-8 rows per thread
-# (one step of one CTA loads 4-32 KB; every converted activation serves R rows); int4's BLOCK_K counts weights.
-# Where BLOCK_K < 32 * warps the activations are loaded straight into the layout the weights need (Triton
-# rematerialises a load with fewer elements than threads); the other tiles pass them through shared memory
-# with two barriers per step, kept so that the autotuner weighs that against their taller tiles.
-# Compiled for sm_90 (Triton 3.9, ptxas): no spills; the loop issues ~5.0 instructions per int8 weight
-# (byte extract, XOR, FADD, FFMA + addressing) and ~4.0-4.6 per int4 weight.
-#   int8 (R, registers): (128,64,4) 4, 120; (64,64,4) 2, 68; (128,128,8) 4, 126; (32,256,4) 4, 119
-#   int4 (R, registers): (512,128,8) 8, 123; (256,128,8) 4, 80; (256,128,4) 8, 128; (128,128,4) 4, 89;
-#                        (256,64,4) 4, 94 (groups <= 64)
-W8_TILES = ((128, 64, 4), (64, 64, 4), (128, 128, 8), (32, 256, 4))
-W4_TILES = ((512, 128, 8), (256, 128, 8), (256, 128, 4), (128, 128, 4), (256, 64, 4))
+# GEMV tiles (BLOCK_N, BLOCK_K, warps): 16 contiguous bytes per thread along K; int4's BLOCK_K counts weights.
+# Chosen from `scripts/gemv_study.py` on the H200 (records/gemv_study.json: every candidate timed in CUDA
+# graphs over weights that are not in L2, at the 8B decode shapes): the winners are short and wide -- 8-64 rows,
+# 256-2048 weights per step, mostly unsplit for int8 -- not the tall tiles tuned before against do_bench's dirty
+# L2 flush. The widest (a whole 4096-long row per step) issue every load of a small layer at once.
+# Compiled for sm_90 (Triton 3.9, ptxas, `scripts/sass_report.py`): no spills; the K loop issues 3.8-4.1
+# instructions per int8 weight (LOP3 + FADD + FFMA, a shift per word, addressing) and 4.1-4.6 per int4 weight.
+#   int8 (registers): (16,256,2) 71; (32,256,4) 72; (64,256,4) 127; (16,512,4) 71; (8,1024,4) 67;
+#                     (16,1024,4) 119; (8,2048,4) 128; (16,2048,8) 127
+#   int4 (registers): (64,128,2) 90; (128,128,4) 96; (256,128,8) 80; (32,256,2) 128; (64,256,4) 96;
+#                     (16,1024,4) 80; (8,2048,4) 96; (8,4096,8) 103
+W8_TILES = ((16, 256, 2), (32, 256, 4), (64, 256, 4), (16, 512, 4), (8, 1024, 4), (16, 1024, 4), (8, 2048, 4),
+            (16, 2048, 8))
+W4_TILES = ((64, 128, 2), (128, 128, 4), (256, 128, 8), (32, 256, 2), (64, 256, 4), (16, 1024, 4), (8, 2048, 4),
+            (8, 4096, 8))
 SPLITS = (1, 2, 4, 8, 16)
 LOAD_STAGES = (1, 3)  # 1: plain loads into registers; 3: pipelined through shared memory (cp.async)
-MAX_CTAS_PER_SM = 6  # a split is only worth it while the grid is small
+MAX_CTAS_PER_SM = 8  # a split is only worth it while the grid is small (the H200's best at 4096 -> 4096: 7.8)
 
 
 def _gemv_configs(tiles) -> list:
@@ -398,7 +496,7 @@ def _gemv_configs(tiles) -> list:
 
 
 def _prune_gemv(configs, named_args, **kwargs):
-    """Per shape: splits that keep the grid under ~6 CTAs per SM and give each split >= 2 steps; per tile no
+    """Per shape: splits that keep the grid under ~8 CTAs per SM and give each split >= 2 steps; per tile no
     split plus the two largest that qualify. int4 tiles hold whole groups: a group longer than a tile's step
     widens the step to one group and narrows the tile to keep its bytes."""
     n, k, group = named_args["N"], named_args["K"], kwargs.get("GROUP", named_args.get("GROUP"))
@@ -598,8 +696,9 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
     elif m == 1 and 8 <= group_size <= 1024 and group_size & (group_size - 1) == 0 and p.data_ptr() % 4 == 0:
         cpu = dict(CPU_GEMV4, BLOCK_K=max(CPU_GEMV4["BLOCK_K"], group_size))
         words = p.view(torch.int32)  # K % 8 == 0 here: whole 4-byte words per row
+        half = 0 if x2.dtype == torch.float32 else (1 if x2.device.type == "cuda" else 2)
         out = _gemv(x2, n, _w4_gemv, _w4_gemv_tuned, cpu, (words, s, z), (words.stride(0), s.stride(0), z.stride(0),
-                    0x4F000000), {"GROUP": group_size})
+                    0x4F000000), {"GROUP": group_size, "HALF_MATH": half})
     elif m == 1:
         out = torch.empty(1, n, dtype=x2.dtype, device=x2.device)
         meta = dict(ANY_GROUP_GEMV)
