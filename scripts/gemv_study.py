@@ -85,7 +85,7 @@ def _launcher(kind: str, x, ws, n: int, k: int, cfg: dict | None):
     if cfg is None:
         return ((lambda w: qm.w8a16_matmul(x, *w)) if kind == "w8" else
                 (lambda w: qm.w4a16_matmul(x, *w, GROUP)))
-    meta = {key: cfg[key] for key in ("BLOCK_N", "BLOCK_K", "SPLIT_K", "LOAD_STAGES")}
+    meta = {key: cfg[key] for key in ("BLOCK_N", "BLOCK_K", "SPLIT_K", "LOAD_STAGES", "PREFETCH") if key in cfg}
     grid = (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
     even = qm._even(dict(meta, N=n, K=k))
     if kind == "w8":
@@ -138,7 +138,11 @@ def _candidates(tiles, n: int, k: int, kind: str) -> list[dict]:
             if sp > 1 and (steps < 1 or triton.cdiv(n, bn) * sp > 8 * 132):
                 continue
             for st in STAGES:
-                out.append({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp, "LOAD_STAGES": st, "num_warps": w})
+                out.append({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp, "LOAD_STAGES": st, "num_warps": w}
+                           | ({"PREFETCH": False} if kind == "w4" else {}))
+            if kind == "w4":
+                out.append({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp, "LOAD_STAGES": 1, "num_warps": w,
+                            "PREFETCH": True})
     return out
 
 

@@ -34,7 +34,7 @@ W4_SIG = {"x_ptr": "*bf16", "p_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16",
           "ws_ptr": "*fp32", "cnt_ptr": "*i32", "N": "i32", "K": "i32", "stride_pn": "i32", "stride_sn": "i32",
           "stride_zn": "i32", "exp_bits": "i32", "GROUP": "constexpr", "BLOCK_N": "constexpr",
           "BLOCK_K": "constexpr", "SPLIT_K": "constexpr", "LOAD_STAGES": "constexpr", "EVEN": "constexpr",
-          "HALF_MATH": "constexpr"}
+          "HALF_MATH": "constexpr", "PREFETCH": "constexpr"}
 _INSTR = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")
 
 
@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernel", nargs="+", default=["w8", "w4"], choices=["w8", "w4"])
     ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--prefetch", action="store_true", help="int4: loads issued a step ahead (PREFETCH)")
     ap.add_argument("--float32", action="store_true", help="int4: the float32 path (float32 activations) "
                     "instead of packed float16 math (16-bit activations)")
     ap.add_argument("--weights", type=float, default=4096 * 14336, help="weights of the layer, for the issue time")
@@ -114,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                 r = report(qm._w8_gemv, W8_SIG, meta, warps, bn * bk // (32 * warps))
             else:
                 bk = max(bk, args.group)
-                meta.update(GROUP=args.group, BLOCK_K=bk, EVEN=True, HALF_MATH=not args.float32)
+                meta.update(GROUP=args.group, BLOCK_K=bk, EVEN=True, HALF_MATH=not args.float32,
+                            PREFETCH=args.prefetch)
                 r = report(qm._w4_gemv, W4_SIG, meta, warps, bn * bk // (32 * warps))
             issue_us = r["per_weight"] * args.weights / H200_LANE_INSTR_PER_S * 1e6
             print(f"{name} tile {bn}x{bk}, {warps} warps: {r['registers']} registers, {r['spill_bytes']} B spilled, "

@@ -90,13 +90,15 @@ def test_w8a16_gemv_split_k(monkeypatch, tile, n, k):
 @pytest.mark.parametrize("tile", GEMV_TILES)
 @pytest.mark.parametrize("group", [8, 32, 64])
 @pytest.mark.parametrize("n, k", [(37, 320), (32, 256)])  # uneven splits; even for some tiles (no masks)
-def test_w4a16_gemv_split_k(monkeypatch, tile, group, n, k):
+@pytest.mark.parametrize("prefetch", [False, True])  # loads a step ahead (where even)
+def test_w4a16_gemv_split_k(monkeypatch, tile, group, n, k, prefetch):
     import labkit.kernels.quantized_matmul as qm
 
     bn, bk, split = tile
     monkeypatch.setitem(qm.CPU_GEMV4, "BLOCK_N", bn)
     monkeypatch.setitem(qm.CPU_GEMV4, "BLOCK_K", bk)  # raised to the group where smaller
     monkeypatch.setitem(qm.CPU_GEMV4, "SPLIT_K", split)
+    monkeypatch.setitem(qm.CPU_GEMV4, "PREFETCH", prefetch)
     packed, scales, zeros = _int4(n, k, group, seed=22)  # 320 / 64 = 5 groups: uneven splits
     packed[0, 0] = 0xF0  # q = 0 and 15 in one byte
     x = _x((1, k), torch.float32, seed=23)
@@ -228,11 +230,11 @@ def test_split_k_gemv_replays_in_a_cuda_graph(monkeypatch):
 
     import labkit.kernels.quantized_matmul as qm
 
-    def forced(kernel, bn, bk, split):
-        cfg = triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "LOAD_STAGES": 3}, num_warps=4)
+    def forced(kernel, bn, bk, split, **extra):
+        cfg = triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "LOAD_STAGES": 3, **extra}, num_warps=4)
         return triton.autotune([cfg], key=["N", "K"])(triton.heuristics({"EVEN": qm._even})(kernel))
     monkeypatch.setattr(qm, "_w8_gemv_tuned", forced(qm._w8_gemv, 128, 64, 4))
-    monkeypatch.setattr(qm, "_w4_gemv_tuned", forced(qm._w4_gemv, 128, 128, 4))
+    monkeypatch.setattr(qm, "_w4_gemv_tuned", forced(qm._w4_gemv, 128, 128, 4, PREFETCH=False))
     n, k = 1000, 4096
     q, s = _int8(n, k, seed=30)
     packed, scales, zeros = _int4(n, k, 128, seed=31)

@@ -256,11 +256,12 @@ def _half2(lo, hi, ASM: tl.constexpr):
 @triton.jit
 def _w4_gemv(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_pn, stride_sn, stride_zn, exp_bits,
              GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-             LOAD_STAGES: tl.constexpr, EVEN: tl.constexpr, HALF_MATH: tl.constexpr):
+             LOAD_STAGES: tl.constexpr, EVEN: tl.constexpr, HALF_MATH: tl.constexpr, PREFETCH: tl.constexpr):
     """Power-of-two groups >= 8. ``p_ptr``: the packed bytes viewed as int32 words (8 nibbles: k = 8w + i at
     bits 4i); a step is ``BLOCK_K // GROUP`` whole groups, a ``[BLOCK_N, groups, words]`` tile.
     ``exp_bits`` is 0x4F000000, passed at run time so that the compiler keeps one OR per word instead of
-    folding it into every nibble's mask (which costs a register move per nibble)."""
+    folding it into every nibble's mask (which costs a register move per nibble). ``PREFETCH`` (with ``EVEN``)
+    keeps the next step's loads in flight in registers while this step computes."""
     BLOCK_G: tl.constexpr = BLOCK_K // GROUP
     WORDS: tl.constexpr = GROUP // 8  # int32 words per group and row
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -279,8 +280,17 @@ def _w4_gemv(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_
     s_ptrs = s_ptr + n64[:, None] * stride_sn + g[None, :]
     z_ptrs = z_ptr + n64[:, None] * stride_zn + g[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+    if EVEN and PREFETCH:
+        nw, nx, ns, nz = tl.load(p_ptrs), tl.load(x_ptrs), tl.load(s_ptrs), tl.load(z_ptrs)
     for g0 in tl.range(g_lo, g_hi, BLOCK_G, num_stages=LOAD_STAGES):
-        if EVEN:  # whole steps, real rows (the autotuner's heuristic): no masks
+        if EVEN and PREFETCH:  # this step's loads were issued a step ago; issue the next step's now
+            wd, x8, s, z = nw, nx, ns, nz
+            more = g0 + BLOCK_G < g_hi
+            nw = tl.load(p_ptrs + BLOCK_G * WORDS, mask=more)
+            nx = tl.load(x_ptrs + BLOCK_K, mask=more)
+            ns = tl.load(s_ptrs + BLOCK_G, mask=more)
+            nz = tl.load(z_ptrs + BLOCK_G, mask=more)
+        elif EVEN:  # whole steps, real rows (the autotuner's heuristic): no masks
             wd = tl.load(p_ptrs)
             x8 = tl.load(x_ptrs)
             s = tl.load(s_ptrs)
@@ -489,10 +499,12 @@ LOAD_STAGES = (1, 3)  # 1: plain loads into registers; 3: pipelined through shar
 MAX_CTAS_PER_SM = 8  # a split is only worth it while the grid is small (the H200's best at 4096 -> 4096: 7.8)
 
 
-def _gemv_configs(tiles) -> list:
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": s, "LOAD_STAGES": st}, num_warps=w,
-                          num_stages=1)
-            for n, k, w in tiles for s in SPLITS for st in LOAD_STAGES]
+def _gemv_configs(tiles, prefetch: bool = False) -> list:
+    """Every tile x split x load pipeline (with ``prefetch``, also plain loads prefetched a step ahead)."""
+    pipelines = [{"LOAD_STAGES": st} | ({"PREFETCH": False} if prefetch else {}) for st in LOAD_STAGES]
+    pipelines += [{"LOAD_STAGES": 1, "PREFETCH": True}] if prefetch else []
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": s, **p}, num_warps=w, num_stages=1)
+            for n, k, w in tiles for s in SPLITS for p in pipelines]
 
 
 def _prune_gemv(configs, named_args, **kwargs):
@@ -510,12 +522,12 @@ def _prune_gemv(configs, named_args, **kwargs):
                               num_stages=c.num_stages)
         if s > 1 and (triton.cdiv(n, bn) * s > MAX_CTAS_PER_SM * sms or triton.cdiv(k, s) < 2 * bk):
             continue
-        by_tile.setdefault((bn, bk, c.num_warps), {})[(s, c.kwargs["LOAD_STAGES"])] = c
+        by_tile.setdefault((bn, bk, c.num_warps), {})[(s, c.kwargs["LOAD_STAGES"], c.kwargs.get("PREFETCH"))] = c
     kept = []
     for cs in by_tile.values():
-        splits = sorted({s for s, _ in cs})
+        splits = sorted({s for s, *_ in cs})
         chosen = {1, *splits[-2:]}
-        kept += [c for (s, _), c in cs.items() if s in chosen]
+        kept += [c for (s, *_), c in cs.items() if s in chosen]
     return kept or configs[:1]
 
 
@@ -553,8 +565,8 @@ def _prune_gemm_grouped(configs, named_args, **kwargs):
 _w8_gemv_tuned = triton.autotune(_gemv_configs(W8_TILES), key=["N", "K"], do_bench=cold_l2_bench,
                                  prune_configs_by={"early_config_prune": _prune_gemv})(
     triton.heuristics({"EVEN": _even})(_w8_gemv))
-_w4_gemv_tuned = triton.autotune(_gemv_configs(W4_TILES), key=["N", "K", "GROUP"], do_bench=cold_l2_bench,
-                                 prune_configs_by={"early_config_prune": _prune_gemv})(
+_w4_gemv_tuned = triton.autotune(_gemv_configs(W4_TILES, prefetch=True), key=["N", "K", "GROUP"],
+                                 do_bench=cold_l2_bench, prune_configs_by={"early_config_prune": _prune_gemv})(
     triton.heuristics({"EVEN": _even})(_w4_gemv))
 _w8_gemm_tuned = triton.autotune(_gemm_configs(), key=["M_KEY", "N_KEY", "K_KEY"],
                                  prune_configs_by={"early_config_prune": _prune_gemm})(_w8_gemm)
@@ -565,7 +577,7 @@ _w4_gemm_grouped_tuned = triton.autotune(_gemm_configs(), key=["M_KEY", "N_KEY",
     _w4_gemm_grouped)
 # the interpreter's fixed tiles (tests swap in others, split-K included); int4 raises BLOCK_K to the group
 CPU_GEMV8 = dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, LOAD_STAGES=1)
-CPU_GEMV4 = dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, LOAD_STAGES=1)
+CPU_GEMV4 = dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, LOAD_STAGES=1, PREFETCH=False)
 ANY_GROUP_GEMV = dict(BLOCK_N=16, BLOCK_K=128, num_warps=4)
 CPU_GEMM = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
 
