@@ -285,11 +285,11 @@ def _w4_gemv(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_
     for g0 in tl.range(g_lo, g_hi, BLOCK_G, num_stages=LOAD_STAGES):
         if EVEN and PREFETCH:  # this step's loads were issued a step ago; issue the next step's now
             wd, x8, s, z = nw, nx, ns, nz
-            more = g0 + BLOCK_G < g_hi
-            nw = tl.load(p_ptrs + BLOCK_G * WORDS, mask=more)
-            nx = tl.load(x_ptrs + BLOCK_K, mask=more)
-            ns = tl.load(s_ptrs + BLOCK_G, mask=more)
-            nz = tl.load(z_ptrs + BLOCK_G, mask=more)
+            more = g0 + BLOCK_G + offs_g < g_hi  # all or none: the last step prefetches nothing
+            nw = tl.load(p_ptrs + BLOCK_G * WORDS, mask=more[None, :, None])
+            nx = tl.load(x_ptrs + BLOCK_K, mask=more[:, None, None])
+            ns = tl.load(s_ptrs + BLOCK_G, mask=more[None, :])
+            nz = tl.load(z_ptrs + BLOCK_G, mask=more[None, :])
         elif EVEN:  # whole steps, real rows (the autotuner's heuristic): no masks
             wd = tl.load(p_ptrs)
             x8 = tl.load(x_ptrs)
