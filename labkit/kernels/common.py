@@ -98,7 +98,8 @@ def cold_l2_bench(fn, quantiles=(0.5, 0.2, 0.8), reps: int = 25) -> list[float]:
     memory-bound kernels of a few microseconds (the GEMVs) and their ranking. ``quantiles`` come back in the
     order given (the autotuner asks for ``(0.5, 0.2, 0.8)``). Reading 256 MB instead (a sum)
     evicts the kernel's data just as well and leaves nothing to write back -- as in a decode step, where the
-    weights of one layer are not in cache when its GEMV starts."""
+    weights of one layer are not in cache when its GEMV starts. A sleep on the device before the start event
+    keeps the host's launch overhead (tens of microseconds for a Triton launch from Python) out of the time."""
     dev = torch.device("cuda", torch.cuda.current_device())
     buf = _FLUSH.get(str(dev))
     if buf is None:
@@ -108,6 +109,7 @@ def cold_l2_bench(fn, quantiles=(0.5, 0.2, 0.8), reps: int = 25) -> list[float]:
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for start, end in events:
         buf.sum()  # the cache now holds the end of buf, unmodified
+        torch.cuda._sleep(400_000)  # ~0.2 ms on the device: the launch below is queued before `start` runs
         start.record()
         fn()
         end.record()

@@ -13,43 +13,45 @@ power-of-two groups steps through K inside one group at a time, so it loads each
 step and row of weights (the general one loads them once per weight: on the H200 it made a batch-8 decode step
 of the 8B shape 9x slower than batch 1, 52.6 ms against 6.0, through HF's model; unmeasured since).
 
-**The GEMV's budget**, 4096 -> 14336 on an H200 (4.28 TB/s copy; 132 SMs x 4 schedulers x 32 lanes at
-1.98 GHz = 33.4 T lane-instructions/s): int8 weights are 58.7 MB (13.7 us), int4 at group 128 29.4 MB plus
-1.8 MB of bf16 scales and zeros (7.3 us); bf16 is 117 MB (27 us; 30.7 us measured in a CUDA graph). The
-previous kernels took 26.6 us (int8) and 31.4 us (int4): bound by instructions, not bytes. Every weight went
-through an int->float conversion (``I2F``: 16 per clock per SM on Hopper, so 58.7 M / (132 x 16) = 27.8 k
-clocks = 14 us on its own) and the int4 path spent ~6 more float ops per byte on the per-group scale. Now:
+**The GEMV's budget**, 4096 -> 14336 on an H200 (4.25 TB/s copy; 132 SMs x 4 schedulers x 32 lanes at
+1.98 GHz = 33.4 T lane-instructions/s): int8 weights are 58.7 MB (13.8 us), int4 at group 128 29.4 MB plus
+1.8 MB of bf16 scales and zeros (7.3 us); bf16 is 117 MB (27.6 us; cuBLAS 30.7 us in a CUDA graph over
+weights not in L2). The first kernels converted every weight with ``I2F`` (16 per clock per SM: 14 us of
+conversions alone for 58.7 M weights); ncu on the H200 then found the next ones bound by instruction issue
+(int8 5.7, int4 5.0 instructions per weight; 38-67% of DRAM bandwidth). Now:
 
 * **No conversion instruction.** OR-ing an integer ``v < 2**23`` into the mantissa of a power of two gives
-  that power plus ``v`` exactly; subtracting the power back is one exact float add. int8 (byte tiles):
-  ``(byte ^ 0x4B000080) - (2**23 + 128)`` -- the XOR also turns two's complement into offset binary.
-  int4 (int32 words, 8 nibbles): nibble ``P`` of each 16-bit half is read *in place* under the exponent of
-  ``2**(23 - 4P)``, where it is the units digit -- one AND per weight after one OR per word (two for the
-  shifted high half), no shifts per nibble and no rescaling of the activations.
-* **One FFMA per weight, scales once per group.** int4 accumulates ``sum_k q x`` over each word's 8 weights
-  in a chain, reduces it per group and row, then adds ``s * (sum_k q x - z * sum_k x)`` (``sum_k x`` is
-  shared by all rows). Compiled for sm_90 (Triton 3.9, ptxas) the K loop issues ~5.0 instructions per int8
-  weight and ~4.0-4.6 per int4 weight: 58.7 M x 5.0 / 33.4 T = 8.8 us < 13.7 us (int8 is memory-bound);
-  58.7 M x 4.2 / 33.4 T = 7.4 us ~ 7.3 us (int4 balanced between issue and bytes).
-* **Split-K** (``SPLIT_K`` programs per block of rows) so that tall tiles -- R = 2-8 rows per thread, each
-  converted activation serving R rows -- still give the grid several CTAs per SM. Partial sums go to a
+  that power plus ``v`` exactly; subtracting the power back is one exact float add. Both kernels read int32
+  words and decode each field *in place*, under the exponent that makes its lowest bit the units digit:
+  int8 bytes 0 and 1 of each half-word under 2**23 and 2**15 (``(w & 0xFF) ^ 0x4B000080`` is one LOP3; the
+  XOR also turns two's complement into offset binary), int4 nibble ``P`` under ``2**(23 - 4P)``. Then one
+  FADD and one FFMA per weight; a shift per word for the high half. sm_90 loop: 3.8-4.1 instructions per int8
+  weight (was 5.4-6.6 with byte loads).
+* **Packed float16 math for int4 with 16-bit activations** (``_w4_word_dot``, inline PTX): one LOP3 turns two
+  nibbles into a float16 pair ``1024 + q``, HSUB2/HFMA2 make ``q`` exact, HFMA2 multiplies by activation pairs
+  and sums in float16 lanes, added in float32 per word: 16 instructions per 8 weights against 27. A power of
+  two per group puts the group's largest ``|x|`` in [256, 512), so no float16 partial sum can overflow and
+  every activation within 2**23 of the largest keeps 11 bits. float32 activations take the float32 path.
+* **Scales once per group.** int4 accumulates ``sum_k q x`` per group and row, then adds
+  ``s * (sum_k q x - z * sum_k x)`` (``sum_k x`` is shared by all rows).
+* **Split-K** (``SPLIT_K`` programs per block of rows) where the grid would be small. Partial sums go to a
   float32 workspace; the last split of a row block to arrive (an atomic counter) adds them in split order
   (deterministic), writes the output and resets its counter: one launch, no memset, CUDA-graph capturable.
-* **16-byte loads** (16 contiguous bytes per thread along K from 16-byte aligned rows; ``other`` is left off
-  the weight loads -- any bit pattern decodes to a finite value -- so no registers are zeroed per step),
-  optionally software-pipelined through shared memory (``tl.range(num_stages=3)``, cp.async).
-* **Autotuned** per ``(N, K)`` over tiles, splits, warps and load stages (tables below ``_gemv_configs``).
-  For 4096 -> 14336: int8 ``128x64`` tiles -> 112 row blocks x 1-4 splits, int4 (group 128) ``512x128``
-  tiles (8 rows per thread) -> 28 row blocks x 8-16 splits; 14336 -> 4096 and 4096 -> 4096 (16-128 row
-  blocks) rely on splits to fill 132 SMs; the LM head (128256 rows) is never split. The autotuner times the
-  candidates once per shape on the first call (L2 flushed): warm up before capturing a CUDA graph (capture
-  also refuses to allocate the workspace).
+* **16-byte loads, no masks in the steady state** (``EVEN``: whole steps and rows, as at every LLM shape;
+  ``other`` is left off the weight loads -- any bit pattern decodes to a finite value), optionally
+  pipelined through shared memory (``tl.range(num_stages=3)``, cp.async) or, for int4, prefetched a step
+  ahead in registers (``PREFETCH``).
+* **Autotuned** per ``(N, K)`` over tiles, splits, warps and load pipelines, each candidate timed after a
+  *clean* L2 flush (``cold_l2_bench``), and the tile sets chosen from ``scripts/gemv_study.py``, which times
+  every candidate as a decode step runs it (records/gemv_study.json). The autotuner times the candidates once
+  per shape on the first call: warm up before capturing a CUDA graph (capture also refuses to allocate the
+  workspace).
 
-Expected at 4096 -> 14336 (not yet measured): int8 at 85% of copy bandwidth ~16 us (1.9x bf16; the 1.7x bar
-needs <= 18.1 us, 0.76 of bandwidth); int4 ~9-10 us (3.1-3.4x; 2.5x needs <= 12.3 us; 3x bitsandbytes NF4's
-29.2 us needs <= 9.7 us, 0.75 of bandwidth). bitsandbytes LLM.int8 took 30.9 us there: 3x over it needs
-10.3 us, below the int8 bytes' floor of 13.7 us -- no int8 kernel can meet that bar at this shape (at most
-30.9 / 13.7 = 2.25x).
+Measured on the H200 (``python scripts/gemv_study.py``, graph replays over weights not in L2, best candidate /
+autotuner's pick), 4096 -> 14336: bf16 30.7 us; int8 16.5 / 16.5 us (1.86x, 0.82 of copy bandwidth); int4
+15.7 / 17.1 us (1.8-2.0x, 0.47 of bandwidth: neither issue- nor bandwidth-bound, latency is what is left).
+bitsandbytes LLM.int8 took 30.9 us there: a 3x bar over it needs 10.3 us, below the int8 bytes' floor of
+13.8 us -- no int8 kernel can meet that at this shape (at most 30.9 / 13.8 = 2.24x).
 """
 
 from __future__ import annotations
@@ -488,12 +490,13 @@ def _w4_gemm_grouped(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, st
 # instructions per int8 weight (LOP3 + FADD + FFMA, a shift per word, addressing) and 4.1-4.6 per int4 weight.
 #   int8 (registers): (16,256,2) 71; (32,256,4) 72; (64,256,4) 127; (16,512,4) 71; (8,1024,4) 67;
 #                     (16,1024,4) 119; (8,2048,4) 128; (16,2048,8) 127
-#   int4 (registers): (64,128,2) 90; (128,128,4) 96; (256,128,8) 80; (32,256,2) 128; (64,256,4) 96;
-#                     (16,1024,4) 80; (8,2048,4) 96; (8,4096,8) 103
+#   int4, packed float16 math (registers, instructions per weight): (16,512,2) 72, 3.25; (16,1024,4) 72, 3.27;
+#                     (8,2048,4) 80, 3.77; (64,128,2) 96, 3.48; (256,128,4) 128, 2.98 (PREFETCH adds 24-48
+#                     registers). Each within 4-20% of the best of 13 tiles at every 8B shape (gemv_study);
+#                     ncu: 20-29% occupancy, limited by registers, and about half the issue slots idle
 W8_TILES = ((16, 256, 2), (32, 256, 4), (64, 256, 4), (16, 512, 4), (8, 1024, 4), (16, 1024, 4), (8, 2048, 4),
             (16, 2048, 8))
-W4_TILES = ((64, 128, 2), (128, 128, 4), (256, 128, 8), (32, 256, 2), (64, 256, 4), (16, 1024, 4), (8, 2048, 4),
-            (8, 4096, 8))
+W4_TILES = ((16, 512, 2), (16, 1024, 4), (8, 2048, 4), (64, 128, 2), (256, 128, 4))
 SPLITS = (1, 2, 4, 8, 16)
 LOAD_STAGES = (1, 3)  # 1: plain loads into registers; 3: pipelined through shared memory (cp.async)
 MAX_CTAS_PER_SM = 8  # a split is only worth it while the grid is small (the H200's best at 4096 -> 4096: 7.8)
