@@ -147,8 +147,12 @@ def _candidates(tiles, n: int, k: int, kind: str) -> list[dict]:
 
 
 def copy_bandwidth(dev) -> float:
+    """Device-to-device copy of 2 GiB, bytes read + written per second, after ~0.3 s of copies (an idle GPU
+    starts at low clocks: timed cold, this read 2.7 TB/s on the H200 instead of 4.25)."""
     a = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
+    for _ in range(300):
+        b.copy_(a)
     t = graph_us(lambda w: b.copy_(a), [None], reps=5)
     return 2 * a.numel() / (sorted(t)[len(t) // 2] * 1e-6)
 
