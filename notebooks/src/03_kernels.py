@@ -172,7 +172,14 @@ display(att.round(3))
 # ## Weight-only quantised GEMV: bytes are the time
 # At batch 1 a linear layer reads every weight once for 2 FLOPs each. int8 halves the bytes and int4 quarters
 # them -- if the dequantisation happens in registers. Dequantising to a bf16 copy first (the torch path) and
-# bitsandbytes (LLM.int8 and NF4 kernels built for memory savings) show the other outcome.
+# bitsandbytes (LLM.int8 and NF4 kernels built for memory savings) show the other outcome. Every implementation
+# cycles through several copies of its weights (`weight_sets`), as a decode step reads each layer's weights
+# once: 31 MB of int4 would otherwise stay in the H200's 50 MB L2 between replays and time the cache, not HBM.
+#
+# Bytes are only the floor. The GEMVs hit two other limits on the way (`scripts/gemv_study.py` and ncu, in
+# `results/h200/NOTES.md`): instruction issue -- each weight must become a float, be multiplied and be added,
+# so int8 decodes bytes in place with one logic op and int4 turns nibble pairs into float16 pairs and
+# multiplies them two at a time -- and latency, where too few warps fit on an SM to keep enough loads in flight.
 
 # %%
 gemv = table[table.kernel == "gemv"][["impl", "shape", "median_us", "gb_s", "frac_of_ceiling", "rel_err",
