@@ -38,12 +38,13 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
           "gate_or_up": (14336, 4096), "k_or_v": (1024, 4096)}
 GROUP = 128
 ROTATE_BYTES = 400e6  # > 8x the H200's 50 MB L2
-# the autotuners' tiles and a few more around them (BLOCK_N, BLOCK_K, warps)
+# the autotuners' tiles (int8: and a few more around them) (BLOCK_N, BLOCK_K, warps); the int4 tiles around
+# qm.W4_TILES were swept in records/gemv_study_w4_4c16124.json, as was a register prefetch (no gain)
 W8_TILES = tuple(dict.fromkeys(qm.W8_TILES + ((128, 64, 4), (64, 128, 4), (32, 512, 8), (128, 128, 4))))
-W4_TILES = tuple(dict.fromkeys(qm.W4_TILES + ((256, 128, 4), (128, 256, 4), (512, 128, 8), (16, 512, 2),
-                                              (32, 512, 4))))
+W4_TILES = qm.W4_TILES
 SPLITS = (1, 2, 4, 8, 16)
 STAGES = (1, 3)
+MAXNREG = (64, 96)  # register caps for the int4 kernels (ncu: ~128 registers, 4 warps per scheduler, before)
 
 
 @triton.jit
@@ -62,7 +63,7 @@ def _weights(kind: str, n: int, k: int, copies: int, dev) -> list[tuple]:
         if kind == "w8":
             q = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=dev)
             out.append((q, torch.rand(n, device=dev, dtype=torch.bfloat16) * 0.01 + 1e-3))
-        elif kind == "w4":
+        elif kind in ("w4", "w4p"):
             p = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev)
             s = torch.rand(n, k // GROUP, device=dev, dtype=torch.bfloat16) * 0.01 + 1e-3
             out.append((p, s, torch.rand_like(s) * 15))
@@ -72,7 +73,8 @@ def _weights(kind: str, n: int, k: int, copies: int, dev) -> list[tuple]:
 
 
 def _nbytes(kind: str, n: int, k: int) -> int:
-    return {"w8": n * k + 2 * n, "w4": n * k // 2 + 4 * n * k // GROUP, "bf16": 2 * n * k}[kind]
+    w4 = n * k // 2 + 4 * n * k // GROUP
+    return {"w8": n * k + 2 * n, "w4": w4, "w4p": w4, "bf16": 2 * n * k}[kind]
 
 
 def _launcher(kind: str, x, ws, n: int, k: int, cfg: dict | None):
@@ -83,21 +85,37 @@ def _launcher(kind: str, x, ws, n: int, k: int, cfg: dict | None):
     if kind == "bf16":
         return lambda w: F.linear(x, w[0])
     if cfg is None:
-        return ((lambda w: qm.w8a16_matmul(x, *w)) if kind == "w8" else
-                (lambda w: qm.w4a16_matmul(x, *w, GROUP)))
+        if kind == "w8":
+            return lambda w: qm.w8a16_matmul(x, *w)
+
+        def wrapper(w):
+            qm.W4_PREPARED_X = kind == "w4p"
+            try:
+                return qm.w4a16_matmul(x, *w, GROUP)
+            finally:
+                qm.W4_PREPARED_X = False
+        return wrapper
     meta = {key: cfg[key] for key in ("BLOCK_N", "BLOCK_K", "SPLIT_K", "LOAD_STAGES", "PREFETCH") if key in cfg}
+    opts = {"num_warps": cfg["num_warps"], "num_stages": 1}
+    if cfg.get("maxnreg"):
+        opts["maxnreg"] = cfg["maxnreg"]
     grid = (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
     even = qm._even(dict(meta, N=n, K=k))
     if kind == "w8":
         def launch(w):
             qm._w8_gemv[grid](x, w[0].view(torch.uint8), w[1], out, wsb, cnt, n, k, k, 0xFF, 0xFF00, **meta,
-                              WORDS_ALIGNED=True, EVEN=even, num_warps=cfg["num_warps"], num_stages=1)
+                              WORDS_ALIGNED=True, EVEN=even, **opts)
             return out
-    else:
+    elif kind == "w4":
         def launch(w):
             qm._w4_gemv[grid](x, w[0].view(torch.int32), w[1], w[2], out, wsb, cnt, n, k, k // 8, k // GROUP,
-                              k // GROUP, 0x4F000000, GROUP=GROUP, **meta, EVEN=even, HALF_MATH=1,
-                              num_warps=cfg["num_warps"], num_stages=1)
+                              k // GROUP, 0x4F000000, GROUP=GROUP, **meta, EVEN=even, HALF_MATH=1, **opts)
+            return out
+    else:  # the preparation of x and the GEMV: what a decode step would run
+        def launch(w):
+            xh, xg = qm._prep_x(x, GROUP, 1)
+            qm._w4_gemv_prepped[grid](xh, xg, w[0].view(torch.int32), w[1], w[2], out, wsb, cnt, n, k, k // 8,
+                                      k // GROUP, k // GROUP, GROUP=GROUP, **meta, EVEN=even, HALF_MATH=1, **opts)
             return out
     return launch
 
@@ -129,20 +147,21 @@ def graph_us(launch, sets: list, reps: int = 10) -> list[float]:
 
 
 def _candidates(tiles, n: int, k: int, kind: str) -> list[dict]:
+    """Every tile x split x load pipeline; the int4 kernels also with plain loads under each register cap
+    (``maxnreg``: more warps per SM if the code fits)."""
     out = []
     for bn, bk, w in tiles:
-        if kind == "w4" and bk < GROUP:
+        if kind != "w8" and bk < GROUP:
             continue
         for sp in SPLITS:
             steps = k / sp / bk
             if sp > 1 and (steps < 1 or triton.cdiv(n, bn) * sp > 8 * 132):
                 continue
-            for st in STAGES:
-                out.append({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp, "LOAD_STAGES": st, "num_warps": w}
-                           | ({"PREFETCH": False} if kind == "w4" else {}))
-            if kind == "w4":
-                out.append({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp, "LOAD_STAGES": 1, "num_warps": w,
-                            "PREFETCH": True})
+            base = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp, "num_warps": w} | (
+                {"PREFETCH": False} if kind == "w4" else {})
+            out += [dict(base, LOAD_STAGES=st) for st in STAGES]
+            if kind != "w8":
+                out += [dict(base, LOAD_STAGES=1, maxnreg=r) for r in MAXNREG]
     return out
 
 
@@ -174,6 +193,10 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"))
             ref = F.linear(xk.float(), _dequant(kind, sets[0], n, k))
             todo = [None] + ([] if kind == "bf16" else
                              _candidates(W8_TILES if kind == "w8" else W4_TILES, n, k, kind))
+            if kind == "w4p":  # the preparation alone, once per shape
+                prep = graph_us(lambda w, xk=xk: qm._prep_x(xk, GROUP, 1), [None] * 32)
+                rows.append({"shape": name, "N": n, "K": k, "kind": "w4_prep", "config": "prep", "us": prep,
+                             "median_us": sorted(prep)[len(prep) // 2], "bytes": 2 * k + 2 * k + 8 * k // GROUP})
             for cfg in tqdm(todo, desc=f"{name} {kind}", mininterval=5):
                 launch = _launcher(kind, xk, sets, n, k, cfg)
                 try:
@@ -203,13 +226,13 @@ def _dequant(kind: str, w: tuple, n: int, k: int) -> torch.Tensor:
 
     if kind == "w8":
         return dequantize_int8(w[0], w[1], torch.float32)
-    if kind == "w4":
+    if kind in ("w4", "w4p"):
         return dequantize_int4(w[0], w[1].float(), w[2].float(), GROUP)
     return w[0].float()
 
 
 def _picked(kind: str):
-    tuned = qm._w8_gemv_tuned if kind == "w8" else qm._w4_gemv_tuned
+    tuned = {"w8": qm._w8_gemv_tuned, "w4": qm._w4_gemv_tuned, "w4p": qm._w4_gemv_prepped_tuned}[kind]
     best = getattr(tuned, "best_config", None)
     return None if best is None else dict(best.kwargs, num_warps=best.num_warps)
 
@@ -258,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="folder for records/gemv_study.json")
     ap.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), default=tuple(SHAPES)[:5])
-    ap.add_argument("--kinds", nargs="+", choices=("bf16", "w8", "w4"), default=("bf16", "w8", "w4"))
+    ap.add_argument("--kinds", nargs="+", choices=("bf16", "w8", "w4", "w4p"),
+                    default=("bf16", "w8", "w4", "w4p"))
     ap.add_argument("--best", help="a gemv_study.json: launch each shape's best candidate (for ncu)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -1,0 +1,81 @@
+"""Every RMSNorm launch configuration timed at the issue's size, beside a copy of the same bytes.
+
+``kernels.rmsnorm_bw_frac`` asks for 0.90 of copy bandwidth at [16384, 4096] bf16 (268 MB read + written). This
+times each of the autotuner's candidates -- rows per program, warps, and the persistent ones (a few programs per
+SM striding over the rows, optionally with the next block's loads pipelined) -- as CUDA-graph replays, plain and
+with the fused residual, next to ``out.copy_(x)`` on the same tensors (the same bytes, no arithmetic).
+
+    python scripts/rmsnorm_study.py --out /tmp/h200        # records/rmsnorm_study.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from gemv_study import copy_bandwidth, graph_us  # noqa: E402
+
+from labkit.bench import write_record  # noqa: E402
+from labkit.kernels import rms_norm as rn  # noqa: E402
+from labkit.kernels.common import num_sms  # noqa: E402
+
+
+def _median(t: list[float]) -> float:
+    return sorted(t)[len(t) // 2]
+
+
+def sweep(rows: int, cols: int, dev) -> dict:
+    x = torch.randn(rows, cols, device=dev, dtype=torch.bfloat16)
+    r, w = torch.randn_like(x), torch.randn(cols, device=dev, dtype=torch.bfloat16)
+    out, res_out = torch.empty_like(x), torch.empty_like(x)
+    bw = copy_bandwidth(dev)
+    plain_bytes, fused_bytes = 2 * x.numel() * 2 + 2 * cols, 4 * x.numel() * 2 + 2 * cols
+    copy = graph_us(lambda _: out.copy_(x), [None], reps=10)
+    rows_out = [{"impl": "copy_same_bytes", "us": copy, "median_us": _median(copy), "bytes": 2 * x.numel() * 2}]
+    ref = rn.rms_norm_ref(x.float(), w.float(), 1e-5)
+    for c in rn._CONFIGS:
+        for residual in (False, True):
+            def launch(_, c=c, residual=residual):
+                rn._rms_norm_kernel[rn._grid(rows, num_sms(dev))(c.kwargs)](
+                    x, r, w, out, res_out, rows, cols, cols, cols, cols, cols, 1e-5, 1 << 20,
+                    HAS_RESIDUAL=residual, BLOCK=cols, **c.kwargs, num_warps=c.num_warps)
+            try:
+                t = graph_us(launch, [None], reps=10)
+            except Exception as e:  # noqa: BLE001 - a candidate that fails is recorded
+                rows_out.append({"config": dict(c.kwargs, num_warps=c.num_warps), "residual": residual,
+                                 "error": str(e)[:200]})
+                continue
+            nbytes = fused_bytes if residual else plain_bytes
+            err = None if residual else ((out.float() - ref).norm() / ref.norm()).item()
+            rows_out.append({"impl": "triton", "config": dict(c.kwargs, num_warps=c.num_warps),
+                             "residual": residual, "us": t, "median_us": _median(t), "bytes": nbytes,
+                             "bw_frac": nbytes / (_median(t) * 1e-6) / bw, "rel_err": err})
+    return {"shape": [rows, cols], "dtype": "bfloat16", "copy_bw_bytes_per_s": bw, "rows": rows_out}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="folder for records/rmsnorm_study.json")
+    ap.add_argument("--shape", type=int, nargs=2, default=(16384, 4096))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("rmsnorm_study needs a CUDA device", file=sys.stderr)
+        return 2
+    data = sweep(*args.shape, torch.device("cuda"))
+    bw = data["copy_bw_bytes_per_s"]
+    cp = data["rows"][0]
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; copy of the same bytes {cp['median_us']:.1f} us "
+          f"({cp['bytes'] / cp['median_us'] / 1e6 / bw:.3f})")
+    for r in sorted((r for r in data["rows"][1:] if "median_us" in r), key=lambda r: (r["residual"], r["median_us"])):
+        print(f"residual={r['residual']!s:<5} {r['median_us']:8.2f} us  {r['bw_frac']:.3f}  {r['config']}")
+    if args.out:
+        print("wrote", write_record("rmsnorm_study", data, out_dir=args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
