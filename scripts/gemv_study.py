@@ -63,7 +63,7 @@ def _weights(kind: str, n: int, k: int, copies: int, dev) -> list[tuple]:
         if kind == "w8":
             q = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=dev)
             out.append((q, torch.rand(n, device=dev, dtype=torch.bfloat16) * 0.01 + 1e-3))
-        elif kind in ("w4", "w4p"):
+        elif kind == "w4":
             p = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev)
             s = torch.rand(n, k // GROUP, device=dev, dtype=torch.bfloat16) * 0.01 + 1e-3
             out.append((p, s, torch.rand_like(s) * 15))
@@ -73,8 +73,7 @@ def _weights(kind: str, n: int, k: int, copies: int, dev) -> list[tuple]:
 
 
 def _nbytes(kind: str, n: int, k: int) -> int:
-    w4 = n * k // 2 + 4 * n * k // GROUP
-    return {"w8": n * k + 2 * n, "w4": w4, "w4p": w4, "bf16": 2 * n * k}[kind]
+    return {"w8": n * k + 2 * n, "w4": n * k // 2 + 4 * n * k // GROUP, "bf16": 2 * n * k}[kind]
 
 
 def _launcher(kind: str, x, ws, n: int, k: int, cfg: dict | None):
@@ -87,14 +86,7 @@ def _launcher(kind: str, x, ws, n: int, k: int, cfg: dict | None):
     if cfg is None:
         if kind == "w8":
             return lambda w: qm.w8a16_matmul(x, *w)
-
-        def wrapper(w):
-            qm.W4_PREPARED_X = kind == "w4p"
-            try:
-                return qm.w4a16_matmul(x, *w, GROUP)
-            finally:
-                qm.W4_PREPARED_X = False
-        return wrapper
+        return lambda w: qm.w4a16_matmul(x, *w, GROUP)
     meta = {key: cfg[key] for key in ("BLOCK_N", "BLOCK_K", "SPLIT_K", "LOAD_STAGES", "PREFETCH") if key in cfg}
     opts = {"num_warps": cfg["num_warps"], "num_stages": 1}
     if cfg.get("maxnreg"):
@@ -106,16 +98,10 @@ def _launcher(kind: str, x, ws, n: int, k: int, cfg: dict | None):
             qm._w8_gemv[grid](x, w[0].view(torch.uint8), w[1], out, wsb, cnt, n, k, k, 0xFF, 0xFF00, **meta,
                               WORDS_ALIGNED=True, EVEN=even, **opts)
             return out
-    elif kind == "w4":
+    else:
         def launch(w):
             qm._w4_gemv[grid](x, w[0].view(torch.int32), w[1], w[2], out, wsb, cnt, n, k, k // 8, k // GROUP,
                               k // GROUP, 0x4F000000, GROUP=GROUP, **meta, EVEN=even, HALF_MATH=1, **opts)
-            return out
-    else:  # the preparation of x and the GEMV: what a decode step would run
-        def launch(w):
-            xh, xg = qm._prep_x(x, GROUP, 1)
-            qm._w4_gemv_prepped[grid](xh, xg, w[0].view(torch.int32), w[1], w[2], out, wsb, cnt, n, k, k // 8,
-                                      k // GROUP, k // GROUP, GROUP=GROUP, **meta, EVEN=even, HALF_MATH=1, **opts)
             return out
     return launch
 
@@ -193,10 +179,6 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"))
             ref = F.linear(xk.float(), _dequant(kind, sets[0], n, k))
             todo = [None] + ([] if kind == "bf16" else
                              _candidates(W8_TILES if kind == "w8" else W4_TILES, n, k, kind))
-            if kind == "w4p":  # the preparation alone, once per shape
-                prep = graph_us(lambda w, xk=xk: qm._prep_x(xk, GROUP, 1), [None] * 32)
-                rows.append({"shape": name, "N": n, "K": k, "kind": "w4_prep", "config": "prep", "us": prep,
-                             "median_us": sorted(prep)[len(prep) // 2], "bytes": 2 * k + 2 * k + 8 * k // GROUP})
             for cfg in tqdm(todo, desc=f"{name} {kind}", mininterval=5):
                 launch = _launcher(kind, xk, sets, n, k, cfg)
                 try:
@@ -226,13 +208,13 @@ def _dequant(kind: str, w: tuple, n: int, k: int) -> torch.Tensor:
 
     if kind == "w8":
         return dequantize_int8(w[0], w[1], torch.float32)
-    if kind in ("w4", "w4p"):
+    if kind == "w4":
         return dequantize_int4(w[0], w[1].float(), w[2].float(), GROUP)
     return w[0].float()
 
 
 def _picked(kind: str):
-    tuned = {"w8": qm._w8_gemv_tuned, "w4": qm._w4_gemv_tuned, "w4p": qm._w4_gemv_prepped_tuned}[kind]
+    tuned = qm._w8_gemv_tuned if kind == "w8" else qm._w4_gemv_tuned
     best = getattr(tuned, "best_config", None)
     return None if best is None else dict(best.kwargs, num_warps=best.num_warps)
 
@@ -281,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="folder for records/gemv_study.json")
     ap.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), default=tuple(SHAPES)[:5])
-    ap.add_argument("--kinds", nargs="+", choices=("bf16", "w8", "w4", "w4p"),
-                    default=("bf16", "w8", "w4", "w4p"))
+    ap.add_argument("--kinds", nargs="+", choices=("bf16", "w8", "w4"),
+                    default=("bf16", "w8", "w4"))
     ap.add_argument("--best", help="a gemv_study.json: launch each shape's best candidate (for ncu)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -133,28 +133,6 @@ def test_w4a16_gemv_half_math_at_any_activation_scale(dtype, magnitude):
     assert relative_error(w4a16_matmul(xd, *args), w4a16_matmul_ref(xd.double(), *args)) < 1e-2
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n, k, group, tile", [(37, 320, 64, (16, 64, 2)), (32, 256, 32, (16, 64, 1)),
-                                               (40, 1024, 128, (8, 256, 3))])
-def test_w4a16_gemv_prepared_activations(monkeypatch, dtype, n, k, group, tile):
-    """Activations prepared once per GEMV (``_w4_prep_x``) give the bits the in-program preparation gives, on
-    uneven splits, partial row blocks and whole (unmasked) steps."""
-    import labkit.kernels.quantized_matmul as qm
-
-    for key, v in zip(("BLOCK_N", "BLOCK_K", "SPLIT_K"), tile):
-        monkeypatch.setitem(qm.CPU_GEMV4, key, v)
-    packed, scales, zeros = _int4(n, k, group, seed=42)
-    x = _x((1, k), torch.float32, seed=43) * 3
-    x[0, :group] *= 1e3  # one group far larger than the rest: its own power of two
-    args = (packed, scales.to(dtype), zeros.to(dtype), group)
-    in_program = w4a16_matmul(x.to(dtype), *args)
-    monkeypatch.setattr(qm, "W4_PREPARED_X", True)
-    prepared = w4a16_matmul(x.to(dtype), *args)
-    assert torch.equal(prepared, in_program)
-    assert relative_error(prepared, w4a16_matmul_ref(x.to(dtype).double(), *args)) < 1e-2
-    assert not qm._split_buffers(prepared.device, n)[1].any()
-
-
 @pytest.mark.parametrize("k", [102, 192])
 def test_w8a16_gemv_unaligned_words(k):
     """K not a multiple of 4, or rows not on a 4-byte boundary: each word is assembled from byte loads."""
@@ -234,11 +212,7 @@ def test_bad_inputs():
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 5, 300])
 @pytest.mark.parametrize("n", [1000, 4096])  # 4096: whole tiles, the GEMVs' unmasked (EVEN) path
-@pytest.mark.parametrize("prepared", [False, True])  # int4: activations prepared in each program or once
-def test_quantized_matmul_gpu_bf16(monkeypatch, rows, n, prepared):
-    import labkit.kernels.quantized_matmul as qm
-
-    monkeypatch.setattr(qm, "W4_PREPARED_X", prepared)
+def test_quantized_matmul_gpu_bf16(rows, n):
     q, s = _int8(n, 4096, seed=14)
     packed, scales, zeros = _int4(n, 4096, 128, seed=15)
     x = _x((rows, 4096), torch.bfloat16, seed=16)
@@ -249,8 +223,7 @@ def test_quantized_matmul_gpu_bf16(monkeypatch, rows, n, prepared):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prepared", [False, True])
-def test_split_k_gemv_replays_in_a_cuda_graph(monkeypatch, prepared):
+def test_split_k_gemv_replays_in_a_cuda_graph(monkeypatch):
     """Split-K forced (the autotuner might not pick it): the last split reduces, counters reset, and the whole
     thing captures and replays in a CUDA graph with new activations."""
     import triton
@@ -262,8 +235,6 @@ def test_split_k_gemv_replays_in_a_cuda_graph(monkeypatch, prepared):
         return triton.autotune([cfg], key=["N", "K"])(triton.heuristics({"EVEN": qm._even})(kernel))
     monkeypatch.setattr(qm, "_w8_gemv_tuned", forced(qm._w8_gemv, 128, 64, 4))
     monkeypatch.setattr(qm, "_w4_gemv_tuned", forced(qm._w4_gemv, 128, 128, 4, PREFETCH=False))
-    monkeypatch.setattr(qm, "_w4_gemv_prepped_tuned", forced(qm._w4_gemv_prepped, 128, 128, 4))
-    monkeypatch.setattr(qm, "W4_PREPARED_X", prepared)
     n, k = 1000, 4096
     q, s = _int8(n, k, seed=30)
     packed, scales, zeros = _int4(n, k, 128, seed=31)

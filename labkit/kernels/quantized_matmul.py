@@ -383,81 +383,6 @@ def _w4_gemv(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_
 
 
 @triton.jit
-def _w4_prep_x(x_ptr, xh_ptr, xg_ptr, K, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HALF_MATH: tl.constexpr):
-    """The int4 GEMV's activations, prepared once for every program of ``_w4_gemv_prepped``: ``xh`` int32
-    ``[4, K // 8]``, plane ``j`` holding word ``w``'s pair ``(x_{8w+j}, x_{8w+j+4})`` scaled by its group's power
-    of two, as float16 pair; ``xg`` float32 ``[2, K // GROUP]``: each group's ``down`` (the inverse power) and
-    ``sum_k x``. The same values ``_w4_gemv`` computes inside every program."""
-    WORDS: tl.constexpr = GROUP // 8
-    n_groups = K // GROUP
-    g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
-    g_ok = g < n_groups
-    kw = g[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
-    x8 = tl.load(x_ptr + kw[:, :, None] * 8 + tl.arange(0, 8)[None, None, :], mask=g_ok[:, None, None],
-                 other=0.0).to(tl.float32)
-    x0, x1, x2, x3, x4, x5, x6, x7 = _x_octets(x8, BLOCK_G, WORDS)
-    up, down = _pow2_scales(x8)
-    xa, xb, xc, xd = _x_half2(x0, x1, x2, x3, x4, x5, x6, x7, up[:, None], HALF_MATH == 1)
-    plane = K // 8
-    w_ok = g_ok[:, None]
-    tl.store(xh_ptr + kw, xa, mask=w_ok)
-    tl.store(xh_ptr + plane + kw, xb, mask=w_ok)
-    tl.store(xh_ptr + 2 * plane + kw, xc, mask=w_ok)
-    tl.store(xh_ptr + 3 * plane + kw, xd, mask=w_ok)
-    tl.store(xg_ptr + g, down, mask=g_ok)
-    tl.store(xg_ptr + n_groups + g, tl.sum((x0 + x1) + (x2 + x3) + (x4 + x5) + (x6 + x7), 1), mask=g_ok)
-
-
-@triton.jit
-def _w4_gemv_prepped(x_ptr, xg_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_pn, stride_sn,
-                     stride_zn, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr, LOAD_STAGES: tl.constexpr, EVEN: tl.constexpr, HALF_MATH: tl.constexpr):
-    """``_w4_gemv``'s packed-float16 path over activations ``_w4_prep_x`` prepared (``x_ptr``: its ``xh``).
-    Every thread loads the activation words it multiplies straight into the weights' layout (16-byte loads,
-    served by L1: all rows of a program read the same), so a program holds no float32 activations, no group
-    maximum and no layout change -- fewer registers, more programs in flight."""
-    BLOCK_G: tl.constexpr = BLOCK_K // GROUP
-    WORDS: tl.constexpr = GROUP // 8
-    offs_n, n_ok, n64, offs_g, g_lo, g_hi, g, kw = _w4_program(N, K, GROUP, BLOCK_N, BLOCK_K, SPLIT_K)
-    n_groups = K // GROUP
-    plane = K // 8
-    rows0 = (n64 * 0)[:, None]  # a zero per row: activation pointers broadcast in the weights' layout
-    p_ptrs = p_ptr + n64[:, None, None] * stride_pn + kw[None, :, :]
-    x_ptrs = x_ptr + rows0[:, :, None] + kw[None, :, :]
-    xg_ptrs = xg_ptr + rows0 + g[None, :]
-    s_ptrs = s_ptr + n64[:, None] * stride_sn + g[None, :]
-    z_ptrs = z_ptr + n64[:, None] * stride_zn + g[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
-    for g0 in tl.range(g_lo, g_hi, BLOCK_G, num_stages=LOAD_STAGES):
-        if EVEN:
-            wd = tl.load(p_ptrs)
-            xa, xb = tl.load(x_ptrs), tl.load(x_ptrs + plane)
-            xc, xd = tl.load(x_ptrs + 2 * plane), tl.load(x_ptrs + 3 * plane)
-            down, x_sum = tl.load(xg_ptrs), tl.load(xg_ptrs + n_groups)
-            s, z = tl.load(s_ptrs), tl.load(z_ptrs)
-        else:
-            g_ok = (g0 + offs_g < n_groups)[None, :]
-            wd = tl.load(p_ptrs, mask=n_ok[:, None, None] & g_ok[:, :, None])
-            xa = tl.load(x_ptrs, mask=g_ok[:, :, None], other=0)
-            xb = tl.load(x_ptrs + plane, mask=g_ok[:, :, None], other=0)
-            xc = tl.load(x_ptrs + 2 * plane, mask=g_ok[:, :, None], other=0)
-            xd = tl.load(x_ptrs + 3 * plane, mask=g_ok[:, :, None], other=0)
-            down = tl.load(xg_ptrs, mask=g_ok, other=0.0)
-            x_sum = tl.load(xg_ptrs + n_groups, mask=g_ok, other=0.0)
-            ld = n_ok[:, None] & g_ok
-            s = tl.load(s_ptrs, mask=ld, other=0.0)
-            z = tl.load(z_ptrs, mask=ld, other=0.0)
-        p_ptrs += BLOCK_G * WORDS
-        x_ptrs += BLOCK_G * WORDS
-        xg_ptrs += BLOCK_G
-        s_ptrs += BLOCK_G
-        z_ptrs += BLOCK_G
-        q_x = tl.sum(_word_dot(wd, xa, xb, xc, xd, HALF_MATH == 1), 2) * down
-        acc += s.to(tl.float32) * (q_x - z.to(tl.float32) * x_sum)
-    _store_rows(tl.sum(acc, 1), offs_n, n_ok, out_ptr, ws_ptr, cnt_ptr, N, SPLIT_K)
-
-
-@triton.jit
 def _w4_gemv_any_group(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_pn, stride_sn, stride_zn,
                        GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Any even group size (per-weight scale loads): correct, not tuned; power-of-two groups use ``_w4_gemv``."""
@@ -602,17 +527,22 @@ def _w4_gemm_grouped(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, st
 W8_TILES = ((16, 256, 2), (32, 256, 4), (64, 256, 4), (16, 512, 4), (8, 1024, 4), (16, 1024, 4), (8, 2048, 4),
             (16, 2048, 8))
 W4_TILES = ((16, 512, 2), (16, 1024, 4), (8, 2048, 4), (64, 128, 2), (256, 128, 4))
+# a cap of 96 registers (ncu: ~128 before, 4 warps per scheduler) gave 1-7% at 4 of the 5 8B shapes, lost 4% at
+# 4096 -> 4096 (records/gemv_study.json, e66a969); 64 spilled (10-30% slower)
+W4_MAXNREG = (96,)
 SPLITS = (1, 2, 4, 8, 16)
 LOAD_STAGES = (1, 3)  # 1: plain loads into registers; 3: pipelined through shared memory (cp.async)
 MAX_CTAS_PER_SM = 8  # a split is only worth it while the grid is small (the H200's best at 4096 -> 4096: 7.8)
 
 
-def _gemv_configs(tiles, prefetch: bool = False) -> list:
-    """Every tile x split x load pipeline (with ``prefetch``, also plain loads prefetched a step ahead)."""
-    pipelines = [{"LOAD_STAGES": st} | ({"PREFETCH": False} if prefetch else {}) for st in LOAD_STAGES]
-    pipelines += [{"LOAD_STAGES": 1, "PREFETCH": True}] if prefetch else []
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": s, **p}, num_warps=w, num_stages=1)
-            for n, k, w in tiles for s in SPLITS for p in pipelines]
+def _gemv_configs(tiles, prefetch: bool = False, maxnreg: tuple = ()) -> list:
+    """Every tile x split x load pipeline (with ``prefetch``, also plain loads prefetched a step ahead; each
+    register cap in ``maxnreg``, plain loads under it)."""
+    pipelines = [({"LOAD_STAGES": st} | ({"PREFETCH": False} if prefetch else {}), None) for st in LOAD_STAGES]
+    pipelines += [({"LOAD_STAGES": 1, "PREFETCH": True}, None)] if prefetch else []
+    pipelines += [({"LOAD_STAGES": 1} | ({"PREFETCH": False} if prefetch else {}), r) for r in maxnreg]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": s, **p}, num_warps=w, num_stages=1, maxnreg=r)
+            for n, k, w in tiles for s in SPLITS for p, r in pipelines]
 
 
 def _prune_gemv(configs, named_args, **kwargs):
@@ -627,10 +557,11 @@ def _prune_gemv(configs, named_args, **kwargs):
         if group and bk < group:
             bn, bk = max(8, bn * bk // group), group
             c = triton.Config(dict(c.kwargs, BLOCK_N=bn, BLOCK_K=bk), num_warps=c.num_warps,
-                              num_stages=c.num_stages)
+                              num_stages=c.num_stages, maxnreg=c.maxnreg)
         if s > 1 and (triton.cdiv(n, bn) * s > MAX_CTAS_PER_SM * sms or triton.cdiv(k, s) < 2 * bk):
             continue
-        by_tile.setdefault((bn, bk, c.num_warps), {})[(s, c.kwargs["LOAD_STAGES"], c.kwargs.get("PREFETCH"))] = c
+        variant = (s, c.kwargs["LOAD_STAGES"], c.kwargs.get("PREFETCH"), c.maxnreg)
+        by_tile.setdefault((bn, bk, c.num_warps), {})[variant] = c
     kept = []
     for cs in by_tile.values():
         splits = sorted({s for s, *_ in cs})
@@ -673,12 +604,9 @@ def _prune_gemm_grouped(configs, named_args, **kwargs):
 _w8_gemv_tuned = triton.autotune(_gemv_configs(W8_TILES), key=["N", "K"], do_bench=cold_l2_bench,
                                  prune_configs_by={"early_config_prune": _prune_gemv})(
     triton.heuristics({"EVEN": _even})(_w8_gemv))
-_w4_gemv_tuned = triton.autotune(_gemv_configs(W4_TILES, prefetch=True), key=["N", "K", "GROUP"],
+_w4_gemv_tuned = triton.autotune(_gemv_configs(W4_TILES, prefetch=True, maxnreg=W4_MAXNREG), key=["N", "K", "GROUP"],
                                  do_bench=cold_l2_bench, prune_configs_by={"early_config_prune": _prune_gemv})(
     triton.heuristics({"EVEN": _even})(_w4_gemv))
-_w4_gemv_prepped_tuned = triton.autotune(_gemv_configs(W4_TILES), key=["N", "K", "GROUP"], do_bench=cold_l2_bench,
-                                         prune_configs_by={"early_config_prune": _prune_gemv})(
-    triton.heuristics({"EVEN": _even})(_w4_gemv_prepped))
 _w8_gemm_tuned = triton.autotune(_gemm_configs(), key=["M_KEY", "N_KEY", "K_KEY"],
                                  prune_configs_by={"early_config_prune": _prune_gemm})(_w8_gemm)
 _w4_gemm_tuned = triton.autotune(_gemm_configs(), key=["M_KEY", "N_KEY", "K_KEY", "GROUP"],
@@ -689,8 +617,6 @@ _w4_gemm_grouped_tuned = triton.autotune(_gemm_configs(), key=["M_KEY", "N_KEY",
 # the interpreter's fixed tiles (tests swap in others, split-K included); int4 raises BLOCK_K to the group
 CPU_GEMV8 = dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, LOAD_STAGES=1)
 CPU_GEMV4 = dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, LOAD_STAGES=1, PREFETCH=False)
-PREP_X_ELEMENTS = 512  # activations per program of _w4_prep_x
-W4_PREPARED_X = False  # 16-bit activations: prepare them once per GEMV (_w4_prep_x) rather than in every program
 ANY_GROUP_GEMV = dict(BLOCK_N=16, BLOCK_K=128, num_warps=4)
 CPU_GEMM = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
 
@@ -728,25 +654,13 @@ def _check_x(x: torch.Tensor, k: int, what: str) -> torch.Tensor:
     return x.reshape(-1, k) if x.stride(-1) == 1 else x.reshape(-1, k).contiguous()
 
 
-def _prep_x(x2: torch.Tensor, group: int, half_math: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_w4_prep_x`` on the row ``x2`` ``[1, K]``: ``(xh int32 [4, K // 8], xg float32 [2, K // group])``."""
-    k = x2.shape[1]
-    xh = torch.empty(4, k // 8, dtype=torch.int32, device=x2.device)
-    xg = torch.empty(2, k // group, dtype=torch.float32, device=x2.device)
-    block_g = max(1, PREP_X_ELEMENTS // group)
-    _w4_prep_x[(triton.cdiv(k // group, block_g),)](x2, xh, xg, k, GROUP=group, BLOCK_G=block_g,
-                                                     HALF_MATH=half_math, num_warps=2)
-    return xh, xg
-
-
 def _gemv(x2: torch.Tensor, n: int, kernel, tuned, cpu_meta: dict, args: tuple, w_strides: tuple,
-          meta: dict, x_arg: torch.Tensor | None = None) -> torch.Tensor:
-    """One row of ``x``: the split-K GEMV, autotuned on CUDA, with ``cpu_meta`` under the interpreter
-    (``x_arg``: what the kernel reads in place of ``x2``, e.g. prepared activations)."""
+          meta: dict) -> torch.Tensor:
+    """One row of ``x``: the split-K GEMV, autotuned on CUDA, with ``cpu_meta`` under the interpreter."""
     k = x2.shape[1]
     out = torch.empty(1, n, dtype=x2.dtype, device=x2.device)
     ws, cnt = _split_buffers(x2.device, n)
-    ptrs = (x2 if x_arg is None else x_arg, *args, out, ws, cnt, n, k, *w_strides)
+    ptrs = (x2, *args, out, ws, cnt, n, k, *w_strides)
     if x2.device.type == "cuda":
         tuned[lambda c: (triton.cdiv(n, c["BLOCK_N"]), c["SPLIT_K"])](*ptrs, **meta)
     else:
@@ -834,15 +748,8 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
         cpu = dict(CPU_GEMV4, BLOCK_K=max(CPU_GEMV4["BLOCK_K"], group_size))
         words = p.view(torch.int32)  # K % 8 == 0 here: whole 4-byte words per row
         half = 0 if x2.dtype == torch.float32 else (1 if x2.device.type == "cuda" else 2)
-        if half and W4_PREPARED_X:
-            xh, xg = _prep_x(x2, group_size, half)
-            cpu_prepped = {key: v for key, v in cpu.items() if key != "PREFETCH"}
-            out = _gemv(x2, n, _w4_gemv_prepped, _w4_gemv_prepped_tuned, cpu_prepped, (xg, words, s, z),
-                        (words.stride(0), s.stride(0), z.stride(0)), {"GROUP": group_size, "HALF_MATH": half},
-                        x_arg=xh)
-        else:
-            out = _gemv(x2, n, _w4_gemv, _w4_gemv_tuned, cpu, (words, s, z), (words.stride(0), s.stride(0),
-                        z.stride(0), 0x4F000000), {"GROUP": group_size, "HALF_MATH": half})
+        out = _gemv(x2, n, _w4_gemv, _w4_gemv_tuned, cpu, (words, s, z), (words.stride(0), s.stride(0), z.stride(0),
+                    0x4F000000), {"GROUP": group_size, "HALF_MATH": half})
     elif m == 1:
         out = torch.empty(1, n, dtype=x2.dtype, device=x2.device)
         meta = dict(ANY_GROUP_GEMV)

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from labkit.kernels.common import FLOAT_DTYPES, check_same_shape, check_tensor, next_pow2, num_sms, rows_view
+from labkit.kernels.common import FLOAT_DTYPES, check_same_shape, check_tensor, next_pow2, rows_view
 
 MAX_COLS = 65536  # whole rows held in registers in one pass
 TUNE_MIN_ROWS = 1024  # CUDA calls with at least this many rows autotune rows-per-program and warps
@@ -54,11 +54,15 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
 
 
 @triton.jit
-def _norm_rows(x_ptr, res_ptr, w, out_ptr, res_out_ptr, rows, cols, col_ok, n_rows, n_cols, stride_x, stride_res,
-               stride_out, stride_res_out, eps, HAS_RESIDUAL: tl.constexpr):
-    """Normalise ``rows`` (``[ROWS]``) whole, ``w`` the float32 weight ``[BLOCK]``."""
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, n_cols, stride_x, stride_res,
+                     stride_out, stride_res_out, eps, ROWS_KEY, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                     ROWS: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     r64 = rows.to(tl.int64)[:, None]
+    cols = tl.arange(0, BLOCK)
+    col_ok = cols < n_cols
     mask = (rows < n_rows)[:, None] & col_ok[None, :]
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)  # first: in flight with x; once per ROWS
     x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + r64 * stride_res + cols[None, :], mask=mask, other=0.0,
@@ -69,26 +73,6 @@ def _norm_rows(x_ptr, res_ptr, w, out_ptr, res_out_ptr, rows, cols, col_ok, n_ro
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
     y = (xf * rstd[:, None]).to(x.dtype).to(tl.float32) * w[None, :]  # cast before the weight, as HF does
     tl.store(out_ptr + r64 * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, n_cols, stride_x, stride_res,
-                     stride_out, stride_res_out, eps, ROWS_KEY, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-                     ROWS: tl.constexpr, PERSISTENT: tl.constexpr = False, STAGES: tl.constexpr = 1,
-                     CTAS_PER_SM: tl.constexpr = 0):
-    """``ROWS`` rows per program; ``PERSISTENT``: a grid of a few programs per SM, each striding over the row
-    blocks (the weight loaded once per program, no partial last wave; ``STAGES`` > 1 pipelines the next block's
-    loads behind this one's arithmetic). ``CTAS_PER_SM`` sets the persistent grid (read by the launcher only)."""
-    cols = tl.arange(0, BLOCK)
-    col_ok = cols < n_cols
-    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)  # first: in flight with x; once per ROWS
-    if PERSISTENT:
-        for blk in tl.range(tl.program_id(0), tl.cdiv(n_rows, ROWS), tl.num_programs(0), num_stages=STAGES):
-            _norm_rows(x_ptr, res_ptr, w, out_ptr, res_out_ptr, blk * ROWS + tl.arange(0, ROWS), cols, col_ok,
-                       n_rows, n_cols, stride_x, stride_res, stride_out, stride_res_out, eps, HAS_RESIDUAL)
-    else:
-        _norm_rows(x_ptr, res_ptr, w, out_ptr, res_out_ptr, tl.program_id(0) * ROWS + tl.arange(0, ROWS), cols,
-                   col_ok, n_rows, n_cols, stride_x, stride_res, stride_out, stride_res_out, eps, HAS_RESIDUAL)
 
 
 def _num_warps(block: int) -> int:
@@ -112,19 +96,13 @@ def _prune(configs, named_args, **kwargs):
 
 _CONFIGS = [triton.Config({"ROWS": r}, num_warps=w)
             for r, w in ((1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (2, 16), (4, 8), (4, 16), (8, 16))]
-# persistent: (rows, warps, programs per SM, stages); at most 2048 threads per SM
-_CONFIGS += [triton.Config({"ROWS": r, "PERSISTENT": True, "CTAS_PER_SM": c, "STAGES": st}, num_warps=w)
-             for r, w, c, st in ((1, 8, 4, 1), (1, 8, 4, 2), (1, 8, 8, 1), (2, 8, 4, 1), (2, 8, 4, 2), (1, 4, 8, 2),
-                                 (2, 16, 2, 2))]
-CPU_PROGRAMS = 0  # > 0: the interpreter runs the persistent kernel on this many programs (tests)
 
 
-def _grid(n_rows: int, sms: int):
-    """Programs for a config: one per ``ROWS`` rows, or for persistent ones ``CTAS_PER_SM`` per SM at most."""
-    def grid(c):
-        blocks = triton.cdiv(n_rows, c["ROWS"])
-        return (min(blocks, c["CTAS_PER_SM"] * sms) if c.get("PERSISTENT") else blocks,)
-    return grid
+def _grid(n_rows: int):
+    """One program per ``ROWS`` rows of a config."""
+    return lambda c: (triton.cdiv(n_rows, c["ROWS"]),)
+
+
 _rms_norm_tuned = triton.autotune(_CONFIGS, key=["n_cols", "ROWS_KEY", "HAS_RESIDUAL"],
                                   prune_configs_by={"early_config_prune": _prune})(_rms_norm_kernel)
 
@@ -137,13 +115,11 @@ def _launch(x2, r2, w, out, res_out, eps, has_residual: bool) -> None:
     args = (x2, r2, w, out, res_out, n_rows, n_cols, x2.stride(0), r2.stride(0) if has_residual else 0,
             out.stride(0), res_out.stride(0) if has_residual else 0, eps, min(next_pow2(n_rows), 1 << 20))
     if x2.device.type == "cuda" and n_rows >= TUNE_MIN_ROWS:
-        _rms_norm_tuned[_grid(n_rows, num_sms(x2.device))](*args, HAS_RESIDUAL=has_residual, BLOCK=block)
+        _rms_norm_tuned[_grid(n_rows)](*args, HAS_RESIDUAL=has_residual, BLOCK=block)
         return
     rows = 1 if x2.device.type == "cuda" else CPU_ROWS
-    persistent = x2.device.type == "cpu" and CPU_PROGRAMS > 0
-    grid = (CPU_PROGRAMS if persistent else triton.cdiv(n_rows, rows),)
-    _rms_norm_kernel[grid](*args, HAS_RESIDUAL=has_residual, BLOCK=block, ROWS=rows, PERSISTENT=persistent,
-                           num_warps=_num_warps(block))
+    _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](*args, HAS_RESIDUAL=has_residual, BLOCK=block, ROWS=rows,
+                                                   num_warps=_num_warps(block))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None):
