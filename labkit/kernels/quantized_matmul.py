@@ -50,6 +50,9 @@ conversions alone for 58.7 M weights); ncu on the H200 then found the next ones 
 Measured on the H200 (``python scripts/gemv_study.py``, graph replays over weights not in L2, best candidate /
 autotuner's pick), 4096 -> 14336: bf16 30.7 us; int8 16.5 / 16.5 us (1.86x, 0.82 of copy bandwidth); int4
 15.7 / 17.1 us (1.8-2.0x, 0.47 of bandwidth: neither issue- nor bandwidth-bound, latency is what is left).
+Tried and dropped (records/gemv_study_maxnreg_prep_e66a969.json): preparing the int4 activations once per GEMV
+(pairs, powers of two and sums in a 1.6 us kernel of their own, every thread then loading its pairs from L1)
+saved nothing inside the GEMV, so it only added the launch; the GEMV's own preparation is not what holds it back.
 bitsandbytes LLM.int8 took 30.9 us there: a 3x bar over it needs 10.3 us, below the int8 bytes' floor of
 13.8 us -- no int8 kernel can meet that at this shape (at most 30.9 / 13.8 = 2.24x).
 """
@@ -527,9 +530,11 @@ def _w4_gemm_grouped(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, st
 W8_TILES = ((16, 256, 2), (32, 256, 4), (64, 256, 4), (16, 512, 4), (8, 1024, 4), (16, 1024, 4), (8, 2048, 4),
             (16, 2048, 8))
 W4_TILES = ((16, 512, 2), (16, 1024, 4), (8, 2048, 4), (64, 128, 2), (256, 128, 4))
-# a cap of 96 registers (ncu: ~128 before, 4 warps per scheduler) gave 1-7% at 4 of the 5 8B shapes, lost 4% at
-# 4096 -> 4096 (records/gemv_study.json, e66a969); 64 spilled (10-30% slower)
-W4_MAXNREG = (96,)
+# register caps among the int4 autotuner's candidates: none for now. A cap of 96 (ncu: ~128 before, 4 warps per
+# scheduler) gave 1-7% at 4 of the 5 8B shapes and lost 4% at 4096 -> 4096, 64 spilled (10-30% slower)
+# (records/gemv_study_maxnreg_prep_e66a969.json); with 96 among the candidates, notebooks 03 and 04 spent ~50-60 s
+# more autotuning each and ran past their H200 stage limits (logs/2026-12-04_call3_*), so they are unmeasured
+W4_MAXNREG: tuple = ()
 SPLITS = (1, 2, 4, 8, 16)
 LOAD_STAGES = (1, 3)  # 1: plain loads into registers; 3: pipelined through shared memory (cp.async)
 MAX_CTAS_PER_SM = 8  # a split is only worth it while the grid is small (the H200's best at 4096 -> 4096: 7.8)
