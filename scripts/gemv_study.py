@@ -30,6 +30,7 @@ import triton.language as tl  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from labkit.bench import write_record  # noqa: E402
+from labkit.hardware import measure_copy_bandwidth  # noqa: E402
 from labkit.kernels import quantized_matmul as qm  # noqa: E402
 from labkit.kernels.common import cold_l2_bench  # noqa: E402
 
@@ -152,14 +153,16 @@ def _candidates(tiles, n: int, k: int, kind: str) -> list[dict]:
 
 
 def copy_bandwidth(dev) -> float:
-    """Device-to-device copy of 2 GiB, bytes read + written per second, after ~0.3 s of copies (an idle GPU
-    starts at low clocks: timed cold, this read 2.7 TB/s on the H200 instead of 4.25)."""
+    """The notebooks' ceiling (``labkit.hardware.measure_copy_bandwidth``: 2 GiB float32 copies timed with events,
+    bytes read + written), after ~0.3 s of copies: an idle GPU starts at low clocks. (Timed as a graph of 2 GiB
+    uint8 copies, as before e66a969's follow-up, it read 2.7 TB/s on the H200 where the notebooks' ceiling and a
+    same-bytes copy read 4.2-4.3.)"""
     a = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
     for _ in range(300):
         b.copy_(a)
-    t = graph_us(lambda w: b.copy_(a), [None], reps=5)
-    return 2 * a.numel() / (sorted(t)[len(t) // 2] * 1e-6)
+    del a, b
+    return measure_copy_bandwidth(dev)
 
 
 def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4")) -> dict:
