@@ -154,9 +154,9 @@ def _candidates(tiles, n: int, k: int, kind: str) -> list[dict]:
 
 def copy_bandwidth(dev) -> float:
     """The notebooks' ceiling (``labkit.hardware.measure_copy_bandwidth``: 2 GiB float32 copies timed with events,
-    bytes read + written), after ~0.3 s of copies: an idle GPU starts at low clocks. (Timed as a graph of 2 GiB
-    uint8 copies, as before e66a969's follow-up, it read 2.7 TB/s on the H200 where the notebooks' ceiling and a
-    same-bytes copy read 4.2-4.3.)"""
+    bytes read + written), after ~0.3 s of copies: an idle GPU starts at low clocks. (Timed as graph replays of
+    2 GiB uint8 copies, as this script did up to e66a969, it read 2.7 TB/s on the H200, where the notebooks'
+    ceiling and a copy of RMSNorm's 268 MB read 4.2-4.3.)"""
     a = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
     for _ in range(300):
