@@ -53,6 +53,59 @@ def _empty(out_ptr):
     tl.store(out_ptr + tl.program_id(0), 0)
 
 
+@triton.jit
+def _w4_gemv_tma(x_ptr, p_desc, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_sn, stride_zn,
+                 GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                 STAGES: tl.constexpr, HALF_MATH: tl.constexpr):
+    """An experiment: ``qm._w4_gemv``'s packed-float16 path (whole steps and rows only) with each step's weights
+    brought in by the tensor-memory accelerator (``p_desc``: a descriptor of the int32 words ``[N, K // 8]``,
+    box ``[BLOCK_N, BLOCK_K // 8]``), ``STAGES`` steps in flight through shared memory. The question: does
+    keeping more bytes in flight per SM (not registers) lift the int4 GEMV off its latency bound?"""
+    BLOCK_G: tl.constexpr = BLOCK_K // GROUP
+    WORDS: tl.constexpr = GROUP // 8
+    offs_n, n_ok, n64, offs_g, g_lo, g_hi, g, kw = qm._w4_program(N, K, GROUP, BLOCK_N, BLOCK_K, SPLIT_K)
+    x_ptrs = x_ptr + kw[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    s_ptrs = s_ptr + n64[:, None] * stride_sn + g[None, :]
+    z_ptrs = z_ptr + n64[:, None] * stride_zn + g[None, :]
+    row0 = tl.program_id(0) * BLOCK_N
+    acc = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+    for g0 in tl.range(g_lo, g_hi, BLOCK_G, num_stages=STAGES):
+        wd = tl.reshape(p_desc.load([row0, g0 * WORDS]), [BLOCK_N, BLOCK_G, WORDS])
+        x8 = tl.load(x_ptrs).to(tl.float32)
+        s = tl.load(s_ptrs).to(tl.float32)
+        z = tl.load(z_ptrs).to(tl.float32)
+        x_ptrs += BLOCK_K
+        s_ptrs += BLOCK_G
+        z_ptrs += BLOCK_G
+        x0, x1, x2, x3, x4, x5, x6, x7 = qm._x_octets(x8, BLOCK_G, WORDS)
+        x_sum = tl.sum((x0 + x1) + (x2 + x3) + (x4 + x5) + (x6 + x7), 1)
+        up, down = qm._pow2_scales(x8)
+        xa, xb, xc, xd = qm._x_half2(x0, x1, x2, x3, x4, x5, x6, x7, up[:, None], HALF_MATH == 1)
+        q_x = tl.sum(qm._word_dot(wd, xa[None], xb[None], xc[None], xd[None], HALF_MATH == 1), 2) * down[None, :]
+        acc += s * (q_x - z * x_sum[None, :])
+    qm._store_rows(tl.sum(acc, 1), offs_n, n_ok, out_ptr, ws_ptr, cnt_ptr, N, SPLIT_K)
+
+
+def launch_w4_tma(x, w: tuple, out, n: int, k: int, cfg: dict, half_math: int = 1):
+    """``_w4_gemv_tma`` on one row ``x`` and weights ``w = (packed, scales, zeros)`` (whole tiles only)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bn, bk, sp = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
+    if n % bn or k % (bk * sp):
+        raise ValueError(f"the TMA experiment needs whole tiles: N={n} % {bn}, K={k} % {bk * sp}")
+    desc = TensorDescriptor.from_tensor(w[0].view(torch.int32), [bn, bk // 8])
+    wsb, cnt = qm._split_buffers(x.device, n)
+    opts = {"num_warps": cfg["num_warps"]} | ({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {})
+    _w4_gemv_tma[(n // bn, sp)](x, desc, w[1], w[2], out, wsb, cnt, n, k, w[1].stride(0), w[2].stride(0),
+                                GROUP=GROUP, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sp, STAGES=cfg["STAGES"],
+                                HALF_MATH=half_math, **opts)
+    return out
+
+
+TMA_TILES = ((16, 512, 2), (16, 1024, 4), (32, 512, 4), (8, 2048, 4), (64, 256, 4))
+TMA_STAGES = (2, 3, 4)
+
+
 def _copies(nbytes: int) -> int:
     return max(2, min(64, math.ceil(ROTATE_BYTES / nbytes)))
 
@@ -64,7 +117,7 @@ def _weights(kind: str, n: int, k: int, copies: int, dev) -> list[tuple]:
         if kind == "w8":
             q = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=dev)
             out.append((q, torch.rand(n, device=dev, dtype=torch.bfloat16) * 0.01 + 1e-3))
-        elif kind == "w4":
+        elif kind in ("w4", "w4tma"):
             p = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev)
             s = torch.rand(n, k // GROUP, device=dev, dtype=torch.bfloat16) * 0.01 + 1e-3
             out.append((p, s, torch.rand_like(s) * 15))
@@ -74,7 +127,8 @@ def _weights(kind: str, n: int, k: int, copies: int, dev) -> list[tuple]:
 
 
 def _nbytes(kind: str, n: int, k: int) -> int:
-    return {"w8": n * k + 2 * n, "w4": n * k // 2 + 4 * n * k // GROUP, "bf16": 2 * n * k}[kind]
+    w4 = n * k // 2 + 4 * n * k // GROUP
+    return {"w8": n * k + 2 * n, "w4": w4, "w4tma": w4, "bf16": 2 * n * k}[kind]
 
 
 def _launcher(kind: str, x, ws, n: int, k: int, cfg: dict | None):
@@ -84,6 +138,8 @@ def _launcher(kind: str, x, ws, n: int, k: int, cfg: dict | None):
     wsb, cnt = qm._split_buffers(x.device, n)
     if kind == "bf16":
         return lambda w: F.linear(x, w[0])
+    if kind == "w4tma":
+        return lambda w: launch_w4_tma(x, w, out, n, k, cfg)
     if cfg is None:
         if kind == "w8":
             return lambda w: qm.w8a16_matmul(x, *w)
@@ -165,7 +221,7 @@ def copy_bandwidth(dev) -> float:
     return measure_copy_bandwidth(dev)
 
 
-def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4")) -> dict:
+def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"), baseline_only: bool = False) -> dict:
     """Time every candidate of every shape; with ``out``, rewrite the record after each shape (a run cut short
     keeps what it finished)."""
     x = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)
@@ -180,8 +236,18 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"))
             sets = _weights(kind, n, k, _copies(nbytes), dev)
             qm._split_buffers(dev, n)
             ref = F.linear(xk.float(), _dequant(kind, sets[0], n, k))
-            todo = [None] + ([] if kind == "bf16" else
-                             _candidates(W8_TILES if kind == "w8" else W4_TILES, n, k, kind))
+            if kind == "w4" and baseline_only:  # the in-register kernel's best at these shapes (e66a969's sweep)
+                todo = [{"BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": sp, "LOAD_STAGES": 1, "PREFETCH": False,
+                         "num_warps": 2} for sp in (1, 4)] + [
+                        {"BLOCK_N": 8, "BLOCK_K": 2048, "SPLIT_K": 1, "LOAD_STAGES": 1, "PREFETCH": False,
+                         "num_warps": 4}]
+            elif kind == "w4tma":
+                todo = [{"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp, "STAGES": st, "num_warps": w}
+                        for bn, bk, w in TMA_TILES for sp in (1, 2, 4) for st in TMA_STAGES
+                        if sp == 1 or (n // bn) * sp <= 8 * 132 and k // (bk * sp) >= 2]
+            else:
+                todo = [None] + ([] if kind == "bf16" else
+                                 _candidates(W8_TILES if kind == "w8" else W4_TILES, n, k, kind))
             for cfg in tqdm(todo, desc=f"{name} {kind}", mininterval=5):
                 launch = _launcher(kind, xk, sets, n, k, cfg)
                 try:
@@ -211,7 +277,7 @@ def _dequant(kind: str, w: tuple, n: int, k: int) -> torch.Tensor:
 
     if kind == "w8":
         return dequantize_int8(w[0], w[1], torch.float32)
-    if kind == "w4":
+    if kind in ("w4", "w4tma"):
         return dequantize_int4(w[0], w[1].float(), w[2].float(), GROUP)
     return w[0].float()
 
@@ -266,8 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="folder for records/gemv_study.json")
     ap.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), default=tuple(SHAPES)[:5])
-    ap.add_argument("--kinds", nargs="+", choices=("bf16", "w8", "w4"),
+    ap.add_argument("--kinds", nargs="+", choices=("bf16", "w8", "w4", "w4tma"),
                     default=("bf16", "w8", "w4"))
+    ap.add_argument("--baseline-only", action="store_true",
+                    help="int4: time only the in-register kernel's best configs (beside w4tma, in little time)")
     ap.add_argument("--best", help="a gemv_study.json: launch each shape's best candidate (for ncu)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -277,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.best:
         run_best(args.best, dev)
         return 0
-    data = sweep({s: SHAPES[s] for s in args.shapes}, dev, args.out, args.kinds)
+    data = sweep({s: SHAPES[s] for s in args.shapes}, dev, args.out, args.kinds, args.baseline_only)
     summarise(data)
     return 0
 
