@@ -54,56 +54,92 @@ def _empty(out_ptr):
 
 
 @triton.jit
-def _w4_gemv_tma(x_ptr, p_desc, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_sn, stride_zn,
-                 GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                 STAGES: tl.constexpr, HALF_MATH: tl.constexpr):
-    """An experiment: ``qm._w4_gemv``'s packed-float16 path (whole steps and rows only) with each step's weights
-    brought in by the tensor-memory accelerator (``p_desc``: a descriptor of the int32 words ``[N, K // 8]``,
-    box ``[BLOCK_N, BLOCK_K // 8]``), ``STAGES`` steps in flight through shared memory. The question: does
-    keeping more bytes in flight per SM (not registers) lift the int4 GEMV off its latency bound?"""
+def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_pn, stride_sn, stride_zn,
+                GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_P2: tl.constexpr,
+                ROW_STEPS: tl.constexpr, PREFETCH: tl.constexpr, HALF_MATH: tl.constexpr):
+    """An experiment: the int4 GEMV with the activations *stationary*. Program ``(k, n)`` owns one slice of
+    ``BLOCK_K`` activations (``K // BLOCK_K`` slices) and ``ROW_STEPS * BLOCK_N`` rows: it prepares its slice once
+    (float16 pairs, powers of two, sums: the work ``qm._w4_gemv`` repeats, with its shared-memory layout change
+    and barrier, at every step of every row block), then walks down its rows with nothing but weight, scale and
+    zero loads and the packed float16 dot (``PREFETCH``: the next row block's loads issued before this one's
+    math). Partial sums go to the float32 workspace ``[slices, N]``; the last slice of a row chunk to arrive sums
+    all slices (``SPLIT_P2`` >= slices, a power of two) in one tile and writes the rows. Whole tiles only."""
     BLOCK_G: tl.constexpr = BLOCK_K // GROUP
     WORDS: tl.constexpr = GROUP // 8
-    offs_n, n_ok, n64, offs_g, g_lo, g_hi, g, kw = qm._w4_program(N, K, GROUP, BLOCK_N, BLOCK_K, SPLIT_K)
-    x_ptrs = x_ptr + kw[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    ROWS: tl.constexpr = BLOCK_N * ROW_STEPS
+    pid_k, pid_n = tl.program_id(0), tl.program_id(1)
+    n_slices = tl.num_programs(0)
+    g = pid_k * BLOCK_G + tl.arange(0, BLOCK_G)
+    kw = g[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
+    x8 = tl.load(x_ptr + kw[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]).to(tl.float32)
+    x0, x1, x2, x3, x4, x5, x6, x7 = qm._x_octets(x8, BLOCK_G, WORDS)
+    x_sum = tl.sum((x0 + x1) + (x2 + x3) + (x4 + x5) + (x6 + x7), 1)
+    up, down = qm._pow2_scales(x8)
+    xa, xb, xc, xd = qm._x_half2(x0, x1, x2, x3, x4, x5, x6, x7, up[:, None], HALF_MATH == 1)
+    n64 = (pid_n * ROWS + tl.arange(0, BLOCK_N)).to(tl.int64)
+    p_ptrs = p_ptr + n64[:, None, None] * stride_pn + kw[None, :, :]
     s_ptrs = s_ptr + n64[:, None] * stride_sn + g[None, :]
     z_ptrs = z_ptr + n64[:, None] * stride_zn + g[None, :]
-    row0 = tl.program_id(0) * BLOCK_N
-    acc = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
-    for g0 in tl.range(g_lo, g_hi, BLOCK_G, num_stages=STAGES):
-        wd = tl.reshape(p_desc.load([row0, g0 * WORDS]), [BLOCK_N, BLOCK_G, WORDS])
-        x8 = tl.load(x_ptrs).to(tl.float32)
-        s = tl.load(s_ptrs).to(tl.float32)
-        z = tl.load(z_ptrs).to(tl.float32)
-        x_ptrs += BLOCK_K
-        s_ptrs += BLOCK_G
-        z_ptrs += BLOCK_G
-        x0, x1, x2, x3, x4, x5, x6, x7 = qm._x_octets(x8, BLOCK_G, WORDS)
-        x_sum = tl.sum((x0 + x1) + (x2 + x3) + (x4 + x5) + (x6 + x7), 1)
-        up, down = qm._pow2_scales(x8)
-        xa, xb, xc, xd = qm._x_half2(x0, x1, x2, x3, x4, x5, x6, x7, up[:, None], HALF_MATH == 1)
+    w_ptrs = ws_ptr + pid_k * N + n64
+    if PREFETCH:
+        nw, ns, nz = tl.load(p_ptrs), tl.load(s_ptrs), tl.load(z_ptrs)
+    for i in range(ROW_STEPS):
+        if PREFETCH:
+            wd, s, z = nw, ns, nz
+            more = i + 1 < ROW_STEPS
+            nw = tl.load(p_ptrs + BLOCK_N * stride_pn, mask=more)
+            ns = tl.load(s_ptrs + BLOCK_N * stride_sn, mask=more)
+            nz = tl.load(z_ptrs + BLOCK_N * stride_zn, mask=more)
+        else:
+            wd, s, z = tl.load(p_ptrs), tl.load(s_ptrs), tl.load(z_ptrs)
+        p_ptrs += BLOCK_N * stride_pn
+        s_ptrs += BLOCK_N * stride_sn
+        z_ptrs += BLOCK_N * stride_zn
         q_x = tl.sum(qm._word_dot(wd, xa[None], xb[None], xc[None], xd[None], HALF_MATH == 1), 2) * down[None, :]
-        acc += s * (q_x - z * x_sum[None, :])
-    qm._store_rows(tl.sum(acc, 1), offs_n, n_ok, out_ptr, ws_ptr, cnt_ptr, N, SPLIT_K)
+        part = tl.sum(s.to(tl.float32) * (q_x - z.to(tl.float32) * x_sum[None, :]), 1)
+        tl.store(w_ptrs + i * BLOCK_N, part)
+    tl.debug_barrier()  # this program's partials are written before its arrival is counted
+    if tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel") == n_slices - 1:
+        rows = pid_n * ROWS + tl.arange(0, ROWS)
+        sl = tl.arange(0, SPLIT_P2)
+        parts = tl.load(ws_ptr + sl[:, None] * N + rows[None, :], mask=(sl < n_slices)[:, None], other=0.0,
+                        cache_modifier=".cg")
+        tl.store(out_ptr + rows, tl.sum(parts, 0).to(out_ptr.dtype.element_ty))
+        tl.atomic_xchg(cnt_ptr + pid_n, 0)
 
 
-def launch_w4_tma(x, w: tuple, out, n: int, k: int, cfg: dict, half_math: int = 1):
-    """``_w4_gemv_tma`` on one row ``x`` and weights ``w = (packed, scales, zeros)`` (whole tiles only)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    bn, bk, sp = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
-    if n % bn or k % (bk * sp):
-        raise ValueError(f"the TMA experiment needs whole tiles: N={n} % {bn}, K={k} % {bk * sp}")
-    desc = TensorDescriptor.from_tensor(w[0].view(torch.int32), [bn, bk // 8])
-    wsb, cnt = qm._split_buffers(x.device, n)
-    opts = {"num_warps": cfg["num_warps"]} | ({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {})
-    _w4_gemv_tma[(n // bn, sp)](x, desc, w[1], w[2], out, wsb, cnt, n, k, w[1].stride(0), w[2].stride(0),
-                                GROUP=GROUP, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sp, STAGES=cfg["STAGES"],
-                                HALF_MATH=half_math, **opts)
+def launch_w4_xs(x, w: tuple, out, n: int, k: int, cfg: dict, bufs: dict, half_math: int = 1):
+    """``_w4_gemv_xs`` on one row ``x`` and weights ``w = (packed, scales, zeros)`` (whole tiles only);
+    ``bufs`` caches the workspace and counters per shape (made before graph capture)."""
+    bn, bk, steps = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["ROW_STEPS"]
+    if n % (bn * steps) or k % bk or steps & (steps - 1):
+        raise ValueError(f"the x-stationary experiment needs whole tiles and power-of-two ROW_STEPS: "
+                         f"N={n} % {bn * steps}, K={k} % {bk}, ROW_STEPS={steps}")
+    slices = k // bk
+    key = (n, slices)
+    if key not in bufs:
+        bufs[key] = (torch.empty(slices * n, device=x.device, dtype=torch.float32),
+                     torch.zeros(n // (bn * steps), device=x.device, dtype=torch.int32))
+    wsb, cnt = bufs[key]
+    _w4_gemv_xs[(slices, n // (bn * steps))](
+        x, w[0].view(torch.int32), w[1], w[2], out, wsb, cnt, n, k, k // 8, w[1].stride(0), w[2].stride(0),
+        GROUP=GROUP, BLOCK_N=bn, BLOCK_K=bk, SPLIT_P2=triton.next_power_of_2(slices), ROW_STEPS=steps,
+        PREFETCH=cfg["PREFETCH"], HALF_MATH=half_math, num_warps=cfg["num_warps"], num_stages=1)
     return out
 
 
-TMA_TILES = ((16, 512, 2), (16, 1024, 4), (32, 512, 4), (8, 2048, 4), (64, 256, 4))
-TMA_STAGES = (2, 3, 4)
+def _xs_candidates(n: int, k: int) -> list[dict]:
+    """Slices of 256-1024 activations, 8-32 rows per step, 2-8 steps per program, with and without prefetch;
+    only grids of 1-8 programs per SM of 132."""
+    out = []
+    for bk, bn, w in ((256, 16, 2), (512, 16, 2), (512, 32, 4), (1024, 16, 4), (1024, 8, 2), (512, 8, 1)):
+        for steps in (2, 4, 8, 16):
+            grid = (k // bk) * (n // (bn * steps))
+            if k % bk or n % (bn * steps) or not 132 <= grid <= 8 * 132:
+                continue
+            out += [{"BLOCK_N": bn, "BLOCK_K": bk, "ROW_STEPS": steps, "PREFETCH": pf, "num_warps": w}
+                    for pf in (False, True)]
+    return out
 
 
 def _copies(nbytes: int) -> int:
@@ -117,7 +153,7 @@ def _weights(kind: str, n: int, k: int, copies: int, dev) -> list[tuple]:
         if kind == "w8":
             q = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=dev)
             out.append((q, torch.rand(n, device=dev, dtype=torch.bfloat16) * 0.01 + 1e-3))
-        elif kind in ("w4", "w4tma"):
+        elif kind in ("w4", "w4xs"):
             p = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev)
             s = torch.rand(n, k // GROUP, device=dev, dtype=torch.bfloat16) * 0.01 + 1e-3
             out.append((p, s, torch.rand_like(s) * 15))
@@ -128,7 +164,7 @@ def _weights(kind: str, n: int, k: int, copies: int, dev) -> list[tuple]:
 
 def _nbytes(kind: str, n: int, k: int) -> int:
     w4 = n * k // 2 + 4 * n * k // GROUP
-    return {"w8": n * k + 2 * n, "w4": w4, "w4tma": w4, "bf16": 2 * n * k}[kind]
+    return {"w8": n * k + 2 * n, "w4": w4, "w4xs": w4, "bf16": 2 * n * k}[kind]
 
 
 def _launcher(kind: str, x, ws, n: int, k: int, cfg: dict | None):
@@ -138,8 +174,9 @@ def _launcher(kind: str, x, ws, n: int, k: int, cfg: dict | None):
     wsb, cnt = qm._split_buffers(x.device, n)
     if kind == "bf16":
         return lambda w: F.linear(x, w[0])
-    if kind == "w4tma":
-        return lambda w: launch_w4_tma(x, w, out, n, k, cfg)
+    if kind == "w4xs":
+        bufs: dict = {}
+        return lambda w: launch_w4_xs(x, w, out, n, k, cfg, bufs)
     if cfg is None:
         if kind == "w8":
             return lambda w: qm.w8a16_matmul(x, *w)
@@ -241,10 +278,8 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"),
                          "num_warps": 2} for sp in (1, 4)] + [
                         {"BLOCK_N": 8, "BLOCK_K": 2048, "SPLIT_K": 1, "LOAD_STAGES": 1, "PREFETCH": False,
                          "num_warps": 4}]
-            elif kind == "w4tma":
-                todo = [{"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sp, "STAGES": st, "num_warps": w}
-                        for bn, bk, w in TMA_TILES for sp in (1, 2, 4) for st in TMA_STAGES
-                        if sp == 1 or (n // bn) * sp <= 8 * 132 and k // (bk * sp) >= 2]
+            elif kind == "w4xs":
+                todo = _xs_candidates(n, k)
             else:
                 todo = [None] + ([] if kind == "bf16" else
                                  _candidates(W8_TILES if kind == "w8" else W4_TILES, n, k, kind))
@@ -277,7 +312,7 @@ def _dequant(kind: str, w: tuple, n: int, k: int) -> torch.Tensor:
 
     if kind == "w8":
         return dequantize_int8(w[0], w[1], torch.float32)
-    if kind in ("w4", "w4tma"):
+    if kind in ("w4", "w4xs"):
         return dequantize_int4(w[0], w[1].float(), w[2].float(), GROUP)
     return w[0].float()
 
@@ -332,10 +367,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="folder for records/gemv_study.json")
     ap.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), default=tuple(SHAPES)[:5])
-    ap.add_argument("--kinds", nargs="+", choices=("bf16", "w8", "w4", "w4tma"),
+    ap.add_argument("--kinds", nargs="+", choices=("bf16", "w8", "w4", "w4xs"),
                     default=("bf16", "w8", "w4"))
     ap.add_argument("--baseline-only", action="store_true",
-                    help="int4: time only the in-register kernel's best configs (beside w4tma, in little time)")
+                    help="int4: time only the in-register kernel's best configs (beside w4xs, in little time)")
     ap.add_argument("--best", help="a gemv_study.json: launch each shape's best candidate (for ncu)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

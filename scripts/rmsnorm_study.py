@@ -18,10 +18,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+import triton  # noqa: E402
 from gemv_study import copy_bandwidth, graph_us  # noqa: E402
 
 from labkit.bench import write_record  # noqa: E402
 from labkit.kernels import rms_norm as rn  # noqa: E402
+
+# beyond the autotuner's candidates: 32 warps; and the best candidates with streaming stores (st.global.cs: the
+# output is not read again by this kernel, so it need not displace x's lines in L2)
+EXTRA_CONFIGS = [triton.Config({"ROWS": r}, num_warps=32) for r in (2, 4, 8)]
+STREAMING_CONFIGS = [triton.Config({"ROWS": r}, num_warps=w) for r, w in ((1, 8), (2, 16), (4, 16), (4, 32))]
 
 
 def _median(t: list[float]) -> float:
@@ -37,21 +43,21 @@ def sweep(rows: int, cols: int, dev) -> dict:
     copy = graph_us(lambda _: out.copy_(x), [None], reps=10)
     rows_out = [{"impl": "copy_same_bytes", "us": copy, "median_us": _median(copy), "bytes": 2 * x.numel() * 2}]
     ref = rn.rms_norm_ref(x.float(), w.float(), 1e-5)
-    for c in rn._CONFIGS:
+    for c, cache in [(c, "") for c in rn._CONFIGS + EXTRA_CONFIGS] + [(c, ".cs") for c in STREAMING_CONFIGS]:
         for residual in (False, True):
-            def launch(_, c=c, residual=residual):
+            def launch(_, c=c, residual=residual, cache=cache):
                 rn._rms_norm_kernel[rn._grid(rows)(c.kwargs)](
                     x, r, w, out, res_out, rows, cols, cols, cols, cols, cols, 1e-5, 1 << 20,
-                    HAS_RESIDUAL=residual, BLOCK=cols, **c.kwargs, num_warps=c.num_warps)
+                    HAS_RESIDUAL=residual, BLOCK=cols, **c.kwargs, num_warps=c.num_warps, STORE_CACHE=cache)
             try:
                 t = graph_us(launch, [None], reps=10)
             except Exception as e:  # noqa: BLE001 - a candidate that fails is recorded
-                rows_out.append({"config": dict(c.kwargs, num_warps=c.num_warps), "residual": residual,
+                rows_out.append({"config": dict(c.kwargs, num_warps=c.num_warps, store=cache), "residual": residual,
                                  "error": str(e)[:200]})
                 continue
             nbytes = fused_bytes if residual else plain_bytes
             err = None if residual else ((out.float() - ref).norm() / ref.norm()).item()
-            rows_out.append({"impl": "triton", "config": dict(c.kwargs, num_warps=c.num_warps),
+            rows_out.append({"impl": "triton", "config": dict(c.kwargs, num_warps=c.num_warps, store=cache),
                              "residual": residual, "us": t, "median_us": _median(t), "bytes": nbytes,
                              "bw_frac": nbytes / (_median(t) * 1e-6) / bw, "rel_err": err})
     return {"shape": [rows, cols], "dtype": "bfloat16", "copy_bw_bytes_per_s": bw, "rows": rows_out}

@@ -56,7 +56,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, n_cols, stride_x, stride_res,
                      stride_out, stride_res_out, eps, ROWS_KEY, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-                     ROWS: tl.constexpr):
+                     ROWS: tl.constexpr, STORE_CACHE: tl.constexpr = ""):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     r64 = rows.to(tl.int64)[:, None]
     cols = tl.arange(0, BLOCK)
@@ -72,7 +72,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, n_cols
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
     y = (xf * rstd[:, None]).to(x.dtype).to(tl.float32) * w[None, :]  # cast before the weight, as HF does
-    tl.store(out_ptr + r64 * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + r64 * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask,
+             cache_modifier=STORE_CACHE)
 
 
 def _num_warps(block: int) -> int:
