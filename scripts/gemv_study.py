@@ -61,9 +61,10 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stri
     ``BLOCK_K`` activations (``K // BLOCK_K`` slices) and ``ROW_STEPS * BLOCK_N`` rows: it prepares its slice once
     (float16 pairs, powers of two, sums: the work ``qm._w4_gemv`` repeats, with its shared-memory layout change
     and barrier, at every step of every row block), then walks down its rows with nothing but weight, scale and
-    zero loads and the packed float16 dot (``PREFETCH``: the next row block's loads issued before this one's
-    math). Partial sums go to the float32 workspace ``[slices, N]``; the last slice of a row chunk to arrive sums
-    all slices (``SPLIT_P2`` >= slices, a power of two) in one tile and writes the rows. Whole tiles only."""
+    zero loads and the packed float16 dot (``PREFETCH``: the next one or two row blocks' loads issued before
+    this one's math). Partial sums go to the float32 workspace ``[slices, N]``; the last slice of a row chunk to
+    arrive sums all slices (``SPLIT_P2`` >= slices, a power of two) in one tile and writes the rows. Whole tiles
+    only."""
     BLOCK_G: tl.constexpr = BLOCK_K // GROUP
     WORDS: tl.constexpr = GROUP // 8
     ROWS: tl.constexpr = BLOCK_N * ROW_STEPS
@@ -81,13 +82,26 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stri
     s_ptrs = s_ptr + n64[:, None] * stride_sn + g[None, :]
     z_ptrs = z_ptr + n64[:, None] * stride_zn + g[None, :]
     w_ptrs = ws_ptr + pid_k * N + n64
-    if PREFETCH:
+    nxt = BLOCK_N * stride_pn
+    if PREFETCH >= 1:
         nw, ns, nz = tl.load(p_ptrs), tl.load(s_ptrs), tl.load(z_ptrs)
+    if PREFETCH == 2:
+        more = ROW_STEPS > 1
+        mw = tl.load(p_ptrs + nxt, mask=more)
+        ms = tl.load(s_ptrs + BLOCK_N * stride_sn, mask=more)
+        mz = tl.load(z_ptrs + BLOCK_N * stride_zn, mask=more)
     for i in range(ROW_STEPS):
-        if PREFETCH:
+        if PREFETCH == 2:  # two row blocks in flight while this one computes
+            wd, s, z = nw, ns, nz
+            nw, ns, nz = mw, ms, mz
+            more = i + 2 < ROW_STEPS
+            mw = tl.load(p_ptrs + 2 * nxt, mask=more)
+            ms = tl.load(s_ptrs + 2 * BLOCK_N * stride_sn, mask=more)
+            mz = tl.load(z_ptrs + 2 * BLOCK_N * stride_zn, mask=more)
+        elif PREFETCH == 1:
             wd, s, z = nw, ns, nz
             more = i + 1 < ROW_STEPS
-            nw = tl.load(p_ptrs + BLOCK_N * stride_pn, mask=more)
+            nw = tl.load(p_ptrs + nxt, mask=more)
             ns = tl.load(s_ptrs + BLOCK_N * stride_sn, mask=more)
             nz = tl.load(z_ptrs + BLOCK_N * stride_zn, mask=more)
         else:
@@ -129,16 +143,17 @@ def launch_w4_xs(x, w: tuple, out, n: int, k: int, cfg: dict, bufs: dict, half_m
 
 
 def _xs_candidates(n: int, k: int) -> list[dict]:
-    """Slices of 256-1024 activations, 8-32 rows per step, 2-8 steps per program, with and without prefetch;
-    only grids of 1-8 programs per SM of 132."""
+    """Slices of 512-1024 activations, 8-32 rows per step, 1-32 steps per program, one or two steps prefetched;
+    grids of 1-32 programs per SM of 132 (at ded9987, capped at 8 per SM, the best grids were the largest allowed
+    and the register prefetch gained 7-20%)."""
     out = []
-    for bk, bn, w in ((256, 16, 2), (512, 16, 2), (512, 32, 4), (1024, 16, 4), (1024, 8, 2), (512, 8, 1)):
-        for steps in (2, 4, 8, 16):
+    for bk, bn, w in ((512, 16, 2), (1024, 8, 2), (1024, 16, 4), (512, 32, 4)):
+        for steps in (1, 2, 4, 8, 16, 32):
             grid = (k // bk) * (n // (bn * steps))
-            if k % bk or n % (bn * steps) or not 132 <= grid <= 8 * 132:
+            if k % bk or n % (bn * steps) or not 132 <= grid <= 32 * 132:
                 continue
             out += [{"BLOCK_N": bn, "BLOCK_K": bk, "ROW_STEPS": steps, "PREFETCH": pf, "num_warps": w}
-                    for pf in (False, True)]
+                    for pf in (1, 2)]
     return out
 
 
