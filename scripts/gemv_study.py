@@ -53,99 +53,20 @@ def _empty(out_ptr):
     tl.store(out_ptr + tl.program_id(0), 0)
 
 
-@triton.jit
-def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_pn, stride_sn, stride_zn,
-                GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_P2: tl.constexpr,
-                ROW_STEPS: tl.constexpr, PREFETCH: tl.constexpr, HALF_MATH: tl.constexpr):
-    """An experiment: the int4 GEMV with the activations *stationary*. Program ``(k, n)`` owns one slice of
-    ``BLOCK_K`` activations (``K // BLOCK_K`` slices) and ``ROW_STEPS * BLOCK_N`` rows: it prepares its slice once
-    (float16 pairs, powers of two, sums: the work ``qm._w4_gemv`` repeats, with its shared-memory layout change
-    and barrier, at every step of every row block), then walks down its rows with nothing but weight, scale and
-    zero loads and the packed float16 dot (``PREFETCH``: the next one or two row blocks' loads issued before
-    this one's math). Partial sums go to the float32 workspace ``[slices, N]``; the last slice of a row chunk to
-    arrive sums all slices (``SPLIT_P2`` >= slices, a power of two) in one tile and writes the rows. Whole tiles
-    only."""
-    BLOCK_G: tl.constexpr = BLOCK_K // GROUP
-    WORDS: tl.constexpr = GROUP // 8
-    ROWS: tl.constexpr = BLOCK_N * ROW_STEPS
-    pid_k, pid_n = tl.program_id(0), tl.program_id(1)
-    n_slices = tl.num_programs(0)
-    g = pid_k * BLOCK_G + tl.arange(0, BLOCK_G)
-    kw = g[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
-    x8 = tl.load(x_ptr + kw[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]).to(tl.float32)
-    x0, x1, x2, x3, x4, x5, x6, x7 = qm._x_octets(x8, BLOCK_G, WORDS)
-    x_sum = tl.sum((x0 + x1) + (x2 + x3) + (x4 + x5) + (x6 + x7), 1)
-    up, down = qm._pow2_scales(x8)
-    xa, xb, xc, xd = qm._x_half2(x0, x1, x2, x3, x4, x5, x6, x7, up[:, None], HALF_MATH == 1)
-    n64 = (pid_n * ROWS + tl.arange(0, BLOCK_N)).to(tl.int64)
-    p_ptrs = p_ptr + n64[:, None, None] * stride_pn + kw[None, :, :]
-    s_ptrs = s_ptr + n64[:, None] * stride_sn + g[None, :]
-    z_ptrs = z_ptr + n64[:, None] * stride_zn + g[None, :]
-    w_ptrs = ws_ptr + pid_k * N + n64
-    nxt = BLOCK_N * stride_pn
-    if PREFETCH >= 1:
-        nw, ns, nz = tl.load(p_ptrs), tl.load(s_ptrs), tl.load(z_ptrs)
-    if PREFETCH == 2:
-        more = ROW_STEPS > 1
-        mw = tl.load(p_ptrs + nxt, mask=more)
-        ms = tl.load(s_ptrs + BLOCK_N * stride_sn, mask=more)
-        mz = tl.load(z_ptrs + BLOCK_N * stride_zn, mask=more)
-    for i in range(ROW_STEPS):
-        if PREFETCH == 2:  # two row blocks in flight while this one computes
-            wd, s, z = nw, ns, nz
-            nw, ns, nz = mw, ms, mz
-            more = i + 2 < ROW_STEPS
-            mw = tl.load(p_ptrs + 2 * nxt, mask=more)
-            ms = tl.load(s_ptrs + 2 * BLOCK_N * stride_sn, mask=more)
-            mz = tl.load(z_ptrs + 2 * BLOCK_N * stride_zn, mask=more)
-        elif PREFETCH == 1:
-            wd, s, z = nw, ns, nz
-            more = i + 1 < ROW_STEPS
-            nw = tl.load(p_ptrs + nxt, mask=more)
-            ns = tl.load(s_ptrs + BLOCK_N * stride_sn, mask=more)
-            nz = tl.load(z_ptrs + BLOCK_N * stride_zn, mask=more)
-        else:
-            wd, s, z = tl.load(p_ptrs), tl.load(s_ptrs), tl.load(z_ptrs)
-        p_ptrs += BLOCK_N * stride_pn
-        s_ptrs += BLOCK_N * stride_sn
-        z_ptrs += BLOCK_N * stride_zn
-        q_x = tl.sum(qm._word_dot(wd, xa[None], xb[None], xc[None], xd[None], HALF_MATH == 1), 2) * down[None, :]
-        part = tl.sum(s.to(tl.float32) * (q_x - z.to(tl.float32) * x_sum[None, :]), 1)
-        tl.store(w_ptrs + i * BLOCK_N, part)
-    tl.debug_barrier()  # this program's partials are written before its arrival is counted
-    if tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel") == n_slices - 1:
-        rows = pid_n * ROWS + tl.arange(0, ROWS)
-        sl = tl.arange(0, SPLIT_P2)
-        parts = tl.load(ws_ptr + sl[:, None] * N + rows[None, :], mask=(sl < n_slices)[:, None], other=0.0,
-                        cache_modifier=".cg")
-        tl.store(out_ptr + rows, tl.sum(parts, 0).to(out_ptr.dtype.element_ty))
-        tl.atomic_xchg(cnt_ptr + pid_n, 0)
-
-
-def launch_w4_xs(x, w: tuple, out, n: int, k: int, cfg: dict, bufs: dict, half_math: int = 1):
-    """``_w4_gemv_xs`` on one row ``x`` and weights ``w = (packed, scales, zeros)`` (whole tiles only);
-    ``bufs`` caches the workspace and counters per shape (made before graph capture)."""
-    bn, bk, steps = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["ROW_STEPS"]
-    if n % (bn * steps) or k % bk or steps & (steps - 1):
-        raise ValueError(f"the x-stationary experiment needs whole tiles and power-of-two ROW_STEPS: "
-                         f"N={n} % {bn * steps}, K={k} % {bk}, ROW_STEPS={steps}")
-    slices = k // bk
-    key = (n, slices)
-    if key not in bufs:
-        bufs[key] = (torch.empty(slices * n, device=x.device, dtype=torch.float32),
-                     torch.zeros(n // (bn * steps), device=x.device, dtype=torch.int32))
-    wsb, cnt = bufs[key]
-    _w4_gemv_xs[(slices, n // (bn * steps))](
-        x, w[0].view(torch.int32), w[1], w[2], out, wsb, cnt, n, k, k // 8, w[1].stride(0), w[2].stride(0),
-        GROUP=GROUP, BLOCK_N=bn, BLOCK_K=bk, SPLIT_P2=triton.next_power_of_2(slices), ROW_STEPS=steps,
-        PREFETCH=cfg["PREFETCH"], HALF_MATH=half_math, num_warps=cfg["num_warps"], num_stages=1)
-    return out
+def launch_w4_xs(x, w: tuple, out, n: int, k: int, cfg: dict):
+    """``qm.w4_gemv_xs`` (stationary activations) on one row ``x`` and weights ``w = (packed, scales, zeros)``
+    with the tile ``cfg`` (whole tiles only). ``out`` is unused: the kernel's wrapper allocates (as in a decode
+    step)."""
+    tile = qm.xs_tile(n, k, GROUP, x.device, cfg)
+    if tile is None:
+        raise ValueError(f"no whole x-stationary tiles of {cfg} in N={n}, K={k}")
+    return qm.w4_gemv_xs(x, w[0].view(torch.int32), w[1], w[2], GROUP, tile)
 
 
 def _xs_candidates(n: int, k: int) -> list[dict]:
-    """Slices of 512-1024 activations, 8-32 rows per step, 1-32 steps per program, one or two steps prefetched;
-    grids of 1-32 programs per SM of 132 (at ded9987, capped at 8 per SM, the best grids were the largest allowed
-    and the register prefetch gained 7-20%)."""
+    """Slices of 512-1024 activations, 8-32 rows per step, 1-32 steps per program, the next step prefetched;
+    grids of 1-32 programs per SM of 132. (At ded9987 and 2748180 prefetching gained 7-20%, two steps ahead
+    nothing more, and the best grids had 5.8-7.8 programs per SM: records/gemv_study_xs_2748180.json.)"""
     out = []
     for bk, bn, w in ((512, 16, 2), (1024, 8, 2), (1024, 16, 4), (512, 32, 4)):
         for steps in (1, 2, 4, 8, 16, 32):
@@ -153,7 +74,7 @@ def _xs_candidates(n: int, k: int) -> list[dict]:
             if k % bk or n % (bn * steps) or not 132 <= grid <= 32 * 132:
                 continue
             out += [{"BLOCK_N": bn, "BLOCK_K": bk, "ROW_STEPS": steps, "PREFETCH": pf, "num_warps": w}
-                    for pf in (1, 2)]
+                    for pf in (1,)]
     return out
 
 
@@ -190,8 +111,7 @@ def _launcher(kind: str, x, ws, n: int, k: int, cfg: dict | None):
     if kind == "bf16":
         return lambda w: F.linear(x, w[0])
     if kind == "w4xs":
-        bufs: dict = {}
-        return lambda w: launch_w4_xs(x, w, out, n, k, cfg, bufs)
+        return lambda w: launch_w4_xs(x, w, out, n, k, cfg)
     if cfg is None:
         if kind == "w8":
             return lambda w: qm.w8a16_matmul(x, *w)

@@ -133,6 +133,68 @@ def test_w4a16_gemv_half_math_at_any_activation_scale(dtype, magnitude):
     assert relative_error(w4a16_matmul(xd, *args), w4a16_matmul_ref(xd.double(), *args)) < 1e-2
 
 
+# the stationary-activation int4 GEMV (16-bit activations, whole tiles): (BLOCK_N, BLOCK_K, ROW_STEPS, PREFETCH);
+# BLOCK_K is raised to groups wider than it; 1 row step with a prefetch that loads nothing; 3 or 5 slices (a
+# reduction tile padded to 4 or 8 with masked-off slices)
+XS_TILES = [(8, 128, 1, 1), (8, 128, 4, 1), (16, 64, 2, 0), (4, 256, 8, 1)]
+
+
+@pytest.mark.parametrize("tile", XS_TILES)
+@pytest.mark.parametrize("group", [32, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_w4a16_gemv_stationary_activations(monkeypatch, tile, group, dtype):
+    import labkit.kernels.quantized_matmul as qm
+
+    bn, bk, steps, prefetch = tile
+    monkeypatch.setattr(qm, "CPU_XS_TILE", dict(BLOCK_N=bn, BLOCK_K=bk, ROW_STEPS=steps, PREFETCH=prefetch,
+                                                num_warps=1))
+    n, k = 2 * bn * steps, 5 * max(bk, group) if group < 256 else 3 * max(bk, group)
+    launched = []
+    monkeypatch.setattr(qm, "w4_gemv_xs", lambda *a, f=qm.w4_gemv_xs: launched.append(a[-1]) or f(*a))
+    packed, scales, zeros = _int4(n, k, group, seed=50)
+    packed[0, 0] = 0xF0  # q = 0 and 15 in one byte
+    x = _x((1, k), dtype, seed=51)
+    args = (packed, scales.to(dtype), zeros.to(dtype), group)
+    out = w4a16_matmul(x, *args)
+    assert launched and launched[0]["ROW_STEPS"] == steps and launched[0]["BLOCK_K"] == max(bk, group)
+    assert relative_error(out, w4a16_matmul_ref(x.double(), *args)) < TOL[dtype]
+    assert torch.equal(w4a16_matmul(x, *args), out)  # slices summed in a fixed order: the same bits again
+    _, counters = qm._split_buffers(out.device, n)
+    assert not counters.any()  # every row chunk's last slice reset its counter
+
+
+def test_w4a16_gemv_takes_stationary_activations_only_where_it_fits(monkeypatch):
+    """Whole tiles and 16-bit activations take the stationary kernel; a ragged N, a K that is not a whole number
+    of slices or float32 activations take the split-K GEMV -- both correct."""
+    import labkit.kernels.quantized_matmul as qm
+
+    monkeypatch.setattr(qm, "CPU_XS_TILE", dict(BLOCK_N=8, BLOCK_K=128, PREFETCH=1, num_warps=1))
+    launched = []
+    monkeypatch.setattr(qm, "w4_gemv_xs", lambda *a, f=qm.w4_gemv_xs: launched.append(a) or f(*a))
+    for n, k, dtype, stationary in [(64, 256, torch.float16, True), (60, 256, torch.float16, False),
+                                    (64, 192, torch.float16, False), (64, 256, torch.float32, False)]:
+        launched.clear()
+        packed, scales, zeros = _int4(n, k, 64, seed=52)
+        x = _x((1, k), dtype, seed=53)
+        out = w4a16_matmul(x, packed, scales, zeros, 64)
+        assert bool(launched) == stationary, (n, k, dtype)
+        assert relative_error(out, w4a16_matmul_ref(x.double(), packed, scales, zeros, 64)) < TOL[dtype]
+
+
+def test_stationary_tile_picks_the_measured_row_steps(monkeypatch):
+    """On 132 SMs the rule (the most row blocks per program that leave >= 5.5 programs per SM) gives the row
+    steps that timed best on the H200 at every 8B decode shape (records/gemv_study_xs_2748180.json)."""
+    import labkit.kernels.quantized_matmul as qm
+
+    monkeypatch.setattr(qm, "num_sms", lambda device: 132)
+    best = {(6144, 4096): 4, (4096, 4096): 2, (28672, 4096): 16, (4096, 14336): 8, (14336, 4096): 8}
+    for (n, k), steps in best.items():
+        assert qm.xs_tile(n, k, 128, torch.device("cpu"), qm.XS_TILE)["ROW_STEPS"] == steps
+    assert qm.xs_tile(4100, 4096, 128, torch.device("cpu"), qm.XS_TILE) is None  # no whole row blocks
+    with pytest.raises(ValueError, match="ROW_STEPS=3"):
+        qm.xs_tile(4096, 4096, 128, torch.device("cpu"), dict(qm.XS_TILE, ROW_STEPS=3))
+
+
 @pytest.mark.parametrize("k", [102, 192])
 def test_w8a16_gemv_unaligned_words(k):
     """K not a multiple of 4, or rows not on a 4-byte boundary: each word is assembled from byte loads."""
@@ -254,4 +316,31 @@ def test_split_k_gemv_replays_in_a_cuda_graph(monkeypatch):
         torch.cuda.synchronize()
         assert relative_error(out8, w8a16_matmul_ref(x.double(), *w8_args)) < 2e-2
         assert relative_error(out4, w4a16_matmul_ref(x.double(), *w4_args)) < 2e-2
+    assert not qm._split_buffers(x.device, n)[1].any()
+
+
+@pytest.mark.gpu
+def test_stationary_gemv_replays_in_a_cuda_graph():
+    """The stationary-activation int4 GEMV at an 8B shape (28 slices of K): warmed up, captured, replayed with new
+    activations; its counters are reset after every replay."""
+    import labkit.kernels.quantized_matmul as qm
+
+    n, k = 4096, 14336
+    packed, scales, zeros = _int4(n, k, 128, seed=35)
+    args = (packed, scales.bfloat16(), zeros.bfloat16(), 128)
+    assert qm.xs_tile(n, k, 128, torch.device("cuda")) is not None
+    x = _x((1, k), torch.bfloat16, seed=36)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        w4a16_matmul(x, *args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = w4a16_matmul(x, *args)
+    for seed in (37, 38):
+        x.copy_(_x((1, k), torch.bfloat16, seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert relative_error(out, w4a16_matmul_ref(x.double(), *args)) < 2e-2
     assert not qm._split_buffers(x.device, n)[1].any()

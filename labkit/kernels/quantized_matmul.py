@@ -53,6 +53,16 @@ autotuner's pick), 4096 -> 14336: bf16 30.7 us; int8 16.5 / 16.5 us (1.86x, 0.82
 Tried and dropped (records/gemv_study_maxnreg_prep_e66a969.json): preparing the int4 activations once per GEMV
 (pairs, powers of two and sums in a 1.6 us kernel of their own, every thread then loading its pairs from L1)
 saved nothing inside the GEMV, so it only added the launch; the GEMV's own preparation is not what holds it back.
+**Stationary activations** (int4 with 16-bit activations, whole tiles: every 8B shape). The split-K kernel
+prepares the activations (float16 pairs, powers of two, sums, and a layout change through shared memory with its
+barrier) at every step of every row block; ncu found its L1/shared-memory pipe the busiest unit (72%) and half
+the issue slots idle. ``_w4_gemv_xs`` turns the loop around: each program owns one slice of 512 activations,
+prepares it once, and walks down 16-row blocks with the next block's loads in flight; the last slice of a row
+chunk to arrive sums the slices' partials. sm_90 loop: 2.7-2.8 instructions per weight, 56-72 registers, no
+barrier. On the H200 (records/gemv_study_xs_2748180.json, graph replays, us): qkv 8.8 against the split-K
+kernel's best 10.1, gate_up 24.4 against 30.6, down 14.5 against 16.2, 14336 x 4096 14.2 against 15.6 (0.52 of
+bandwidth); only 4096 x 4096 is slower (7.2 against 6.5). Weights brought in by TMA descriptors, several steps
+in flight through shared memory, were slower than registers (17.3 against 15.3 us; gemv_study_tma_9df440a).
 bitsandbytes LLM.int8 took 30.9 us there: a 3x bar over it needs 10.3 us, below the int8 bytes' floor of
 13.8 us -- no int8 kernel can meet that at this shape (at most 30.9 / 13.8 = 2.24x).
 """
@@ -386,6 +396,63 @@ def _w4_gemv(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_
 
 
 @triton.jit
+def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_pn, stride_sn, stride_zn,
+                GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_STEPS: tl.constexpr,
+                PREFETCH: tl.constexpr, SPLIT_P2: tl.constexpr, RED_ROWS: tl.constexpr, HALF_MATH: tl.constexpr):
+    """The int4 GEMV with the activations *stationary* (16-bit activations, whole tiles: ``N`` a multiple of
+    ``BLOCK_N * ROW_STEPS``, ``K`` of ``BLOCK_K``, power-of-two groups that divide ``BLOCK_K``).
+
+    Program ``(k, n)`` owns slice ``k`` of ``BLOCK_K`` activations and ``ROW_STEPS`` blocks of ``BLOCK_N`` rows.
+    It prepares its slice once (float16 pairs, powers of two, sums) and walks down its rows with nothing but
+    weight, scale and zero loads and the packed float16 dot, the next row block's loads issued before this one's
+    math (``PREFETCH``). ``_w4_gemv`` redoes that preparation, with a layout change through shared memory and a
+    barrier, at every step of every row block. Partials go to the float32 workspace ``[slices, N]``; the last
+    slice of a row chunk to arrive sums all slices (``SPLIT_P2 >= slices``, ``RED_ROWS`` rows at a time) in
+    slice order, writes the rows and resets its counter."""
+    BLOCK_G: tl.constexpr = BLOCK_K // GROUP
+    WORDS: tl.constexpr = GROUP // 8
+    ROWS: tl.constexpr = BLOCK_N * ROW_STEPS
+    pid_k, pid_n = tl.program_id(0), tl.program_id(1)
+    g = pid_k * BLOCK_G + tl.arange(0, BLOCK_G)
+    kw = g[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
+    x8 = tl.load(x_ptr + kw[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]).to(tl.float32)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _x_octets(x8, BLOCK_G, WORDS)
+    x_sum = tl.sum((x0 + x1) + (x2 + x3) + (x4 + x5) + (x6 + x7), 1)
+    up, down = _pow2_scales(x8)
+    xa, xb, xc, xd = _x_half2(x0, x1, x2, x3, x4, x5, x6, x7, up[:, None], HALF_MATH == 1)
+    n64 = (pid_n * ROWS + tl.arange(0, BLOCK_N)).to(tl.int64)
+    p_ptrs = p_ptr + n64[:, None, None] * stride_pn + kw[None, :, :]
+    s_ptrs = s_ptr + n64[:, None] * stride_sn + g[None, :]
+    z_ptrs = z_ptr + n64[:, None] * stride_zn + g[None, :]
+    if PREFETCH:
+        nw, ns, nz = tl.load(p_ptrs), tl.load(s_ptrs), tl.load(z_ptrs)
+    for i in range(ROW_STEPS):
+        if PREFETCH:  # this block's loads were issued a block ago; issue the next block's now
+            wd, s, z = nw, ns, nz
+            more = i + 1 < ROW_STEPS
+            nw = tl.load(p_ptrs + BLOCK_N * stride_pn, mask=more)
+            ns = tl.load(s_ptrs + BLOCK_N * stride_sn, mask=more)
+            nz = tl.load(z_ptrs + BLOCK_N * stride_zn, mask=more)
+        else:
+            wd, s, z = tl.load(p_ptrs), tl.load(s_ptrs), tl.load(z_ptrs)
+        p_ptrs += BLOCK_N * stride_pn
+        s_ptrs += BLOCK_N * stride_sn
+        z_ptrs += BLOCK_N * stride_zn
+        q_x = tl.sum(_word_dot(wd, xa[None], xb[None], xc[None], xd[None], HALF_MATH == 1), 2) * down[None, :]
+        part = tl.sum(s.to(tl.float32) * (q_x - z.to(tl.float32) * x_sum[None, :]), 1)
+        tl.store(ws_ptr + pid_k * N + n64 + i * BLOCK_N, part)
+    tl.debug_barrier()  # all of this program's partials are written before its arrival is counted
+    if tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        sl = tl.arange(0, SPLIT_P2)
+        for r0 in range(0, ROWS, RED_ROWS):  # slices summed in a fixed order: the same bits whoever came last
+            rows = pid_n * ROWS + r0 + tl.arange(0, RED_ROWS)
+            parts = tl.load(ws_ptr + sl[:, None] * N + rows[None, :], mask=(sl < tl.num_programs(0))[:, None],
+                            other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + rows, tl.sum(parts, 0).to(out_ptr.dtype.element_ty))
+        tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
+
+
+@triton.jit
 def _w4_gemv_any_group(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_pn, stride_sn, stride_zn,
                        GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Any even group size (per-weight scale loads): correct, not tuned; power-of-two groups use ``_w4_gemv``."""
@@ -625,31 +692,81 @@ CPU_GEMV4 = dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, LOAD_STAGES=1, PREFETCH=Fals
 ANY_GROUP_GEMV = dict(BLOCK_N=16, BLOCK_K=128, num_warps=4)
 CPU_GEMM = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
 
+# the stationary-activation int4 GEMV (16-bit activations, whole tiles): one tile, no autotuning. At ded9987 and
+# 2748180 (records/gemv_study_xs_2748180.json: 16-32 rows, 512-1024 activations, 1-32 row blocks per program,
+# one or two blocks prefetched) 16 rows x 512 activations, 2 warps, one block prefetched won at every 8B shape,
+# with the row blocks per program that gave 5.8-7.8 programs per SM; more programs (less reuse of each slice)
+# or fewer (less in flight) were slower.
+XS_TILE = dict(BLOCK_N=16, BLOCK_K=512, PREFETCH=1, num_warps=2)
+CPU_XS_TILE = dict(BLOCK_N=8, BLOCK_K=128, PREFETCH=1, num_warps=1)  # tests set ROW_STEPS and others
+XS_PROGRAMS_PER_SM = 5.5
+XS_MAX_SLICES = 256
+XS_REDUCE_TILE = 4096  # float32 partials per reduction tile of the last program (64 registers a thread)
+
 _SPLIT_BUFFERS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 _RETIRED_BUFFERS: list = []  # outgrown workspaces stay allocated: a captured CUDA graph may still point at them
 
 
-def _split_buffers(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split-K workspace of ``device``: float32 partials ``[MAX_SPLIT_K * n']`` and int32 arrival counters
-    ``[n']`` (zero between launches: each launch's last split resets its own), ``n' >= n``.
+def _split_buffers(device: torch.device, n: int, splits: int = MAX_SPLIT_K) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-K workspace of ``device``: float32 partials (at least ``[splits * n]``) and int32 arrival counters
+    ``[n']``, ``n' >= n`` (zero between launches: each launch's last split resets its own).
 
     One per device, shared by every GEMV launched on it, so GEMVs must not run concurrently on two streams of
-    one device. Made (or grown) on the first call with a larger ``N``: make that call before CUDA-graph capture
+    one device. Made (or grown) on the first call that needs more: make that call before CUDA-graph capture
     (the warm-up that autotunes); an outgrown workspace is kept, since graphs captured earlier still use it.
     """
     key = str(device)
     bufs = _SPLIT_BUFFERS.get(key)
-    if bufs is None or bufs[1].numel() < n:
+    if bufs is None or bufs[1].numel() < n or bufs[0].numel() < splits * n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"the GEMV split-K workspace for N={n} does not exist yet and cannot be allocated "
-                               "during CUDA-graph capture; call the layer once before capturing (warm-up)")
+            raise RuntimeError(f"the GEMV split-K workspace for N={n} x {splits} splits does not exist yet and "
+                               "cannot be allocated during CUDA-graph capture; call the layer once before "
+                               "capturing (warm-up)")
+        size = next_pow2(max(n, bufs[1].numel() if bufs else 0))
+        floats = max(MAX_SPLIT_K * size, next_pow2(splits * n), bufs[0].numel() if bufs else 0)
         if bufs is not None:
             _RETIRED_BUFFERS.append(bufs)
-        size = next_pow2(n)
-        bufs = (torch.empty(MAX_SPLIT_K * size, dtype=torch.float32, device=device),
+        bufs = (torch.empty(floats, dtype=torch.float32, device=device),
                 torch.zeros(size, dtype=torch.int32, device=device))
         _SPLIT_BUFFERS[key] = bufs
     return bufs
+
+
+def xs_tile(n: int, k: int, group: int, device: torch.device, tile: dict | None = None) -> dict | None:
+    """The stationary-activation int4 GEMV's launch parameters for ``[N, K]`` weights, or None where its whole
+    tiles do not fit (the split-K ``_w4_gemv`` takes those). ``tile`` (default ``XS_TILE``, ``CPU_XS_TILE`` under
+    the interpreter): ``BLOCK_N``, ``BLOCK_K`` (raised to the group), ``PREFETCH``, ``num_warps`` and optionally
+    ``ROW_STEPS`` (a power of two); without it, the most row blocks per program that still give every SM
+    ``XS_PROGRAMS_PER_SM`` programs."""
+    tile = dict(tile or (XS_TILE if device.type == "cuda" else CPU_XS_TILE))
+    bn, bk = tile["BLOCK_N"], max(tile["BLOCK_K"], group)
+    if n % bn or k % bk or k // bk > XS_MAX_SLICES:
+        return None
+    slices, target = k // bk, XS_PROGRAMS_PER_SM * num_sms(device)
+    steps = tile.get("ROW_STEPS") or max([s for s in (1, 2, 4, 8, 16, 32)
+                                          if n % (bn * s) == 0 and slices * (n // (bn * s)) >= target] or [1])
+    if steps < 1 or steps & (steps - 1):
+        raise ValueError(f"ROW_STEPS={steps} must be a power of two")
+    if n % (bn * steps):
+        return None
+    split_p2 = next_pow2(slices)
+    return dict(tile, BLOCK_K=bk, ROW_STEPS=steps, SPLIT_P2=split_p2,
+                RED_ROWS=min(bn * steps, max(1, XS_REDUCE_TILE // split_p2)))
+
+
+def w4_gemv_xs(x2: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor, group: int,
+               tile: dict) -> torch.Tensor:
+    """Launch ``_w4_gemv_xs`` on one row ``x2`` ``[1, K]`` (float16/bfloat16) and int4 weights as int32 words
+    ``[N, K // 8]`` with scales and zeros ``[N, K // group]``; ``tile`` from ``xs_tile``. Returns ``[1, N]``."""
+    n, k = words.shape[0], x2.shape[1]
+    out = torch.empty(1, n, dtype=x2.dtype, device=x2.device)
+    slices, rows = k // tile["BLOCK_K"], tile["BLOCK_N"] * tile["ROW_STEPS"]
+    ws, cnt = _split_buffers(x2.device, n, slices)
+    meta = {key: val for key, val in tile.items() if key != "num_warps"}
+    _w4_gemv_xs[(slices, n // rows)](x2, words, s, z, out, ws, cnt, n, k, words.stride(0), s.stride(0),
+                                      z.stride(0), GROUP=group, **meta, num_warps=tile["num_warps"], num_stages=1,
+                                      HALF_MATH=1 if x2.device.type == "cuda" else 2)
+    return out
 
 
 def _check_x(x: torch.Tensor, k: int, what: str) -> torch.Tensor:
@@ -753,6 +870,9 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
         cpu = dict(CPU_GEMV4, BLOCK_K=max(CPU_GEMV4["BLOCK_K"], group_size))
         words = p.view(torch.int32)  # K % 8 == 0 here: whole 4-byte words per row
         half = 0 if x2.dtype == torch.float32 else (1 if x2.device.type == "cuda" else 2)
+        tile = xs_tile(n, k, group_size, x2.device) if half else None
+        if tile is not None:
+            return w4_gemv_xs(x2, words, s, z, group_size, tile).view(*x.shape[:-1], n)
         out = _gemv(x2, n, _w4_gemv, _w4_gemv_tuned, cpu, (words, s, z), (words.stride(0), s.stride(0), z.stride(0),
                     0x4F000000), {"GROUP": group_size, "HALF_MATH": half})
     elif m == 1:

@@ -14,11 +14,13 @@ loaded evict-first). On the H200 one row per program (8 warps) reached 0.893 of 
 which it re-reads from L2 (8 KB: as many bytes as the row of ``x`` it normalises; sm_90 code has 2 16-byte
 loads of ``w`` per thread beside 2 of ``x``). Two or four rows per program halve or quarter those per byte,
 the weight is loaded once for all of them (first, so it is in flight with ``x``), and 16-32 KB of ``x`` is
-in flight per program. 0.90 needs 69.8 us. On CUDA, from ``TUNE_MIN_ROWS`` rows up, rows per program (1, 2,
-4, 8) and warps (4, 8, 16) are autotuned per (hidden size, dtypes, residual, power-of-two row count) on the
-first call -- a warm-up, outside any CUDA-graph capture; the one-row, 8-warp kernel measured above is among
-the candidates. (On 2026-12-03, single launches timed with CUDA events gave the autotuned kernel 0.683 plain
-and 0.912 fused: 21 us more than the one-row kernel's 70.3 us for the plain form, about what the autotuner's
+in flight per program. 0.90 needs 69.8 us. ``out`` may be stored with streaming stores (``STORE_CACHE=".cs"``:
+this kernel never reads it back, so its lines need not stay in L2): 68.5 us with one row and 8 warps, against
+70.1 with plain stores (scripts/rmsnorm_study.py). On CUDA, from ``TUNE_MIN_ROWS`` rows up, rows per program
+(1, 2, 4, 8), warps (4-32) and the store policy are autotuned per (hidden size, dtypes, residual, power-of-two
+row count) on the first call -- a warm-up, outside any CUDA-graph capture; the one-row, 8-warp kernel measured
+above is among the candidates. (On 2026-12-03, single launches timed with CUDA events gave the autotuned kernel
+0.683 plain and 0.912 fused: 21 us more than the one-row kernel's 70.3 us for the plain form, about what the autotuner's
 Python dispatch costs on the host, which such timing counts when nothing else is queued; notebook 03 now times
 graph replays, the device alone, to tell the two apart.)
 Fewer rows (decode batches) take one row per program with the warps set by the row length
@@ -96,7 +98,10 @@ def _prune(configs, named_args, **kwargs):
 
 
 _CONFIGS = [triton.Config({"ROWS": r}, num_warps=w)
-            for r, w in ((1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (2, 16), (4, 8), (4, 16), (8, 16))]
+            for r, w in ((1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (2, 16), (4, 8), (4, 16), (8, 16), (4, 32))]
+# streaming stores (st.global.cs) for the best plain configs: 0.5-2% faster plain, ~2% slower fused on the H200
+# (records/rmsnorm_study_ded9987.json), so the autotuner, keyed on the residual, has both
+_CONFIGS += [triton.Config({"ROWS": r, "STORE_CACHE": ".cs"}, num_warps=w) for r, w in ((1, 8), (4, 16), (4, 32))]
 
 
 def _grid(n_rows: int):
