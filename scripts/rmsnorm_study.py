@@ -32,6 +32,52 @@ def _median(t: list[float]) -> float:
     return sorted(t)[len(t) // 2]
 
 
+def graph_bench(fn, quantiles=(0.5, 0.2, 0.8), per: int = 4, reps: int = 10) -> list[float]:
+    """An autotuner ``do_bench``: milliseconds per call of ``fn`` replayed ``per`` times back to back in a CUDA
+    graph (as notebook 03 times kernels, and as a captured model step runs them)."""
+    fn()
+    torch.cuda.synchronize()
+    g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        for _ in range(per):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / per)
+    t = torch.tensor(times)
+    return torch.quantile(t, torch.tensor(quantiles, dtype=t.dtype)).tolist()
+
+
+def autotuner_picks(rows: int, cols: int, dev, trials: int = 2) -> list[dict]:
+    """What the autotuner picks at this size with each timing method: Triton's ``do_bench`` (an L2 flush that
+    leaves dirty lines), ``cold_l2_bench`` (clean lines, the GEMVs' autotuner) and ``graph_bench``."""
+    from labkit.kernels.common import cold_l2_bench
+
+    x = torch.randn(rows, cols, device=dev, dtype=torch.bfloat16)
+    r, w = torch.randn_like(x), torch.randn(cols, device=dev, dtype=torch.bfloat16)
+    out, res_out = torch.empty_like(x), torch.empty_like(x)
+    picks = []
+    for name, bench in (("do_bench", None), ("cold_l2_bench", cold_l2_bench), ("graph_bench", graph_bench)):
+        for trial in range(trials):
+            tuned = triton.autotune(rn._CONFIGS, key=["n_cols", "ROWS_KEY", "HAS_RESIDUAL"], do_bench=bench,
+                                    prune_configs_by={"early_config_prune": rn._prune})(rn._rms_norm_kernel)
+            for residual in (False, True):
+                tuned[rn._grid(rows)](x, r, w, out, res_out, rows, cols, cols, cols, cols, cols, 1e-5, 1 << 20,
+                                      HAS_RESIDUAL=residual, BLOCK=cols)
+                c = tuned.best_config  # set by every call: this call's pick
+                picks.append({"bench": name, "trial": trial, "residual": residual,
+                              "config": dict(c.kwargs, num_warps=c.num_warps)})
+    return picks
+
+
 def sweep(rows: int, cols: int, dev) -> dict:
     x = torch.randn(rows, cols, device=dev, dtype=torch.bfloat16)
     r, w = torch.randn_like(x), torch.randn(cols, device=dev, dtype=torch.bfloat16)
@@ -71,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         print("rmsnorm_study needs a CUDA device", file=sys.stderr)
         return 2
     data = sweep(*args.shape, torch.device("cuda"))
+    data["autotuner_picks"] = autotuner_picks(*args.shape, torch.device("cuda"))
+    for p in data["autotuner_picks"]:
+        print(f"autotuner with {p['bench']:<14} trial {p['trial']} residual={p['residual']!s:<5} {p['config']}")
     bw = data["copy_bw_bytes_per_s"]
     cp = data["rows"][0]
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; copy of the same bytes {cp['median_us']:.1f} us "
