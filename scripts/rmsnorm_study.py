@@ -32,34 +32,10 @@ def _median(t: list[float]) -> float:
     return sorted(t)[len(t) // 2]
 
 
-def graph_bench(fn, quantiles=(0.5, 0.2, 0.8), per: int = 4, reps: int = 10) -> list[float]:
-    """An autotuner ``do_bench``: milliseconds per call of ``fn`` replayed ``per`` times back to back in a CUDA
-    graph (as notebook 03 times kernels, and as a captured model step runs them)."""
-    fn()
-    torch.cuda.synchronize()
-    g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
-        for _ in range(per):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / per)
-    t = torch.tensor(times)
-    return torch.quantile(t, torch.tensor(quantiles, dtype=t.dtype)).tolist()
-
-
 def autotuner_picks(rows: int, cols: int, dev, trials: int = 2) -> list[dict]:
     """What the autotuner picks at this size with each timing method: Triton's ``do_bench`` (an L2 flush that
     leaves dirty lines), ``cold_l2_bench`` (clean lines, the GEMVs' autotuner) and ``graph_bench``."""
-    from labkit.kernels.common import cold_l2_bench
+    from labkit.kernels.common import cold_l2_bench, graph_bench
 
     x = torch.randn(rows, cols, device=dev, dtype=torch.bfloat16)
     r, w = torch.randn_like(x), torch.randn(cols, device=dev, dtype=torch.bfloat16)

@@ -200,6 +200,19 @@ def test_rope_and_cache_write_in_one_launch(dtype):
 
 
 @pytest.mark.gpu
+def test_graph_bench_replays_the_captured_calls():
+    """The RMSNorm autotuner's timing: one warm call, ``per`` calls captured, the graph replayed once to warm up
+    and ``reps`` times timed -- every one of them runs ``fn`` (counted here), and the quantiles come back in the
+    order asked for."""
+    from labkit.kernels.common import graph_bench
+
+    t = torch.zeros(1, device="cuda")
+    ms = graph_bench(lambda: t.add_(1), quantiles=(0.2, 0.5, 0.8), per=3, reps=5)
+    assert t.item() == 1 + 3 * (1 + 5)
+    assert 0 < ms[0] <= ms[1] <= ms[2]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("residual", [False, True])
 def test_rms_norm_every_tuned_config_gpu(residual):
     """Each autotuner candidate on a ragged row count, launched directly."""

@@ -18,7 +18,8 @@ in flight per program. 0.90 needs 69.8 us. ``out`` may be stored with streaming 
 this kernel never reads it back, so its lines need not stay in L2): 68.5 us with one row and 8 warps, against
 70.1 with plain stores (scripts/rmsnorm_study.py). On CUDA, from ``TUNE_MIN_ROWS`` rows up, rows per program
 (1, 2, 4, 8), warps (4-32) and the store policy are autotuned per (hidden size, dtypes, residual, power-of-two
-row count) on the first call -- a warm-up, outside any CUDA-graph capture; the one-row, 8-warp kernel measured
+row count), each candidate timed as CUDA-graph replays (``graph_bench``; Triton's default timing picked configs
+0.5-1.5% slower), on the first call -- a warm-up, outside any CUDA-graph capture; the one-row, 8-warp kernel measured
 above is among the candidates. (On 2026-12-03, single launches timed with CUDA events gave the autotuned kernel
 0.683 plain and 0.912 fused: 21 us more than the one-row kernel's 70.3 us for the plain form, about what the autotuner's
 Python dispatch costs on the host, which such timing counts when nothing else is queued; notebook 03 now times
@@ -37,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from labkit.kernels.common import FLOAT_DTYPES, check_same_shape, check_tensor, next_pow2, rows_view
+from labkit.kernels.common import FLOAT_DTYPES, check_same_shape, check_tensor, graph_bench, next_pow2, rows_view
 
 MAX_COLS = 65536  # whole rows held in registers in one pass
 TUNE_MIN_ROWS = 1024  # CUDA calls with at least this many rows autotune rows-per-program and warps
@@ -109,7 +110,7 @@ def _grid(n_rows: int):
     return lambda c: (triton.cdiv(n_rows, c["ROWS"]),)
 
 
-_rms_norm_tuned = triton.autotune(_CONFIGS, key=["n_cols", "ROWS_KEY", "HAS_RESIDUAL"],
+_rms_norm_tuned = triton.autotune(_CONFIGS, key=["n_cols", "ROWS_KEY", "HAS_RESIDUAL"], do_bench=graph_bench,
                                   prune_configs_by={"early_config_prune": _prune})(_rms_norm_kernel)
 
 
