@@ -54,6 +54,33 @@ def autotuner_picks(rows: int, cols: int, dev, trials: int = 2) -> list[dict]:
     return picks
 
 
+def harnesses(rows: int, cols: int, dev) -> list[dict]:
+    """The same work timed by notebook 03's harness (``labkit.bench.time_fn``: ``do_bench_cudagraph``) and by this
+    script's ``graph_us``: the public wrapper (autotuned pick, a fresh output per call), a direct launch of the
+    pick into one output buffer, and a copy of the same bytes."""
+    from labkit.bench import time_fn
+
+    x, w = torch.randn(rows, cols, device=dev, dtype=torch.bfloat16), torch.randn(cols, device=dev,
+                                                                                   dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+    rn.rms_norm(x, w, 1e-5)
+    pick = rn._rms_norm_tuned.best_config
+
+    def direct():
+        rn._rms_norm_kernel[rn._grid(rows)(pick.kwargs)](x, x, w, out, out, rows, cols, cols, cols, cols, cols, 1e-5,
+                                                        1 << 20, HAS_RESIDUAL=False, BLOCK=cols, **pick.kwargs,
+                                                        num_warps=pick.num_warps)
+    found = []
+    for name, f in (("wrapper", lambda: rn.rms_norm(x, w, 1e-5)), ("direct", direct), ("copy", lambda: out.copy_(x))):
+        for _ in range(2):
+            nb = [t * 1e6 for t in time_fn(f, dev, iters=20, cuda_graph=True).samples_s]
+            st = graph_us(lambda _, f=f: f(), [None], reps=10)
+            found.append({"fn": name, "config": dict(pick.kwargs, num_warps=pick.num_warps),
+                          "notebook_harness_us": nb, "graph_us": st,
+                          "notebook_median_us": _median(nb), "graph_us_median": _median(st)})
+    return found
+
+
 def sweep(rows: int, cols: int, dev) -> dict:
     x = torch.randn(rows, cols, device=dev, dtype=torch.bfloat16)
     r, w = torch.randn_like(x), torch.randn(cols, device=dev, dtype=torch.bfloat16)
@@ -93,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         print("rmsnorm_study needs a CUDA device", file=sys.stderr)
         return 2
     data = sweep(*args.shape, torch.device("cuda"))
+    data["harnesses"] = harnesses(*args.shape, torch.device("cuda"))
+    for h in data["harnesses"]:
+        print(f"{h['fn']:<8} notebook harness {h['notebook_median_us']:7.2f} us, "
+              f"graph_us {h['graph_us_median']:7.2f} us  {h['config']}")
     data["autotuner_picks"] = autotuner_picks(*args.shape, torch.device("cuda"))
     for p in data["autotuner_picks"]:
         print(f"autotuner with {p['bench']:<14} trial {p['trial']} residual={p['residual']!s:<5} {p['config']}")
