@@ -180,6 +180,9 @@ display(att.round(3))
 # `results/h200/NOTES.md`): instruction issue -- each weight must become a float, be multiplied and be added,
 # so int8 decodes bytes in place with one logic op and int4 turns nibble pairs into float16 pairs and
 # multiplies them two at a time -- and latency, where too few warps fit on an SM to keep enough loads in flight.
+# The int4 GEMV keeps its activations *stationary*: each program prepares one slice of 512 activations once and
+# walks down its rows with the next block's weights already in flight, instead of preparing the activations again
+# for every block of rows (records/gemv_study_xs_2748180.json: 10-20% faster at four of the five 8B shapes).
 
 # %%
 gemv = table[table.kernel == "gemv"][["impl", "shape", "median_us", "gb_s", "frac_of_ceiling", "rel_err",
