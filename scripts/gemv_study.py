@@ -63,10 +63,20 @@ def launch_w4_xs(x, w: tuple, out, n: int, k: int, cfg: dict):
     return qm.w4_gemv_xs(x, w[0].view(torch.int32), w[1], w[2], GROUP, tile)
 
 
-def _xs_candidates(n: int, k: int) -> list[dict]:
+def _xs_candidates(n: int, k: int, narrow: bool = False) -> list[dict]:
     """Slices of 512-1024 activations, 8-32 rows per step, 1-32 steps per program, the next step prefetched;
     grids of 1-32 programs per SM of 132. (At ded9987 and 2748180 prefetching gained 7-20%, two steps ahead
-    nothing more, and the best grids had 5.8-7.8 programs per SM: records/gemv_study_xs_2748180.json.)"""
+    nothing more, and the best grids had 5.8-7.8 programs per SM: records/gemv_study_xs_2748180.json.)
+    ``narrow``: only labkit's tile, with the row steps its rule picks and one either side, each with the first
+    row block's loads issued before (``WEIGHTS_FIRST``) or after the slice's preparation."""
+    if narrow:
+        base = qm.xs_tile(n, k, GROUP, torch.device("cuda"))
+        if base is None:
+            return []
+        steps = [s for s in (base["ROW_STEPS"] // 2, base["ROW_STEPS"], base["ROW_STEPS"] * 2)
+                 if s >= 1 and n % (base["BLOCK_N"] * s) == 0]
+        return [{"BLOCK_N": base["BLOCK_N"], "BLOCK_K": base["BLOCK_K"], "ROW_STEPS": st, "PREFETCH": 1,
+                 "num_warps": base["num_warps"], "WEIGHTS_FIRST": wf} for st in steps for wf in (False, True)]
     out = []
     for bk, bn, w in ((512, 16, 2), (1024, 8, 2), (1024, 16, 4), (512, 32, 4)):
         for steps in (1, 2, 4, 8, 16, 32):
@@ -214,7 +224,7 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"),
                         {"BLOCK_N": 8, "BLOCK_K": 2048, "SPLIT_K": 1, "LOAD_STAGES": 1, "PREFETCH": False,
                          "num_warps": 4}]
             elif kind == "w4xs":
-                todo = _xs_candidates(n, k)
+                todo = _xs_candidates(n, k, narrow=baseline_only)
             else:
                 todo = [None] + ([] if kind == "bf16" else
                                  _candidates(W8_TILES if kind == "w8" else W4_TILES, n, k, kind))
@@ -305,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", nargs="+", choices=("bf16", "w8", "w4", "w4xs"),
                     default=("bf16", "w8", "w4"))
     ap.add_argument("--baseline-only", action="store_true",
-                    help="int4: time only the in-register kernel's best configs (beside w4xs, in little time)")
+                    help="int4: time only the split-K kernel's best configs and, for w4xs, labkit's tile around "
+                         "its row-step rule")
     ap.add_argument("--best", help="a gemv_study.json: launch each shape's best candidate (for ncu)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

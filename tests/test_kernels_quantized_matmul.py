@@ -133,10 +133,10 @@ def test_w4a16_gemv_half_math_at_any_activation_scale(dtype, magnitude):
     assert relative_error(w4a16_matmul(xd, *args), w4a16_matmul_ref(xd.double(), *args)) < 1e-2
 
 
-# the stationary-activation int4 GEMV (16-bit activations, whole tiles): (BLOCK_N, BLOCK_K, ROW_STEPS, PREFETCH);
-# BLOCK_K is raised to groups wider than it; 1 row step with a prefetch that loads nothing; 3 or 5 slices (a
-# reduction tile padded to 4 or 8 with masked-off slices)
-XS_TILES = [(8, 128, 1, 1), (8, 128, 4, 1), (16, 64, 2, 0), (4, 256, 8, 1)]
+# the stationary-activation int4 GEMV (16-bit activations, whole tiles): (BLOCK_N, BLOCK_K, ROW_STEPS, PREFETCH,
+# WEIGHTS_FIRST); BLOCK_K is raised to groups wider than it; 1 row step with a prefetch that loads nothing; 3 or 5
+# slices (a reduction tile padded to 4 or 8 with masked-off slices)
+XS_TILES = [(8, 128, 1, 1, False), (8, 128, 4, 1, True), (16, 64, 2, 0, False), (4, 256, 8, 1, True)]
 
 
 @pytest.mark.parametrize("tile", XS_TILES)
@@ -145,9 +145,9 @@ XS_TILES = [(8, 128, 1, 1), (8, 128, 4, 1), (16, 64, 2, 0), (4, 256, 8, 1)]
 def test_w4a16_gemv_stationary_activations(monkeypatch, tile, group, dtype):
     import labkit.kernels.quantized_matmul as qm
 
-    bn, bk, steps, prefetch = tile
+    bn, bk, steps, prefetch, weights_first = tile
     monkeypatch.setattr(qm, "CPU_XS_TILE", dict(BLOCK_N=bn, BLOCK_K=bk, ROW_STEPS=steps, PREFETCH=prefetch,
-                                                num_warps=1))
+                                                WEIGHTS_FIRST=weights_first, num_warps=1))
     n, k = 2 * bn * steps, 5 * max(bk, group) if group < 256 else 3 * max(bk, group)
     launched = []
     monkeypatch.setattr(qm, "w4_gemv_xs", lambda *a, f=qm.w4_gemv_xs: launched.append(a[-1]) or f(*a))

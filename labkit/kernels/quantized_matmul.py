@@ -398,14 +398,16 @@ def _w4_gemv(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_
 @triton.jit
 def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_pn, stride_sn, stride_zn,
                 GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_STEPS: tl.constexpr,
-                PREFETCH: tl.constexpr, SPLIT_P2: tl.constexpr, RED_ROWS: tl.constexpr, HALF_MATH: tl.constexpr):
+                PREFETCH: tl.constexpr, SPLIT_P2: tl.constexpr, RED_ROWS: tl.constexpr, HALF_MATH: tl.constexpr,
+                WEIGHTS_FIRST: tl.constexpr = False):
     """The int4 GEMV with the activations *stationary* (16-bit activations, whole tiles: ``N`` a multiple of
     ``BLOCK_N * ROW_STEPS``, ``K`` of ``BLOCK_K``, power-of-two groups that divide ``BLOCK_K``).
 
     Program ``(k, n)`` owns slice ``k`` of ``BLOCK_K`` activations and ``ROW_STEPS`` blocks of ``BLOCK_N`` rows.
     It prepares its slice once (float16 pairs, powers of two, sums) and walks down its rows with nothing but
     weight, scale and zero loads and the packed float16 dot, the next row block's loads issued before this one's
-    math (``PREFETCH``). ``_w4_gemv`` redoes that preparation, with a layout change through shared memory and a
+    math (``PREFETCH``; ``WEIGHTS_FIRST``: the first block's loads issued before the slice's, an experiment of
+    scripts/gemv_study.py). ``_w4_gemv`` redoes that preparation, with a layout change through shared memory and a
     barrier, at every step of every row block. Partials go to the float32 workspace ``[slices, N]``; the last
     slice of a row chunk to arrive sums all slices (``SPLIT_P2 >= slices``, ``RED_ROWS`` rows at a time) in
     slice order, writes the rows and resets its counter."""
@@ -415,16 +417,18 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stri
     pid_k, pid_n = tl.program_id(0), tl.program_id(1)
     g = pid_k * BLOCK_G + tl.arange(0, BLOCK_G)
     kw = g[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
+    n64 = (pid_n * ROWS + tl.arange(0, BLOCK_N)).to(tl.int64)
+    p_ptrs = p_ptr + n64[:, None, None] * stride_pn + kw[None, :, :]
+    s_ptrs = s_ptr + n64[:, None] * stride_sn + g[None, :]
+    z_ptrs = z_ptr + n64[:, None] * stride_zn + g[None, :]
+    if PREFETCH and WEIGHTS_FIRST:  # the first block's loads in flight while the slice is prepared
+        nw, ns, nz = tl.load(p_ptrs), tl.load(s_ptrs), tl.load(z_ptrs)
     x8 = tl.load(x_ptr + kw[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]).to(tl.float32)
     x0, x1, x2, x3, x4, x5, x6, x7 = _x_octets(x8, BLOCK_G, WORDS)
     x_sum = tl.sum((x0 + x1) + (x2 + x3) + (x4 + x5) + (x6 + x7), 1)
     up, down = _pow2_scales(x8)
     xa, xb, xc, xd = _x_half2(x0, x1, x2, x3, x4, x5, x6, x7, up[:, None], HALF_MATH == 1)
-    n64 = (pid_n * ROWS + tl.arange(0, BLOCK_N)).to(tl.int64)
-    p_ptrs = p_ptr + n64[:, None, None] * stride_pn + kw[None, :, :]
-    s_ptrs = s_ptr + n64[:, None] * stride_sn + g[None, :]
-    z_ptrs = z_ptr + n64[:, None] * stride_zn + g[None, :]
-    if PREFETCH:
+    if PREFETCH and not WEIGHTS_FIRST:
         nw, ns, nz = tl.load(p_ptrs), tl.load(s_ptrs), tl.load(z_ptrs)
     for i in range(ROW_STEPS):
         if PREFETCH:  # this block's loads were issued a block ago; issue the next block's now
