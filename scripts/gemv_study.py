@@ -32,7 +32,7 @@ from tqdm.auto import tqdm  # noqa: E402
 from labkit.bench import write_record  # noqa: E402
 from labkit.hardware import measure_copy_bandwidth  # noqa: E402
 from labkit.kernels import quantized_matmul as qm  # noqa: E402
-from labkit.kernels.common import cold_l2_bench  # noqa: E402
+from labkit.kernels.common import cold_l2_bench, graph_replay_ms  # noqa: E402
 
 # (N, K) of the 8B decode step's linears: the engine merges q/k/v and gate/up; Hugging Face's model does not
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
@@ -53,10 +53,9 @@ def _empty(out_ptr):
     tl.store(out_ptr + tl.program_id(0), 0)
 
 
-def launch_w4_xs(x, w: tuple, out, n: int, k: int, cfg: dict):
+def launch_w4_xs(x, w: tuple, n: int, k: int, cfg: dict):
     """``qm.w4_gemv_xs`` (stationary activations) on one row ``x`` and weights ``w = (packed, scales, zeros)``
-    with the tile ``cfg`` (whole tiles only). ``out`` is unused: the kernel's wrapper allocates (as in a decode
-    step)."""
+    with the tile ``cfg`` (whole tiles only); the wrapper allocates its output, as in a decode step."""
     tile = qm.xs_tile(n, k, GROUP, x.device, cfg)
     if tile is None:
         raise ValueError(f"no whole x-stationary tiles of {cfg} in N={n}, K={k}")
@@ -83,8 +82,7 @@ def _xs_candidates(n: int, k: int, narrow: bool = False) -> list[dict]:
             grid = (k // bk) * (n // (bn * steps))
             if k % bk or n % (bn * steps) or not 132 <= grid <= 32 * 132:
                 continue
-            out += [{"BLOCK_N": bn, "BLOCK_K": bk, "ROW_STEPS": steps, "PREFETCH": pf, "num_warps": w}
-                    for pf in (1,)]
+            out.append({"BLOCK_N": bn, "BLOCK_K": bk, "ROW_STEPS": steps, "PREFETCH": 1, "num_warps": w})
     return out
 
 
@@ -121,7 +119,7 @@ def _launcher(kind: str, x, ws, n: int, k: int, cfg: dict | None):
     if kind == "bf16":
         return lambda w: F.linear(x, w[0])
     if kind == "w4xs":
-        return lambda w: launch_w4_xs(x, w, out, n, k, cfg)
+        return lambda w: launch_w4_xs(x, w, n, k, cfg)
     if cfg is None:
         if kind == "w8":
             return lambda w: qm.w8a16_matmul(x, *w)
@@ -149,26 +147,7 @@ def graph_us(launch, sets: list, reps: int = 10) -> list[float]:
     """Per-launch microseconds of ``launch(w)`` cycling over ``sets`` inside one CUDA graph (>= 32 launches),
     one sample per replay."""
     per = max(1, math.ceil(32 / len(sets)))
-    for w in sets[:2]:
-        launch(w)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
-        for _ in range(per):
-            for w in sets:
-                launch(w)
-    torch.cuda.synchronize()
-    g.replay()
-    samples = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) * 1e3 / (per * len(sets)))
-    return samples
+    return [ms * 1e3 / len(sets) for ms in graph_replay_ms(lambda: [launch(w) for w in sets], per, reps)]
 
 
 def _candidates(tiles, n: int, k: int, kind: str) -> list[dict]:

@@ -118,13 +118,10 @@ def cold_l2_bench(fn, quantiles=(0.5, 0.2, 0.8), reps: int = 25) -> list[float]:
     return torch.quantile(times, torch.tensor(quantiles, dtype=times.dtype)).tolist()
 
 
-def graph_bench(fn, quantiles=(0.5, 0.2, 0.8), per: int = 4, reps: int = 10) -> list[float]:
-    """Milliseconds per call of ``fn`` at ``quantiles``, ``fn`` captured ``per`` times back to back in a CUDA graph
-    and the graph replayed ``reps`` times: how a captured model step runs a kernel, and how notebook 03 times
-    them. An autotuner ``do_bench``: Triton's own times single launches after writing 256 MB (dirty lines in L2),
-    which ranks memory-bound kernels within a few percent of each other differently (RMSNorm at [16384, 4096]:
-    its pick ran 1.4% slower in graph replays than this one's, records/rmsnorm_study_4618224.json). Call it
-    outside any capture, as autotuning is."""
+def graph_replay_ms(fn, per: int = 4, reps: int = 10) -> list[float]:
+    """Milliseconds per call of ``fn``, one sample per replay: ``fn`` called once (compiles, autotunes), then
+    captured ``per`` times back to back in a CUDA graph, replayed once to warm up and ``reps`` times timed. Call it
+    outside any capture."""
     fn()
     torch.cuda.synchronize()
     graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
@@ -140,5 +137,14 @@ def graph_bench(fn, quantiles=(0.5, 0.2, 0.8), per: int = 4, reps: int = 10) -> 
         graph.replay()
         end.record()
     torch.cuda.synchronize()
-    times = torch.tensor([s.elapsed_time(e) / per for s, e in events])
+    return [s.elapsed_time(e) / per for s, e in events]
+
+
+def graph_bench(fn, quantiles=(0.5, 0.2, 0.8), per: int = 4, reps: int = 10) -> list[float]:
+    """``graph_replay_ms`` at ``quantiles``: how a captured model step runs a kernel, and how notebook 03 times
+    them. An autotuner ``do_bench``: Triton's own times single launches after writing 256 MB (dirty lines in L2),
+    which ranks memory-bound kernels within a few percent of each other differently (RMSNorm at [16384, 4096]:
+    its pick ran 1.4% slower in graph replays than this one's, records/rmsnorm_study_4618224.json). Call it
+    outside any capture, as autotuning is."""
+    times = torch.tensor(graph_replay_ms(fn, per, reps))
     return torch.quantile(times, torch.tensor(quantiles, dtype=times.dtype)).tolist()

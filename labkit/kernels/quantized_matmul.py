@@ -871,12 +871,12 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
     if m == 0 or n == 0:
         out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     elif m == 1 and 8 <= group_size <= 1024 and group_size & (group_size - 1) == 0 and p.data_ptr() % 4 == 0:
-        cpu = dict(CPU_GEMV4, BLOCK_K=max(CPU_GEMV4["BLOCK_K"], group_size))
         words = p.view(torch.int32)  # K % 8 == 0 here: whole 4-byte words per row
         half = 0 if x2.dtype == torch.float32 else (1 if x2.device.type == "cuda" else 2)
         tile = xs_tile(n, k, group_size, x2.device) if half else None
         if tile is not None:
             return w4_gemv_xs(x2, words, s, z, group_size, tile).view(*x.shape[:-1], n)
+        cpu = dict(CPU_GEMV4, BLOCK_K=max(CPU_GEMV4["BLOCK_K"], group_size))
         out = _gemv(x2, n, _w4_gemv, _w4_gemv_tuned, cpu, (words, s, z), (words.stride(0), s.stride(0), z.stride(0),
                     0x4F000000), {"GROUP": group_size, "HALF_MATH": half})
     elif m == 1:
