@@ -163,6 +163,30 @@ def test_w4a16_gemv_stationary_activations(monkeypatch, tile, group, dtype):
     assert not counters.any()  # every row chunk's last slice reset its counter
 
 
+@pytest.mark.parametrize("group", [32, 128])
+def test_stationary_gemv_reads_slice_major_weights(group):
+    """The same weights in slice-major order (each slice's rows one after another) give the same bits as
+    row-major ones; a slice-major tensor of the wrong slice width is refused."""
+    import labkit.kernels.quantized_matmul as qm
+
+    n, k = 48, 384
+    tile = qm.xs_tile(n, k, group, torch.device(DEVICE), dict(qm.CPU_XS_TILE, ROW_STEPS=2))
+    bk = tile["BLOCK_K"]
+    packed, scales, zeros = _int4(n, k, group, seed=54)
+    x = _x((1, k), torch.bfloat16, seed=55)
+    s, z = scales.to(torch.bfloat16), zeros.to(torch.bfloat16)
+    rows = qm.w4_gemv_xs(x, packed.view(torch.int32), s, z, group, tile)
+    sm = qm.slice_major(packed, bk // 2).view(torch.int32), qm.slice_major(s, bk // group), qm.slice_major(
+        z, bk // group)
+    assert sm[0].shape == (k // bk, n, bk // 8) and sm[1].shape == (k // bk, n, bk // group)
+    assert torch.equal(qm.w4_gemv_xs(x, *sm, group, tile), rows)
+    assert relative_error(rows, w4a16_matmul_ref(x.double(), packed, s, z, group)) < TOL[torch.bfloat16]
+    with pytest.raises(ValueError, match="slice-major tensor"):
+        qm.w4_gemv_xs(x, qm.slice_major(packed, bk // 4).view(torch.int32), *sm[1:], group, tile)
+    with pytest.raises(ValueError, match="per_slice=5"):
+        qm.slice_major(packed, 5)
+
+
 def test_w4a16_gemv_takes_stationary_activations_only_where_it_fits(monkeypatch):
     """Whole tiles and 16-bit activations take the stationary kernel; a ragged N, a K that is not a whole number
     of slices or float32 activations take the split-K GEMV -- both correct."""

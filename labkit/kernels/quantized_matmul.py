@@ -396,10 +396,10 @@ def _w4_gemv(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_
 
 
 @triton.jit
-def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_pn, stride_sn, stride_zn,
-                GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_STEPS: tl.constexpr,
-                PREFETCH: tl.constexpr, SPLIT_P2: tl.constexpr, RED_ROWS: tl.constexpr, HALF_MATH: tl.constexpr,
-                WEIGHTS_FIRST: tl.constexpr = False):
+def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_pk, stride_pn, stride_sk,
+                stride_sn, stride_zk, stride_zn, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                ROW_STEPS: tl.constexpr, PREFETCH: tl.constexpr, SPLIT_P2: tl.constexpr, RED_ROWS: tl.constexpr,
+                HALF_MATH: tl.constexpr, WEIGHTS_FIRST: tl.constexpr = False):
     """The int4 GEMV with the activations *stationary* (16-bit activations, whole tiles: ``N`` a multiple of
     ``BLOCK_N * ROW_STEPS``, ``K`` of ``BLOCK_K``, power-of-two groups that divide ``BLOCK_K``).
 
@@ -415,12 +415,13 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stri
     WORDS: tl.constexpr = GROUP // 8
     ROWS: tl.constexpr = BLOCK_N * ROW_STEPS
     pid_k, pid_n = tl.program_id(0), tl.program_id(1)
-    g = pid_k * BLOCK_G + tl.arange(0, BLOCK_G)
-    kw = g[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
+    gl = tl.arange(0, BLOCK_G)  # the slice's groups
+    wl = gl[:, None] * WORDS + tl.arange(0, WORDS)[None, :]  # and its words
+    kw = pid_k * (BLOCK_G * WORDS) + wl
     n64 = (pid_n * ROWS + tl.arange(0, BLOCK_N)).to(tl.int64)
-    p_ptrs = p_ptr + n64[:, None, None] * stride_pn + kw[None, :, :]
-    s_ptrs = s_ptr + n64[:, None] * stride_sn + g[None, :]
-    z_ptrs = z_ptr + n64[:, None] * stride_zn + g[None, :]
+    p_ptrs = p_ptr + pid_k.to(tl.int64) * stride_pk + n64[:, None, None] * stride_pn + wl[None, :, :]
+    s_ptrs = s_ptr + pid_k.to(tl.int64) * stride_sk + n64[:, None] * stride_sn + gl[None, :]
+    z_ptrs = z_ptr + pid_k.to(tl.int64) * stride_zk + n64[:, None] * stride_zn + gl[None, :]
     if PREFETCH and WEIGHTS_FIRST:  # the first block's loads in flight while the slice is prepared
         nw, ns, nz = tl.load(p_ptrs), tl.load(s_ptrs), tl.load(z_ptrs)
     x8 = tl.load(x_ptr + kw[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]).to(tl.float32)
@@ -761,16 +762,40 @@ def xs_tile(n: int, k: int, group: int, device: torch.device, tile: dict | None 
 def w4_gemv_xs(x2: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor, group: int,
                tile: dict) -> torch.Tensor:
     """Launch ``_w4_gemv_xs`` on one row ``x2`` ``[1, K]`` (float16/bfloat16) and int4 weights as int32 words
-    ``[N, K // 8]`` with scales and zeros ``[N, K // group]``; ``tile`` from ``xs_tile``. Returns ``[1, N]``."""
-    n, k = words.shape[0], x2.shape[1]
+    ``[N, K // 8]`` with scales and zeros ``[N, K // group]``, or the same in slice-major order (``slice_major``:
+    ``[slices, N, BLOCK_K // 8]`` and ``[slices, N, BLOCK_K // group]``); ``tile`` from ``xs_tile``. Returns
+    ``[1, N]``."""
+    n, k = words.shape[-2], x2.shape[1]
     out = torch.empty(1, n, dtype=x2.dtype, device=x2.device)
     slices, rows = k // tile["BLOCK_K"], tile["BLOCK_N"] * tile["ROW_STEPS"]
     ws, cnt = _split_buffers(x2.device, n, slices)
     meta = {key: val for key, val in tile.items() if key != "num_warps"}
-    _w4_gemv_xs[(slices, n // rows)](x2, words, s, z, out, ws, cnt, n, k, words.stride(0), s.stride(0),
-                                      z.stride(0), GROUP=group, **meta, num_warps=tile["num_warps"], num_stages=1,
+    strides = [st for t, per in ((words, tile["BLOCK_K"] // 8), (s, tile["BLOCK_K"] // group),
+                                 (z, tile["BLOCK_K"] // group)) for st in _slice_strides(t, per, slices)]
+    _w4_gemv_xs[(slices, n // rows)](x2, words, s, z, out, ws, cnt, n, k, *strides, GROUP=group, **meta,
+                                      num_warps=tile["num_warps"], num_stages=1,
                                       HALF_MATH=1 if x2.device.type == "cuda" else 2)
     return out
+
+
+def _slice_strides(t: torch.Tensor, per_slice: int, slices: int) -> tuple[int, int]:
+    """(slice, row) strides of ``t``: ``[N, slices * per_slice]`` row-major, or ``[slices, N, per_slice]``."""
+    if t.dim() == 3:
+        if t.shape[0] != slices or t.shape[2] != per_slice or t.stride(2) != 1:
+            raise ValueError(f"slice-major tensor {tuple(t.shape)} must be [{slices}, N, {per_slice}], contiguous "
+                             "rows")
+        return t.stride(0), t.stride(1)
+    return per_slice, t.stride(0)
+
+
+def slice_major(t: torch.Tensor, per_slice: int) -> torch.Tensor:
+    """``t`` ``[N, C]`` (packed int4 bytes, words, scales or zeros) reordered to ``[C // per_slice, N, per_slice]``:
+    each slice's rows one after another, so a program of ``_w4_gemv_xs`` that walks down one slice reads one
+    contiguous stream instead of ``per_slice``-element pieces a row apart."""
+    n, c = t.shape
+    if c % per_slice:
+        raise ValueError(f"per_slice={per_slice} must divide the {c} columns of {tuple(t.shape)}")
+    return t.view(n, c // per_slice, per_slice).transpose(0, 1).contiguous()
 
 
 def _check_x(x: torch.Tensor, k: int, what: str) -> torch.Tensor:
