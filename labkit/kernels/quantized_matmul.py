@@ -399,7 +399,8 @@ def _w4_gemv(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_
 def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_pk, stride_pn, stride_sk,
                 stride_sn, stride_zk, stride_zn, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 ROW_STEPS: tl.constexpr, PREFETCH: tl.constexpr, SPLIT_P2: tl.constexpr, RED_ROWS: tl.constexpr,
-                HALF_MATH: tl.constexpr, WEIGHTS_FIRST: tl.constexpr = False):
+                HALF_MATH: tl.constexpr, WEIGHTS_FIRST: tl.constexpr = False, PDL: tl.constexpr = 0,
+                REDUCE: tl.constexpr = True):
     """The int4 GEMV with the activations *stationary* (16-bit activations, whole tiles: ``N`` a multiple of
     ``BLOCK_N * ROW_STEPS``, ``K`` of ``BLOCK_K``, power-of-two groups that divide ``BLOCK_K``).
 
@@ -424,6 +425,10 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stri
     z_ptrs = z_ptr + pid_k.to(tl.int64) * stride_zk + n64[:, None] * stride_zn + gl[None, :]
     if PREFETCH and WEIGHTS_FIRST:  # the first block's loads in flight while the slice is prepared
         nw, ns, nz = tl.load(p_ptrs), tl.load(s_ptrs), tl.load(z_ptrs)
+    if PDL:  # launched early (programmatic dependent launch): wait for the kernel before to finish
+        if PDL == 1:
+            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     x8 = tl.load(x_ptr + kw[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]).to(tl.float32)
     x0, x1, x2, x3, x4, x5, x6, x7 = _x_octets(x8, BLOCK_G, WORDS)
     x_sum = tl.sum((x0 + x1) + (x2 + x3) + (x4 + x5) + (x6 + x7), 1)
@@ -446,6 +451,10 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stri
         q_x = tl.sum(_word_dot(wd, xa[None], xb[None], xc[None], xd[None], HALF_MATH == 1), 2) * down[None, :]
         part = tl.sum(s.to(tl.float32) * (q_x - z.to(tl.float32) * x_sum[None, :]), 1)
         tl.store(ws_ptr + pid_k * N + n64 + i * BLOCK_N, part)
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+    if not REDUCE:  # timing experiment only: the partials are left unsummed
+        return
     tl.debug_barrier()  # all of this program's partials are written before its arrival is counted
     if tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel") == tl.num_programs(0) - 1:
         sl = tl.arange(0, SPLIT_P2)
@@ -774,7 +783,8 @@ def w4_gemv_xs(x2: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.
                                  (z, tile["BLOCK_K"] // group)) for st in _slice_strides(t, per, slices)]
     _w4_gemv_xs[(slices, n // rows)](x2, words, s, z, out, ws, cnt, n, k, *strides, GROUP=group, **meta,
                                       num_warps=tile["num_warps"], num_stages=1,
-                                      HALF_MATH=1 if x2.device.type == "cuda" else 2)
+                                      HALF_MATH=1 if x2.device.type == "cuda" else 2,
+                                      **({"launch_pdl": True} if tile.get("PDL") else {}))
     return out
 
 
