@@ -98,14 +98,19 @@ def _xs_candidates(n: int, k: int, narrow: bool = False) -> list[dict]:
 
 def _xs_experiments(n: int, k: int) -> list[dict]:
     """labkit's tile (first loads before the slice's preparation) launched with programmatic dependent launch
-    (``PDL`` 1: the next launch released at the start, 2: after the row blocks), and without the last slice's
-    reduction (``REDUCE`` False: wrong sums, for the time the reduction's tail costs)."""
+    (``PDL`` 1: the next launch released at the start), with the row blocks' weights (all or the first half)
+    bulk-prefetched into L2 before waiting for the kernel before (``L2_PREFETCH``), under 64 registers (16 programs
+    per SM, room for the next launch's), and without the last slice's reduction (``REDUCE`` False: wrong sums,
+    for the time the reduction's tail costs)."""
     base = qm.xs_tile(n, k, GROUP, torch.device("cuda"))
     if base is None:
         return []
     base = {key: base[key] for key in ("BLOCK_N", "BLOCK_K", "ROW_STEPS", "PREFETCH", "num_warps")}
     base["WEIGHTS_FIRST"] = True
-    return [base, dict(base, PDL=1), dict(base, PDL=2), dict(base, REDUCE=False), dict(base, PDL=1, REDUCE=False)]
+    steps = base["ROW_STEPS"]
+    pdl = dict(base, PDL=1)
+    return [base, pdl, dict(pdl, maxnreg=64), dict(pdl, L2_PREFETCH=steps), dict(pdl, L2_PREFETCH=steps, maxnreg=64),
+            dict(pdl, L2_PREFETCH=max(1, steps // 2)), dict(pdl, REDUCE=False), dict(pdl, maxnreg=64, REDUCE=False)]
 
 
 def _copies(nbytes: int) -> int:

@@ -396,11 +396,19 @@ def _w4_gemv(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_
 
 
 @triton.jit
+def _prefetch_l2(addr, nbytes):
+    """Bring ``nbytes`` (a multiple of 16) at each 16-byte-aligned global address ``addr`` (int64) into L2 with one
+    bulk prefetch (sm_90 ``cp.async.bulk.prefetch.L2``): no registers wait for it. Returns dummy zeros."""
+    return tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;", "=r,l,r",
+                                     [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_pk, stride_pn, stride_sk,
                 stride_sn, stride_zk, stride_zn, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 ROW_STEPS: tl.constexpr, PREFETCH: tl.constexpr, SPLIT_P2: tl.constexpr, RED_ROWS: tl.constexpr,
                 HALF_MATH: tl.constexpr, WEIGHTS_FIRST: tl.constexpr = False, PDL: tl.constexpr = 0,
-                REDUCE: tl.constexpr = True):
+                REDUCE: tl.constexpr = True, L2_PREFETCH: tl.constexpr = 0):
     """The int4 GEMV with the activations *stationary* (16-bit activations, whole tiles: ``N`` a multiple of
     ``BLOCK_N * ROW_STEPS``, ``K`` of ``BLOCK_K``, power-of-two groups that divide ``BLOCK_K``).
 
@@ -423,11 +431,16 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stri
     p_ptrs = p_ptr + pid_k.to(tl.int64) * stride_pk + n64[:, None, None] * stride_pn + wl[None, :, :]
     s_ptrs = s_ptr + pid_k.to(tl.int64) * stride_sk + n64[:, None] * stride_sn + gl[None, :]
     z_ptrs = z_ptr + pid_k.to(tl.int64) * stride_zk + n64[:, None] * stride_zn + gl[None, :]
+    if PDL == 1:
+        tl.extra.cuda.gdc_launch_dependents()
+    if L2_PREFETCH:  # the first L2_PREFETCH row blocks' weights on their way to L2 while the kernel before ends
+        pf_rows = pid_n * ROWS + tl.arange(0, BLOCK_N * L2_PREFETCH)
+        pf = p_ptr.to(tl.int64, bitcast=True) + 4 * (pid_k.to(tl.int64) * stride_pk
+                                                      + pf_rows.to(tl.int64) * stride_pn)
+        _prefetch_l2(pf, tl.full(pf_rows.shape, 4 * BLOCK_G * WORDS, tl.int32))
     if PREFETCH and WEIGHTS_FIRST:  # the first block's loads in flight while the slice is prepared
         nw, ns, nz = tl.load(p_ptrs), tl.load(s_ptrs), tl.load(z_ptrs)
     if PDL:  # launched early (programmatic dependent launch): wait for the kernel before to finish
-        if PDL == 1:
-            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     x8 = tl.load(x_ptr + kw[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]).to(tl.float32)
     x0, x1, x2, x3, x4, x5, x6, x7 = _x_octets(x8, BLOCK_G, WORDS)
@@ -778,13 +791,14 @@ def w4_gemv_xs(x2: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.
     out = torch.empty(1, n, dtype=x2.dtype, device=x2.device)
     slices, rows = k // tile["BLOCK_K"], tile["BLOCK_N"] * tile["ROW_STEPS"]
     ws, cnt = _split_buffers(x2.device, n, slices)
-    meta = {key: val for key, val in tile.items() if key != "num_warps"}
+    meta = {key: val for key, val in tile.items() if key not in ("num_warps", "maxnreg")}
     strides = [st for t, per in ((words, tile["BLOCK_K"] // 8), (s, tile["BLOCK_K"] // group),
                                  (z, tile["BLOCK_K"] // group)) for st in _slice_strides(t, per, slices)]
     _w4_gemv_xs[(slices, n // rows)](x2, words, s, z, out, ws, cnt, n, k, *strides, GROUP=group, **meta,
                                       num_warps=tile["num_warps"], num_stages=1,
                                       HALF_MATH=1 if x2.device.type == "cuda" else 2,
-                                      **({"launch_pdl": True} if tile.get("PDL") else {}))
+                                      **({"launch_pdl": True} if tile.get("PDL") else {}),
+                                      **({"maxnreg": tile["maxnreg"]} if tile.get("maxnreg") else {}))
     return out
 
 
