@@ -113,6 +113,25 @@ def _xs_experiments(n: int, k: int) -> list[dict]:
             dict(pdl, L2_PREFETCH=max(1, steps // 2)), dict(pdl, REDUCE=False), dict(pdl, maxnreg=64, REDUCE=False)]
 
 
+def _whole_k_candidates(n: int, k: int) -> list[dict]:
+    """Programs that own the whole of K (one slice: no partials, no cross-program reduction), 1-8 rows a step,
+    4-16 warps, grids of 2-8 programs per SM of 132, each with PDL; the first of each tile also without."""
+    out = []
+    for bn in (1, 2, 4, 8):
+        for w in (4, 8, 16):
+            per_thread = bn * k // 2 // (32 * w)  # weight bytes a thread loads per step
+            if not 16 <= per_thread <= 128:
+                continue
+            for steps in (1, 2, 4, 8, 16, 32):
+                grid = n // (bn * steps)
+                if n % (bn * steps) or not 2 * 132 <= grid <= 8 * 132:
+                    continue
+                cfg = {"BLOCK_N": bn, "BLOCK_K": k, "ROW_STEPS": steps, "PREFETCH": 1, "num_warps": w,
+                       "WEIGHTS_FIRST": True}
+                out += [cfg, dict(cfg, PDL=1)] if not out or out[-1]["BLOCK_N"] != bn else [dict(cfg, PDL=1)]
+    return out
+
+
 def _copies(nbytes: int) -> int:
     return max(2, min(64, math.ceil(ROTATE_BYTES / nbytes)))
 
@@ -210,7 +229,7 @@ def copy_bandwidth(dev) -> float:
 
 
 def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"), baseline_only: bool = False,
-          experiments: bool = False) -> dict:
+          experiments: str | None = None) -> dict:
     """Time every candidate of every shape; with ``out``, rewrite the record after each shape (a run cut short
     keeps what it finished)."""
     x = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)
@@ -230,6 +249,8 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"),
                          "num_warps": 2} for sp in (1, 4)] + [
                         {"BLOCK_N": 8, "BLOCK_K": 2048, "SPLIT_K": 1, "LOAD_STAGES": 1, "PREFETCH": False,
                          "num_warps": 4}]
+            elif kind == "w4xs" and experiments == "whole-k":
+                todo = _whole_k_candidates(n, k)
             elif kind == "w4xs" and experiments:
                 todo = _xs_experiments(n, k)
             elif kind == "w4xs":
@@ -329,8 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-only", action="store_true",
                     help="int4: time only the split-K kernel's best configs and, for w4xs, labkit's tile around "
                          "its row-step rule")
-    ap.add_argument("--experiments", action="store_true",
-                    help="w4xs: labkit's tile with programmatic dependent launch and without its reduction")
+    ap.add_argument("--experiments", nargs="?", const="pdl", choices=("pdl", "whole-k"),
+                    help="w4xs: labkit's tile with programmatic dependent launch and without its reduction (pdl), "
+                         "or programs that own the whole of K (whole-k)")
     ap.add_argument("--best", help="a gemv_study.json: launch each shape's best candidate (for ncu)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -463,10 +463,13 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stri
         z_ptrs += BLOCK_N * stride_zn
         q_x = tl.sum(_word_dot(wd, xa[None], xb[None], xc[None], xd[None], HALF_MATH == 1), 2) * down[None, :]
         part = tl.sum(s.to(tl.float32) * (q_x - z.to(tl.float32) * x_sum[None, :]), 1)
-        tl.store(ws_ptr + pid_k * N + n64 + i * BLOCK_N, part)
+        if SPLIT_P2 == 1:  # the whole of K in this program: the rows are done
+            tl.store(out_ptr + n64 + i * BLOCK_N, part.to(out_ptr.dtype.element_ty))
+        else:
+            tl.store(ws_ptr + pid_k * N + n64 + i * BLOCK_N, part)
     if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
-    if not REDUCE:  # timing experiment only: the partials are left unsummed
+    if SPLIT_P2 == 1 or not REDUCE:  # (not REDUCE: a timing experiment, the partials are left unsummed)
         return
     tl.debug_barrier()  # all of this program's partials are written before its arrival is counted
     if tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel") == tl.num_programs(0) - 1:
