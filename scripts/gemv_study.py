@@ -62,16 +62,6 @@ def launch_w4_xs(x, w: tuple, n: int, k: int, cfg: dict):
     return qm.w4_gemv_xs(x, w[0].view(torch.int32), w[1], w[2], GROUP, tile)
 
 
-SM_BLOCK_K = 512
-
-
-def slice_major_set(w: tuple) -> tuple:
-    """Packed int4 weights, scales and zeros ``[N, *]`` in slice-major order for ``SM_BLOCK_K`` activations a
-    slice (``qm.slice_major``): each program of the stationary kernel then reads one contiguous stream."""
-    return (qm.slice_major(w[0], SM_BLOCK_K // 2), qm.slice_major(w[1], SM_BLOCK_K // GROUP),
-            qm.slice_major(w[2], SM_BLOCK_K // GROUP))
-
-
 def _xs_candidates(n: int, k: int, narrow: bool = False) -> list[dict]:
     """Slices of 512-1024 activations, 8-32 rows per step, 1-32 steps per program, the next step prefetched;
     grids of 1-32 programs per SM of 132. (At ded9987 and 2748180 prefetching gained 7-20%, two steps ahead
@@ -97,20 +87,21 @@ def _xs_candidates(n: int, k: int, narrow: bool = False) -> list[dict]:
 
 
 def _xs_experiments(n: int, k: int) -> list[dict]:
-    """labkit's tile (first loads before the slice's preparation) launched with programmatic dependent launch
-    (``PDL`` 1: the next launch released at the start), with the row blocks' weights (all or the first half)
-    bulk-prefetched into L2 before waiting for the kernel before (``L2_PREFETCH``), under 64 registers (16 programs
-    per SM, room for the next launch's), and without the last slice's reduction (``REDUCE`` False: wrong sums,
-    for the time the reduction's tail costs)."""
+    """labkit's tile as the wrapper launches it eagerly and under capture (``PDL``: programmatic dependent launch,
+    the next launch released at the start, the first weight loads issued before waiting for the kernel ahead),
+    without the last slice's reduction (``REDUCE`` False: wrong sums, for the time the reduction's tail costs),
+    and whole-K programs (4 rows a step, 4 warps; the best of ``--experiments whole-k`` at a078452) with PDL."""
     base = qm.xs_tile(n, k, GROUP, torch.device("cuda"))
     if base is None:
         return []
-    base = {key: base[key] for key in ("BLOCK_N", "BLOCK_K", "ROW_STEPS", "PREFETCH", "num_warps")}
-    base["WEIGHTS_FIRST"] = True
-    steps = base["ROW_STEPS"]
-    pdl = dict(base, PDL=1)
-    return [base, pdl, dict(pdl, maxnreg=64), dict(pdl, L2_PREFETCH=steps), dict(pdl, L2_PREFETCH=steps, maxnreg=64),
-            dict(pdl, L2_PREFETCH=max(1, steps // 2)), dict(pdl, REDUCE=False), dict(pdl, maxnreg=64, REDUCE=False)]
+    base = {key: base[key] for key in ("BLOCK_N", "BLOCK_K", "ROW_STEPS", "PREFETCH", "WEIGHTS_FIRST", "num_warps")}
+    out = [base, dict(base, PDL=True), dict(base, PDL=True, REDUCE=False)]
+    if k <= 4096:
+        for steps in (1, 2, 4, 8, 16):
+            if n % (4 * steps) == 0 and n // (4 * steps) >= 132:
+                out.append({"BLOCK_N": 4, "BLOCK_K": k, "ROW_STEPS": steps, "PREFETCH": 1, "WEIGHTS_FIRST": True,
+                            "num_warps": 4, "PDL": True})
+    return out
 
 
 def _whole_k_candidates(n: int, k: int) -> list[dict]:
@@ -128,7 +119,7 @@ def _whole_k_candidates(n: int, k: int) -> list[dict]:
                     continue
                 cfg = {"BLOCK_N": bn, "BLOCK_K": k, "ROW_STEPS": steps, "PREFETCH": 1, "num_warps": w,
                        "WEIGHTS_FIRST": True}
-                out += [cfg, dict(cfg, PDL=1)] if not out or out[-1]["BLOCK_N"] != bn else [dict(cfg, PDL=1)]
+                out += [cfg, dict(cfg, PDL=True)] if not out or out[-1]["BLOCK_N"] != bn else [dict(cfg, PDL=True)]
     return out
 
 
@@ -143,7 +134,7 @@ def _weights(kind: str, n: int, k: int, copies: int, dev) -> list[tuple]:
         if kind == "w8":
             q = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=dev)
             out.append((q, torch.rand(n, device=dev, dtype=torch.bfloat16) * 0.01 + 1e-3))
-        elif kind in ("w4", "w4xs", "w4sm"):
+        elif kind in ("w4", "w4xs"):
             p = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev)
             s = torch.rand(n, k // GROUP, device=dev, dtype=torch.bfloat16) * 0.01 + 1e-3
             out.append((p, s, torch.rand_like(s) * 15))
@@ -154,7 +145,7 @@ def _weights(kind: str, n: int, k: int, copies: int, dev) -> list[tuple]:
 
 def _nbytes(kind: str, n: int, k: int) -> int:
     w4 = n * k // 2 + 4 * n * k // GROUP
-    return {"w8": n * k + 2 * n, "w4": w4, "w4xs": w4, "w4sm": w4, "bf16": 2 * n * k}[kind]
+    return {"w8": n * k + 2 * n, "w4": w4, "w4xs": w4, "bf16": 2 * n * k}[kind]
 
 
 def _launcher(kind: str, x, ws, n: int, k: int, cfg: dict | None):
@@ -164,7 +155,7 @@ def _launcher(kind: str, x, ws, n: int, k: int, cfg: dict | None):
     wsb, cnt = qm._split_buffers(x.device, n)
     if kind == "bf16":
         return lambda w: F.linear(x, w[0])
-    if kind in ("w4xs", "w4sm"):
+    if kind == "w4xs":
         return lambda w: launch_w4_xs(x, w, n, k, cfg)
     if cfg is None:
         if kind == "w8":
@@ -255,9 +246,6 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"),
                 todo = _xs_experiments(n, k)
             elif kind == "w4xs":
                 todo = _xs_candidates(n, k, narrow=baseline_only)
-            elif kind == "w4sm":  # slice-major weights: one layout per slice width, so 512 only
-                todo = [c for c in _xs_candidates(n, k, narrow=baseline_only) if c["BLOCK_K"] == SM_BLOCK_K]
-                sets = [slice_major_set(w) for w in sets]
             else:
                 todo = [None] + ([] if kind == "bf16" else
                                  _candidates(W8_TILES if kind == "w8" else W4_TILES, n, k, kind))
@@ -290,7 +278,7 @@ def _dequant(kind: str, w: tuple, n: int, k: int) -> torch.Tensor:
 
     if kind == "w8":
         return dequantize_int8(w[0], w[1], torch.float32)
-    if kind in ("w4", "w4xs", "w4sm"):
+    if kind in ("w4", "w4xs"):
         return dequantize_int4(w[0], w[1].float(), w[2].float(), GROUP)
     return w[0].float()
 
@@ -345,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="folder for records/gemv_study.json")
     ap.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), default=tuple(SHAPES)[:5])
-    ap.add_argument("--kinds", nargs="+", choices=("bf16", "w8", "w4", "w4xs", "w4sm"),
+    ap.add_argument("--kinds", nargs="+", choices=("bf16", "w8", "w4", "w4xs"),
                     default=("bf16", "w8", "w4"))
     ap.add_argument("--baseline-only", action="store_true",
                     help="int4: time only the split-K kernel's best configs and, for w4xs, labkit's tile around "

@@ -163,28 +163,20 @@ def test_w4a16_gemv_stationary_activations(monkeypatch, tile, group, dtype):
     assert not counters.any()  # every row chunk's last slice reset its counter
 
 
-@pytest.mark.parametrize("group", [32, 128])
-def test_stationary_gemv_reads_slice_major_weights(group):
-    """The same weights in slice-major order (each slice's rows one after another) give the same bits as
-    row-major ones; a slice-major tensor of the wrong slice width is refused."""
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_stationary_gemv_with_the_whole_of_k_in_one_program(monkeypatch, dtype):
+    """One slice (``BLOCK_K == K``): each program stores its rows itself, no partials, no counters."""
     import labkit.kernels.quantized_matmul as qm
 
-    n, k = 48, 384
-    tile = qm.xs_tile(n, k, group, torch.device(DEVICE), dict(qm.CPU_XS_TILE, ROW_STEPS=2))
-    bk = tile["BLOCK_K"]
-    packed, scales, zeros = _int4(n, k, group, seed=54)
-    x = _x((1, k), torch.bfloat16, seed=55)
-    s, z = scales.to(torch.bfloat16), zeros.to(torch.bfloat16)
-    rows = qm.w4_gemv_xs(x, packed.view(torch.int32), s, z, group, tile)
-    sm = qm.slice_major(packed, bk // 2).view(torch.int32), qm.slice_major(s, bk // group), qm.slice_major(
-        z, bk // group)
-    assert sm[0].shape == (k // bk, n, bk // 8) and sm[1].shape == (k // bk, n, bk // group)
-    assert torch.equal(qm.w4_gemv_xs(x, *sm, group, tile), rows)
-    assert relative_error(rows, w4a16_matmul_ref(x.double(), packed, s, z, group)) < TOL[torch.bfloat16]
-    with pytest.raises(ValueError, match="slice-major tensor"):
-        qm.w4_gemv_xs(x, qm.slice_major(packed, bk // 4).view(torch.int32), *sm[1:], group, tile)
-    with pytest.raises(ValueError, match="per_slice=5"):
-        qm.slice_major(packed, 5)
+    monkeypatch.setattr(qm, "CPU_XS_TILE", dict(BLOCK_N=4, BLOCK_K=512, ROW_STEPS=2, PREFETCH=1, num_warps=1))
+    packed, scales, zeros = _int4(40, 512, 128, seed=56)
+    x = _x((1, 512), dtype, seed=57)
+    args = (packed, scales.to(dtype), zeros.to(dtype), 128)
+    tile = qm.xs_tile(40, 512, 128, torch.device(DEVICE))
+    assert tile["SPLIT_P2"] == 1 and tile["BLOCK_K"] == 512
+    out = w4a16_matmul(x, *args)
+    assert relative_error(out, w4a16_matmul_ref(x.double(), *args)) < TOL[dtype]
+    assert not qm._split_buffers(out.device, 40)[1].any()
 
 
 def test_w4a16_gemv_takes_stationary_activations_only_where_it_fits(monkeypatch):
@@ -367,4 +359,43 @@ def test_stationary_gemv_replays_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert relative_error(out, w4a16_matmul_ref(x.double(), *args)) < 2e-2
+        assert torch.equal(out, w4a16_matmul(x, *args))  # captured (PDL on sm_90) and eager: the same bits
     assert not qm._split_buffers(x.device, n)[1].any()
+
+
+@pytest.mark.gpu
+def test_dependent_launches_wait_for_what_they_read(monkeypatch):
+    """Captured on sm_90, each GEMV starts before the kernel ahead of it ends (PDL) and issues its first weight
+    loads early; its activations come from that kernel: a scaling kernel, then a chain of three GEMVs, each
+    reading the one before's output. Replayed with new inputs, every output matches the reference."""
+    import labkit.kernels.quantized_matmul as qm
+
+    launched = []
+    monkeypatch.setattr(qm, "w4_gemv_xs", lambda *a, f=qm.w4_gemv_xs: launched.append(a[-1]) or f(*a))
+    n = 4096
+    layers = [_int4(n, n, 128, seed=60 + i) for i in range(3)]
+    layers = [(p, s.bfloat16() * 0.05, z.bfloat16(), 128) for p, s, z in layers]
+    x = _x((1, n), torch.bfloat16, seed=64)
+
+    def chain():
+        h = [x * 2]
+        for args in layers:
+            h.append(w4a16_matmul(h[-1], *args))
+        return h
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain()
+    torch.cuda.current_stream().wait_stream(side)
+    launched.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = chain()
+    assert all(t.get("PDL") for t in launched) == (torch.cuda.get_device_capability() >= (9, 0))
+    for seed in (65, 66):
+        x.copy_(_x((1, n), torch.bfloat16, seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, args in enumerate(layers):
+            assert relative_error(outs[i + 1], w4a16_matmul_ref(outs[i].double(), *args)) < 2e-2, i

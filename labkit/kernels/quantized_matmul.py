@@ -396,19 +396,11 @@ def _w4_gemv(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_
 
 
 @triton.jit
-def _prefetch_l2(addr, nbytes):
-    """Bring ``nbytes`` (a multiple of 16) at each 16-byte-aligned global address ``addr`` (int64) into L2 with one
-    bulk prefetch (sm_90 ``cp.async.bulk.prefetch.L2``): no registers wait for it. Returns dummy zeros."""
-    return tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;", "=r,l,r",
-                                     [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_pk, stride_pn, stride_sk,
                 stride_sn, stride_zk, stride_zn, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 ROW_STEPS: tl.constexpr, PREFETCH: tl.constexpr, SPLIT_P2: tl.constexpr, RED_ROWS: tl.constexpr,
-                HALF_MATH: tl.constexpr, WEIGHTS_FIRST: tl.constexpr = False, PDL: tl.constexpr = 0,
-                REDUCE: tl.constexpr = True, L2_PREFETCH: tl.constexpr = 0):
+                HALF_MATH: tl.constexpr, WEIGHTS_FIRST: tl.constexpr = False, PDL: tl.constexpr = False,
+                REDUCE: tl.constexpr = True):
     """The int4 GEMV with the activations *stationary* (16-bit activations, whole tiles: ``N`` a multiple of
     ``BLOCK_N * ROW_STEPS``, ``K`` of ``BLOCK_K``, power-of-two groups that divide ``BLOCK_K``).
 
@@ -431,16 +423,11 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stri
     p_ptrs = p_ptr + pid_k.to(tl.int64) * stride_pk + n64[:, None, None] * stride_pn + wl[None, :, :]
     s_ptrs = s_ptr + pid_k.to(tl.int64) * stride_sk + n64[:, None] * stride_sn + gl[None, :]
     z_ptrs = z_ptr + pid_k.to(tl.int64) * stride_zk + n64[:, None] * stride_zn + gl[None, :]
-    if PDL == 1:
+    if PDL:  # the next launch may start now: its first weight loads overlap this kernel's tail
         tl.extra.cuda.gdc_launch_dependents()
-    if L2_PREFETCH:  # the first L2_PREFETCH row blocks' weights on their way to L2 while the kernel before ends
-        pf_rows = pid_n * ROWS + tl.arange(0, BLOCK_N * L2_PREFETCH)
-        pf = p_ptr.to(tl.int64, bitcast=True) + 4 * (pid_k.to(tl.int64) * stride_pk
-                                                      + pf_rows.to(tl.int64) * stride_pn)
-        _prefetch_l2(pf, tl.full(pf_rows.shape, 4 * BLOCK_G * WORDS, tl.int32))
     if PREFETCH and WEIGHTS_FIRST:  # the first block's loads in flight while the slice is prepared
         nw, ns, nz = tl.load(p_ptrs), tl.load(s_ptrs), tl.load(z_ptrs)
-    if PDL:  # launched early (programmatic dependent launch): wait for the kernel before to finish
+    if PDL:  # launched before the kernel ahead finished: nothing it writes may be read or written before this
         tl.extra.cuda.gdc_wait()
     x8 = tl.load(x_ptr + kw[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]).to(tl.float32)
     x0, x1, x2, x3, x4, x5, x6, x7 = _x_octets(x8, BLOCK_G, WORDS)
@@ -467,8 +454,6 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stri
             tl.store(out_ptr + n64 + i * BLOCK_N, part.to(out_ptr.dtype.element_ty))
         else:
             tl.store(ws_ptr + pid_k * N + n64 + i * BLOCK_N, part)
-    if PDL == 2:
-        tl.extra.cuda.gdc_launch_dependents()
     if SPLIT_P2 == 1 or not REDUCE:  # (not REDUCE: a timing experiment, the partials are left unsummed)
         return
     tl.debug_barrier()  # all of this program's partials are written before its arrival is counted
@@ -727,7 +712,7 @@ CPU_GEMM = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
 # one or two blocks prefetched) 16 rows x 512 activations, 2 warps, one block prefetched won at every 8B shape,
 # with the row blocks per program that gave 5.8-7.8 programs per SM; more programs (less reuse of each slice)
 # or fewer (less in flight) were slower.
-XS_TILE = dict(BLOCK_N=16, BLOCK_K=512, PREFETCH=1, num_warps=2)
+XS_TILE = dict(BLOCK_N=16, BLOCK_K=512, PREFETCH=1, WEIGHTS_FIRST=True, num_warps=2)
 CPU_XS_TILE = dict(BLOCK_N=8, BLOCK_K=128, PREFETCH=1, num_warps=1)  # tests set ROW_STEPS and others
 XS_PROGRAMS_PER_SM = 5.5
 XS_MAX_SLICES = 256
@@ -787,42 +772,30 @@ def xs_tile(n: int, k: int, group: int, device: torch.device, tile: dict | None 
 def w4_gemv_xs(x2: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor, group: int,
                tile: dict) -> torch.Tensor:
     """Launch ``_w4_gemv_xs`` on one row ``x2`` ``[1, K]`` (float16/bfloat16) and int4 weights as int32 words
-    ``[N, K // 8]`` with scales and zeros ``[N, K // group]``, or the same in slice-major order (``slice_major``:
-    ``[slices, N, BLOCK_K // 8]`` and ``[slices, N, BLOCK_K // group]``); ``tile`` from ``xs_tile``. Returns
-    ``[1, N]``."""
-    n, k = words.shape[-2], x2.shape[1]
+    ``[N, K // 8]`` with scales and zeros ``[N, K // group]``; ``tile`` from ``xs_tile`` (with ``PDL``: launched
+    as a programmatic dependent launch, sm_90 and later). Returns ``[1, N]``."""
+    n, k = words.shape[0], x2.shape[1]
     out = torch.empty(1, n, dtype=x2.dtype, device=x2.device)
-    slices, rows = k // tile["BLOCK_K"], tile["BLOCK_N"] * tile["ROW_STEPS"]
+    bk = tile["BLOCK_K"]
+    slices, rows = k // bk, tile["BLOCK_N"] * tile["ROW_STEPS"]
     ws, cnt = _split_buffers(x2.device, n, slices)
-    meta = {key: val for key, val in tile.items() if key not in ("num_warps", "maxnreg")}
-    strides = [st for t, per in ((words, tile["BLOCK_K"] // 8), (s, tile["BLOCK_K"] // group),
-                                 (z, tile["BLOCK_K"] // group)) for st in _slice_strides(t, per, slices)]
+    meta = {key: val for key, val in tile.items() if key != "num_warps"}
+    # (slice, row) strides: the kernel also reads weights stored slice after slice (gemv_study_xs_sm_492b4c7)
+    strides = (bk // 8, words.stride(0), bk // group, s.stride(0), bk // group, z.stride(0))
     _w4_gemv_xs[(slices, n // rows)](x2, words, s, z, out, ws, cnt, n, k, *strides, GROUP=group, **meta,
                                       num_warps=tile["num_warps"], num_stages=1,
                                       HALF_MATH=1 if x2.device.type == "cuda" else 2,
-                                      **({"launch_pdl": True} if tile.get("PDL") else {}),
-                                      **({"maxnreg": tile["maxnreg"]} if tile.get("maxnreg") else {}))
+                                      **({"launch_pdl": True} if tile.get("PDL") else {}))
     return out
 
 
-def _slice_strides(t: torch.Tensor, per_slice: int, slices: int) -> tuple[int, int]:
-    """(slice, row) strides of ``t``: ``[N, slices * per_slice]`` row-major, or ``[slices, N, per_slice]``."""
-    if t.dim() == 3:
-        if t.shape[0] != slices or t.shape[2] != per_slice or t.stride(2) != 1:
-            raise ValueError(f"slice-major tensor {tuple(t.shape)} must be [{slices}, N, {per_slice}], contiguous "
-                             "rows")
-        return t.stride(0), t.stride(1)
-    return per_slice, t.stride(0)
-
-
-def slice_major(t: torch.Tensor, per_slice: int) -> torch.Tensor:
-    """``t`` ``[N, C]`` (packed int4 bytes, words, scales or zeros) reordered to ``[C // per_slice, N, per_slice]``:
-    each slice's rows one after another, so a program of ``_w4_gemv_xs`` that walks down one slice reads one
-    contiguous stream instead of ``per_slice``-element pieces a row apart."""
-    n, c = t.shape
-    if c % per_slice:
-        raise ValueError(f"per_slice={per_slice} must divide the {c} columns of {tuple(t.shape)}")
-    return t.view(n, c // per_slice, per_slice).transpose(0, 1).contiguous()
+def pdl_ready(device: torch.device) -> bool:
+    """Whether GEMVs launched now may start before the kernel ahead of them ends (programmatic dependent launch):
+    on sm_90 and later, and only while a CUDA graph is captured. A dependent launch issues its first weight loads
+    before waiting for the kernel ahead, so those weights must not be written by that kernel: true of a captured
+    decode step (the weights were loaded and the layer warmed up before capture), not of every eager call."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+            and torch.cuda.is_current_stream_capturing())
 
 
 def _check_x(x: torch.Tensor, k: int, what: str) -> torch.Tensor:
@@ -926,6 +899,8 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
         words = p.view(torch.int32)  # K % 8 == 0 here: whole 4-byte words per row
         half = 0 if x2.dtype == torch.float32 else (1 if x2.device.type == "cuda" else 2)
         tile = xs_tile(n, k, group_size, x2.device) if half else None
+        if tile is not None and pdl_ready(x2.device):
+            tile["PDL"] = True
         if tile is not None:
             return w4_gemv_xs(x2, words, s, z, group_size, tile).view(*x.shape[:-1], n)
         cpu = dict(CPU_GEMV4, BLOCK_K=max(CPU_GEMV4["BLOCK_K"], group_size))
