@@ -90,7 +90,7 @@ def _xs_experiments(n: int, k: int) -> list[dict]:
     """labkit's tile as the wrapper launches it eagerly and under capture (``PDL``: programmatic dependent launch,
     the next launch released at the start, the first weight loads issued before waiting for the kernel ahead),
     without the last slice's reduction (``REDUCE`` False: wrong sums, for the time the reduction's tail costs),
-    and whole-K programs (4 rows a step, 4 warps; the best of ``--experiments whole-k`` at a078452) with PDL."""
+    and whole-K programs (4 rows a step, 4 warps; the best of a whole-K sweep at a078452) with PDL."""
     base = qm.xs_tile(n, k, GROUP, torch.device("cuda"))
     if base is None:
         return []
@@ -104,22 +104,21 @@ def _xs_experiments(n: int, k: int) -> list[dict]:
     return out
 
 
-def _whole_k_candidates(n: int, k: int) -> list[dict]:
-    """Programs that own the whole of K (one slice: no partials, no cross-program reduction), 1-8 rows a step,
-    4-16 warps, grids of 2-8 programs per SM of 132, each with PDL; the first of each tile also without."""
+def _tile_candidates(n: int, k: int) -> list[dict]:
+    """Stationary tiles beyond labkit's, all launched as under capture (PDL, first loads early): 1-2 warps a
+    program with 1024-2048 activations a slice, and programs that own the whole of K (no cross-program reduction;
+    1 warp: no cross-warp reduction either), each at the row steps that give 2-16 programs per SM of 132."""
+    tiles = [(16, 512, 2), (4, 1024, 1), (8, 1024, 1), (8, 1024, 2), (2, 2048, 1), (4, 2048, 1), (4, 2048, 2),
+             (1, 4096, 1), (2, 4096, 1), (2, 4096, 2), (4, 4096, 4)]
     out = []
-    for bn in (1, 2, 4, 8):
-        for w in (4, 8, 16):
-            per_thread = bn * k // 2 // (32 * w)  # weight bytes a thread loads per step
-            if not 16 <= per_thread <= 128:
-                continue
-            for steps in (1, 2, 4, 8, 16, 32):
-                grid = n // (bn * steps)
-                if n % (bn * steps) or not 2 * 132 <= grid <= 8 * 132:
-                    continue
-                cfg = {"BLOCK_N": bn, "BLOCK_K": k, "ROW_STEPS": steps, "PREFETCH": 1, "num_warps": w,
-                       "WEIGHTS_FIRST": True}
-                out += [cfg, dict(cfg, PDL=True)] if not out or out[-1]["BLOCK_N"] != bn else [dict(cfg, PDL=True)]
+    for bn, bk, w in tiles:
+        if k % bk:
+            continue
+        for steps in (1, 2, 4, 8, 16, 32):
+            per_sm = (k // bk) * (n // (bn * steps)) / 132
+            if n % (bn * steps) == 0 and 2 <= per_sm <= 16:
+                out.append({"BLOCK_N": bn, "BLOCK_K": bk, "ROW_STEPS": steps, "PREFETCH": 1, "WEIGHTS_FIRST": True,
+                            "num_warps": w, "PDL": True})
     return out
 
 
@@ -240,8 +239,8 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"),
                          "num_warps": 2} for sp in (1, 4)] + [
                         {"BLOCK_N": 8, "BLOCK_K": 2048, "SPLIT_K": 1, "LOAD_STAGES": 1, "PREFETCH": False,
                          "num_warps": 4}]
-            elif kind == "w4xs" and experiments == "whole-k":
-                todo = _whole_k_candidates(n, k)
+            elif kind == "w4xs" and experiments == "tiles":
+                todo = _tile_candidates(n, k)
             elif kind == "w4xs" and experiments:
                 todo = _xs_experiments(n, k)
             elif kind == "w4xs":
@@ -338,9 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-only", action="store_true",
                     help="int4: time only the split-K kernel's best configs and, for w4xs, labkit's tile around "
                          "its row-step rule")
-    ap.add_argument("--experiments", nargs="?", const="pdl", choices=("pdl", "whole-k"),
+    ap.add_argument("--experiments", nargs="?", const="pdl", choices=("pdl", "tiles"),
                     help="w4xs: labkit's tile with programmatic dependent launch and without its reduction (pdl), "
-                         "or programs that own the whole of K (whole-k)")
+                         "or other slices, warps and whole-K programs, all with PDL (tiles)")
     ap.add_argument("--best", help="a gemv_study.json: launch each shape's best candidate (for ncu)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
