@@ -198,14 +198,18 @@ def test_w4a16_gemv_takes_stationary_activations_only_where_it_fits(monkeypatch)
 
 
 def test_stationary_tile_picks_the_measured_row_steps(monkeypatch):
-    """On 132 SMs the rule (the most row blocks per program that leave >= 5.5 programs per SM) gives the row
-    steps that timed best on the H200 at every 8B decode shape (records/gemv_study_xs_2748180.json)."""
+    """On 132 SMs the rule (the most row blocks per program that leave >= 11 warps per SM) gives the row steps
+    that timed best on the H200 at every 8B decode shape, for 2-warp slices of 512 and 4-warp whole-K programs
+    (records/gemv_study_xs_2748180.json, gemv_study_xs_tiles_5885d9a.json)."""
     import labkit.kernels.quantized_matmul as qm
 
     monkeypatch.setattr(qm, "num_sms", lambda device: 132)
     best = {(6144, 4096): 4, (4096, 4096): 2, (28672, 4096): 16, (4096, 14336): 8, (14336, 4096): 8}
     for (n, k), steps in best.items():
         assert qm.xs_tile(n, k, 128, torch.device("cpu"), qm.XS_TILE)["ROW_STEPS"] == steps
+        cuda = qm.xs_tile(n, k, 128, torch.device("cuda"))  # whole-K programs where K <= 4096 (gemv_study 5885d9a)
+        assert cuda["ROW_STEPS"] == steps and cuda["BLOCK_K"] == (k if k <= 4096 else 512), (n, k)
+        assert cuda["SPLIT_P2"] == (1 if k <= 4096 else 32)
     assert qm.xs_tile(4100, 4096, 128, torch.device("cpu"), qm.XS_TILE) is None  # no whole row blocks
     with pytest.raises(ValueError, match="ROW_STEPS=3"):
         qm.xs_tile(4096, 4096, 128, torch.device("cpu"), dict(qm.XS_TILE, ROW_STEPS=3))

@@ -712,9 +712,16 @@ CPU_GEMM = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
 # one or two blocks prefetched) 16 rows x 512 activations, 2 warps, one block prefetched won at every 8B shape,
 # with the row blocks per program that gave 5.8-7.8 programs per SM; more programs (less reuse of each slice)
 # or fewer (less in flight) were slower.
+# At 5885d9a (records/gemv_study_xs_tiles_5885d9a.json, every candidate as captured: PDL) programs that own the
+# whole of K = 4096 (4 rows a step, 4 warps: no partials, no arrival counters) beat it by 1.5-10% (o 6.12 ->
+# 5.53 us, gate_or_up 13.17 -> 12.96); 1-warp programs, 1024-2048 activations a slice and whole-K programs of
+# 1-2 warps did not. Every winner had 11-16 warps per SM: all of the grid resident at once (72 registers a
+# thread: 16 warps per SM at most), no second wave.
 XS_TILE = dict(BLOCK_N=16, BLOCK_K=512, PREFETCH=1, WEIGHTS_FIRST=True, num_warps=2)
+XS_WHOLE_K_TILE = dict(BLOCK_N=4, PREFETCH=1, WEIGHTS_FIRST=True, num_warps=4)  # BLOCK_K = K
+XS_WHOLE_K_MAX = 4096
 CPU_XS_TILE = dict(BLOCK_N=8, BLOCK_K=128, PREFETCH=1, num_warps=1)  # tests set ROW_STEPS and others
-XS_PROGRAMS_PER_SM = 5.5
+XS_WARPS_PER_SM = 11
 XS_MAX_SLICES = 256
 XS_REDUCE_TILE = 4096  # float32 partials per reduction tile of the last program (64 registers a thread)
 
@@ -749,17 +756,21 @@ def _split_buffers(device: torch.device, n: int, splits: int = MAX_SPLIT_K) -> t
 
 def xs_tile(n: int, k: int, group: int, device: torch.device, tile: dict | None = None) -> dict | None:
     """The stationary-activation int4 GEMV's launch parameters for ``[N, K]`` weights, or None where its whole
-    tiles do not fit (the split-K ``_w4_gemv`` takes those). ``tile`` (default ``XS_TILE``, ``CPU_XS_TILE`` under
-    the interpreter): ``BLOCK_N``, ``BLOCK_K`` (raised to the group), ``PREFETCH``, ``num_warps`` and optionally
-    ``ROW_STEPS`` (a power of two); without it, the most row blocks per program that still give every SM
-    ``XS_PROGRAMS_PER_SM`` programs."""
-    tile = dict(tile or (XS_TILE if device.type == "cuda" else CPU_XS_TILE))
+    tiles do not fit (the split-K ``_w4_gemv`` takes those). ``tile``: ``BLOCK_N``, ``BLOCK_K`` (raised to the
+    group), ``PREFETCH``, ``num_warps`` and optionally ``ROW_STEPS`` (a power of two); without it, the most row
+    blocks per program that still give every SM ``XS_WARPS_PER_SM`` warps. Default tile: under the interpreter
+    ``CPU_XS_TILE``; on CUDA ``XS_WHOLE_K_TILE`` where ``K <= XS_WHOLE_K_MAX`` is a power-of-two number of groups
+    and ``N`` whole steps of it, else ``XS_TILE``."""
+    if tile is None and device.type == "cuda":
+        whole = k <= XS_WHOLE_K_MAX and k % group == 0 and (k // group) & (k // group - 1) == 0
+        tile = dict(XS_WHOLE_K_TILE, BLOCK_K=k) if whole and n % XS_WHOLE_K_TILE["BLOCK_N"] == 0 else XS_TILE
+    tile = dict(tile or CPU_XS_TILE)
     bn, bk = tile["BLOCK_N"], max(tile["BLOCK_K"], group)
     if n % bn or k % bk or k // bk > XS_MAX_SLICES:
         return None
-    slices, target = k // bk, XS_PROGRAMS_PER_SM * num_sms(device)
-    steps = tile.get("ROW_STEPS") or max([s for s in (1, 2, 4, 8, 16, 32)
-                                          if n % (bn * s) == 0 and slices * (n // (bn * s)) >= target] or [1])
+    slices, target = k // bk, XS_WARPS_PER_SM * num_sms(device)
+    steps = tile.get("ROW_STEPS") or max([s for s in (1, 2, 4, 8, 16, 32) if n % (bn * s) == 0 and
+                                          slices * (n // (bn * s)) * tile["num_warps"] >= target] or [1])
     if steps < 1 or steps & (steps - 1):
         raise ValueError(f"ROW_STEPS={steps} must be a power of two")
     if n % (bn * steps):
