@@ -104,6 +104,19 @@ def _xs_experiments(n: int, k: int) -> list[dict]:
     return out
 
 
+def _step_candidates(n: int, k: int) -> list[dict]:
+    """The split tile and (where K <= 4096) the whole-K tile, each launched plainly and with PDL: for
+    ``--experiments step``, where every GEMV follows a small kernel that writes its activations, as in a decode
+    step (an RMSNorm before qkv and gate_up, attention before o, SwiGLU before down)."""
+    tiles = [qm.xs_tile(n, k, GROUP, torch.device("cuda"), qm.XS_TILE), qm.xs_tile(n, k, GROUP, torch.device("cuda"))]
+    out = []
+    for t in {id(t): t for t in tiles if t is not None}.values():
+        base = {key: t[key] for key in ("BLOCK_N", "BLOCK_K", "ROW_STEPS", "PREFETCH", "WEIGHTS_FIRST", "num_warps")}
+        if base not in out:
+            out += [base, dict(base, PDL=True)]
+    return out
+
+
 def _tile_candidates(n: int, k: int) -> list[dict]:
     """Stationary tiles beyond labkit's, all launched as under capture (PDL, first loads early): 1-2 warps a
     program with 1024-2048 activations a slice, and programs that own the whole of K (no cross-program reduction;
@@ -239,6 +252,8 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"),
                          "num_warps": 2} for sp in (1, 4)] + [
                         {"BLOCK_N": 8, "BLOCK_K": 2048, "SPLIT_K": 1, "LOAD_STAGES": 1, "PREFETCH": False,
                          "num_warps": 4}]
+            elif kind == "w4xs" and experiments == "step":
+                todo = _step_candidates(n, k)
             elif kind == "w4xs" and experiments == "tiles":
                 todo = _tile_candidates(n, k)
             elif kind == "w4xs" and experiments:
@@ -253,7 +268,11 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"),
                 try:
                     got = launch(sets[0]).float()
                     err = ((got - ref).norm() / ref.norm()).item()
-                    t = graph_us(launch, sets)
+                    if experiments == "step":  # a kernel that writes the activations before every GEMV
+                        src = xk.clone()
+                        t = graph_us(lambda w, f=launch, a=src, b=xk: (torch.mul(a, 1.0, out=b), f(w)), sets)
+                    else:
+                        t = graph_us(launch, sets)
                     cold = cold_l2_bench(lambda f=launch, w=sets[0]: f(w), (0.5,))[0] * 1e3
                 except Exception as e:  # a candidate that does not compile or launch is recorded, not fatal
                     rows.append({"shape": name, "N": n, "K": k, "kind": kind, "config": cfg, "error": str(e)[:200]})
@@ -337,9 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-only", action="store_true",
                     help="int4: time only the split-K kernel's best configs and, for w4xs, labkit's tile around "
                          "its row-step rule")
-    ap.add_argument("--experiments", nargs="?", const="pdl", choices=("pdl", "tiles"),
+    ap.add_argument("--experiments", nargs="?", const="pdl", choices=("pdl", "tiles", "step"),
                     help="w4xs: labkit's tile with programmatic dependent launch and without its reduction (pdl), "
-                         "or other slices, warps and whole-K programs, all with PDL (tiles)")
+                         "or other slices, warps and whole-K programs, all with PDL (tiles), or the split and whole-K "
+                         "tiles with and without PDL, each GEMV after a kernel that writes its activations (step)")
     ap.add_argument("--best", help="a gemv_study.json: launch each shape's best candidate (for ncu)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
