@@ -207,9 +207,10 @@ def test_stationary_tile_picks_the_measured_row_steps(monkeypatch):
     best = {(6144, 4096): 4, (4096, 4096): 2, (28672, 4096): 16, (4096, 14336): 8, (14336, 4096): 8}
     for (n, k), steps in best.items():
         assert qm.xs_tile(n, k, 128, torch.device("cpu"), qm.XS_TILE)["ROW_STEPS"] == steps
-        cuda = qm.xs_tile(n, k, 128, torch.device("cuda"))  # whole-K programs where K <= 4096 (gemv_study 5885d9a)
-        assert cuda["ROW_STEPS"] == steps and cuda["BLOCK_K"] == (k if k <= 4096 else 512), (n, k)
-        assert cuda["SPLIT_P2"] == (1 if k <= 4096 else 32)
+        whole = k <= 4096 and n <= 8192  # whole-K programs (gemv_study 5885d9a and 7b7213b)
+        cuda = qm.xs_tile(n, k, 128, torch.device("cuda"))
+        assert cuda["ROW_STEPS"] == steps and cuda["BLOCK_K"] == (k if whole else 512), (n, k)
+        assert cuda["SPLIT_P2"] == (1 if whole else qm.next_pow2(k // 512))
     assert qm.xs_tile(4100, 4096, 128, torch.device("cpu"), qm.XS_TILE) is None  # no whole row blocks
     with pytest.raises(ValueError, match="ROW_STEPS=3"):
         qm.xs_tile(4096, 4096, 128, torch.device("cpu"), dict(qm.XS_TILE, ROW_STEPS=3))
@@ -363,19 +364,23 @@ def test_stationary_gemv_replays_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert relative_error(out, w4a16_matmul_ref(x.double(), *args)) < 2e-2
-        assert torch.equal(out, w4a16_matmul(x, *args))  # captured (PDL on sm_90) and eager: the same bits
+        assert torch.equal(out, w4a16_matmul(x, *args))  # captured and eager: the same bits
     assert not qm._split_buffers(x.device, n)[1].any()
 
 
 @pytest.mark.gpu
 def test_dependent_launches_wait_for_what_they_read(monkeypatch):
-    """Captured on sm_90, each GEMV starts before the kernel ahead of it ends (PDL) and issues its first weight
-    loads early; its activations come from that kernel: a scaling kernel, then a chain of three GEMVs, each
-    reading the one before's output. Replayed with new inputs, every output matches the reference."""
+    """Launched with PDL (``tile["PDL"]``, sm_90), each GEMV starts before the kernel ahead of it ends and issues
+    its first weight loads early; its activations come from that kernel: a scaling kernel, then a chain of three
+    GEMVs, each reading the one before's output. Captured and replayed with new inputs, every output matches the
+    reference."""
     import labkit.kernels.quantized_matmul as qm
 
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90")
     launched = []
     monkeypatch.setattr(qm, "w4_gemv_xs", lambda *a, f=qm.w4_gemv_xs: launched.append(a[-1]) or f(*a))
+    monkeypatch.setattr(qm, "xs_tile", lambda *a, f=qm.xs_tile: dict(f(*a), PDL=True))
     n = 4096
     layers = [_int4(n, n, 128, seed=60 + i) for i in range(3)]
     layers = [(p, s.bfloat16() * 0.05, z.bfloat16(), 128) for p, s, z in layers]
@@ -396,7 +401,7 @@ def test_dependent_launches_wait_for_what_they_read(monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = chain()
-    assert all(t.get("PDL") for t in launched) == (torch.cuda.get_device_capability() >= (9, 0))
+    assert launched and all(t["PDL"] for t in launched)
     for seed in (65, 66):
         x.copy_(_x((1, n), torch.bfloat16, seed=seed))
         graph.replay()

@@ -712,14 +712,16 @@ CPU_GEMM = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
 # one or two blocks prefetched) 16 rows x 512 activations, 2 warps, one block prefetched won at every 8B shape,
 # with the row blocks per program that gave 5.8-7.8 programs per SM; more programs (less reuse of each slice)
 # or fewer (less in flight) were slower.
-# At 5885d9a (records/gemv_study_xs_tiles_5885d9a.json, every candidate as captured: PDL) programs that own the
-# whole of K = 4096 (4 rows a step, 4 warps: no partials, no arrival counters) beat it by 1.5-10% (o 6.12 ->
-# 5.53 us, gate_or_up 13.17 -> 12.96); 1-warp programs, 1024-2048 activations a slice and whole-K programs of
-# 1-2 warps did not. Every winner had 11-16 warps per SM: all of the grid resident at once (72 registers a
-# thread: 16 warps per SM at most), no second wave.
+# At 5885d9a (records/gemv_study_xs_tiles_5885d9a.json) 1-warp programs, 1024-2048 activations a slice and
+# whole-K programs of 1-2 warps lost; programs that own the whole of K = 4096 (4 rows a step, 4 warps: no partials,
+# no arrival counters) won. Every winner had 11-16 warps per SM: the whole grid resident at once (72 registers a
+# thread: 16 warps per SM at most), no second wave. With each GEMV after a kernel that writes its activations, as
+# in a decode step (gemv_study_xs_step_7b7213b.json), whole-K programs won where N <= 6144 (k/v 1024: 6.16 ->
+# 5.60 us, o 8.24 -> 7.96, qkv 9.83 -> 9.37), tied at 28672 and lost at 14336 (14.53 -> 15.13).
 XS_TILE = dict(BLOCK_N=16, BLOCK_K=512, PREFETCH=1, WEIGHTS_FIRST=True, num_warps=2)
 XS_WHOLE_K_TILE = dict(BLOCK_N=4, PREFETCH=1, WEIGHTS_FIRST=True, num_warps=4)  # BLOCK_K = K
-XS_WHOLE_K_MAX = 4096
+XS_WHOLE_K_MAX = 4096  # K
+XS_WHOLE_K_MAX_N = 8192
 CPU_XS_TILE = dict(BLOCK_N=8, BLOCK_K=128, PREFETCH=1, num_warps=1)  # tests set ROW_STEPS and others
 XS_WARPS_PER_SM = 11
 XS_MAX_SLICES = 256
@@ -760,10 +762,11 @@ def xs_tile(n: int, k: int, group: int, device: torch.device, tile: dict | None 
     group), ``PREFETCH``, ``num_warps`` and optionally ``ROW_STEPS`` (a power of two); without it, the most row
     blocks per program that still give every SM ``XS_WARPS_PER_SM`` warps. Default tile: under the interpreter
     ``CPU_XS_TILE``; on CUDA ``XS_WHOLE_K_TILE`` where ``K <= XS_WHOLE_K_MAX`` is a power-of-two number of groups
-    and ``N`` whole steps of it, else ``XS_TILE``."""
+    and ``N <= XS_WHOLE_K_MAX_N`` whole steps of it, else ``XS_TILE``."""
     if tile is None and device.type == "cuda":
-        whole = k <= XS_WHOLE_K_MAX and k % group == 0 and (k // group) & (k // group - 1) == 0
-        tile = dict(XS_WHOLE_K_TILE, BLOCK_K=k) if whole and n % XS_WHOLE_K_TILE["BLOCK_N"] == 0 else XS_TILE
+        whole = (k <= XS_WHOLE_K_MAX and k % group == 0 and (k // group) & (k // group - 1) == 0
+                 and n <= XS_WHOLE_K_MAX_N and n % XS_WHOLE_K_TILE["BLOCK_N"] == 0)
+        tile = dict(XS_WHOLE_K_TILE, BLOCK_K=k) if whole else XS_TILE
     tile = dict(tile or CPU_XS_TILE)
     bn, bk = tile["BLOCK_N"], max(tile["BLOCK_K"], group)
     if n % bn or k % bk or k // bk > XS_MAX_SLICES:
@@ -783,8 +786,8 @@ def xs_tile(n: int, k: int, group: int, device: torch.device, tile: dict | None 
 def w4_gemv_xs(x2: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor, group: int,
                tile: dict) -> torch.Tensor:
     """Launch ``_w4_gemv_xs`` on one row ``x2`` ``[1, K]`` (float16/bfloat16) and int4 weights as int32 words
-    ``[N, K // 8]`` with scales and zeros ``[N, K // group]``; ``tile`` from ``xs_tile`` (with ``PDL``: launched
-    as a programmatic dependent launch, sm_90 and later). Returns ``[1, N]``."""
+    ``[N, K // 8]`` with scales and zeros ``[N, K // group]``; ``tile`` from ``xs_tile`` (``PDL``, an experiment of
+    scripts/gemv_study.py: launched as a programmatic dependent launch, sm_90 and later). Returns ``[1, N]``."""
     n, k = words.shape[0], x2.shape[1]
     out = torch.empty(1, n, dtype=x2.dtype, device=x2.device)
     bk = tile["BLOCK_K"]
@@ -798,15 +801,6 @@ def w4_gemv_xs(x2: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.
                                       HALF_MATH=1 if x2.device.type == "cuda" else 2,
                                       **({"launch_pdl": True} if tile.get("PDL") else {}))
     return out
-
-
-def pdl_ready(device: torch.device) -> bool:
-    """Whether GEMVs launched now may start before the kernel ahead of them ends (programmatic dependent launch):
-    on sm_90 and later, and only while a CUDA graph is captured. A dependent launch issues its first weight loads
-    before waiting for the kernel ahead, so those weights must not be written by that kernel: true of a captured
-    decode step (the weights were loaded and the layer warmed up before capture), not of every eager call."""
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-            and torch.cuda.is_current_stream_capturing())
 
 
 def _check_x(x: torch.Tensor, k: int, what: str) -> torch.Tensor:
@@ -910,8 +904,6 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
         words = p.view(torch.int32)  # K % 8 == 0 here: whole 4-byte words per row
         half = 0 if x2.dtype == torch.float32 else (1 if x2.device.type == "cuda" else 2)
         tile = xs_tile(n, k, group_size, x2.device) if half else None
-        if tile is not None and pdl_ready(x2.device):
-            tile["PDL"] = True
         if tile is not None:
             return w4_gemv_xs(x2, words, s, z, group_size, tile).view(*x.shape[:-1], n)
         cpu = dict(CPU_GEMV4, BLOCK_K=max(CPU_GEMV4["BLOCK_K"], group_size))
