@@ -63,6 +63,15 @@ barrier. On the H200 (records/gemv_study_xs_2748180.json, graph replays, us): qk
 kernel's best 10.1, gate_up 24.4 against 30.6, down 14.5 against 16.2, 14336 x 4096 14.2 against 15.6 (0.52 of
 bandwidth); only 4096 x 4096 is slower (7.2 against 6.5). Weights brought in by TMA descriptors, several steps
 in flight through shared memory, were slower than registers (17.3 against 15.3 us; gemv_study_tma_9df440a).
+At 7016fbe the first row block's loads are issued before the slice's preparation (``WEIGHTS_FIRST``, 1-2%), and
+where ``K <= 4096`` and ``N <= 8192`` each program owns the whole of K (no partials, no arrival counters; k/v, o
+and qkv 3-9% faster when each GEMV follows a kernel that writes its activations, gemv_study_xs_step_7b7213b).
+The cross-program reduction costs ~2 us a launch (13.1 -> 11.2 us at 4096 -> 14336 without it: wrong sums,
+timing only). Tried (records/gemv_study_xs_*_{492b4c7,495f9d6,b39937c}): slice-major weights (one contiguous
+stream a program: 0.5-2%), a 64-register cap (spills: 2.5x slower), bulk L2 prefetch (slower), and programmatic
+dependent launch (PDL, ``PDL``: the first weight loads before ``griddepcontrol.wait``). PDL saved 0.4-0.8 us a
+GEMV launched after another GEMV (13.9 -> 13.1 us; notebook 03's ratio 2.36 with it at dcaf71d), but cost 0.3-0.8
+us after any other kernel -- the decode step's case (the engine's int4 step 2.54 -> 2.65 ms) -- so it stays off.
 bitsandbytes LLM.int8 took 30.9 us there: a 3x bar over it needs 10.3 us, below the int8 bytes' floor of
 13.8 us -- no int8 kernel can meet that at this shape (at most 30.9 / 13.8 = 2.24x).
 """
