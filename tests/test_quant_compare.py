@@ -20,6 +20,28 @@ def test_accuracy_rows(tiny_model):
     assert by["int4"]["forward_peak_bytes"] > by["base"]["forward_peak_bytes"]
 
 
+def test_methods_with_the_lm_head_quantised_too(tiny_model):
+    """``int4+lm_head``: the LM head joins the quantised layers (its own error is reported with theirs), the bytes
+    stay those of the layers every method replaces, and the decode step reads fewer bytes than int4's."""
+    model, tok = tiny_model
+    rows = accuracy_rows(model, tok, methods=("int4", "int4+lm_head"), seq_len=64, max_windows=2,
+                         error_tokens=(1, 16), progress=False)
+    by = {r["method"]: r for r in rows}
+    assert all(r["status"] == "ok" for r in rows), [r["status"] for r in rows]
+    assert "lm_head" in by["int4+lm_head"]["layer_errors"] and "lm_head" not in by["int4"]["layer_errors"]
+    assert 0 < by["int4+lm_head"]["layer_errors"]["lm_head"] < 1e-1
+    assert by["int4+lm_head"]["weight_bytes_ratio"] == by["int4"]["weight_bytes_ratio"]
+    assert by["int4+lm_head"]["ppl"] != by["int4"]["ppl"]
+    speed = speed_rows(model, methods=("int4", "int4+lm_head"), context_len=8, iters=2, bandwidth=1e10,
+                       progress=False)
+    assert speed[2]["method"] == "int4+lm_head" and speed[2]["step_bytes"] < speed[1]["step_bytes"]
+    for bad, match in (("int4+head", "only suffix"), ("int3", "int3")):
+        with pytest.raises(ValueError, match=match):
+            accuracy_rows(model, tok, methods=(bad,), progress=False)
+        with pytest.raises(ValueError, match=match):
+            speed_rows(model, methods=(bad,), progress=False)
+
+
 def test_speed_rows(tiny_model):
     rows = speed_rows(tiny_model[0], methods=("int4",), context_len=8, iters=2, bandwidth=1e10, progress=False)
     assert [r["method"] for r in rows] == ["base", "int4"]

@@ -30,6 +30,25 @@ from labkit.quant.metrics import (
 BASELINE = "base"
 
 
+def method_options(spec: str) -> tuple[str, dict]:
+    """A row's method name as ``quantize`` arguments: ``"int4"`` -> ``("int4", {})``; a ``+lm_head`` suffix
+    quantises the LM head too: ``"int4+lm_head"`` -> ``("int4", {"lm_head": True})``."""
+    method, plus, flag = spec.partition("+")
+    if plus and flag != "lm_head":
+        raise ValueError(f"method {spec!r}: the only suffix allowed is '+lm_head' (e.g. 'int4+lm_head')")
+    if method not in METHODS:
+        raise ValueError(f"method {spec!r}: {method!r} is unknown; allowed: {list(METHODS)}, each optionally "
+                         "with '+lm_head'")
+    return method, ({"lm_head": True} if plus else {})
+
+
+def _quantized(model: nn.Module, spec: str, **opts) -> nn.Module:
+    if spec == BASELINE:
+        return model
+    method, extra = method_options(spec)
+    return quantize(model, method, **extra, **opts)
+
+
 def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
@@ -59,11 +78,15 @@ def accuracy_rows(model: nn.Module, tokenizer, methods=METHODS, seq_len: int = 2
     mean/max per-layer output error, measured weight bytes of the linear layers (and their ratio to bf16),
     bits per weight, and the peak of tensor memory during one forward over ``error_tokens`` ``(batch, seq)``
     (last-position logits only, as in generation, so the LM head's output does not hide the rest).
-    Decode time is ``speed_rows``' business. A method that cannot run or raises gets a row saying why."""
+    Decode time is ``speed_rows``' business. A method that cannot run or raises gets a row saying why. A
+    method name may end in ``+lm_head`` (``method_options``): the LM head quantised too; its error then joins
+    the per-layer errors, while the bytes stay those of the layers every method replaces."""
     dev = _device(model)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, model.config.vocab_size, error_tokens, generator=g).to(dev)
     names = list(target_linears(model))  # the layers every method replaces, sized the same way in each
+    for spec in methods:
+        method_options(spec)  # an unknown method fails here, before anything is measured
     rows = []
     for method in tqdm([BASELINE, *methods], desc="methods", disable=not progress):
         reason = _available(method) if method != BASELINE else None
@@ -90,8 +113,8 @@ def _accuracy_row(model, tokenizer, method, names, ids, seq_len, max_windows, ca
     row = {"method": method}
     t0 = time.perf_counter()
     opts = {"tokenizer": tokenizer, "calib_samples": calib_samples, "calib_seq_len": calib_seq_len,
-            "seed": seed} if method == "gptq" else {}
-    qm = model if method == BASELINE else quantize(model, method, **opts)
+            "seed": seed} if method.startswith("gptq") else {}
+    qm = _quantized(model, method, **opts)
     row["quantise_s"] = time.perf_counter() - t0
     row["ppl"] = heldout_perplexity(qm, tokenizer, seq_len=seq_len, max_windows=max_windows)
     if method != BASELINE:
@@ -121,8 +144,9 @@ def speed_rows(model: nn.Module, methods=("int8", "int4", "fp8", "bnb-int8", "bn
                progress: bool = True, breakdown: int = 0, runner: str = "hf") -> list[dict]:
     """Decode step time of ``model`` (method ``"base"``) and of each quantised copy, at ``batch_size`` with
     ``context_len`` cached tokens, as CUDA-graph replays on CUDA; ``speedup`` is over the base timed the same
-    way. bitsandbytes layers are timed eagerly (LLM.int8 picks outlier columns with data-dependent shapes,
-    which a CUDA graph cannot capture), next to an eager base for a like-for-like ratio.
+    way (``methods`` as in ``accuracy_rows``, ``+lm_head`` included). bitsandbytes layers are timed eagerly
+    (LLM.int8 picks outlier columns with data-dependent shapes, which a CUDA graph cannot capture), next to an
+    eager base for a like-for-like ratio.
 
     ``patch``: also swap RMSNorm, SiLU-and-mul and attention for labkit's Triton kernels
     (``labkit.kernels.patch``) in every model timed, so the non-matmul kernels cost the same on both sides
@@ -142,6 +166,8 @@ def speed_rows(model: nn.Module, methods=("int8", "int4", "fp8", "bnb-int8", "bn
     """
     if runner not in ("hf", "engine"):
         raise ValueError(f"runner={runner!r}; allowed: 'hf', 'engine'")
+    for spec in methods:
+        method_options(spec)
     dev = _device(model)
     rows, base_ms = [], {}
     for method in tqdm([BASELINE, *methods], desc="decode step", disable=not progress):
@@ -188,7 +214,7 @@ def _engine_rows(model, method, batch_size, context_len, iters, bandwidth, base_
     if method.startswith("bnb"):
         return [{"method": method, "timing": "engine", "status": "bitsandbytes layers are not CUDA-graph "
                  "capturable; timed through HF's forward only"}]
-    qm = model if method == BASELINE else quantize(model, method)
+    qm = _quantized(model, method)
     step, runner = runner_step(qm, "decode", batch_size, context_len)
     timing = "engine_graph" if runner.graph_batch_sizes else "engine_eager"
     t = time_fn(step, device=_device(model), warmup=2, iters=iters)
@@ -200,7 +226,7 @@ def _speed_rows(model, method, batch_size, context_len, iters, patch, bandwidth,
                 breakdown: int = 0) -> list[dict]:
     """Rows of one method: CUDA-graph replay (and, for the base on CUDA, also eager) or eager for bnb."""
     graph = _device(model).type == "cuda"
-    qm = model if method == BASELINE else quantize(model, method)
+    qm = _quantized(model, method)
     wb, step_bytes = _step_bytes(qm, model, batch_size, context_len)
     modes = [False] if method.startswith("bnb") else [graph]
     if method == BASELINE and graph:

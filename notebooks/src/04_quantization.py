@@ -18,6 +18,7 @@
 # | `bnb-int8` | int8 per row | int8 per token, fp16 outlier features | bitsandbytes LLM.int8, threshold 6.0 |
 # | `bnb-nf4` | 4-bit normal-quantile codes per 64, double-quantised absmax | 16/32-bit | bitsandbytes NF4 |
 # | `fp8` | e4m3, one scale per output channel | e4m3, one scale per token | `torch._scaled_mm` on Hopper; emulated on the CPU |
+# | `int4+lm_head` | `int4`, the LM head quantised too | 16/32-bit | `quantize(model, "int4", lm_head=True)` |
 #
 # Two scales (DESIGN.md): **accuracy** on the embedded trained model (float32 reference, held-out split);
 # **speed and memory** on the Llama-3-8B architecture with random weights in bf16 on the H200 (`gpu` profile),
@@ -108,7 +109,7 @@ display(predict.round(3))
 
 # %%
 model, tok = load_model(device=SIZES["accuracy_device"], dtype="fp32")
-acc = accuracy_rows(model, tok, methods=METHODS, seq_len=SIZES["seq_len"], max_windows=SIZES["windows"],
+acc = accuracy_rows(model, tok, methods=(*METHODS, "int4+lm_head"), seq_len=SIZES["seq_len"], max_windows=SIZES["windows"],
                     calib_samples=SIZES["calib_samples"], calib_seq_len=SIZES["calib_seq_len"],
                     error_tokens=SIZES["error_tokens"], seed=seed)
 acc_table = pd.DataFrame([{k: r.get(k) for k in ("method", "ppl", "ppl_delta_frac", "layer_err_mean",
@@ -181,7 +182,7 @@ if PROFILE == "gpu":
     except Exception as e:  # report, keep the unpatched rows
         print(f"patched pass failed: {type(e).__name__}: {e}")
     try:  # labkit's serving forward on the same weights (notebook 05's ModelRunner)
-        speed += speed_rows(big, methods=("int8", "int4", "fp8"), context_len=SIZES["context"],
+        speed += speed_rows(big, methods=("int8", "int4", "int4+lm_head", "fp8"), context_len=SIZES["context"],
                             iters=SIZES["decode_iters"], runner="engine", bandwidth=bandwidth)
     except Exception as e:
         print(f"engine pass failed: {type(e).__name__}: {e}")
@@ -190,7 +191,8 @@ if PROFILE == "gpu":
 else:
     cpu_bandwidth = measure_copy_bandwidth("cpu", nbytes=64 * 2**20, iters=5)
     print(f"CPU copy bandwidth {cpu_bandwidth / 1e9:.1f} GB/s (measured now)")
-    speed = speed_rows(model, context_len=SIZES["context"], iters=SIZES["decode_iters"], bandwidth=cpu_bandwidth)
+    speed = speed_rows(model, methods=("int8", "int4", "int4+lm_head", "fp8", "bnb-int8", "bnb-nf4"),
+                       context_len=SIZES["context"], iters=SIZES["decode_iters"], bandwidth=cpu_bandwidth)
 speed_table = pd.DataFrame(speed).drop(columns=["samples_s", "breakdown"], errors="ignore")
 display(speed_table.round(3))
 # where each patched step's device time goes (GPU): the kernels that the weight bytes do not explain
@@ -201,6 +203,14 @@ if profiled:
     # kernel names are cut to 100 characters, so two instantiations of one template can share a row: add them
     display(pd.concat({r["method"]: pd.DataFrame(r["breakdown"]["top"]).groupby("kernel").us_per_step.sum()
                        for r in profiled}, axis=1).round(1))
+
+# %% [markdown]
+# ### The LM head: the last bf16 weights of the step
+# With every other linear in int4, the LM head (128256 x 4096 for Llama-3-8B: 1.05 GB in bf16, against 3.7 GB
+# for all the int4 layers) is about a fifth of what an int4 step reads. `int4+lm_head` quantises it too (the
+# predicted speed-up's last column). Its cost in accuracy is the table's `int4+lm_head` row: every logit goes
+# through it, so its error is not averaged away by later layers; on a model with tied embeddings (the embedded
+# one) the embedding stays in full precision for the lookup and the head becomes a separate quantised copy.
 
 # %% [markdown]
 # ## Trade-off table and plot
@@ -344,6 +354,9 @@ if "bnb-nf4" in by:
     record_figure("quant.nf4_ppl_delta_frac", by["bnb-nf4"]["ppl_delta_frac"], "fraction", rec, bar="<= 0.05",
                   note=note + ", double quantisation")
 record_figure("quant.fp8_ppl_delta_frac", by["fp8"]["ppl_delta_frac"], "fraction", rec, note=note)
+if "int4+lm_head" in by:
+    record_figure("quant.int4_lm_head_ppl_delta_frac", by["int4+lm_head"]["ppl_delta_frac"], "fraction", rec,
+                  note=note + ", group 128, LM head in int4 too")
 if PROFILE == "gpu":
     wb = {r["method"]: r for r in speed_ok}
     wb_note = "llama-3-8b linear layers, bf16 scales, measured bytes held over the same weights in bf16"
@@ -351,19 +364,23 @@ if PROFILE == "gpu":
                   note=wb_note)
     record_figure("quant.int4_weight_bytes_ratio", wb["int4"]["weight_bytes_ratio"], "ratio", rec, bar="<= 0.30",
                   note=wb_note)
-    for m, bar in (("int8", ">= 1.6"), ("int4", ">= 2.2")):
+    for m, bar in (("int8", ">= 1.6"), ("int4", ">= 2.2"), ("int4+lm_head", None)):
         s = pick_speed(m)
+        if s is None:
+            print(f"{m}: no timed row")
+            continue
         how = {"engine_graph": "CUDA-graph replay of labkit's engine forward (ModelRunner, preallocated paged "
                                "cache, merged projections)",
                "cuda_graph": "CUDA-graph replay of HF's static-cache forward" + (
                    ", Triton norms/SiLU/attention on both sides" if s.get("patched") else "")}.get(s["timing"],
                                                                                                   s["timing"])
-        record_figure(f"quant.{m}_decode_speedup", s["speedup"], "x over bf16", rec, bar=bar,
+        name = m.replace("+", "_")
+        record_figure(f"quant.{name}_decode_speedup", s["speedup"], "x over bf16", rec, bar=bar,
                       note=f"llama-3-8b, batch 1, context {SIZES['context']}, {how}; bf16 step "
                       f"{s['decode_ms'] * s['speedup']:.2f} ms, {m} {s['decode_ms']:.2f} ms")
         hf = [r for r in speed_ok if r["method"] == m and r["timing"] == "cuda_graph" and r.get("patched")]
         if hf and s is not hf[0]:
-            record_figure(f"quant.{m}_decode_speedup_hf", hf[0]["speedup"], "x over bf16", rec,
+            record_figure(f"quant.{name}_decode_speedup_hf", hf[0]["speedup"], "x over bf16", rec,
                           note=f"llama-3-8b, batch 1, context {SIZES['context']}, CUDA-graph replay of HF's "
                           f"static-cache forward with labkit's Triton norms/SiLU/attention on both sides")
 else:
