@@ -179,6 +179,36 @@ def test_stationary_gemv_with_the_whole_of_k_in_one_program(monkeypatch, dtype):
     assert not qm._split_buffers(out.device, 40)[1].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_swiglu_down_projection_fused_into_the_gemv(monkeypatch, dtype):
+    """``swiglu=True``: ``silu_and_mul(x) @ W.T`` from ``x = [gate | up]``. One 16-bit row on the stationary
+    GEMV computes the activation as it prepares its slice: the same bits as running ``silu_and_mul`` first;
+    more rows, float32 or a ragged N run ``silu_and_mul`` first. A wrong width is refused."""
+    import labkit.kernels.quantized_matmul as qm
+    from labkit.kernels.silu_and_mul import silu_and_mul
+
+    monkeypatch.setattr(qm, "CPU_XS_TILE", dict(BLOCK_N=8, BLOCK_K=128, PREFETCH=1, num_warps=1))
+    fused = []
+    monkeypatch.setattr(qm, "w4_gemv_xs", lambda *a, f=qm.w4_gemv_xs, **kw: fused.append(kw) or f(*a, **kw))
+    k = 256
+    for n, rows, dt, expect_fused in [(64, 1, dtype, True), (64, 3, dtype, False), (60, 1, dtype, False),
+                                      (64, 1, torch.float32, False)]:
+        fused.clear()
+        packed, scales, zeros = _int4(n, k, 64, seed=70)
+        args = (packed, scales.to(dt), zeros.to(dt), 64)
+        gate_up = _x((rows, 2 * k), dt, seed=71) * 3
+        if rows > 1 and dt == torch.bfloat16:
+            continue  # bfloat16 tl.dot is CUDA-only; the GEMM path is tested elsewhere
+        out = w4a16_matmul(gate_up, *args, swiglu=True)
+        assert out.shape == (rows, n)
+        assert (fused == [{"swiglu": True}]) == expect_fused, (n, rows, dt)
+        fused.clear()
+        plain = w4a16_matmul(silu_and_mul(gate_up), *args)
+        assert torch.equal(out, plain), (n, rows, dt)
+    with pytest.raises(ValueError, match="swiglu=True"):
+        w4a16_matmul(_x((1, k), dtype, seed=72), *args, swiglu=True)
+
+
 def test_w4a16_gemv_takes_stationary_activations_only_where_it_fits(monkeypatch):
     """Whole tiles and 16-bit activations take the stationary kernel; a ragged N, a K that is not a whole number
     of slices or float32 activations take the split-K GEMV -- both correct."""
@@ -366,6 +396,27 @@ def test_stationary_gemv_replays_in_a_cuda_graph():
         assert relative_error(out, w4a16_matmul_ref(x.double(), *args)) < 2e-2
         assert torch.equal(out, w4a16_matmul(x, *args))  # captured and eager: the same bits
     assert not qm._split_buffers(x.device, n)[1].any()
+
+
+@pytest.mark.gpu
+def test_swiglu_down_projection_on_the_gpu():
+    """The 8B down projection (4096 x 14336) with SwiGLU inside the GEMV: the same bits as ``silu_and_mul`` then
+    the GEMV, eagerly and replayed in a CUDA graph."""
+    from labkit.kernels.silu_and_mul import silu_and_mul
+
+    n, k = 4096, 14336
+    packed, scales, zeros = _int4(n, k, 128, seed=80)
+    args = (packed, scales.bfloat16(), zeros.bfloat16(), 128)
+    gate_up = _x((1, 2 * k), torch.bfloat16, seed=81) * 2
+    out = w4a16_matmul(gate_up, *args, swiglu=True)
+    assert torch.equal(out, w4a16_matmul(silu_and_mul(gate_up), *args))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = w4a16_matmul(gate_up, *args, swiglu=True)
+    gate_up.copy_(_x((1, 2 * k), torch.bfloat16, seed=82))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, w4a16_matmul(silu_and_mul(gate_up), *args))
 
 
 @pytest.mark.gpu

@@ -104,6 +104,26 @@ def test_triton_backend_matches_torch_when_present():
                 assert relative_error(q(xs), ref) < 1e-5
 
 
+def test_int4_swiglu_forward_is_the_down_projection_of_silu_and_mul():
+    """``swiglu_forward([gate | up])`` is ``layer(silu(gate) * up)``: on the torch path exactly, and on the fused
+    kernel (the interpreter here; one bf16 row takes the stationary GEMV with the activation inside it) within
+    bf16 rounding of it. A width other than 2 * in_features is refused."""
+    lin, _ = _layer(32, 256, True, seed=11)
+    q = Int4Linear.from_linear(lin, 64)
+    gate_up = torch.randn(3, 512)
+    with torch.no_grad():
+        gate, up = gate_up.chunk(2, dim=-1)
+        assert torch.equal(q.swiglu_forward(gate_up), q(F.silu(gate) * up))
+        if fused_kernel("w4a16_matmul") is not None:
+            qb = Int4Linear(q.packed, q.scales.bfloat16(), q.zeros.bfloat16(), 64, lin.bias, backend="triton")
+            row = gate_up[:1].bfloat16()
+            g, u = row.chunk(2, dim=-1)
+            ref = F.linear((F.silu(g) * u).float(), q.dequantize(torch.float32), lin.bias)
+            assert relative_error(qb.swiglu_forward(row), ref) < 1e-2
+    with pytest.raises(ValueError, match="2 \\* in_features"):
+        q.swiglu_forward(torch.randn(2, 256))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 7, 64])
 def test_cuda_layers_match_reference(m):

@@ -8,7 +8,8 @@ RoPE -> write k, v at ``slot_mapping`` (one kernel for both on the Triton path w
 attention (an all-decode step: ``paged_attention`` over the block tables, flash-decoding for long contexts; a step
 with prefill chunks: ``paged_prefill_attention``, every row causally over its sequence's cached tokens, decode rows
 included, in one launch) -> o projection -> add residual + RMSNorm -> SwiGLU MLP (gate and up merged,
-``silu_and_mul``). Logits are computed for each sequence's last token only (``logits_indices``).
+``silu_and_mul``; with int4 weights computed inside the down projection's GEMV instead, ``Int4Linear.swiglu_forward``).
+Logits are computed for each sequence's last token only (``logits_indices``).
 
 ``kernels='torch'`` (the CPU default) calls the model's own modules and the torch references of
 ``labkit.kvcache.attention``, so greedy output equals HF ``generate`` token for token in float32; ``'triton'``
@@ -337,6 +338,8 @@ class ModelRunner:
             return mlp(x)
         from labkit.kernels.silu_and_mul import silu_and_mul
 
+        if self.merged and hasattr(mlp.down_proj, "swiglu_forward"):  # int4: SwiGLU inside the down GEMV
+            return mlp.down_proj.swiglu_forward(self.w_gate_up[i](x))
         if self.merged:
             return mlp.down_proj(silu_and_mul(self.w_gate_up[i](x)))
         return mlp.down_proj(silu_and_mul(mlp.gate_proj(x), mlp.up_proj(x)))

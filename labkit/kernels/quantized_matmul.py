@@ -72,6 +72,9 @@ stream a program: 0.5-2%), a 64-register cap (spills: 2.5x slower), bulk L2 pref
 dependent launch (PDL, ``PDL``: the first weight loads before ``griddepcontrol.wait``). PDL saved 0.4-0.8 us a
 GEMV launched after another GEMV (13.9 -> 13.1 us; notebook 03's ratio 2.36 with it at dcaf71d), but cost 0.3-0.8
 us after any other kernel -- the decode step's case (the engine's int4 step 2.54 -> 2.65 ms) -- so it stays off.
+``w4a16_matmul(gate_up, ..., swiglu=True)`` (an MLP's down projection) computes ``silu(gate) * up`` while the
+stationary GEMV prepares its slice: a decode step loses the ``silu_and_mul`` launch and its round trip of the
+activations through memory, with the same bits.
 bitsandbytes LLM.int8 took 30.9 us there: a 3x bar over it needs 10.3 us, below the int8 bytes' floor of
 13.8 us -- no int8 kernel can meet that at this shape (at most 30.9 / 13.8 = 2.24x).
 """
@@ -405,11 +408,24 @@ def _w4_gemv(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_
 
 
 @triton.jit
+def _slice_activations(x_ptr, k, K, SWIGLU: tl.constexpr):
+    """The activations at positions ``k`` as float32; with ``SWIGLU`` ``x_ptr`` holds ``[gate | up]`` (``2K``
+    values) and they are ``silu(gate) * up``, rounded as ``silu_and_mul`` rounds (the silu, then the product, to
+    the input dtype): the same bits as running that kernel first."""
+    if SWIGLU:
+        g = tl.load(x_ptr + k)
+        gf = g.to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+        return (act.to(tl.float32) * tl.load(x_ptr + K + k).to(tl.float32)).to(g.dtype).to(tl.float32)
+    return tl.load(x_ptr + k).to(tl.float32)
+
+
+@triton.jit
 def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_pk, stride_pn, stride_sk,
                 stride_sn, stride_zk, stride_zn, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 ROW_STEPS: tl.constexpr, PREFETCH: tl.constexpr, SPLIT_P2: tl.constexpr, RED_ROWS: tl.constexpr,
                 HALF_MATH: tl.constexpr, WEIGHTS_FIRST: tl.constexpr = False, PDL: tl.constexpr = False,
-                REDUCE: tl.constexpr = True):
+                REDUCE: tl.constexpr = True, SWIGLU: tl.constexpr = False):
     """The int4 GEMV with the activations *stationary* (16-bit activations, whole tiles: ``N`` a multiple of
     ``BLOCK_N * ROW_STEPS``, ``K`` of ``BLOCK_K``, power-of-two groups that divide ``BLOCK_K``).
 
@@ -438,7 +454,7 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stri
         nw, ns, nz = tl.load(p_ptrs), tl.load(s_ptrs), tl.load(z_ptrs)
     if PDL:  # launched before the kernel ahead finished: nothing it writes may be read or written before this
         tl.extra.cuda.gdc_wait()
-    x8 = tl.load(x_ptr + kw[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]).to(tl.float32)
+    x8 = _slice_activations(x_ptr, kw[:, :, None] * 8 + tl.arange(0, 8)[None, None, :], K, SWIGLU)
     x0, x1, x2, x3, x4, x5, x6, x7 = _x_octets(x8, BLOCK_G, WORDS)
     x_sum = tl.sum((x0 + x1) + (x2 + x3) + (x4 + x5) + (x6 + x7), 1)
     up, down = _pow2_scales(x8)
@@ -793,11 +809,12 @@ def xs_tile(n: int, k: int, group: int, device: torch.device, tile: dict | None 
 
 
 def w4_gemv_xs(x2: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor, group: int,
-               tile: dict) -> torch.Tensor:
+               tile: dict, swiglu: bool = False) -> torch.Tensor:
     """Launch ``_w4_gemv_xs`` on one row ``x2`` ``[1, K]`` (float16/bfloat16) and int4 weights as int32 words
     ``[N, K // 8]`` with scales and zeros ``[N, K // group]``; ``tile`` from ``xs_tile`` (``PDL``, an experiment of
-    scripts/gemv_study.py: launched as a programmatic dependent launch, sm_90 and later). Returns ``[1, N]``."""
-    n, k = words.shape[0], x2.shape[1]
+    scripts/gemv_study.py: launched as a programmatic dependent launch, sm_90 and later). ``swiglu``: ``x2`` is
+    ``[1, 2K]``, ``[gate | up]``, and the GEMV multiplies ``silu(gate) * up``. Returns ``[1, N]``."""
+    n, k = words.shape[0], x2.shape[1] // (2 if swiglu else 1)
     out = torch.empty(1, n, dtype=x2.dtype, device=x2.device)
     bk = tile["BLOCK_K"]
     slices, rows = k // bk, tile["BLOCK_N"] * tile["ROW_STEPS"]
@@ -807,7 +824,7 @@ def w4_gemv_xs(x2: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.
     strides = (bk // 8, words.stride(0), bk // group, s.stride(0), bk // group, z.stride(0))
     _w4_gemv_xs[(slices, n // rows)](x2, words, s, z, out, ws, cnt, n, k, *strides, GROUP=group, **meta,
                                       num_warps=tile["num_warps"], num_stages=1,
-                                      HALF_MATH=1 if x2.device.type == "cuda" else 2,
+                                      HALF_MATH=1 if x2.device.type == "cuda" else 2, SWIGLU=swiglu,
                                       **({"launch_pdl": True} if tile.get("PDL") else {}))
     return out
 
@@ -884,13 +901,18 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) ->
 
 
 def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 group_size: int) -> torch.Tensor:
+                 group_size: int, swiglu: bool = False) -> torch.Tensor:
     """``x @ W.T`` with ``W = (q - zeros) * scales`` per group, unpacked from int4 in registers.
 
     ``x`` ``[..., K]`` float16/bfloat16/float32 (bfloat16 with more than one row needs CUDA); ``packed`` uint8
     ``[N, K // 2]`` (low nibble = even ``k``); ``scales``, ``zeros`` ``[N, K // group_size]`` (any float dtype);
     ``group_size`` an even divisor of ``K`` (powers of two from 8 to 1024 take the split-K GEMV at batch 1,
     other sizes a plain per-weight one). Returns ``[..., N]`` in ``x``'s dtype, accumulated in float32.
+
+    ``swiglu``: ``x`` is ``[..., 2K]``, a merged gate/up projection's output ``[gate | up]``, and the product is
+    ``silu_and_mul(x) @ W.T`` (an MLP's down projection). One 16-bit row on the stationary GEMV computes
+    ``silu(gate) * up`` as it prepares its activations -- no kernel of its own, no ``[K]`` round trip through
+    memory, the same bits; any other case runs ``silu_and_mul`` first.
     """
     check_tensor("packed", packed, (torch.uint8,), dim=2)
     check_tensor("scales", scales, FLOAT_DTYPES, dim=2, device=packed.device)
@@ -901,6 +923,17 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
     if scales.shape != (n, k // group_size) or zeros.shape != scales.shape:
         raise ValueError(f"scales {tuple(scales.shape)} and zeros {tuple(zeros.shape)} must be "
                          f"[N, K // group_size] = [{n}, {k // group_size}]")
+    if swiglu:
+        check_tensor("x", x, FLOAT_DTYPES)
+        if x.dim() == 0 or x.shape[-1] != 2 * k:
+            raise ValueError(f"with swiglu=True x {tuple(x.shape)} must be [..., 2K] = [gate | up] with K={k} "
+                             f"from packed {tuple(packed.shape)}")
+        fused = _swiglu_gemv(x, packed, scales, zeros, group_size)
+        if fused is not None:
+            return fused
+        from labkit.kernels.silu_and_mul import silu_and_mul
+
+        x = silu_and_mul(x)
     x2 = _check_x(x, k, f"packed {tuple(packed.shape)} (K = 2 * packed.shape[1])")
     check_tensor("x", x2, device=packed.device)
     p = packed if packed.stride(-1) == 1 else packed.contiguous()
@@ -928,4 +961,22 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
                     cpu_meta=dict(CPU_GEMM, BLOCK_K=min(CPU_GEMM["BLOCK_K"], group_size)))
     else:
         out = _gemm(x2, n, _w4_gemm, _w4_gemm_tuned, args, strides, {"GROUP": group_size})
+    return out.view(*x.shape[:-1], n)
+
+
+def _swiglu_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int) -> torch.Tensor | None:
+    """``silu_and_mul(x) @ W.T`` on the stationary GEMV for one 16-bit row ``[..., 2K]`` where its tiles fit, or
+    None (the caller runs ``silu_and_mul`` first)."""
+    n, k = packed.shape[0], 2 * packed.shape[1]
+    if x.numel() != 2 * k or x.dtype == torch.float32 or x.device != packed.device or n == 0:
+        return None
+    if not (8 <= group_size <= 1024 and group_size & (group_size - 1) == 0):
+        return None
+    p = packed if packed.stride(-1) == 1 else packed.contiguous()
+    tile = xs_tile(n, k, group_size, x.device) if p.data_ptr() % 4 == 0 else None
+    if tile is None:
+        return None
+    x2 = x.reshape(1, 2 * k).contiguous()
+    out = w4_gemv_xs(x2, p.view(torch.int32), scales.contiguous(), zeros.contiguous(), group_size, tile, swiglu=True)
     return out.view(*x.shape[:-1], n)

@@ -219,6 +219,22 @@ class Int4Linear(nn.Module):
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
+    def swiglu_forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``self(silu(gate) * up)`` for ``gate_up`` ``[..., 2 * in_features]`` = ``[gate | up]`` (a merged
+        gate/up projection's output, as in an MLP's down projection). On the fused path the activation is
+        computed inside the GEMV (``w4a16_matmul(..., swiglu=True)``); on the torch path, as HF's MLP rounds."""
+        if gate_up.dim() == 0 or gate_up.shape[-1] != 2 * self.in_features:
+            raise ValueError(f"gate_up {tuple(gate_up.shape)} must be [..., 2 * in_features] = "
+                             f"[..., {2 * self.in_features}]")
+        fn = _use_fused(self.backend, gate_up, "w4a16_matmul")
+        if fn is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self(F.silu(gate) * up)
+        y = fn(gate_up.reshape(-1, 2 * self.in_features), self.packed, self.scales, self.zeros, self.group_size,
+               swiglu=True)
+        y = y.view(*gate_up.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 " \
                f"group_size={self.group_size}, backend={self.backend}"
