@@ -183,6 +183,15 @@ display(att.round(3))
 # The int4 GEMV keeps its activations *stationary*: each program prepares one slice of 512 activations once and
 # walks down its rows with the next block's weights already in flight, instead of preparing the activations again
 # for every block of rows (records/gemv_study_xs_2748180.json: 10-20% faster at four of the five 8B shapes).
+#
+# What is left between the int4 GEMV and its bytes (results/h200/NOTES.md, third session of 2026-12-04): across
+# the 8B shapes its time is about 4 us fixed plus the bytes at ~3.2 TB/s. Half of the fixed part is the end of
+# split-K -- a fence, an atomic counter and the last program's loads, one memory round trip after another
+# (without them, wrong sums, timing only: 13.6 -> 12.1 us at 4096 -> 14336). Where N is small, programs that own
+# the whole of K avoid it (k/v 6.2 -> 5.6 us). Programmatic dependent launch, which lets a kernel start its
+# weight loads while the kernel ahead is still finishing, took 0.4-0.8 us off a GEMV that follows another GEMV --
+# and *added* 0.3-0.8 us after any other kernel, which is what precedes every GEMV in a decode step; so it is off,
+# and this benchmark, where GEMVs follow GEMVs, does not use it either.
 
 # %%
 gemv = table[table.kernel == "gemv"][["impl", "shape", "median_us", "gb_s", "frac_of_ceiling", "rel_err",
