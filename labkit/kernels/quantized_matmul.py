@@ -432,11 +432,15 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stri
     Program ``(k, n)`` owns slice ``k`` of ``BLOCK_K`` activations and ``ROW_STEPS`` blocks of ``BLOCK_N`` rows.
     It prepares its slice once (float16 pairs, powers of two, sums) and walks down its rows with nothing but
     weight, scale and zero loads and the packed float16 dot, the next row block's loads issued before this one's
-    math (``PREFETCH``; ``WEIGHTS_FIRST``: the first block's loads issued before the slice's, an experiment of
-    scripts/gemv_study.py). ``_w4_gemv`` redoes that preparation, with a layout change through shared memory and a
-    barrier, at every step of every row block. Partials go to the float32 workspace ``[slices, N]``; the last
-    slice of a row chunk to arrive sums all slices (``SPLIT_P2 >= slices``, ``RED_ROWS`` rows at a time) in
-    slice order, writes the rows and resets its counter."""
+    math (``PREFETCH``; ``WEIGHTS_FIRST``: the first block's loads issued before the slice's preparation).
+    ``_w4_gemv`` redoes that preparation, with a layout change through shared memory and a barrier, at every step
+    of every row block. With one slice (``SPLIT_P2 == 1``: the program owns the whole of K) it stores its rows;
+    otherwise partials go to the float32 workspace ``[slices, N]`` and the last slice of a row chunk to arrive
+    sums all slices (``SPLIT_P2 >= slices``, ``RED_ROWS`` rows at a time) in slice order, writes the rows and
+    resets its counter. ``SWIGLU``: ``x_ptr`` holds ``[gate | up]`` and the activations are ``silu(gate) * up``.
+    Experiments of scripts/gemv_study.py: ``PDL`` (launched as a programmatic dependent launch: the next launch
+    released at the start, the first loads issued before waiting for the kernel ahead) and ``REDUCE=False`` (the
+    partials left unsummed: wrong output, for the time the reduction costs)."""
     BLOCK_G: tl.constexpr = BLOCK_K // GROUP
     WORDS: tl.constexpr = GROUP // 8
     ROWS: tl.constexpr = BLOCK_N * ROW_STEPS
