@@ -87,10 +87,11 @@ def _xs_candidates(n: int, k: int, narrow: bool = False) -> list[dict]:
 
 
 def _xs_experiments(n: int, k: int) -> list[dict]:
-    """labkit's tile as the wrapper launches it eagerly and under capture (``PDL``: programmatic dependent launch,
-    the next launch released at the start, the first weight loads issued before waiting for the kernel ahead),
-    without the last slice's reduction (``REDUCE`` False: wrong sums, for the time the reduction's tail costs),
-    and whole-K programs (4 rows a step, 4 warps; the best of a whole-K sweep at a078452) with PDL."""
+    """labkit's tile as the wrapper launches it, then with programmatic dependent launch (``PDL``: the next
+    launch released at the start, the first weight loads issued before waiting for the kernel ahead; at 0a9fcfd
+    and b39937c the wrapper used it under capture), without the last slice's reduction (``REDUCE`` False: wrong
+    sums, for the time the reduction's tail costs), and whole-K programs (4 rows a step, 4 warps; the best of a
+    whole-K sweep at a078452) with PDL."""
     base = qm.xs_tile(n, k, GROUP, torch.device("cuda"))
     if base is None:
         return []
@@ -108,9 +109,10 @@ def _step_candidates(n: int, k: int) -> list[dict]:
     """The split tile and (where K <= 4096) the whole-K tile, each launched plainly and with PDL: for
     ``--experiments step``, where every GEMV follows a small kernel that writes its activations, as in a decode
     step (an RMSNorm before qkv and gate_up, attention before o, SwiGLU before down)."""
-    tiles = [qm.xs_tile(n, k, GROUP, torch.device("cuda"), qm.XS_TILE), qm.xs_tile(n, k, GROUP, torch.device("cuda"))]
+    tiles = [qm.xs_tile(n, k, GROUP, torch.device("cuda"), qm.XS_TILE),
+             qm.xs_tile(n, k, GROUP, torch.device("cuda"), dict(qm.XS_WHOLE_K_TILE, BLOCK_K=k)) if k <= 4096 else None]
     out = []
-    for t in {id(t): t for t in tiles if t is not None}.values():
+    for t in filter(None, tiles):
         base = {key: t[key] for key in ("BLOCK_N", "BLOCK_K", "ROW_STEPS", "PREFETCH", "WEIGHTS_FIRST", "num_warps")}
         if base not in out:
             out += [base, dict(base, PDL=True)]
@@ -118,7 +120,7 @@ def _step_candidates(n: int, k: int) -> list[dict]:
 
 
 def _tile_candidates(n: int, k: int) -> list[dict]:
-    """Stationary tiles beyond labkit's, all launched as under capture (PDL, first loads early): 1-2 warps a
+    """Stationary tiles beyond labkit's, all with PDL and the first loads early: 1-2 warps a
     program with 1024-2048 activations a slice, and programs that own the whole of K (no cross-program reduction;
     1 warp: no cross-warp reduction either), each at the row steps that give 2-16 programs per SM of 132."""
     tiles = [(16, 512, 2), (4, 1024, 1), (8, 1024, 1), (8, 1024, 2), (2, 2048, 1), (4, 2048, 1), (4, 2048, 2),
