@@ -927,29 +927,31 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
     if scales.shape != (n, k // group_size) or zeros.shape != scales.shape:
         raise ValueError(f"scales {tuple(scales.shape)} and zeros {tuple(zeros.shape)} must be "
                          f"[N, K // group_size] = [{n}, {k // group_size}]")
+    p = packed if packed.stride(-1) == 1 else packed.contiguous()
+    s, z = scales.contiguous(), zeros.contiguous()
     if swiglu:
-        check_tensor("x", x, FLOAT_DTYPES)
+        check_tensor("x", x, FLOAT_DTYPES, device=packed.device)
         if x.dim() == 0 or x.shape[-1] != 2 * k:
             raise ValueError(f"with swiglu=True x {tuple(x.shape)} must be [..., 2K] = [gate | up] with K={k} "
                              f"from packed {tuple(packed.shape)}")
-        fused = _swiglu_gemv(x, packed, scales, zeros, group_size)
-        if fused is not None:
-            return fused
+        rows = x.reshape(-1, 2 * k).contiguous()
+        tile = _stationary_tile(rows, n, k, group_size, p) if n else None
+        if tile is not None:
+            out = w4_gemv_xs(rows, p.view(torch.int32), s, z, group_size, tile, swiglu=True)
+            return out.view(*x.shape[:-1], n)
         from labkit.kernels.silu_and_mul import silu_and_mul
 
         x = silu_and_mul(x)
     x2 = _check_x(x, k, f"packed {tuple(packed.shape)} (K = 2 * packed.shape[1])")
     check_tensor("x", x2, device=packed.device)
-    p = packed if packed.stride(-1) == 1 else packed.contiguous()
-    s, z = scales.contiguous(), zeros.contiguous()
     args, strides = (p, s, z), (p.stride(0), s.stride(0), z.stride(0))
     m = x2.shape[0]
     if m == 0 or n == 0:
         out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
-    elif m == 1 and 8 <= group_size <= 1024 and group_size & (group_size - 1) == 0 and p.data_ptr() % 4 == 0:
+    elif m == 1 and _word_gemv(group_size, p):
         words = p.view(torch.int32)  # K % 8 == 0 here: whole 4-byte words per row
         half = 0 if x2.dtype == torch.float32 else (1 if x2.device.type == "cuda" else 2)
-        tile = xs_tile(n, k, group_size, x2.device) if half else None
+        tile = _stationary_tile(x2, n, k, group_size, p)
         if tile is not None:
             return w4_gemv_xs(x2, words, s, z, group_size, tile).view(*x.shape[:-1], n)
         cpu = dict(CPU_GEMV4, BLOCK_K=max(CPU_GEMV4["BLOCK_K"], group_size))
@@ -968,19 +970,15 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
     return out.view(*x.shape[:-1], n)
 
 
-def _swiglu_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 group_size: int) -> torch.Tensor | None:
-    """``silu_and_mul(x) @ W.T`` on the stationary GEMV for one 16-bit row ``[..., 2K]`` where its tiles fit, or
-    None (the caller runs ``silu_and_mul`` first)."""
-    n, k = packed.shape[0], 2 * packed.shape[1]
-    if x.numel() != 2 * k or x.dtype == torch.float32 or x.device != packed.device or n == 0:
+def _word_gemv(group_size: int, p: torch.Tensor) -> bool:
+    """Whether the int4 GEMVs that read int32 words take these weights: power-of-two groups of 8-1024, rows on
+    4-byte boundaries."""
+    return 8 <= group_size <= 1024 and group_size & (group_size - 1) == 0 and p.data_ptr() % 4 == 0
+
+
+def _stationary_tile(x2: torch.Tensor, n: int, k: int, group_size: int, p: torch.Tensor) -> dict | None:
+    """The stationary GEMV's tile (``xs_tile``) for activation rows ``x2`` and packed weights ``p``, or None where
+    another kernel takes them: more than one row, float32 activations, or groups or rows it cannot read as words."""
+    if x2.shape[0] != 1 or x2.dtype == torch.float32 or not _word_gemv(group_size, p):
         return None
-    if not (8 <= group_size <= 1024 and group_size & (group_size - 1) == 0):
-        return None
-    p = packed if packed.stride(-1) == 1 else packed.contiguous()
-    tile = xs_tile(n, k, group_size, x.device) if p.data_ptr() % 4 == 0 else None
-    if tile is None:
-        return None
-    x2 = x.reshape(1, 2 * k).contiguous()
-    out = w4_gemv_xs(x2, p.view(torch.int32), scales.contiguous(), zeros.contiguous(), group_size, tile, swiglu=True)
-    return out.view(*x.shape[:-1], n)
+    return xs_tile(n, k, group_size, x2.device)

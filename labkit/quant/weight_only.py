@@ -215,8 +215,12 @@ class Int4Linear(nn.Module):
         fn = _use_fused(self.backend, x, "w4a16_matmul")
         if fn is None:
             return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        y = fn(x.reshape(-1, self.in_features), self.packed, self.scales, self.zeros, self.group_size)
-        y = y.view(*x.shape[:-1], self.out_features)
+        return self._out(fn(x.reshape(-1, self.in_features), self.packed, self.scales, self.zeros, self.group_size),
+                         x.shape[:-1])
+
+    def _out(self, y: torch.Tensor, lead: torch.Size) -> torch.Tensor:
+        """The fused kernel's rows ``y`` ``[M, N]`` as ``[*lead, N]``, plus the bias."""
+        y = y.view(*lead, self.out_features)
         return y if self.bias is None else y + self.bias
 
     def swiglu_forward(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -230,10 +234,8 @@ class Int4Linear(nn.Module):
         if fn is None:
             gate, up = gate_up.chunk(2, dim=-1)
             return self(F.silu(gate) * up)
-        y = fn(gate_up.reshape(-1, 2 * self.in_features), self.packed, self.scales, self.zeros, self.group_size,
-               swiglu=True)
-        y = y.view(*gate_up.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        return self._out(fn(gate_up.reshape(-1, 2 * self.in_features), self.packed, self.scales, self.zeros,
+                            self.group_size, swiglu=True), gate_up.shape[:-1])
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 " \
