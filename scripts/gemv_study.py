@@ -86,6 +86,11 @@ def _xs_candidates(n: int, k: int, narrow: bool = False) -> list[dict]:
     return out
 
 
+def _launch_config(tile: dict) -> dict:
+    """An ``xs_tile`` result reduced to the keys a candidate names (the rest ``xs_tile`` derives again)."""
+    return {key: tile[key] for key in ("BLOCK_N", "BLOCK_K", "ROW_STEPS", "PREFETCH", "WEIGHTS_FIRST", "num_warps")}
+
+
 def _xs_experiments(n: int, k: int) -> list[dict]:
     """labkit's tile as the wrapper launches it, then with programmatic dependent launch (``PDL``: the next
     launch released at the start, the first weight loads issued before waiting for the kernel ahead; at 0a9fcfd
@@ -95,7 +100,7 @@ def _xs_experiments(n: int, k: int) -> list[dict]:
     base = qm.xs_tile(n, k, GROUP, torch.device("cuda"))
     if base is None:
         return []
-    base = {key: base[key] for key in ("BLOCK_N", "BLOCK_K", "ROW_STEPS", "PREFETCH", "WEIGHTS_FIRST", "num_warps")}
+    base = _launch_config(base)
     out = [base, dict(base, PDL=True), dict(base, PDL=True, REDUCE=False)]
     if k <= 4096:
         for steps in (1, 2, 4, 8, 16):
@@ -113,7 +118,7 @@ def _step_candidates(n: int, k: int) -> list[dict]:
              qm.xs_tile(n, k, GROUP, torch.device("cuda"), dict(qm.XS_WHOLE_K_TILE, BLOCK_K=k)) if k <= 4096 else None]
     out = []
     for t in filter(None, tiles):
-        base = {key: t[key] for key in ("BLOCK_N", "BLOCK_K", "ROW_STEPS", "PREFETCH", "WEIGHTS_FIRST", "num_warps")}
+        base = _launch_config(t)
         if base not in out:
             out += [base, dict(base, PDL=True)]
     return out
