@@ -110,8 +110,8 @@ display(predict.round(3))
 # %%
 model, tok = load_model(device=SIZES["accuracy_device"], dtype="fp32")
 acc = accuracy_rows(model, tok, methods=(*METHODS, "int4+lm_head"), seq_len=SIZES["seq_len"],
-                    max_windows=SIZES["windows"], calib_samples=SIZES["calib_samples"], calib_seq_len=SIZES["calib_seq_len"],
-                    error_tokens=SIZES["error_tokens"], seed=seed)
+                    max_windows=SIZES["windows"], calib_samples=SIZES["calib_samples"],
+                    calib_seq_len=SIZES["calib_seq_len"], error_tokens=SIZES["error_tokens"], seed=seed)
 acc_table = pd.DataFrame([{k: r.get(k) for k in ("method", "ppl", "ppl_delta_frac", "layer_err_mean",
                                                  "layer_err_max", "bits_per_weight", "weight_bytes_ratio",
                                                  "forward_peak_bytes", "quantise_s", "status")}
