@@ -117,13 +117,10 @@ class StaticDecodeStep:
         return t
 
     def kernel_breakdown(self, top: int = 15, steps: int = 3) -> dict:
-        """Where a step's device time goes: kernels per step, device time per step (kernel durations summed)
-        and the ``top`` kernels by time, from a profile of ``steps`` steps (graph replays on CUDA)."""
-        from labkit.profiling import profile_run
+        """Where a step's device time goes (``labkit.profiling.step_breakdown`` of ``steps`` steps)."""
+        from labkit.profiling import step_breakdown
 
-        res = profile_run(lambda: [self.step() for _ in range(steps)], steps=steps, warmup=1)
-        return {"kernels_per_step": res.kernels_per_step, "device_us_per_step": res.device_s * 1e6 / steps,
-                "top": res.top_kernels_per_step(top)}
+        return step_breakdown(self.step, top, steps)
 
 
 def time_decode_step(model: torch.nn.Module, batch_size: int, context_len: int, cuda_graph: bool = True,

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from labkit.quant.compare import accuracy_rows, speed_rows
+from labkit.quant.compare import accuracy_rows, breakdown_tables, speed_rows
 
 
 def test_accuracy_rows(tiny_model):
@@ -51,11 +51,14 @@ def test_speed_rows(tiny_model):
 
 def test_speed_rows_engine_runner(tiny_model):
     rows = speed_rows(tiny_model[0], methods=("int8", "bnb-int8"), context_len=8, iters=2, runner="engine",
-                      progress=False)
+                      progress=False, breakdown=4)
     assert [r["method"] for r in rows] == ["base", "int8", "bnb-int8"]
     assert [r["timing"] for r in rows[:2]] == ["engine_eager"] * 2 and rows[0]["speedup"] == 1.0
     assert rows[1]["weight_bytes_ratio"] < 0.52 and rows[1]["decode_ms"] > 0
     assert "capturable" in rows[2]["status"] or rows[2]["status"] != "ok"
+    steps, kernels = breakdown_tables(rows)
+    assert list(steps.step) == ["base (engine)", "int8 (engine)"] and (steps["kernel time (ms)"] > 0).all()
+    assert list(kernels.columns) == list(steps.step) and 0 < len(kernels) <= 8
     with pytest.raises(ValueError, match="runner='vllm'"):
         speed_rows(tiny_model[0], methods=(), runner="vllm")
 
@@ -70,8 +73,11 @@ def test_speed_rows_cuda_graph_and_patch():
     assert all(r["status"] == "ok" for r in rows), [r["status"] for r in rows]
     assert {r["timing"] for r in rows if r["method"] != "base"} == {"cuda_graph"}
     assert all(r["decode_ms"] > 0 for r in rows)
-    rows = speed_rows(model, methods=("int8", "int4"), context_len=64, iters=5, runner="engine", progress=False)
+    rows = speed_rows(model, methods=("int8", "int4"), context_len=64, iters=5, runner="engine", progress=False,
+                      breakdown=6)
     assert [r["timing"] for r in rows] == ["engine_graph"] * 3 and all(r["status"] == "ok" for r in rows)
+    steps, _ = breakdown_tables(rows)  # a replayed graph is profiled kernel by kernel
+    assert (steps.kernels > 10).all() and (steps["device busy (ms)"] <= steps["step (ms)"] * 1.5).all()
     del model
     torch.cuda.empty_cache()
 

@@ -155,8 +155,8 @@ def speed_rows(model: nn.Module, methods=("int8", "int4", "fp8", "bnb-int8", "bn
     ``bandwidth`` (bytes/s, measured): adds each step's floor, the bytes it must read (``decode_step_bytes``)
     over that bandwidth, and the fraction of the floor reached.
 
-    ``breakdown > 0``: each CUDA-graph row also gets ``breakdown``, its step's top kernels by device time
-    (``StaticDecodeStep.kernel_breakdown``).
+    ``breakdown > 0``: each CUDA-graph row (and each engine row) also gets ``breakdown``, its step's top kernels
+    by device time (``labkit.profiling.step_breakdown``; ``breakdown_tables`` lays them out).
 
     ``runner``: ``"hf"`` times the model's own forward (``labkit.decode_step``); ``"engine"`` times labkit's
     serving forward on the same weights (``labkit.engine`` ``ModelRunner``: q/k/v and gate/up merged into one
@@ -177,7 +177,7 @@ def speed_rows(model: nn.Module, methods=("int8", "int4", "fp8", "bnb-int8", "bn
             continue
         try:
             if runner == "engine":
-                rows += _engine_rows(model, method, batch_size, context_len, iters, bandwidth, base_ms)
+                rows += _engine_rows(model, method, batch_size, context_len, iters, bandwidth, base_ms, breakdown)
             else:
                 rows += _speed_rows(model, method, batch_size, context_len, iters, patch, bandwidth, base_ms,
                                     breakdown)
@@ -206,7 +206,8 @@ def _row(method, timing, t, base_ms, wb: dict, step_bytes: float, bandwidth, **e
     return row
 
 
-def _engine_rows(model, method, batch_size, context_len, iters, bandwidth, base_ms) -> list[dict]:
+def _engine_rows(model, method, batch_size, context_len, iters, bandwidth, base_ms,
+                 breakdown: int = 0) -> list[dict]:
     """One row: labkit's ``ModelRunner`` decode step over a paged cache (``engine.experiments.runner_step``)."""
     from labkit.bench import time_fn
     from labkit.engine.experiments import runner_step
@@ -218,8 +219,13 @@ def _engine_rows(model, method, batch_size, context_len, iters, bandwidth, base_
     step, runner = runner_step(qm, "decode", batch_size, context_len)
     timing = "engine_graph" if runner.graph_batch_sizes else "engine_eager"
     t = time_fn(step, device=_device(model), warmup=2, iters=iters)
+    row = _row(method, timing, t, base_ms, *_step_bytes(qm, model, batch_size, context_len), bandwidth)
+    if breakdown:
+        from labkit.profiling import step_breakdown
+
+        row["breakdown"] = step_breakdown(step, breakdown)
     del step, runner
-    return [_row(method, timing, t, base_ms, *_step_bytes(qm, model, batch_size, context_len), bandwidth)]
+    return [row]
 
 
 def _speed_rows(model, method, batch_size, context_len, iters, patch, bandwidth, base_ms,
@@ -251,3 +257,21 @@ def _speed_rows(model, method, batch_size, context_len, iters, patch, bandwidth,
             row["breakdown"] = t.extra["breakdown"]
         rows.append(row)
     return rows
+
+
+def breakdown_tables(rows: list[dict]):
+    """Two DataFrames from ``speed_rows`` rows that carry a ``breakdown``: one row per step (kernels, kernel time,
+    device busy time and the timed step, in ms), and the top kernels' microseconds per step, a column per step.
+    Kernel names are cut to 100 characters, so two instantiations of one template can share a name: they add."""
+    import pandas as pd
+
+    profiled = [r for r in rows if r.get("breakdown")]
+    keys = [f"{r['method']} ({'engine' if r['timing'].startswith('engine') else 'HF'}"
+            f"{', patched' if r.get('patched') else ''})" for r in profiled]
+    steps = pd.DataFrame([{"step": k, "kernels": r["breakdown"]["kernels_per_step"],
+                           "kernel time (ms)": r["breakdown"]["device_us_per_step"] / 1e3,
+                           "device busy (ms)": r["breakdown"].get("busy_us_per_step", float("nan")) / 1e3,
+                           "step (ms)": r["decode_ms"]} for k, r in zip(keys, profiled)])
+    kernels = pd.concat({k: pd.DataFrame(r["breakdown"]["top"]).groupby("kernel").us_per_step.sum()
+                         for k, r in zip(keys, profiled)}, axis=1) if profiled else pd.DataFrame()
+    return steps, kernels

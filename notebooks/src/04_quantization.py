@@ -43,7 +43,7 @@ from labkit.hardware import KNOWN, measure_copy_bandwidth
 from labkit.models import PRESETS, load_model, random_model
 from labkit.quant import METHODS, quantize
 from labkit.quant import precision as P
-from labkit.quant.compare import accuracy_rows, speed_rows
+from labkit.quant.compare import accuracy_rows, breakdown_tables, speed_rows
 from labkit.quant.metrics import bytes_per_weight, decode_weight_bytes
 from labkit.workbook import resolve_profile
 
@@ -183,7 +183,7 @@ if PROFILE == "gpu":
         print(f"patched pass failed: {type(e).__name__}: {e}")
     try:  # labkit's serving forward on the same weights (notebook 05's ModelRunner)
         speed += speed_rows(big, methods=("int8", "int4", "int4+lm_head", "fp8"), context_len=SIZES["context"],
-                            iters=SIZES["decode_iters"], runner="engine", bandwidth=bandwidth)
+                            iters=SIZES["decode_iters"], runner="engine", bandwidth=bandwidth, breakdown=16)
     except Exception as e:
         print(f"engine pass failed: {type(e).__name__}: {e}")
     del big
@@ -195,14 +195,11 @@ else:
                        context_len=SIZES["context"], iters=SIZES["decode_iters"], bandwidth=cpu_bandwidth)
 speed_table = pd.DataFrame(speed).drop(columns=["samples_s", "breakdown"], errors="ignore")
 display(speed_table.round(3))
-# where each patched step's device time goes (GPU): the kernels that the weight bytes do not explain
-profiled = [r for r in speed if r.get("breakdown")]
-if profiled:
-    print({r["method"]: f"{r['breakdown']['kernels_per_step']:.0f} kernels, "
-                        f"{r['breakdown']['device_us_per_step'] / 1e3:.2f} ms of kernels per step" for r in profiled})
-    # kernel names are cut to 100 characters, so two instantiations of one template can share a row: add them
-    display(pd.concat({r["method"]: pd.DataFrame(r["breakdown"]["top"]).groupby("kernel").us_per_step.sum()
-                       for r in profiled}, axis=1).round(1))
+# where each profiled step's device time goes (GPU: patched HF and engine passes): the kernels beside the weights
+steps_profiled, kernels_profiled = breakdown_tables(speed)
+if len(steps_profiled):
+    display(steps_profiled.round(3))
+    display(kernels_profiled.round(1))
 
 # %% [markdown]
 # ### The LM head: the last bf16 weights of the step
