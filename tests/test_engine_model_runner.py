@@ -113,8 +113,60 @@ def test_quantised_projections_merge(tiny_model, prompts, method):
     cache = nan_cache(qmodel, num_blocks=24, block_size=4)
     runner = ModelRunner(qmodel, cache, kernels="triton")
     assert runner.merged and type(runner.w_qkv[0]) is {"int8": Int8Linear, "int4": Int4Linear}[method]
+    assert runner.fused_layer_ops == (method == "int4")  # float32: the separate kernels, inside fused_forward
     for (a, _), (b, _) in zip(run_steps(runner, cache, short), ref):
         assert relative_error(a, b) <= 1e-5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the fused GEMVs; on CUDA "
+                    "test_engine_llm_engine's GPU test checks the int4 engine against HF")
+def test_int4_layers_take_in_their_norms_and_residual_adds(tiny_model, prompts, monkeypatch):
+    """float16 int4 layers at decode batch 1: each RMSNorm runs inside the GEMV after it, each residual add and the
+    SwiGLU inside the GEMV before it (``fuse_layer_ops``, the interpreter's stationary GEMV). A prompt and three
+    single-sequence decode steps give the same greedy tokens as the separate kernels, logits within float16
+    rounding; the prompt's step (rows > 1) takes the separate kernels on both."""
+    import labkit.kernels.quantized_matmul as qm
+    from labkit.quant import quantize
+
+    inside = []
+    monkeypatch.setattr(qm, "w4_gemv_xs", lambda *a, f=qm.w4_gemv_xs, **kw: inside.append(sorted(kw)) or f(*a, **kw))
+    # wide tiles and two layers keep the interpreter's time down: whole-K programs but for the down projection
+    monkeypatch.setattr(qm, "CPU_XS_TILE", dict(BLOCK_N=64, BLOCK_K=256, PREFETCH=1, num_warps=1, ROW_STEPS=1))
+    qmodel = quantize(tiny_model[0], "int4", backend="triton").half()  # the kernels on the CPU too
+    qmodel.model.layers = qmodel.model.layers[:2]
+    qmodel.config.num_hidden_layers = 2
+    layers = len(qmodel.model.layers)
+    fused, separate = (decode_logits(qmodel, prompts[1][:4], 3, fuse) for fuse in (True, False))
+    # per layer and decode step: q/k/v and gate/up with their norms, o and down with residual adds
+    assert inside.count(["norm"]) == 6 * layers and inside.count(["residual"]) == 3 * layers
+    assert inside.count(["residual", "swiglu"]) == 3 * layers
+    for a, b in zip(fused, separate):
+        assert a.argmax() == b.argmax() and relative_error(a, b) < 2e-2
+
+
+def decode_logits(model, prompt, steps: int, fuse: bool, **kw) -> list[torch.Tensor]:
+    """Logits of a prompt's step and of ``steps`` greedy single-sequence decode steps, ``fuse_layer_ops`` as given."""
+    cache = nan_cache(model, num_blocks=-(-(len(prompt) + steps) // 4) + 2, block_size=4)  # + a graph's scratch
+    runner = ModelRunner(model, cache, kernels="triton", fuse_layer_ops=fuse, **kw)
+    assert runner.fused_layer_ops == fuse
+    cache.allocate(0, prompt)
+    logits = [runner.execute([0], [len(prompt)], 0)]
+    for _ in range(steps):
+        cache.append_slots(0, [int(logits[-1].argmax())])
+        logits.append(runner.execute([0], [1], 1))
+    return logits
+
+
+@pytest.mark.gpu
+def test_int4_layer_ops_fused_on_the_gpu(tiny_model, prompts):
+    """The embedded model in bfloat16 with int4 layers, decode steps replayed from CUDA graphs: the GEMVs that take
+    in the norms, residual adds and SwiGLU give the separate kernels' greedy tokens, logits within bf16 rounding."""
+    from labkit.quant import quantize
+
+    qmodel = quantize(tiny_model[0], "int4").to("cuda", torch.bfloat16)
+    fused, separate = (decode_logits(qmodel, prompts[0], 12, fuse, max_num_seqs=1) for fuse in (True, False))
+    assert [int(a.argmax()) for a in fused] == [int(b.argmax()) for b in separate]
+    assert max(relative_error(a, b) for a, b in zip(fused, separate)) < 2e-2
 
 
 def test_padded_rows_touch_nothing(tiny_model, prompts):

@@ -209,6 +209,62 @@ def test_swiglu_down_projection_fused_into_the_gemv(monkeypatch, dtype):
         w4a16_matmul(_x((1, k), dtype, seed=72), *args, swiglu=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("k,tile", [(384, dict(BLOCK_N=8, BLOCK_K=128, PREFETCH=1, num_warps=1)),  # 3 slices
+                                    (256, dict(BLOCK_N=4, BLOCK_K=256, PREFETCH=1, num_warps=1))])  # whole K
+def test_norm_and_residual_fused_into_the_gemv(monkeypatch, dtype, k, tile):
+    """``norm_weight``: ``rms_norm(x) @ W.T``; ``residual``: ``residual + x @ W.T`` (the product rounded first).
+    One 16-bit row on the stationary GEMV does both inside the kernel -- every program takes the row's statistic
+    itself, split over K or owning all of it: within one rounding of the separate kernels (the statistic's sum runs
+    in another order), the residual add bit-equal to the separate add (bfloat16 on the CPU: within a rounding, as
+    Triton's interpreter casts to it by truncation). More rows, float32 or a ragged N run the separate kernels: the
+    same bits as them."""
+    import labkit.kernels.quantized_matmul as qm
+    from labkit.kernels.rms_norm import rms_norm, rms_norm_ref
+
+    monkeypatch.setattr(qm, "CPU_XS_TILE", tile)
+    fused = []
+    monkeypatch.setattr(qm, "w4_gemv_xs", lambda *a, f=qm.w4_gemv_xs, **kw: fused.append(sorted(kw)) or f(*a, **kw))
+    for n, rows, dt, expect_fused in [(64, 1, dtype, True), (64, 3, torch.float16, False), (62, 1, dtype, False),
+                                      (64, 1, torch.float32, False)]:
+        packed, scales, zeros = _int4(n, k, 64, seed=90)
+        args = (packed, scales.to(dt), zeros.to(dt), 64)
+        x = _x((rows, k), dt, seed=91) * 4
+        w = (torch.rand(k, generator=torch.Generator().manual_seed(92)) + 0.5).to(dt).to(DEVICE)
+        res = _x((rows, n), dt, seed=93) * 8
+        fused.clear()
+        out = w4a16_matmul(x, *args, norm_weight=w, norm_eps=1e-5, residual=res)
+        assert (fused == [["norm", "residual"]]) == expect_fused, (n, rows, dt)
+        fused.clear()
+        plain = w4a16_matmul(rms_norm(x, w, 1e-5), *args) + res
+        if expect_fused:
+            ref = w4a16_matmul_ref(rms_norm_ref(x, w, 1e-5).double(), *args) + res.double()
+            assert relative_error(out, ref) < TOL[dt] and relative_error(out, plain) < TOL[dt]
+            added = w4a16_matmul(x, *args, residual=res)
+            if dt == torch.float16 or DEVICE == "cuda":  # the interpreter casts to bfloat16 by truncation
+                assert torch.equal(added, w4a16_matmul(x, *args) + res)
+            assert relative_error(added, w4a16_matmul(x, *args) + res) < TOL[dt]
+        else:
+            assert torch.equal(out, plain), (n, rows, dt)
+
+
+def test_fused_gemv_arguments_are_checked():
+    packed, scales, zeros = _int4(64, 256, 64, seed=94)
+    args = (packed, scales.half(), zeros.half(), 64)
+    x = _x((1, 256), torch.float16, seed=95)
+    w = torch.ones(256, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="norm_weight and swiglu"):
+        w4a16_matmul(torch.cat([x, x], -1), *args, swiglu=True, norm_weight=w)
+    with pytest.raises(ValueError, match="norm_weight .* must be \\[K\\]"):
+        w4a16_matmul(x, *args, norm_weight=w[:128])
+    with pytest.raises(ValueError, match="norm_eps"):
+        w4a16_matmul(x, *args, norm_weight=w, norm_eps=-1.0)
+    with pytest.raises(ValueError, match="residual .* must be the output's shape"):
+        w4a16_matmul(x, *args, residual=torch.zeros(1, 32, dtype=torch.float16, device=DEVICE))
+    with pytest.raises((TypeError, ValueError), match="residual"):
+        w4a16_matmul(x, *args, residual=torch.zeros(1, 64, device=DEVICE))
+
+
 def test_w4a16_gemv_takes_stationary_activations_only_where_it_fits(monkeypatch):
     """Whole tiles and 16-bit activations take the stationary kernel; a ragged N, a K that is not a whole number
     of slices or float32 activations take the split-K GEMV -- both correct."""
@@ -417,6 +473,46 @@ def test_swiglu_down_projection_on_the_gpu():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(replayed, w4a16_matmul(silu_and_mul(gate_up), *args))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,fuse", [(6144, 4096, "norm"), (28672, 4096, "norm"), (4096, 4096, "residual"),
+                                      (4096, 14336, "swiglu+residual")])
+def test_layer_ops_fused_into_the_gemv_on_the_gpu(n, k, fuse):
+    """The 8B decode projections with their neighbours inside (q/k/v and gate/up after RMSNorm: whole-K and split
+    programs; o and down before the residual add, down with SwiGLU too): within a rounding of the separate kernels
+    (the residual add bit-equal), and the same bits eagerly and replayed in a CUDA graph."""
+    from labkit.kernels.rms_norm import rms_norm
+    from labkit.kernels.silu_and_mul import silu_and_mul
+
+    packed, scales, zeros = _int4(n, k, 128, seed=100)
+    args = (packed, scales.bfloat16() * 0.1, zeros.bfloat16(), 128)
+    swiglu = fuse.startswith("swiglu")
+    x = _x((1, 2 * k if swiglu else k), torch.bfloat16, seed=101) * 3
+    opts = dict(swiglu=swiglu)
+    if fuse == "norm":
+        opts["norm_weight"] = (torch.rand(k, device=DEVICE) + 0.5).bfloat16()
+    else:
+        opts["residual"] = _x((1, n), torch.bfloat16, seed=102) * 5
+
+    def separate(x):
+        y = silu_and_mul(x) if swiglu else x
+        y = rms_norm(y, opts["norm_weight"], 1e-6) if fuse == "norm" else y
+        out = w4a16_matmul(y, *args)
+        return out + opts["residual"] if "residual" in opts else out
+
+    out = w4a16_matmul(x, *args, **opts)
+    assert relative_error(out, separate(x)) < 1e-2
+    if fuse != "norm":
+        assert torch.equal(out, separate(x))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = w4a16_matmul(x, *args, **opts)
+    x.copy_(_x(x.shape, torch.bfloat16, seed=103))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, w4a16_matmul(x, *args, **opts))
+    assert relative_error(replayed, separate(x)) < 1e-2
 
 
 @pytest.mark.gpu

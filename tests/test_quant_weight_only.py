@@ -104,24 +104,38 @@ def test_triton_backend_matches_torch_when_present():
                 assert relative_error(q(xs), ref) < 1e-5
 
 
-def test_int4_swiglu_forward_is_the_down_projection_of_silu_and_mul():
-    """``swiglu_forward([gate | up])`` is ``layer(silu(gate) * up)``: on the torch path exactly, and on the fused
-    kernel (the interpreter here; one bf16 row takes the stationary GEMV with the activation inside it) within
-    bf16 rounding of it. A width other than 2 * in_features is refused."""
-    lin, _ = _layer(32, 256, True, seed=11)
+def test_int4_fused_forward_is_the_layer_with_its_neighbours():
+    """``fused_forward`` is ``residual + layer(act(x))`` with ``act`` an RMSNorm module or ``silu(gate) * up``:
+    on the torch path exactly as HF's modules compute it, and on the fused kernel (the interpreter here; one bf16
+    row takes the stationary GEMV with them inside) within bf16 rounding of a float32 reference. Bad widths and
+    norm with swiglu are refused."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    lin, _ = _layer(32, 256, False, seed=11)
     q = Int4Linear.from_linear(lin, 64)
-    gate_up = torch.randn(3, 512)
+    norm = LlamaRMSNorm(256, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    gate_up, x, res = torch.randn(3, 512), torch.randn(3, 256) * 3, torch.randn(3, 32)
     with torch.no_grad():
         gate, up = gate_up.chunk(2, dim=-1)
-        assert torch.equal(q.swiglu_forward(gate_up), q(F.silu(gate) * up))
+        assert torch.equal(q.fused_forward(gate_up, swiglu=True, residual=res), res + q(F.silu(gate) * up))
+        assert torch.equal(q.fused_forward(x, norm=norm), q(norm(x)))
         if fused_kernel("w4a16_matmul") is not None:
-            qb = Int4Linear(q.packed, q.scales.bfloat16(), q.zeros.bfloat16(), 64, lin.bias, backend="triton")
-            row = gate_up[:1].bfloat16()
+            qb = Int4Linear(q.packed, q.scales.bfloat16(), q.zeros.bfloat16(), 64, backend="triton")
+            w = q.dequantize(torch.float32)
+            row, rb = gate_up[:1].bfloat16(), res[:1].bfloat16()
             g, u = row.chunk(2, dim=-1)
-            ref = F.linear((F.silu(g) * u).float(), q.dequantize(torch.float32), lin.bias)
-            assert relative_error(qb.swiglu_forward(row), ref) < 1e-2
+            ref = F.linear((F.silu(g) * u).float(), w) + rb.float()
+            assert relative_error(qb.fused_forward(row, swiglu=True, residual=rb), ref) < 1e-2
+            normb = LlamaRMSNorm(256, eps=1e-5).bfloat16()
+            normb.weight.data.copy_(norm.weight)
+            ref = F.linear(normb(x[:1].bfloat16()).float(), w)
+            assert relative_error(qb.fused_forward(x[:1].bfloat16(), norm=normb), ref) < 1e-2
     with pytest.raises(ValueError, match="2 \\* in_features"):
-        q.swiglu_forward(torch.randn(2, 256))
+        q.fused_forward(torch.randn(2, 256), swiglu=True)
+    with pytest.raises(ValueError, match="norm and swiglu"):
+        q.fused_forward(gate_up, norm=norm, swiglu=True)
 
 
 @pytest.mark.gpu

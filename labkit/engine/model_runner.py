@@ -8,7 +8,8 @@ RoPE -> write k, v at ``slot_mapping`` (one kernel for both on the Triton path w
 attention (an all-decode step: ``paged_attention`` over the block tables, flash-decoding for long contexts; a step
 with prefill chunks: ``paged_prefill_attention``, every row causally over its sequence's cached tokens, decode rows
 included, in one launch) -> o projection -> add residual + RMSNorm -> SwiGLU MLP (gate and up merged,
-``silu_and_mul``; with int4 weights computed inside the down projection's GEMV instead, ``Int4Linear.swiglu_forward``).
+``silu_and_mul``). With int4 weights each RMSNorm, residual add and SwiGLU runs inside the projection next to it
+(``Int4Linear.fused_forward``: at decode batch 1 inside the GEMVs).
 Logits are computed for each sequence's last token only (``logits_indices``).
 
 ``kernels='torch'`` (the CPU default) calls the model's own modules and the torch references of
@@ -89,12 +90,15 @@ class ModelRunner:
       layer (the same values, no extra memory; the HF model still works), so each is one matmul; plain, int8 and
       int4 linears (``labkit.quant``) merge
     * ``max_model_len``: longest sequence (sets the graphs' block-table width); default the model's maximum
+    * ``fuse_layer_ops``: where every merged projection is labkit's int4 layer, fold each RMSNorm into the
+      projection after it and each residual add into the one before it (``Int4Linear.fused_forward``): at decode
+      batch 1 the GEMVs do them, two kernels fewer per layer
     """
 
     def __init__(self, model, cache: PagedKVCache, kernels: str = "auto", cuda_graphs: bool | str = "auto",
                  max_num_seqs: int = 256, max_model_len: int | None = None,
                  graph_batch_sizes: Sequence[int] | None = None, merge_weights: bool = True,
-                 graph_token_sizes: Sequence[int] = ()):
+                 graph_token_sizes: Sequence[int] = (), fuse_layer_ops: bool = True):
         self._check_model(model, cache)
         if kernels not in KERNELS:
             raise ValueError(f"kernels={kernels!r} is unknown; allowed: {KERNELS}")
@@ -112,6 +116,7 @@ class ModelRunner:
         self._dequantise = cache.fmt.quantised or cache.fmt.storage_dtype != self.dtype
         self._rope_tables()
         self.merged = self._merge_projections() if (self.use_triton and merge_weights) else False
+        self.fused_layer_ops = fuse_layer_ops and self.merged and self._fusable()
         self.scratch_block: int | None = None  # padding rows of captured steps write here (cuda_graph.py)
         self.graphs = None
         self.last_step_replayed = False  # whether the last ``execute`` replayed a graph
@@ -159,6 +164,15 @@ class ModelRunner:
                       for ly in self.layers]
         self.w_gate_up = [concat_linears([ly.mlp.gate_proj, ly.mlp.up_proj]) for ly in self.layers]
         return all(w is not None for w in self.w_qkv + self.w_gate_up)
+
+    def _fusable(self) -> bool:
+        """Whether every projection can take in its neighbours (``fused_forward``: labkit's int4 layers) and every
+        norm is an RMSNorm with ``weight`` and ``variance_epsilon``."""
+        projections = [p for i, ly in enumerate(self.layers)
+                       for p in (self.w_qkv[i], ly.self_attn.o_proj, self.w_gate_up[i], ly.mlp.down_proj)]
+        norms = [n for ly in self.layers for n in (ly.input_layernorm, ly.post_attention_layernorm)]
+        return all(hasattr(p, "fused_forward") for p in projections) and \
+            all(hasattr(n, "weight") and hasattr(n, "variance_epsilon") for n in norms)
 
     def _want_graphs(self, cuda_graphs: bool | str) -> bool:
         if cuda_graphs not in ("auto", True, False):
@@ -283,15 +297,35 @@ class ModelRunner:
         """The model over ``inp`` (no bookkeeping): float32 logits ``[num_seqs (+ padding), vocab]``."""
         h = self.inner.embed_tokens(inp.input_ids)  # [T, hidden]
         cos, sin = self.cos[inp.positions], self.sin[inp.positions]  # [T, head_dim]
+        if self.fused_layer_ops:
+            return self._forward_fused(h, cos, sin, inp)
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = self._add_norm(layer.input_layernorm, h, residual)
             h = self._attention(i, layer.self_attn, x, cos, sin, inp)
             x, residual = self._add_norm(layer.post_attention_layernorm, h, residual)
             h = self._mlp(i, layer.mlp, x)
-        if not inp.is_decode:  # only each sequence's last token needs logits
+        return self._logits(h, residual, inp)
+
+    def _forward_fused(self, stream: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       inp: ModelInput) -> torch.Tensor:
+        """``forward`` with int4 layers that take in their neighbours (``Int4Linear.fused_forward``): each RMSNorm
+        inside the projection after it (q/k/v, gate/up), each residual add inside the one before it (o, down),
+        SwiGLU inside the down projection. Only the residual stream passes from layer to layer; at decode batch
+        1 a layer is four GEMVs, the RoPE/cache kernel and attention."""
+        for i, layer in enumerate(self.layers):
+            qkv = self.w_qkv[i].fused_forward(stream, norm=layer.input_layernorm)
+            attn = self._attend_qkv(i, *self._split_qkv(qkv), cos, sin, inp)
+            stream = layer.self_attn.o_proj.fused_forward(attn, residual=stream)
+            gate_up = self.w_gate_up[i].fused_forward(stream, norm=layer.post_attention_layernorm)
+            stream = layer.mlp.down_proj.fused_forward(gate_up, swiglu=True, residual=stream)
+        return self._logits(stream, None, inp)
+
+    def _logits(self, h: torch.Tensor, residual: torch.Tensor | None, inp: ModelInput) -> torch.Tensor:
+        """The final add + RMSNorm and the LM head, for each sequence's last token only."""
+        if not inp.is_decode:
             h = h.index_select(0, inp.logits_indices)
-            residual = residual.index_select(0, inp.logits_indices)
+            residual = residual.index_select(0, inp.logits_indices) if residual is not None else None
         h, _ = self._add_norm(self.inner.norm, h, residual)
         return self.model.lm_head(h).float()
 
@@ -310,12 +344,21 @@ class ModelRunner:
 
     def _attention(self, i: int, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    inp: ModelInput) -> torch.Tensor:
-        T, D = x.shape[0], self.head_dim
         if self.merged:
-            q, k, v = self.w_qkv[i](x).split(
-                [self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1)
+            q, k, v = self._split_qkv(self.w_qkv[i](x))
         else:
             q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        return attn.o_proj(self._attend_qkv(i, q, k, v, cos, sin, inp))
+
+    def _split_qkv(self, qkv: torch.Tensor) -> list[torch.Tensor]:
+        D = self.head_dim
+        return qkv.split([self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1)
+
+    def _attend_qkv(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, inp: ModelInput) -> torch.Tensor:
+        """RoPE on ``q``, ``k`` ``[T, heads * head_dim]``, ``k`` and ``v`` written to the cache, attention:
+        ``[T, heads * head_dim]``, the o projection's input."""
+        T, D = q.shape[0], self.head_dim
         q, k, v = q.view(T, -1, D), k.view(T, -1, D), v.view(T, -1, D)
         if self.use_triton and not self._dequantise:  # one launch: RoPE and the cache write of k and v
             from labkit.kernels.rope import apply_rope_and_cache
@@ -331,15 +374,13 @@ class ModelRunner:
                 q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
                 k = k * cos[:, None] + _rotate_half(k) * sin[:, None]
             self.cache.write(i, inp.slot_mapping, k, v)
-        return attn.o_proj(self._attend(i, q, k, v, inp).reshape(T, -1))
+        return self._attend(i, q, k, v, inp).reshape(T, -1)
 
     def _mlp(self, i: int, mlp, x: torch.Tensor) -> torch.Tensor:
         if not self.use_triton:
             return mlp(x)
         from labkit.kernels.silu_and_mul import silu_and_mul
 
-        if self.merged and hasattr(mlp.down_proj, "swiglu_forward"):  # int4: SwiGLU inside the down GEMV
-            return mlp.down_proj.swiglu_forward(self.w_gate_up[i](x))
         if self.merged:
             return mlp.down_proj(silu_and_mul(self.w_gate_up[i](x)))
         return mlp.down_proj(silu_and_mul(mlp.gate_proj(x), mlp.up_proj(x)))

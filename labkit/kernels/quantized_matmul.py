@@ -408,24 +408,53 @@ def _w4_gemv(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_
 
 
 @triton.jit
-def _slice_activations(x_ptr, k, K, SWIGLU: tl.constexpr):
-    """The activations at positions ``k`` as float32; with ``SWIGLU`` ``x_ptr`` holds ``[gate | up]`` (``2K``
+def _row_rstd(x_ptr, K, eps, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+    """``1 / sqrt(mean(x ** 2) + eps)`` of the whole row ``x`` (``K = CHUNKS * CHUNK`` values), in float32 as
+    ``labkit.kernels.rms_norm`` computes it; every chunk's load is issued before the first is summed."""
+    offs = tl.arange(0, CHUNK)
+    sq = tl.zeros([CHUNK], tl.float32)
+    for j in tl.static_range(CHUNKS):
+        v = tl.load(x_ptr + j * CHUNK + offs).to(tl.float32)
+        sq += v * v
+    return 1.0 / tl.sqrt(tl.sum(sq, 0) / K + eps)
+
+
+@triton.jit
+def _slice_activations(x_ptr, k, K, nw_ptr, rstd, SWIGLU: tl.constexpr, NORM: tl.constexpr):
+    """The activations at positions ``k`` as float32. With ``SWIGLU`` ``x_ptr`` holds ``[gate | up]`` (``2K``
     values) and they are ``silu(gate) * up``, rounded as ``silu_and_mul`` rounds (the silu, then the product, to
-    the input dtype): the same bits as running that kernel first."""
+    the input dtype): the same bits as running that kernel first. With ``NORM`` they are RMSNorm's output, ``x``
+    times ``rstd`` rounded to the input dtype, times the norm's weight ``nw_ptr``, rounded again (as
+    ``labkit.kernels.rms_norm`` and Hugging Face's ``LlamaRMSNorm`` round)."""
     if SWIGLU:
         g = tl.load(x_ptr + k)
         gf = g.to(tl.float32)
         act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
         return (act.to(tl.float32) * tl.load(x_ptr + K + k).to(tl.float32)).to(g.dtype).to(tl.float32)
+    if NORM:
+        x = tl.load(x_ptr + k)
+        y = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * tl.load(nw_ptr + k).to(tl.float32)
+        return y.to(x.dtype).to(tl.float32)
     return tl.load(x_ptr + k).to(tl.float32)
 
 
 @triton.jit
-def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_pk, stride_pn, stride_sk,
-                stride_sn, stride_zk, stride_zn, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                ROW_STEPS: tl.constexpr, PREFETCH: tl.constexpr, SPLIT_P2: tl.constexpr, RED_ROWS: tl.constexpr,
-                HALF_MATH: tl.constexpr, WEIGHTS_FIRST: tl.constexpr = False, PDL: tl.constexpr = False,
-                REDUCE: tl.constexpr = True, SWIGLU: tl.constexpr = False):
+def _output_rows(total, rows, res_ptr, out_ptr, RESIDUAL: tl.constexpr):
+    """Store float32 row sums in the output's dtype; with ``RESIDUAL`` plus the residual stream's rows, the sum
+    rounded again (a decoder layer's ``residual + hidden_states``: the projection's output is rounded first)."""
+    y = total.to(out_ptr.dtype.element_ty)
+    if RESIDUAL:
+        y = (y.to(tl.float32) + tl.load(res_ptr + rows).to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows, y)
+
+
+@triton.jit
+def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res_ptr, eps, N, K, stride_pk,
+                stride_pn, stride_sk, stride_sn, stride_zk, stride_zn, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, ROW_STEPS: tl.constexpr, PREFETCH: tl.constexpr, SPLIT_P2: tl.constexpr,
+                RED_ROWS: tl.constexpr, HALF_MATH: tl.constexpr, WEIGHTS_FIRST: tl.constexpr = False,
+                PDL: tl.constexpr = False, REDUCE: tl.constexpr = True, SWIGLU: tl.constexpr = False,
+                NORM_CHUNKS: tl.constexpr = 0, RESIDUAL: tl.constexpr = False):
     """The int4 GEMV with the activations *stationary* (16-bit activations, whole tiles: ``N`` a multiple of
     ``BLOCK_N * ROW_STEPS``, ``K`` of ``BLOCK_K``, power-of-two groups that divide ``BLOCK_K``).
 
@@ -438,6 +467,10 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stri
     otherwise partials go to the float32 workspace ``[slices, N]`` and the last slice of a row chunk to arrive
     sums all slices (``SPLIT_P2 >= slices``, ``RED_ROWS`` rows at a time) in slice order, writes the rows and
     resets its counter. ``SWIGLU``: ``x_ptr`` holds ``[gate | up]`` and the activations are ``silu(gate) * up``.
+    ``NORM_CHUNKS > 0``: ``x_ptr`` holds a decoder layer's residual stream and the activations are its RMSNorm
+    (weight ``nw_ptr``, ``eps``): every program reads the whole row (``NORM_CHUNKS`` chunks of ``BLOCK_K``, from
+    L2) for its statistic. ``RESIDUAL``: the rows written are the projection plus ``res_ptr``'s rows. Together
+    they take a decode step's add + RMSNorm kernels into the GEMVs around them.
     Experiments of scripts/gemv_study.py: ``PDL`` (launched as a programmatic dependent launch: the next launch
     released at the start, the first loads issued before waiting for the kernel ahead) and ``REDUCE=False`` (the
     partials left unsummed: wrong output, for the time the reduction costs)."""
@@ -458,7 +491,9 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stri
         nw, ns, nz = tl.load(p_ptrs), tl.load(s_ptrs), tl.load(z_ptrs)
     if PDL:  # launched before the kernel ahead finished: nothing it writes may be read or written before this
         tl.extra.cuda.gdc_wait()
-    x8 = _slice_activations(x_ptr, kw[:, :, None] * 8 + tl.arange(0, 8)[None, None, :], K, SWIGLU)
+    rstd = _row_rstd(x_ptr, K, eps, BLOCK_K, NORM_CHUNKS) if NORM_CHUNKS > 0 else 1.0
+    x8 = _slice_activations(x_ptr, kw[:, :, None] * 8 + tl.arange(0, 8)[None, None, :], K, nw_ptr, rstd, SWIGLU,
+                            NORM_CHUNKS > 0)
     x0, x1, x2, x3, x4, x5, x6, x7 = _x_octets(x8, BLOCK_G, WORDS)
     x_sum = tl.sum((x0 + x1) + (x2 + x3) + (x4 + x5) + (x6 + x7), 1)
     up, down = _pow2_scales(x8)
@@ -480,7 +515,7 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stri
         q_x = tl.sum(_word_dot(wd, xa[None], xb[None], xc[None], xd[None], HALF_MATH == 1), 2) * down[None, :]
         part = tl.sum(s.to(tl.float32) * (q_x - z.to(tl.float32) * x_sum[None, :]), 1)
         if SPLIT_P2 == 1:  # the whole of K in this program: the rows are done
-            tl.store(out_ptr + n64 + i * BLOCK_N, part.to(out_ptr.dtype.element_ty))
+            _output_rows(part, n64 + i * BLOCK_N, res_ptr, out_ptr, RESIDUAL)
         else:
             tl.store(ws_ptr + pid_k * N + n64 + i * BLOCK_N, part)
     if SPLIT_P2 == 1 or not REDUCE:  # (not REDUCE: a timing experiment, the partials are left unsummed)
@@ -492,7 +527,7 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stri
             rows = pid_n * ROWS + r0 + tl.arange(0, RED_ROWS)
             parts = tl.load(ws_ptr + sl[:, None] * N + rows[None, :], mask=(sl < tl.num_programs(0))[:, None],
                             other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + rows, tl.sum(parts, 0).to(out_ptr.dtype.element_ty))
+            _output_rows(tl.sum(parts, 0), rows, res_ptr, out_ptr, RESIDUAL)
         tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
 
 
@@ -813,11 +848,14 @@ def xs_tile(n: int, k: int, group: int, device: torch.device, tile: dict | None 
 
 
 def w4_gemv_xs(x2: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor, group: int,
-               tile: dict, swiglu: bool = False) -> torch.Tensor:
+               tile: dict, swiglu: bool = False, norm: tuple[torch.Tensor, float] | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
     """Launch ``_w4_gemv_xs`` on one row ``x2`` ``[1, K]`` (float16/bfloat16) and int4 weights as int32 words
     ``[N, K // 8]`` with scales and zeros ``[N, K // group]``; ``tile`` from ``xs_tile`` (``PDL``, an experiment of
     scripts/gemv_study.py: launched as a programmatic dependent launch, sm_90 and later). ``swiglu``: ``x2`` is
-    ``[1, 2K]``, ``[gate | up]``, and the GEMV multiplies ``silu(gate) * up``. Returns ``[1, N]``."""
+    ``[1, 2K]``, ``[gate | up]``, and the GEMV multiplies ``silu(gate) * up``. ``norm``: ``(weight [K], eps)``,
+    the GEMV multiplies ``rms_norm(x2)``. ``residual`` ``[1, N]`` (contiguous, ``x2``'s dtype): added to the
+    output. Returns ``[1, N]``."""
     n, k = words.shape[0], x2.shape[1] // (2 if swiglu else 1)
     out = torch.empty(1, n, dtype=x2.dtype, device=x2.device)
     bk = tile["BLOCK_K"]
@@ -826,9 +864,12 @@ def w4_gemv_xs(x2: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.
     meta = {key: val for key, val in tile.items() if key != "num_warps"}
     # (slice, row) strides: the kernel also reads weights stored slice after slice (gemv_study_xs_sm_492b4c7)
     strides = (bk // 8, words.stride(0), bk // group, s.stride(0), bk // group, z.stride(0))
-    _w4_gemv_xs[(slices, n // rows)](x2, words, s, z, out, ws, cnt, n, k, *strides, GROUP=group, **meta,
-                                      num_warps=tile["num_warps"], num_stages=1,
-                                      HALF_MATH=1 if x2.device.type == "cuda" else 2, SWIGLU=swiglu,
+    nw, eps = norm if norm is not None else (x2, 0.0)
+    _w4_gemv_xs[(slices, n // rows)](x2, words, s, z, out, ws, cnt, nw, x2 if residual is None else residual,
+                                      eps, n, k, *strides, GROUP=group, **meta, num_warps=tile["num_warps"],
+                                      num_stages=1, HALF_MATH=1 if x2.device.type == "cuda" else 2, SWIGLU=swiglu,
+                                      NORM_CHUNKS=slices if norm is not None else 0,
+                                      RESIDUAL=residual is not None,
                                       **({"launch_pdl": True} if tile.get("PDL") else {}))
     return out
 
@@ -905,7 +946,8 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) ->
 
 
 def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 group_size: int, swiglu: bool = False) -> torch.Tensor:
+                 group_size: int, swiglu: bool = False, norm_weight: torch.Tensor | None = None,
+                 norm_eps: float = 1e-6, residual: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T`` with ``W = (q - zeros) * scales`` per group, unpacked from int4 in registers.
 
     ``x`` ``[..., K]`` float16/bfloat16/float32 (bfloat16 with more than one row needs CUDA); ``packed`` uint8
@@ -913,10 +955,17 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
     ``group_size`` an even divisor of ``K`` (powers of two from 8 to 1024 take the split-K GEMV at batch 1,
     other sizes a plain per-weight one). Returns ``[..., N]`` in ``x``'s dtype, accumulated in float32.
 
-    ``swiglu``: ``x`` is ``[..., 2K]``, a merged gate/up projection's output ``[gate | up]``, and the product is
-    ``silu_and_mul(x) @ W.T`` (an MLP's down projection). One 16-bit row on the stationary GEMV computes
-    ``silu(gate) * up`` as it prepares its activations -- no kernel of its own, no ``[K]`` round trip through
-    memory, the same bits; any other case runs ``silu_and_mul`` first.
+    What a decoder layer does around its projections can come in too; one 16-bit row on the stationary GEMV does
+    it inside the kernel (no launch of its own, no round trip through memory), any other case with the separate
+    kernels first (or last), as the model rounds:
+
+    * ``swiglu``: ``x`` is ``[..., 2K]``, a merged gate/up projection's output ``[gate | up]``, and the product is
+      ``silu_and_mul(x) @ W.T`` (an MLP's down projection), with the same bits as ``silu_and_mul`` first.
+    * ``norm_weight`` ``[K]`` (and ``norm_eps``): the product is ``rms_norm(x, norm_weight, norm_eps) @ W.T``
+      (the projections after a layer's RMSNorm), within a rounding of the separate kernel (the row statistic is
+      summed in another order).
+    * ``residual`` ``[..., N]`` in ``x``'s dtype: returns ``residual + x @ W.T``, the product rounded first (the
+      o and down projections, which end in the residual add).
     """
     check_tensor("packed", packed, (torch.uint8,), dim=2)
     check_tensor("scales", scales, FLOAT_DTYPES, dim=2, device=packed.device)
@@ -929,21 +978,62 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
                          f"[N, K // group_size] = [{n}, {k // group_size}]")
     p = packed if packed.stride(-1) == 1 else packed.contiguous()
     s, z = scales.contiguous(), zeros.contiguous()
+    check_tensor("x", x, FLOAT_DTYPES, device=packed.device)
+    width = 2 * k if swiglu else k
+    if x.dim() == 0 or x.shape[-1] != width:
+        what = "[..., 2K] = [gate | up] with swiglu=True" if swiglu else "[..., K]"
+        raise ValueError(f"x {tuple(x.shape)} must be {what}, K={k} from packed {tuple(packed.shape)} "
+                         "(K = 2 * packed.shape[1])")
+    norm = _check_norm(norm_weight, norm_eps, k, x, swiglu)
+    res = _check_residual(residual, x, n)
+    rows = x.reshape(-1, width)
+    tile = _stationary_tile(rows, n, k, group_size, p) if n else None
+    if tile is not None:
+        fused = dict(swiglu=swiglu or None, norm=norm, residual=None if res is None else res.reshape(1, n).contiguous())
+        out = w4_gemv_xs(rows.contiguous(), p.view(torch.int32), s, z, group_size, tile,
+                         **{key: val for key, val in fused.items() if val is not None})
+        return out.view(*x.shape[:-1], n)
     if swiglu:
-        check_tensor("x", x, FLOAT_DTYPES, device=packed.device)
-        if x.dim() == 0 or x.shape[-1] != 2 * k:
-            raise ValueError(f"with swiglu=True x {tuple(x.shape)} must be [..., 2K] = [gate | up] with K={k} "
-                             f"from packed {tuple(packed.shape)}")
-        rows = x.reshape(-1, 2 * k).contiguous()
-        tile = _stationary_tile(rows, n, k, group_size, p) if n else None
-        if tile is not None:
-            out = w4_gemv_xs(rows, p.view(torch.int32), s, z, group_size, tile, swiglu=True)
-            return out.view(*x.shape[:-1], n)
         from labkit.kernels.silu_and_mul import silu_and_mul
 
         x = silu_and_mul(x)
-    x2 = _check_x(x, k, f"packed {tuple(packed.shape)} (K = 2 * packed.shape[1])")
-    check_tensor("x", x2, device=packed.device)
+    if norm is not None:
+        from labkit.kernels.rms_norm import rms_norm
+
+        x = rms_norm(x, *norm)
+    out = _w4a16_matmul(x, p, s, z, group_size)
+    return out if res is None else out + res
+
+
+def _check_norm(weight: torch.Tensor | None, eps: float, k: int, x: torch.Tensor,
+                swiglu: bool) -> tuple[torch.Tensor, float] | None:
+    if weight is None:
+        return None
+    if swiglu:
+        raise ValueError("norm_weight and swiglu=True cannot be combined: an RMSNorm precedes the q/k/v and "
+                         "gate/up projections, SwiGLU the down projection")
+    check_tensor("norm_weight", weight, FLOAT_DTYPES, dim=1, device=x.device)
+    if weight.shape[0] != k:
+        raise ValueError(f"norm_weight {tuple(weight.shape)} must be [K] = [{k}]")
+    if not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"norm_eps={eps!r} must be a non-negative float")
+    return weight.contiguous(), float(eps)
+
+
+def _check_residual(residual: torch.Tensor | None, x: torch.Tensor, n: int) -> torch.Tensor | None:
+    if residual is None:
+        return None
+    check_tensor("residual", residual, (x.dtype,), device=x.device)
+    if tuple(residual.shape) != (*x.shape[:-1], n):
+        raise ValueError(f"residual {tuple(residual.shape)} must be the output's shape {(*x.shape[:-1], n)}")
+    return residual
+
+
+def _w4a16_matmul(x: torch.Tensor, p: torch.Tensor, s: torch.Tensor, z: torch.Tensor,
+                  group_size: int) -> torch.Tensor:
+    """The product alone (checked arguments): the stationary or split-K GEMV for one row, the GEMM for more."""
+    n, k = p.shape[0], 2 * p.shape[1]
+    x2 = _check_x(x, k, f"packed {tuple(p.shape)} (K = 2 * packed.shape[1])")
     args, strides = (p, s, z), (p.stride(0), s.stride(0), z.stride(0))
     m = x2.shape[0]
     if m == 0 or n == 0:

@@ -223,19 +223,38 @@ class Int4Linear(nn.Module):
         y = y.view(*lead, self.out_features)
         return y if self.bias is None else y + self.bias
 
-    def swiglu_forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``self(silu(gate) * up)`` for ``gate_up`` ``[..., 2 * in_features]`` = ``[gate | up]`` (a merged
-        gate/up projection's output, as in an MLP's down projection). On the fused path the activation is
-        computed inside the GEMV (``w4a16_matmul(..., swiglu=True)``); on the torch path, as HF's MLP rounds."""
-        if gate_up.dim() == 0 or gate_up.shape[-1] != 2 * self.in_features:
-            raise ValueError(f"gate_up {tuple(gate_up.shape)} must be [..., 2 * in_features] = "
-                             f"[..., {2 * self.in_features}]")
-        fn = _use_fused(self.backend, gate_up, "w4a16_matmul")
+    def fused_forward(self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None,
+                      swiglu: bool = False) -> torch.Tensor:
+        """``residual + self(act(x))``, the projection with what a decoder layer does around it, where ``act`` is
+        ``norm`` (an RMSNorm module: ``weight``, ``variance_epsilon``; the q/k/v and gate/up projections) or, with
+        ``swiglu``, ``silu(gate) * up`` of ``x`` ``[..., 2 * in_features]`` = ``[gate | up]`` (the down
+        projection); ``residual`` ``[..., out_features]`` (the o and down projections end in the residual add).
+        On the fused path one 16-bit row does them inside the GEMV (``w4a16_matmul``'s ``norm_weight``,
+        ``residual`` and ``swiglu``), so a decode step loses their kernels; on the torch path they run as HF's
+        modules round them."""
+        width = 2 * self.in_features if swiglu else self.in_features
+        if x.dim() == 0 or x.shape[-1] != width:
+            raise ValueError(f"x {tuple(x.shape)} must be [..., {'2 * ' if swiglu else ''}in_features] = "
+                             f"[..., {width}]{' ([gate | up] with swiglu=True)' if swiglu else ''}")
+        if norm is not None and swiglu:
+            raise ValueError("norm and swiglu=True cannot be combined (an RMSNorm precedes q/k/v and gate/up, "
+                             "SwiGLU the down projection)")
+        fn = _use_fused(self.backend, x, "w4a16_matmul")
         if fn is None:
-            gate, up = gate_up.chunk(2, dim=-1)
-            return self(F.silu(gate) * up)
-        return self._out(fn(gate_up.reshape(-1, 2 * self.in_features), self.packed, self.scales, self.zeros,
-                            self.group_size, swiglu=True), gate_up.shape[:-1])
+            if swiglu:
+                gate, up = x.chunk(2, dim=-1)
+                x = F.silu(gate) * up
+            y = self(norm(x) if norm is not None else x)
+            return y if residual is None else residual + y
+        opts = {"swiglu": swiglu}
+        if norm is not None:
+            opts.update(norm_weight=norm.weight, norm_eps=norm.variance_epsilon)
+        inside = residual is not None and self.bias is None  # the bias comes between the product and the add
+        if inside:
+            opts["residual"] = residual.reshape(-1, self.out_features)
+        y = self._out(fn(x.reshape(-1, width), self.packed, self.scales, self.zeros, self.group_size, **opts),
+                      x.shape[:-1])
+        return y if residual is None or inside else residual + y
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 " \
