@@ -53,13 +53,25 @@ def _empty(out_ptr):
     tl.store(out_ptr + tl.program_id(0), 0)
 
 
+_FUSED_INPUTS: dict = {}
+
+
 def launch_w4_xs(x, w: tuple, n: int, k: int, cfg: dict):
     """``qm.w4_gemv_xs`` (stationary activations) on one row ``x`` and weights ``w = (packed, scales, zeros)``
-    with the tile ``cfg`` (whole tiles only); the wrapper allocates its output, as in a decode step."""
+    with the tile ``cfg`` (whole tiles only); the wrapper allocates its output, as in a decode step. ``cfg["FUSE"]``
+    (``--experiments fused``): ``"norm"``, the GEMV normalises ``x`` first (an RMSNorm weight of ones); ``"residual"``,
+    it adds a residual row to its output."""
+    cfg = dict(cfg)
+    fuse = cfg.pop("FUSE", None)
     tile = qm.xs_tile(n, k, GROUP, x.device, cfg)
     if tile is None:
         raise ValueError(f"no whole x-stationary tiles of {cfg} in N={n}, K={k}")
-    return qm.w4_gemv_xs(x, w[0].view(torch.int32), w[1], w[2], GROUP, tile)
+    extra = {}
+    if fuse == "norm":
+        extra["norm"] = (_FUSED_INPUTS.setdefault(("norm", k), torch.ones(k, device=x.device, dtype=x.dtype)), 1e-5)
+    elif fuse == "residual":
+        extra["residual"] = _FUSED_INPUTS.setdefault(("res", n), torch.randn(1, n, device=x.device, dtype=x.dtype))
+    return qm.w4_gemv_xs(x, w[0].view(torch.int32), w[1], w[2], GROUP, tile, **extra)
 
 
 def _xs_candidates(n: int, k: int, narrow: bool = False) -> list[dict]:
@@ -122,6 +134,16 @@ def _step_candidates(n: int, k: int) -> list[dict]:
         if base not in out:
             out += [base, dict(base, PDL=True)]
     return out
+
+
+def _fused_candidates(n: int, k: int) -> list[dict]:
+    """The split tile and (where K <= 4096) the whole-K tile, each plain, with the RMSNorm in its prologue and with
+    the residual add in its store: for ``--experiments fused``, each GEMV after a kernel that writes its
+    activations, as in a decode step (``rel_err`` is against the plain product)."""
+    tiles = [qm.xs_tile(n, k, GROUP, torch.device("cuda"), qm.XS_TILE),
+             qm.xs_tile(n, k, GROUP, torch.device("cuda"), dict(qm.XS_WHOLE_K_TILE, BLOCK_K=k)) if k <= 4096 else None]
+    return [dict(_launch_config(t), **({"FUSE": f} if f else {})) for t in filter(None, tiles)
+            for f in (None, "norm", "residual")]
 
 
 def _tile_candidates(n: int, k: int) -> list[dict]:
@@ -261,6 +283,8 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"),
                          "num_warps": 4}]
             elif kind == "w4xs" and experiments == "step":
                 todo = _step_candidates(n, k)
+            elif kind == "w4xs" and experiments == "fused":
+                todo = _fused_candidates(n, k)
             elif kind == "w4xs" and experiments == "tiles":
                 todo = _tile_candidates(n, k)
             elif kind == "w4xs" and experiments:
@@ -275,7 +299,7 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"),
                 try:
                     got = launch(sets[0]).float()
                     err = ((got - ref).norm() / ref.norm()).item()
-                    if experiments == "step":  # a kernel that writes the activations before every GEMV
+                    if experiments in ("step", "fused"):  # a kernel that writes the activations before every GEMV
                         src = xk.clone()
                         t = graph_us(lambda w, f=launch, a=src, b=xk: (torch.mul(a, 1.0, out=b), f(w)), sets)
                     else:
@@ -363,10 +387,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-only", action="store_true",
                     help="int4: time only the split-K kernel's best configs and, for w4xs, labkit's tile around "
                          "its row-step rule")
-    ap.add_argument("--experiments", nargs="?", const="pdl", choices=("pdl", "tiles", "step"),
+    ap.add_argument("--experiments", nargs="?", const="pdl", choices=("pdl", "tiles", "step", "fused"),
                     help="w4xs: labkit's tile with programmatic dependent launch and without its reduction (pdl), "
                          "or other slices, warps and whole-K programs, all with PDL (tiles), or the split and whole-K "
-                         "tiles with and without PDL, each GEMV after a kernel that writes its activations (step)")
+                         "tiles with and without PDL, each GEMV after a kernel that writes its activations (step), "
+                         "or those tiles plain, with the RMSNorm inside and with the residual add inside (fused)")
     ap.add_argument("--best", help="a gemv_study.json: launch each shape's best candidate (for ncu)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

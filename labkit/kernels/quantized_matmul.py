@@ -420,36 +420,54 @@ def _row_rstd(x_ptr, K, eps, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
 
 
 @triton.jit
-def _slice_activations(x_ptr, k, K, nw_ptr, rstd, SWIGLU: tl.constexpr, NORM: tl.constexpr):
-    """The activations at positions ``k`` as float32. With ``SWIGLU`` ``x_ptr`` holds ``[gate | up]`` (``2K``
+def _slice_activations(x_ptr, k, K, SWIGLU: tl.constexpr):
+    """The activations at positions ``k`` as float32; with ``SWIGLU`` ``x_ptr`` holds ``[gate | up]`` (``2K``
     values) and they are ``silu(gate) * up``, rounded as ``silu_and_mul`` rounds (the silu, then the product, to
-    the input dtype): the same bits as running that kernel first. With ``NORM`` they are RMSNorm's output, ``x``
-    times ``rstd`` rounded to the input dtype, times the norm's weight ``nw_ptr``, rounded again (as
-    ``labkit.kernels.rms_norm`` and Hugging Face's ``LlamaRMSNorm`` round)."""
+    the input dtype): the same bits as running that kernel first."""
     if SWIGLU:
         g = tl.load(x_ptr + k)
         gf = g.to(tl.float32)
         act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
         return (act.to(tl.float32) * tl.load(x_ptr + K + k).to(tl.float32)).to(g.dtype).to(tl.float32)
-    if NORM:
-        x = tl.load(x_ptr + k)
-        y = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * tl.load(nw_ptr + k).to(tl.float32)
-        return y.to(x.dtype).to(tl.float32)
     return tl.load(x_ptr + k).to(tl.float32)
 
 
 @triton.jit
-def _output_rows(total, rows, res_ptr, out_ptr, RESIDUAL: tl.constexpr):
-    """Store float32 row sums in the output's dtype; with ``RESIDUAL`` plus the residual stream's rows, the sum
-    rounded again (a decoder layer's ``residual + hidden_states``: the projection's output is rounded first)."""
+def _normed_activations(x_ptr, norm_w_ptr, k, K, eps, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+    """RMSNorm's output at positions ``k`` as float32: ``x`` times the row's ``rstd`` rounded to the input dtype,
+    times the norm's weight, rounded again (as ``labkit.kernels.rms_norm`` and Hugging Face's ``LlamaRMSNorm``
+    round). The slice's and the weight's loads go out first; ``CHUNKS == 1``: ``k`` is the whole row and the
+    statistic comes from it, else from the row read again in ``CHUNKS`` chunks of ``CHUNK`` (from L2)."""
+    x = tl.load(x_ptr + k)
+    w = tl.load(norm_w_ptr + k).to(tl.float32)
+    xf = x.to(tl.float32)
+    if CHUNKS == 1:
+        rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(tl.sum(xf * xf, 2), 1), 0) / K + eps)
+    else:
+        rstd = _row_rstd(x_ptr, K, eps, CHUNK, CHUNKS)
+    return ((xf * rstd).to(x.dtype).to(tl.float32) * w).to(x.dtype).to(tl.float32)
+
+
+@triton.jit
+def _step_rows(vals, i, BLOCK_N: tl.constexpr, ROW_STEPS: tl.constexpr):
+    """Row block ``i`` (``BLOCK_N`` values) of ``vals`` ``[ROW_STEPS * BLOCK_N]``, ``i`` a loop variable."""
+    blocks = tl.reshape(vals, [ROW_STEPS, BLOCK_N])
+    return tl.sum(tl.where(tl.arange(0, ROW_STEPS)[:, None] == i, blocks, 0.0), 0)
+
+
+@triton.jit
+def _output_rows(total, rows, res, out_ptr, RESIDUAL: tl.constexpr):
+    """Store float32 row sums in the output's dtype; with ``RESIDUAL`` plus ``res`` (the residual stream's rows,
+    float32), the sum rounded again (a decoder layer's ``residual + hidden_states``: the projection's output is
+    rounded first)."""
     y = total.to(out_ptr.dtype.element_ty)
     if RESIDUAL:
-        y = (y.to(tl.float32) + tl.load(res_ptr + rows).to(tl.float32)).to(out_ptr.dtype.element_ty)
+        y = (y.to(tl.float32) + res).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows, y)
 
 
 @triton.jit
-def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res_ptr, eps, N, K, stride_pk,
+def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr, res_ptr, eps, N, K, stride_pk,
                 stride_pn, stride_sk, stride_sn, stride_zk, stride_zn, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, ROW_STEPS: tl.constexpr, PREFETCH: tl.constexpr, SPLIT_P2: tl.constexpr,
                 RED_ROWS: tl.constexpr, HALF_MATH: tl.constexpr, WEIGHTS_FIRST: tl.constexpr = False,
@@ -468,9 +486,10 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, re
     sums all slices (``SPLIT_P2 >= slices``, ``RED_ROWS`` rows at a time) in slice order, writes the rows and
     resets its counter. ``SWIGLU``: ``x_ptr`` holds ``[gate | up]`` and the activations are ``silu(gate) * up``.
     ``NORM_CHUNKS > 0``: ``x_ptr`` holds a decoder layer's residual stream and the activations are its RMSNorm
-    (weight ``nw_ptr``, ``eps``): every program reads the whole row (``NORM_CHUNKS`` chunks of ``BLOCK_K``, from
-    L2) for its statistic. ``RESIDUAL``: the rows written are the projection plus ``res_ptr``'s rows. Together
-    they take a decode step's add + RMSNorm kernels into the GEMVs around them.
+    (weight ``norm_w_ptr``, ``eps``): a whole-K program takes the statistic from its own activations, a split one
+    reads the whole row (``NORM_CHUNKS`` chunks of ``BLOCK_K``, from L2) after issuing its slice's loads.
+    ``RESIDUAL``: the rows written are the projection plus ``res_ptr``'s rows (loaded at the start). Together they
+    take a decode step's add + RMSNorm kernels into the GEMVs around them.
     Experiments of scripts/gemv_study.py: ``PDL`` (launched as a programmatic dependent launch: the next launch
     released at the start, the first loads issued before waiting for the kernel ahead) and ``REDUCE=False`` (the
     partials left unsummed: wrong output, for the time the reduction costs)."""
@@ -491,9 +510,15 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, re
         nw, ns, nz = tl.load(p_ptrs), tl.load(s_ptrs), tl.load(z_ptrs)
     if PDL:  # launched before the kernel ahead finished: nothing it writes may be read or written before this
         tl.extra.cuda.gdc_wait()
-    rstd = _row_rstd(x_ptr, K, eps, BLOCK_K, NORM_CHUNKS) if NORM_CHUNKS > 0 else 1.0
-    x8 = _slice_activations(x_ptr, kw[:, :, None] * 8 + tl.arange(0, 8)[None, None, :], K, nw_ptr, rstd, SWIGLU,
-                            NORM_CHUNKS > 0)
+    if RESIDUAL:  # the rows' residual, loaded now so the store does not wait for it
+        res = tl.load(res_ptr + pid_n * ROWS + tl.arange(0, ROWS)).to(tl.float32)
+    else:
+        res = tl.zeros([ROWS], tl.float32)
+    k8 = kw[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    if NORM_CHUNKS > 0:
+        x8 = _normed_activations(x_ptr, norm_w_ptr, k8, K, eps, BLOCK_K, NORM_CHUNKS)
+    else:
+        x8 = _slice_activations(x_ptr, k8, K, SWIGLU)
     x0, x1, x2, x3, x4, x5, x6, x7 = _x_octets(x8, BLOCK_G, WORDS)
     x_sum = tl.sum((x0 + x1) + (x2 + x3) + (x4 + x5) + (x6 + x7), 1)
     up, down = _pow2_scales(x8)
@@ -515,7 +540,7 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, re
         q_x = tl.sum(_word_dot(wd, xa[None], xb[None], xc[None], xd[None], HALF_MATH == 1), 2) * down[None, :]
         part = tl.sum(s.to(tl.float32) * (q_x - z.to(tl.float32) * x_sum[None, :]), 1)
         if SPLIT_P2 == 1:  # the whole of K in this program: the rows are done
-            _output_rows(part, n64 + i * BLOCK_N, res_ptr, out_ptr, RESIDUAL)
+            _output_rows(part, n64 + i * BLOCK_N, _step_rows(res, i, BLOCK_N, ROW_STEPS), out_ptr, RESIDUAL)
         else:
             tl.store(ws_ptr + pid_k * N + n64 + i * BLOCK_N, part)
     if SPLIT_P2 == 1 or not REDUCE:  # (not REDUCE: a timing experiment, the partials are left unsummed)
@@ -527,7 +552,11 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, re
             rows = pid_n * ROWS + r0 + tl.arange(0, RED_ROWS)
             parts = tl.load(ws_ptr + sl[:, None] * N + rows[None, :], mask=(sl < tl.num_programs(0))[:, None],
                             other=0.0, cache_modifier=".cg")
-            _output_rows(tl.sum(parts, 0), rows, res_ptr, out_ptr, RESIDUAL)
+            if RED_ROWS == ROWS:
+                row_res = res
+            else:
+                row_res = tl.load(res_ptr + rows).to(tl.float32) if RESIDUAL else tl.zeros([RED_ROWS], tl.float32)
+            _output_rows(tl.sum(parts, 0), rows, row_res, out_ptr, RESIDUAL)
         tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
 
 
