@@ -297,6 +297,8 @@ def test_stationary_tile_picks_the_measured_row_steps(monkeypatch):
         cuda = qm.xs_tile(n, k, 128, torch.device("cuda"))
         assert cuda["ROW_STEPS"] == steps and cuda["BLOCK_K"] == (k if whole else 512), (n, k)
         assert cuda["SPLIT_P2"] == (1 if whole else qm.next_pow2(k // 512))
+        # with the RMSNorm in the prologue: always the split tile (a whole-K program holds the statistic too)
+        assert qm.xs_tile(n, k, 128, torch.device("cuda"), norm=True)["BLOCK_K"] == 512
     assert qm.xs_tile(4100, 4096, 128, torch.device("cpu"), qm.XS_TILE) is None  # no whole row blocks
     with pytest.raises(ValueError, match="ROW_STEPS=3"):
         qm.xs_tile(4096, 4096, 128, torch.device("cpu"), dict(qm.XS_TILE, ROW_STEPS=3))
