@@ -74,7 +74,13 @@ GEMV launched after another GEMV (13.9 -> 13.1 us; notebook 03's ratio 2.36 with
 us after any other kernel -- the decode step's case (the engine's int4 step 2.54 -> 2.65 ms) -- so it stays off.
 ``w4a16_matmul(gate_up, ..., swiglu=True)`` (an MLP's down projection) computes ``silu(gate) * up`` while the
 stationary GEMV prepares its slice: a decode step loses the ``silu_and_mul`` launch and its round trip of the
-activations through memory, with the same bits.
+activations through memory, with the same bits. ``norm_weight=`` and ``residual=`` do the same for a decoder
+layer's add + RMSNorm: the q/k/v and gate/up GEMVs normalise their row in the prologue (each program takes the
+row's statistic: a split program re-reads the row from L2), the o and down GEMVs add the residual as they store.
+Measured after a kernel that writes the activations (gemv_study_fused_bdcfbc2, us): the norm costs 1.1-1.8 us a
+GEMV on the split tile (qkv 9.09 -> 10.22; a whole-K program needs 95 registers for it, so normed GEMVs take the
+split tile), the residual ~2 us (o 7.97 -> 9.95), each against the ~2.2 us of the launch it removes; the engine's
+int4 step at batch 1 went 2.474 -> 2.371 ms with them and the attention change of the same commits.
 bitsandbytes LLM.int8 took 30.9 us there: a 3x bar over it needs 10.3 us, below the int8 bytes' floor of
 13.8 us -- no int8 kernel can meet that at this shape (at most 30.9 / 13.8 = 2.24x).
 """

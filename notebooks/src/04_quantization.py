@@ -166,7 +166,10 @@ display(pd.DataFrame(gen_rows))
 # A third pass times labkit's own serving forward on the same weights (the engine's `ModelRunner` of notebook 05,
 # over a preallocated paged cache, replayed as a CUDA graph): q/k/v and gate/up merged into one GEMV each, RoPE and
 # the cache write in one kernel, paged decode attention -- about a dozen kernels per layer against HF's ~25, so the
-# per-kernel costs that do not shrink with the weights weigh less. The figures quote that pass where it ran.
+# per-kernel costs that do not shrink with the weights weigh less. With int4 weights the engine also folds each
+# layer's neighbours into its GEMVs (`Int4Linear.fused_forward`): the RMSNorms run in the prologues of the q/k/v and
+# gate/up GEMVs, the residual adds in the stores of the o and down GEMVs, SwiGLU as the down GEMV prepares its
+# activations -- four GEMVs, RoPE/cache and attention per layer. The figures quote that pass where it ran.
 # On the CPU profiles this section times the embedded model instead: there the quantised layers dequantise on
 # every call (no fused kernel), so they are *slower*: the speed-up is a property of the fused GPU kernels.
 # Each row carries its floor: the bytes the step must read as measured on the model (weights as held, the
@@ -195,7 +198,8 @@ else:
                        context_len=SIZES["context"], iters=SIZES["decode_iters"], bandwidth=cpu_bandwidth)
 speed_table = pd.DataFrame(speed).drop(columns=["samples_s", "breakdown"], errors="ignore")
 display(speed_table.round(3))
-# where each profiled step's device time goes (GPU: patched HF and engine passes): the kernels beside the weights
+# where each profiled step's device time goes (GPU: patched HF and engine passes): kernels per step, their summed
+# time, the device's busy time (the rest of the step is the gaps between kernels) and the top kernels
 steps_profiled, kernels_profiled = breakdown_tables(speed)
 if len(steps_profiled):
     display(steps_profiled.round(3))
