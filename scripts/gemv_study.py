@@ -56,6 +56,14 @@ def _empty(out_ptr):
 _FUSED_INPUTS: dict = {}
 
 
+def _fused_input(key: tuple, make):
+    """A fused variant's extra input, made on the first (eager) call only: made inside a captured launch, its
+    fill or RNG kernel would be timed with the GEMV (as at 4895153 and bdcfbc2: records gemv_study_fused_*)."""
+    if key not in _FUSED_INPUTS:
+        _FUSED_INPUTS[key] = make()
+    return _FUSED_INPUTS[key]
+
+
 def launch_w4_xs(x, w: tuple, n: int, k: int, cfg: dict):
     """``qm.w4_gemv_xs`` (stationary activations) on one row ``x`` and weights ``w = (packed, scales, zeros)``
     with the tile ``cfg`` (whole tiles only); the wrapper allocates its output, as in a decode step. ``cfg["FUSE"]``
@@ -68,9 +76,9 @@ def launch_w4_xs(x, w: tuple, n: int, k: int, cfg: dict):
         raise ValueError(f"no whole x-stationary tiles of {cfg} in N={n}, K={k}")
     extra = {}
     if fuse == "norm":
-        extra["norm"] = (_FUSED_INPUTS.setdefault(("norm", k), torch.ones(k, device=x.device, dtype=x.dtype)), 1e-5)
+        extra["norm"] = (_fused_input(("norm", k), lambda: torch.ones(k, device=x.device, dtype=x.dtype)), 1e-5)
     elif fuse == "residual":
-        extra["residual"] = _FUSED_INPUTS.setdefault(("res", n), torch.randn(1, n, device=x.device, dtype=x.dtype))
+        extra["residual"] = _fused_input(("res", n), lambda: torch.randn(1, n, device=x.device, dtype=x.dtype))
     return qm.w4_gemv_xs(x, w[0].view(torch.int32), w[1], w[2], GROUP, tile, **extra)
 
 
