@@ -146,13 +146,13 @@ def _step_candidates(n: int, k: int) -> list[dict]:
 
 def _fused_candidates(n: int, k: int) -> list[dict]:
     """The split tile and (where K <= 4096) the whole-K tile, each plain, with the RMSNorm in its prologue and with
-    the residual add in its store (its rows loaded at the start, and at the store): for ``--experiments fused``,
+    the residual add in its store: for ``--experiments fused``,
     each GEMV after a kernel that writes its activations, as in a decode step (``rel_err`` is against the plain
     product)."""
     tiles = [qm.xs_tile(n, k, GROUP, torch.device("cuda"), qm.XS_TILE),
              qm.xs_tile(n, k, GROUP, torch.device("cuda"), dict(qm.XS_WHOLE_K_TILE, BLOCK_K=k)) if k <= 4096 else None]
     return [dict(_launch_config(t), **fuse) for t in filter(None, tiles)
-            for fuse in ({}, {"FUSE": "norm"}, {"FUSE": "residual"}, {"FUSE": "residual", "RES_EARLY": False})]
+            for fuse in ({}, {"FUSE": "norm"}, {"FUSE": "residual"})]
 
 
 def _tile_candidates(n: int, k: int) -> list[dict]:

@@ -77,10 +77,11 @@ stationary GEMV prepares its slice: a decode step loses the ``silu_and_mul`` lau
 activations through memory, with the same bits. ``norm_weight=`` and ``residual=`` do the same for a decoder
 layer's add + RMSNorm: the q/k/v and gate/up GEMVs normalise their row in the prologue (each program takes the
 row's statistic: a split program re-reads the row from L2), the o and down GEMVs add the residual as they store.
-Measured after a kernel that writes the activations (gemv_study_fused_bdcfbc2, us): the norm costs 1.1-1.8 us a
-GEMV on the split tile (qkv 9.09 -> 10.22; a whole-K program needs 95 registers for it, so normed GEMVs take the
-split tile), the residual ~2 us (o 7.97 -> 9.95), each against the ~2.2 us of the launch it removes; the engine's
-int4 step at batch 1 went 2.474 -> 2.371 ms with them and the attention change of the same commits.
+Measured after a kernel that writes the activations (gemv_study_fused_ed2d5a7, us): the norm costs 0.4-0.7 us a
+GEMV on the split tile (qkv 9.09 -> 9.48, gate_up 25.40 -> 26.13; a whole-K program needs 95 registers for it, not
+72, and lost 1.2 us, so normed GEMVs take the split tile), the residual add nothing measurable (o 7.94 -> 7.74,
+down 15.43 -> 15.47), against ~2.2 us for each add + RMSNorm launch they remove; the engine's int4 step at batch 1
+went 2.474 -> 2.371 ms with them and the attention change of the same commits.
 bitsandbytes LLM.int8 took 30.9 us there: a 3x bar over it needs 10.3 us, below the int8 bytes' floor of
 13.8 us -- no int8 kernel can meet that at this shape (at most 30.9 / 13.8 = 2.24x).
 """
@@ -455,20 +456,12 @@ def _normed_activations(x_ptr, norm_w_ptr, k, K, eps, CHUNK: tl.constexpr, CHUNK
 
 
 @triton.jit
-def _step_rows(vals, i, BLOCK_N: tl.constexpr, ROW_STEPS: tl.constexpr):
-    """Row block ``i`` (``BLOCK_N`` values) of ``vals`` ``[ROW_STEPS * BLOCK_N]``, ``i`` a loop variable."""
-    blocks = tl.reshape(vals, [ROW_STEPS, BLOCK_N])
-    return tl.sum(tl.where(tl.arange(0, ROW_STEPS)[:, None] == i, blocks, 0.0), 0)
-
-
-@triton.jit
-def _output_rows(total, rows, res, out_ptr, RESIDUAL: tl.constexpr):
-    """Store float32 row sums in the output's dtype; with ``RESIDUAL`` plus ``res`` (the residual stream's rows,
-    float32), the sum rounded again (a decoder layer's ``residual + hidden_states``: the projection's output is
-    rounded first)."""
+def _output_rows(total, rows, res_ptr, out_ptr, RESIDUAL: tl.constexpr):
+    """Store float32 row sums in the output's dtype; with ``RESIDUAL`` plus the residual stream's rows, the sum
+    rounded again (a decoder layer's ``residual + hidden_states``: the projection's output is rounded first)."""
     y = total.to(out_ptr.dtype.element_ty)
     if RESIDUAL:
-        y = (y.to(tl.float32) + res).to(out_ptr.dtype.element_ty)
+        y = (y.to(tl.float32) + tl.load(res_ptr + rows).to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows, y)
 
 
@@ -478,7 +471,7 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
                 BLOCK_K: tl.constexpr, ROW_STEPS: tl.constexpr, PREFETCH: tl.constexpr, SPLIT_P2: tl.constexpr,
                 RED_ROWS: tl.constexpr, HALF_MATH: tl.constexpr, WEIGHTS_FIRST: tl.constexpr = False,
                 PDL: tl.constexpr = False, REDUCE: tl.constexpr = True, SWIGLU: tl.constexpr = False,
-                NORM_CHUNKS: tl.constexpr = 0, RESIDUAL: tl.constexpr = False, RES_EARLY: tl.constexpr = True):
+                NORM_CHUNKS: tl.constexpr = 0, RESIDUAL: tl.constexpr = False):
     """The int4 GEMV with the activations *stationary* (16-bit activations, whole tiles: ``N`` a multiple of
     ``BLOCK_N * ROW_STEPS``, ``K`` of ``BLOCK_K``, power-of-two groups that divide ``BLOCK_K``).
 
@@ -494,8 +487,8 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
     ``NORM_CHUNKS > 0``: ``x_ptr`` holds a decoder layer's residual stream and the activations are its RMSNorm
     (weight ``norm_w_ptr``, ``eps``): a whole-K program takes the statistic from its own activations, a split one
     reads the whole row (``NORM_CHUNKS`` chunks of ``BLOCK_K``, from L2) after issuing its slice's loads.
-    ``RESIDUAL``: the rows written are the projection plus ``res_ptr``'s rows (loaded at the start; at the store
-    with ``RES_EARLY=False``, an experiment of gemv_study). Together they take a decode step's add + RMSNorm
+    ``RESIDUAL``: the rows written are the projection plus ``res_ptr``'s rows, loaded at the store (loading them at
+    the program's start was no faster: gemv_study_fused_ed2d5a7). Together they take a decode step's add + RMSNorm
     kernels into the GEMVs around them.
     Experiments of scripts/gemv_study.py: ``PDL`` (launched as a programmatic dependent launch: the next launch
     released at the start, the first loads issued before waiting for the kernel ahead) and ``REDUCE=False`` (the
@@ -517,10 +510,6 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
         nw, ns, nz = tl.load(p_ptrs), tl.load(s_ptrs), tl.load(z_ptrs)
     if PDL:  # launched before the kernel ahead finished: nothing it writes may be read or written before this
         tl.extra.cuda.gdc_wait()
-    if RESIDUAL and RES_EARLY:  # the rows' residual, loaded now so the store does not wait for it
-        res = tl.load(res_ptr + pid_n * ROWS + tl.arange(0, ROWS)).to(tl.float32)
-    else:
-        res = tl.zeros([ROWS], tl.float32)
     k8 = kw[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
     if NORM_CHUNKS > 0:
         x8 = _normed_activations(x_ptr, norm_w_ptr, k8, K, eps, BLOCK_K, NORM_CHUNKS)
@@ -547,13 +536,7 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
         q_x = tl.sum(_word_dot(wd, xa[None], xb[None], xc[None], xd[None], HALF_MATH == 1), 2) * down[None, :]
         part = tl.sum(s.to(tl.float32) * (q_x - z.to(tl.float32) * x_sum[None, :]), 1)
         if SPLIT_P2 == 1:  # the whole of K in this program: the rows are done
-            step_res = part  # unused without RESIDUAL
-            if RESIDUAL:
-                if RES_EARLY:
-                    step_res = _step_rows(res, i, BLOCK_N, ROW_STEPS)
-                else:
-                    step_res = tl.load(res_ptr + n64 + i * BLOCK_N).to(tl.float32)
-            _output_rows(part, n64 + i * BLOCK_N, step_res, out_ptr, RESIDUAL)
+            _output_rows(part, n64 + i * BLOCK_N, res_ptr, out_ptr, RESIDUAL)
         else:
             tl.store(ws_ptr + pid_k * N + n64 + i * BLOCK_N, part)
     if SPLIT_P2 == 1 or not REDUCE:  # (not REDUCE: a timing experiment, the partials are left unsummed)
@@ -565,13 +548,7 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
             rows = pid_n * ROWS + r0 + tl.arange(0, RED_ROWS)
             parts = tl.load(ws_ptr + sl[:, None] * N + rows[None, :], mask=(sl < tl.num_programs(0))[:, None],
                             other=0.0, cache_modifier=".cg")
-            row_res = tl.zeros([RED_ROWS], tl.float32)  # unused without RESIDUAL
-            if RESIDUAL:
-                if RED_ROWS == ROWS and RES_EARLY:
-                    row_res = res
-                else:
-                    row_res = tl.load(res_ptr + rows).to(tl.float32)
-            _output_rows(tl.sum(parts, 0), rows, row_res, out_ptr, RESIDUAL)
+            _output_rows(tl.sum(parts, 0), rows, res_ptr, out_ptr, RESIDUAL)
         tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
 
 
@@ -873,7 +850,7 @@ def xs_tile(n: int, k: int, group: int, device: torch.device, tile: dict | None 
     ``CPU_XS_TILE``; on CUDA ``XS_WHOLE_K_TILE`` where ``K <= XS_WHOLE_K_MAX`` is a power-of-two number of groups
     and ``N <= XS_WHOLE_K_MAX_N`` whole steps of it, else ``XS_TILE``; also ``XS_TILE`` with ``norm`` (the RMSNorm
     in the prologue), where a whole-K program holds its row's statistic beside the row (95 registers on sm_90,
-    against 72: fewer warps per SM; qkv 11.8 us against 10.3 split, gemv_study_fused_4895153)."""
+    against 72: fewer warps per SM; qkv 10.6 us against 9.5 split, gemv_study_fused_ed2d5a7)."""
     if tile is None and device.type == "cuda":
         whole = not norm and (k <= XS_WHOLE_K_MAX and k % group == 0 and (k // group) & (k // group - 1) == 0
                  and n <= XS_WHOLE_K_MAX_N and n % XS_WHOLE_K_TILE["BLOCK_N"] == 0)
