@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from labkit.quant.compare import accuracy_rows, breakdown_tables, speed_rows
+from labkit.quant.compare import accuracy_rows, breakdown_tables, plot_step_breakdown, speed_rows
 
 
 def test_accuracy_rows(tiny_model):
@@ -59,6 +59,12 @@ def test_speed_rows_engine_runner(tiny_model):
     steps, kernels = breakdown_tables(rows)
     assert list(steps.step) == ["base (engine)", "int8 (engine)"] and (steps["kernel time (ms)"] > 0).all()
     assert list(kernels.columns) == list(steps.step) and 0 < len(kernels) <= 8
+    cats = rows[1]["breakdown"]["category_us_per_step"]
+    assert sum(cats.values()) == pytest.approx(rows[1]["breakdown"]["device_us_per_step"])
+    ax = plot_step_breakdown(rows)  # a bar per profiled step: its categories stacked, then the gaps
+    assert [t.get_text() for t in ax.get_yticklabels()] == list(steps.step)
+    union = {c for r in rows[:2] for c in r["breakdown"]["category_us_per_step"]}
+    assert len(ax.patches) == 2 * (len(union) + 1)
     with pytest.raises(ValueError, match="runner='vllm'"):
         speed_rows(tiny_model[0], methods=(), runner="vllm")
 

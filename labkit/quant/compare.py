@@ -259,15 +259,44 @@ def _speed_rows(model, method, batch_size, context_len, iters, patch, bandwidth,
     return rows
 
 
+def _profiled(rows: list[dict]) -> tuple[list[dict], list[str]]:
+    """The rows that carry a ``breakdown``, and a label for each: method and pass."""
+    profiled = [r for r in rows if r.get("breakdown")]
+    keys = [f"{r['method']} ({'engine' if r['timing'].startswith('engine') else 'HF'}"
+            f"{', patched' if r.get('patched') else ''})" for r in profiled]
+    return profiled, keys
+
+
+def plot_step_breakdown(rows: list[dict], ax=None):
+    """One horizontal bar per profiled step of ``speed_rows`` (``breakdown > 0``): its device time by kernel
+    category, stacked, then the time between kernels (the timed step less the profiled busy time), in ms.
+    Returns the axes."""
+    import matplotlib.pyplot as plt
+
+    profiled, keys = _profiled(rows)
+    if ax is None:
+        ax = plt.subplots(figsize=(9, 0.45 * len(profiled) + 1.2))[1]
+    cats = list(dict.fromkeys(c for r in profiled for c in r["breakdown"].get("category_us_per_step", {})))
+    left = [0.0] * len(profiled)
+    for c in cats + ["between kernels"]:
+        ms = [(r["decode_ms"] - r["breakdown"]["busy_us_per_step"] / 1e3) if c == "between kernels" else
+              r["breakdown"]["category_us_per_step"].get(c, 0.0) / 1e3 for r in profiled]
+        ms = [max(0.0, v) for v in ms]
+        ax.barh(keys, ms, left=left, label=c)
+        left = [a + b for a, b in zip(left, ms)]
+    ax.set_xlabel("ms per decode step")
+    ax.invert_yaxis()
+    ax.legend(fontsize=8, ncol=3, loc="lower right")
+    return ax
+
+
 def breakdown_tables(rows: list[dict]):
     """Two DataFrames from ``speed_rows`` rows that carry a ``breakdown``: one row per step (kernels, kernel time,
     device busy time and the timed step, in ms), and the top kernels' microseconds per step, a column per step.
     Kernel names are cut to 100 characters, so two instantiations of one template can share a name: they add."""
     import pandas as pd
 
-    profiled = [r for r in rows if r.get("breakdown")]
-    keys = [f"{r['method']} ({'engine' if r['timing'].startswith('engine') else 'HF'}"
-            f"{', patched' if r.get('patched') else ''})" for r in profiled]
+    profiled, keys = _profiled(rows)
     steps = pd.DataFrame([{"step": k, "kernels": r["breakdown"]["kernels_per_step"],
                            "kernel time (ms)": r["breakdown"]["device_us_per_step"] / 1e3,
                            "device busy (ms)": r["breakdown"].get("busy_us_per_step", float("nan")) / 1e3,

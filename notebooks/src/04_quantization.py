@@ -43,7 +43,7 @@ from labkit.hardware import KNOWN, measure_copy_bandwidth
 from labkit.models import PRESETS, load_model, random_model
 from labkit.quant import METHODS, quantize
 from labkit.quant import precision as P
-from labkit.quant.compare import accuracy_rows, breakdown_tables, speed_rows
+from labkit.quant.compare import accuracy_rows, breakdown_tables, plot_step_breakdown, speed_rows
 from labkit.quant.metrics import bytes_per_weight, decode_weight_bytes
 from labkit.workbook import resolve_profile
 
@@ -204,6 +204,10 @@ steps_profiled, kernels_profiled = breakdown_tables(speed)
 if len(steps_profiled):
     display(steps_profiled.round(3))
     display(kernels_profiled.round(1))
+    # the same steps as bars: what the weights' bytes explain (matmul) and what they do not
+    plot_step_breakdown(speed)
+    plt.tight_layout()
+    plt.show()
 
 # %% [markdown]
 # ### The LM head: the last bf16 weights of the step
