@@ -67,6 +67,13 @@ def test_speed_rows_engine_runner(tiny_model):
     assert len(ax.patches) == 2 * (len(union) + 1)
     with pytest.raises(ValueError, match="runner='vllm'"):
         speed_rows(tiny_model[0], methods=(), runner="vllm")
+    ab = speed_rows(tiny_model[0], methods=("int4",), context_len=8, iters=2, runner="engine", progress=False,
+                    engine_options={"fuse_layer_ops": False}, breakdown=4)  # an A/B row, labelled as such
+    assert [r["engine_options"] for r in ab] == [{"fuse_layer_ops": False}] * 2 and ab[1]["status"] == "ok"
+    assert list(breakdown_tables(ab)[0].step) == ["base (engine, fuse_layer_ops=False)",
+                                                  "int4 (engine, fuse_layer_ops=False)"]
+    with pytest.raises(ValueError, match="engine_options"):
+        speed_rows(tiny_model[0], methods=(), engine_options={"fuse_layer_ops": False})
 
 
 @pytest.mark.gpu

@@ -175,14 +175,16 @@ def decode_rate(model, batch_size: int, context: int, steps: int, source, warmup
     return row
 
 
-def runner_step(model, phase: str, batch_size: int, context: int, block_size: int = 16, seed: int = 0):
+def runner_step(model, phase: str, batch_size: int, context: int, block_size: int = 16, seed: int = 0,
+                **runner_options):
     """A callable running one forward of the engine's ``ModelRunner`` and the runner it uses.
 
     ``phase='decode'``: ``batch_size`` sequences holding ``context`` cached tokens each gain one, replayed from the
     runner's CUDA graph for that batch where it captures one (eager otherwise). ``phase='prefill'``: one prompt of
     ``context`` tokens (``batch_size`` must be 1). The cached K/V are whatever the new cache holds rather than a
     real prompt's (a step's time does not depend on the values), so a point of a sweep costs no prefill. Each call
-    rewrites the same slots: time it as often as needed.
+    rewrites the same slots: time it as often as needed. ``runner_options`` go to ``ModelRunner`` (for example
+    ``fuse_layer_ops=False``).
     """
     if phase not in ("decode", "prefill"):
         raise ValueError(f"phase={phase!r}; allowed: 'decode', 'prefill'")
@@ -196,11 +198,11 @@ def runner_step(model, phase: str, batch_size: int, context: int, block_size: in
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, model.config.vocab_size, (total,), generator=g).tolist()
     if phase == "prefill":
-        runner = ModelRunner(model, cache, cuda_graphs=False, max_num_seqs=1, max_model_len=total)
+        runner = ModelRunner(model, cache, cuda_graphs=False, max_num_seqs=1, max_model_len=total, **runner_options)
         cache.allocate(0, ids)
         return partial(_inference, runner.forward, runner.prepare([0], [context], 0)), runner
     runner = ModelRunner(model, cache, max_num_seqs=batch_size, max_model_len=total,
-                         graph_batch_sizes=[batch_size] if cache.device.type == "cuda" else None)
+                         graph_batch_sizes=[batch_size] if cache.device.type == "cuda" else None, **runner_options)
     seqs = list(range(batch_size))
     for i in seqs:
         cache.allocate(i, ids)

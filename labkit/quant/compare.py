@@ -141,7 +141,8 @@ def _free(dev: torch.device) -> None:
 
 def speed_rows(model: nn.Module, methods=("int8", "int4", "fp8", "bnb-int8", "bnb-nf4"), batch_size: int = 1,
                context_len: int = 512, iters: int = 50, patch: bool = False, bandwidth: float | None = None,
-               progress: bool = True, breakdown: int = 0, runner: str = "hf") -> list[dict]:
+               progress: bool = True, breakdown: int = 0, runner: str = "hf",
+               engine_options: dict | None = None) -> list[dict]:
     """Decode step time of ``model`` (method ``"base"``) and of each quantised copy, at ``batch_size`` with
     ``context_len`` cached tokens, as CUDA-graph replays on CUDA; ``speedup`` is over the base timed the same
     way (``methods`` as in ``accuracy_rows``, ``+lm_head`` included). bitsandbytes layers are timed eagerly
@@ -162,10 +163,14 @@ def speed_rows(model: nn.Module, methods=("int8", "int4", "fp8", "bnb-int8", "bn
     serving forward on the same weights (``labkit.engine`` ``ModelRunner``: q/k/v and gate/up merged into one
     GEMV each, RoPE and the cache write in one kernel, paged decode attention; a CUDA-graph replay on CUDA), where
     a layer costs a dozen kernels instead of HF's ~25, so the step is closer to its weight bytes. bitsandbytes
-    rows are refused there (its layers are not capturable).
+    rows are refused there (its layers are not capturable). ``engine_options`` go to its ``ModelRunner`` (for an
+    A/B in one run: ``{"fuse_layer_ops": False}`` keeps int4 layers' norms and residual adds in kernels of their
+    own) and are kept in each row.
     """
     if runner not in ("hf", "engine"):
         raise ValueError(f"runner={runner!r}; allowed: 'hf', 'engine'")
+    if engine_options and runner != "engine":
+        raise ValueError(f"engine_options={engine_options!r} need runner='engine'")
     for spec in methods:
         method_options(spec)
     dev = _device(model)
@@ -177,7 +182,8 @@ def speed_rows(model: nn.Module, methods=("int8", "int4", "fp8", "bnb-int8", "bn
             continue
         try:
             if runner == "engine":
-                rows += _engine_rows(model, method, batch_size, context_len, iters, bandwidth, base_ms, breakdown)
+                rows += _engine_rows(model, method, batch_size, context_len, iters, bandwidth, base_ms, breakdown,
+                                     engine_options or {})
             else:
                 rows += _speed_rows(model, method, batch_size, context_len, iters, patch, bandwidth, base_ms,
                                     breakdown)
@@ -206,8 +212,8 @@ def _row(method, timing, t, base_ms, wb: dict, step_bytes: float, bandwidth, **e
     return row
 
 
-def _engine_rows(model, method, batch_size, context_len, iters, bandwidth, base_ms,
-                 breakdown: int = 0) -> list[dict]:
+def _engine_rows(model, method, batch_size, context_len, iters, bandwidth, base_ms, breakdown: int = 0,
+                 options: dict | None = None) -> list[dict]:
     """One row: labkit's ``ModelRunner`` decode step over a paged cache (``engine.experiments.runner_step``)."""
     from labkit.bench import time_fn
     from labkit.engine.experiments import runner_step
@@ -216,10 +222,11 @@ def _engine_rows(model, method, batch_size, context_len, iters, bandwidth, base_
         return [{"method": method, "timing": "engine", "status": "bitsandbytes layers are not CUDA-graph "
                  "capturable; timed through HF's forward only"}]
     qm = _quantized(model, method)
-    step, runner = runner_step(qm, "decode", batch_size, context_len)
+    step, runner = runner_step(qm, "decode", batch_size, context_len, **(options or {}))
     timing = "engine_graph" if runner.graph_batch_sizes else "engine_eager"
     t = time_fn(step, device=_device(model), warmup=2, iters=iters)
-    row = _row(method, timing, t, base_ms, *_step_bytes(qm, model, batch_size, context_len), bandwidth)
+    extra = {"engine_options": dict(options)} if options else {}
+    row = _row(method, timing, t, base_ms, *_step_bytes(qm, model, batch_size, context_len), bandwidth, **extra)
     if breakdown:
         from labkit.profiling import step_breakdown
 
@@ -263,7 +270,8 @@ def _profiled(rows: list[dict]) -> tuple[list[dict], list[str]]:
     """The rows that carry a ``breakdown``, and a label for each: method and pass."""
     profiled = [r for r in rows if r.get("breakdown")]
     keys = [f"{r['method']} ({'engine' if r['timing'].startswith('engine') else 'HF'}"
-            f"{', patched' if r.get('patched') else ''})" for r in profiled]
+            f"{', patched' if r.get('patched') else ''}"
+            f"{''.join(f', {k}={v}' for k, v in r.get('engine_options', {}).items())})" for r in profiled]
     return profiled, keys
 
 
