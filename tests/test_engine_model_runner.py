@@ -130,8 +130,8 @@ def test_int4_layers_take_in_their_norms_and_residual_adds(tiny_model, prompts, 
 
     inside = []
     monkeypatch.setattr(qm, "w4_gemv_xs", lambda *a, f=qm.w4_gemv_xs, **kw: inside.append(sorted(kw)) or f(*a, **kw))
-    # wide tiles and two layers keep the interpreter's time down: whole-K programs but for the down projection
-    monkeypatch.setattr(qm, "CPU_XS_TILE", dict(BLOCK_N=64, BLOCK_K=256, PREFETCH=1, num_warps=1, ROW_STEPS=1))
+    # wide tiles and two layers keep the interpreter's time down; two slices of K, as RoPE in the store needs
+    monkeypatch.setattr(qm, "CPU_XS_TILE", dict(BLOCK_N=64, BLOCK_K=128, PREFETCH=1, num_warps=1, ROW_STEPS=1))
     qmodel = quantize(tiny_model[0], "int4", backend="triton").half()  # the kernels on the CPU too
     qmodel.model.layers = qmodel.model.layers[:2]
     qmodel.config.num_hidden_layers = 2
@@ -142,6 +142,10 @@ def test_int4_layers_take_in_their_norms_and_residual_adds(tiny_model, prompts, 
     assert inside.count(["residual", "swiglu"]) == 3 * layers
     for a, b in zip(fused, separate):
         assert a.argmax() == b.argmax() and relative_error(a, b) < 2e-2
+    inside.clear()  # RoPE and the cache write in the q/k/v GEMV too: the same logits as without (same bits)
+    with_rope = decode_logits(qmodel, prompts[1][:4], 3, True, fuse_qkv_rope=True)
+    assert inside.count(["norm", "rope"]) == 3 * layers and inside.count(["norm"]) == 3 * layers
+    assert all(torch.equal(a, b) for a, b in zip(with_rope, fused))
 
 
 def decode_logits(model, prompt, steps: int, fuse: bool, **kw) -> list[torch.Tensor]:
@@ -160,13 +164,18 @@ def decode_logits(model, prompt, steps: int, fuse: bool, **kw) -> list[torch.Ten
 @pytest.mark.gpu
 def test_int4_layer_ops_fused_on_the_gpu(tiny_model, prompts):
     """The embedded model in bfloat16 with int4 layers, decode steps replayed from CUDA graphs: the GEMVs that take
-    in the norms, residual adds and SwiGLU give the separate kernels' greedy tokens, logits within bf16 rounding."""
+    in the norms, residual adds and SwiGLU (and RoPE with the cache write) give the separate kernels' greedy tokens,
+    logits within bf16 rounding."""
     from labkit.quant import quantize
 
     qmodel = quantize(tiny_model[0], "int4").to("cuda", torch.bfloat16)
     fused, separate = (decode_logits(qmodel, prompts[0], 12, fuse, max_num_seqs=1) for fuse in (True, False))
     assert [int(a.argmax()) for a in fused] == [int(b.argmax()) for b in separate]
     assert max(relative_error(a, b) for a, b in zip(fused, separate)) < 2e-2
+    # RoPE and the cache write in the q/k/v GEMV as well (fuse_qkv_rope, off by default until timed)
+    with_rope = decode_logits(qmodel, prompts[0], 12, True, max_num_seqs=1, fuse_qkv_rope=True)
+    assert [int(a.argmax()) for a in with_rope] == [int(b.argmax()) for b in separate]
+    assert max(relative_error(a, b) for a, b in zip(with_rope, fused)) < 1e-2
 
 
 def test_padded_rows_touch_nothing(tiny_model, prompts):

@@ -248,6 +248,46 @@ def test_norm_and_residual_fused_into_the_gemv(monkeypatch, dtype, k, tile):
             assert torch.equal(out, plain), (n, rows, dt)
 
 
+@pytest.mark.parametrize("norm", [False, True])
+def test_qkv_rope_and_cache_inside_the_gemv(monkeypatch, norm):
+    """``w4a16_qkv_rope_cache``: one float16 row on the split stationary tile walks each head's rows in rotary
+    pairs and its last programs rotate q and k and write k and v to the paged caches -- the same bits as
+    ``w4a16_matmul`` then ``apply_rope_and_cache`` (4 q heads, 2 kv heads of 16 dims: two row blocks a head).
+    A slot of -1 leaves the caches alone; more rows take the separate kernels; a wrong head count is refused."""
+    import labkit.kernels.quantized_matmul as qm
+    from labkit.kernels.quantized_matmul import w4a16_qkv_rope_cache
+    from labkit.kernels.rope import apply_rope_and_cache
+
+    monkeypatch.setattr(qm, "CPU_XS_TILE", dict(BLOCK_N=8, BLOCK_K=128, PREFETCH=1, num_warps=1))
+    fused = []
+    monkeypatch.setattr(qm, "w4_gemv_xs", lambda *a, f=qm.w4_gemv_xs, **kw: fused.append(sorted(kw)) or f(*a, **kw))
+    heads, kv_heads, d, k, dt = 4, 2, 16, 256, torch.float16
+    n = (heads + 2 * kv_heads) * d
+    packed, scales, zeros = _int4(n, k, 64, seed=110)
+    args = (packed, (scales * 0.2).to(dt), zeros.to(dt), 64)
+    opts = dict(norm_weight=(torch.rand(k) + 0.5).to(dt).to(DEVICE), norm_eps=1e-5) if norm else {}
+    ang = torch.rand(5, d // 2, generator=torch.Generator().manual_seed(111)) * 6
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(dt).to(DEVICE), torch.cat([ang.sin()] * 2, -1).to(dt).to(DEVICE)
+    for rows, slot in ((1, 13), (1, -1), (3, 5)):
+        x = _x((rows, k), dt, seed=112 + rows) * 2
+        slots = torch.arange(slot, slot + rows, device=DEVICE) if slot >= 0 else torch.full((rows,), -1,
+                                                                                            device=DEVICE)
+        caches = [[torch.full((6, 4, kv_heads, d), 7.0, dtype=dt, device=DEVICE) for _ in range(2)]
+                  for _ in range(2)]
+        fused.clear()
+        q, kr = w4a16_qkv_rope_cache(x, *args, heads, cos[:rows], sin[:rows], *caches[0], slots, **opts)
+        assert fused == ([["norm", "rope"] if norm else ["rope"]] if rows == 1 else []), (rows, fused)
+        qkv = w4a16_matmul(x, *args, **opts)
+        qs, ks, vs = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)
+        ref = apply_rope_and_cache(qs.reshape(rows, heads, d), ks.reshape(rows, kv_heads, d),
+                                   vs.reshape(rows, kv_heads, d), cos[:rows], sin[:rows], *caches[1], slots)
+        assert torch.equal(q, ref[0]) and torch.equal(kr, ref[1]), (rows, slot)
+        assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1]), (rows, slot)
+        assert (caches[0][0] == 7.0).all() == (slot < 0)
+    with pytest.raises(ValueError, match="num_heads=3"):
+        w4a16_qkv_rope_cache(x, *args, 3, cos[:3], sin[:3], *caches[0], slots)
+
+
 def test_fused_gemv_arguments_are_checked():
     packed, scales, zeros = _int4(64, 256, 64, seed=94)
     args = (packed, scales.half(), zeros.half(), 64)

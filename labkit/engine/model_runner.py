@@ -93,12 +93,14 @@ class ModelRunner:
     * ``fuse_layer_ops``: where every merged projection is labkit's int4 layer, fold each RMSNorm into the
       projection after it and each residual add into the one before it (``Int4Linear.fused_forward``): at decode
       batch 1 the GEMVs do them, two kernels fewer per layer
+    * ``fuse_qkv_rope`` (with ``fuse_layer_ops``): RoPE and the k/v cache write in the int4 q/k/v GEMV's store too
+      (``w4a16_qkv_rope_cache``); off until timed on the GPU
     """
 
     def __init__(self, model, cache: PagedKVCache, kernels: str = "auto", cuda_graphs: bool | str = "auto",
                  max_num_seqs: int = 256, max_model_len: int | None = None,
                  graph_batch_sizes: Sequence[int] | None = None, merge_weights: bool = True,
-                 graph_token_sizes: Sequence[int] = (), fuse_layer_ops: bool = True):
+                 graph_token_sizes: Sequence[int] = (), fuse_layer_ops: bool = True, fuse_qkv_rope: bool = False):
         self._check_model(model, cache)
         if kernels not in KERNELS:
             raise ValueError(f"kernels={kernels!r} is unknown; allowed: {KERNELS}")
@@ -117,6 +119,7 @@ class ModelRunner:
         self._rope_tables()
         self.merged = self._merge_projections() if (self.use_triton and merge_weights) else False
         self.fused_layer_ops = fuse_layer_ops and self.merged and self._fusable()
+        self.fuse_qkv_rope = fuse_qkv_rope and self.fused_layer_ops
         self.scratch_block: int | None = None  # padding rows of captured steps write here (cuda_graph.py)
         self.graphs = None
         self.last_step_replayed = False  # whether the last ``execute`` replayed a graph
@@ -314,12 +317,28 @@ class ModelRunner:
         SwiGLU inside the down projection. Only the residual stream passes from layer to layer; at decode batch
         1 a layer is four GEMVs, the RoPE/cache kernel and attention."""
         for i, layer in enumerate(self.layers):
-            qkv = self.w_qkv[i].fused_forward(stream, norm=layer.input_layernorm)
-            attn = self._attend_qkv(i, *self._split_qkv(qkv), cos, sin, inp)
+            attn = self._fused_attention_input(i, layer, stream, cos, sin, inp)
             stream = layer.self_attn.o_proj.fused_forward(attn, residual=stream)
             gate_up = self.w_gate_up[i].fused_forward(stream, norm=layer.post_attention_layernorm)
             stream = layer.mlp.down_proj.fused_forward(gate_up, swiglu=True, residual=stream)
         return self._logits(stream, None, inp)
+
+    def _fused_attention_input(self, i: int, layer, stream: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                               inp: ModelInput) -> torch.Tensor:
+        """RMSNorm, the q/k/v GEMV, RoPE, the cache write and attention of an int4 layer: ``[T, heads * head_dim]``.
+        With ``fuse_qkv_rope`` (and an unquantised cache) RoPE and the cache write run in the GEMV's store
+        (``w4a16_qkv_rope_cache``) at batch 1."""
+        qkv_layer, norm = self.w_qkv[i], layer.input_layernorm
+        if self.fuse_qkv_rope and not self._dequantise and qkv_layer.bias is None and qkv_layer.uses_kernels(stream):
+            from labkit.kernels.quantized_matmul import w4a16_qkv_rope_cache
+
+            q, k = w4a16_qkv_rope_cache(stream, qkv_layer.packed, qkv_layer.scales, qkv_layer.zeros,
+                                        qkv_layer.group_size, self.num_heads, cos, sin, self.cache.k_caches[i],
+                                        self.cache.v_caches[i], inp.slot_mapping, norm_weight=norm.weight,
+                                        norm_eps=norm.variance_epsilon)
+            return self._attend(i, q, k, None, inp).reshape(q.shape[0], -1)
+        qkv = qkv_layer.fused_forward(stream, norm=norm)
+        return self._attend_qkv(i, *self._split_qkv(qkv), cos, sin, inp)
 
     def _logits(self, h: torch.Tensor, residual: torch.Tensor | None, inp: ModelInput) -> torch.Tensor:
         """The final add + RMSNorm and the LM head, for each sequence's last token only."""

@@ -466,12 +466,71 @@ def _output_rows(total, rows, res_ptr, out_ptr, RESIDUAL: tl.constexpr):
 
 
 @triton.jit
+def _rope_first_row(g, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+    """The first physical row of logical row block ``g`` when blocks pair rotary dims: heads of ``2 * HALF`` rows
+    hold ``2 * HALF / BLOCK_N`` blocks, block ``m`` of a head taking dims ``m * BLOCK_N / 2 + j`` and ``HALF + m *
+    BLOCK_N / 2 + j``."""
+    G: tl.constexpr = 2 * HALF // BLOCK_N
+    return (g // G) * (2 * HALF) + (g % G) * (BLOCK_N // 2)
+
+
+@triton.jit
+def _rope_rows(g, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+    """Physical rows (int64 ``[BLOCK_N]``) of logical row block ``g``: half of them in a head's first half, the
+    same dims of its second half after them."""
+    S: tl.constexpr = BLOCK_N // 2
+    j = tl.arange(0, BLOCK_N)
+    return (_rope_first_row(g, BLOCK_N, HALF) + (j % S) + (j // S) * HALF).to(tl.int64)
+
+
+@triton.jit
+def _rope_step(g, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+    """Physical rows from logical block ``g``'s first row to block ``g + 1``'s."""
+    return _rope_first_row(g + 1, BLOCK_N, HALF) - _rope_first_row(g, BLOCK_N, HALF)
+
+
+@triton.jit
+def _rope_cache_rows(total, g0, out_ptr, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, n_rot_rows, n_k_rows, n_slots,
+                     R: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+    """Store ``R`` logical rows' float32 sums (blocks ``g0``...) at their physical rows: rounded to the output's
+    dtype, the first ``n_rot_rows`` rows (q, k) rotated as ``labkit.kernels.rope`` rotates them (float32 math on
+    the rounded values, one rounding), k and v rows also written to the paged caches' row at the token's slot."""
+    S: tl.constexpr = BLOCK_N // 2
+    dt = out_ptr.dtype.element_ty
+    y = tl.reshape(total.to(dt), [R // BLOCK_N, 2, S])
+    x1, x2 = tl.split(tl.permute(y, (0, 2, 1)))  # [blocks, S]: dims d of the first half, HALF + d of the second
+    g = g0 + tl.arange(0, R // BLOCK_N)[:, None]
+    G: tl.constexpr = 2 * HALF // BLOCK_N
+    d = (g % G) * S + tl.arange(0, S)[None, :]
+    row1 = ((g // G) * (2 * HALF) + d).to(tl.int64)
+    c = tl.load(cos_ptr + d).to(tl.float32)
+    sn = tl.load(sin_ptr + d).to(tl.float32)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    rot = row1 < n_rot_rows
+    lo = tl.where(rot, (x1f * c - x2f * sn).to(dt), x1)
+    hi = tl.where(rot, (x2f * c + x1f * sn).to(dt), x2)
+    tl.store(out_ptr + row1, lo)
+    tl.store(out_ptr + row1 + HALF, hi)
+    slot = tl.zeros_like(row1) + tl.load(slot_ptr).to(tl.int64)  # as a block: a scalar mask will not broadcast
+    in_pool = (slot >= 0) & (slot < n_slots)
+    base = tl.where(in_pool, slot, 0) * n_k_rows
+    k_first = n_rot_rows - n_k_rows
+    is_k = in_pool & (row1 >= k_first) & (row1 < n_rot_rows)
+    is_v = in_pool & (row1 >= n_rot_rows)
+    tl.store(kc_ptr + base + row1 - k_first, lo, mask=is_k)
+    tl.store(kc_ptr + base + row1 + HALF - k_first, hi, mask=is_k)
+    tl.store(vc_ptr + base + row1 - n_rot_rows, lo, mask=is_v)
+    tl.store(vc_ptr + base + row1 + HALF - n_rot_rows, hi, mask=is_v)
+
+
+@triton.jit
 def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr, res_ptr, eps, N, K, stride_pk,
-                stride_pn, stride_sk, stride_sn, stride_zk, stride_zn, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                stride_pn, stride_sk, stride_sn, stride_zk, stride_zn, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr,
+                n_rot_rows, n_k_rows, n_slots, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, ROW_STEPS: tl.constexpr, PREFETCH: tl.constexpr, SPLIT_P2: tl.constexpr,
                 RED_ROWS: tl.constexpr, HALF_MATH: tl.constexpr, WEIGHTS_FIRST: tl.constexpr = False,
                 PDL: tl.constexpr = False, REDUCE: tl.constexpr = True, SWIGLU: tl.constexpr = False,
-                NORM_CHUNKS: tl.constexpr = 0, RESIDUAL: tl.constexpr = False):
+                NORM_CHUNKS: tl.constexpr = 0, RESIDUAL: tl.constexpr = False, ROPE_HALF: tl.constexpr = 0):
     """The int4 GEMV with the activations *stationary* (16-bit activations, whole tiles: ``N`` a multiple of
     ``BLOCK_N * ROW_STEPS``, ``K`` of ``BLOCK_K``, power-of-two groups that divide ``BLOCK_K``).
 
@@ -489,7 +548,11 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
     reads the whole row (``NORM_CHUNKS`` chunks of ``BLOCK_K``, from L2) after issuing its slice's loads.
     ``RESIDUAL``: the rows written are the projection plus ``res_ptr``'s rows, loaded at the store (loading them at
     the program's start was no faster: gemv_study_fused_ed2d5a7). Together they take a decode step's add + RMSNorm
-    kernels into the GEMVs around them.
+    kernels into the GEMVs around them. ``ROPE_HALF > 0`` (split programs; a merged q/k/v projection of heads of
+    ``2 * ROPE_HALF`` rows): each block of ``BLOCK_N`` rows holds half a block of a head's first half and the same
+    dims of its second half (``_rope_rows``), so the last program rotates the first ``n_rot_rows`` rows (q and k)
+    by ``cos_ptr``/``sin_ptr`` as it stores them, and writes the k and v rows (``n_k_rows`` each) to the paged
+    caches at ``slot_ptr``'s slot (skipped outside ``[0, n_slots)``), as ``apply_rope_and_cache`` does.
     Experiments of scripts/gemv_study.py: ``PDL`` (launched as a programmatic dependent launch: the next launch
     released at the start, the first loads issued before waiting for the kernel ahead) and ``REDUCE=False`` (the
     partials left unsummed: wrong output, for the time the reduction costs)."""
@@ -500,7 +563,8 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
     gl = tl.arange(0, BLOCK_G)  # the slice's groups
     wl = gl[:, None] * WORDS + tl.arange(0, WORDS)[None, :]  # and its words
     kw = pid_k * (BLOCK_G * WORDS) + wl
-    n64 = (pid_n * ROWS + tl.arange(0, BLOCK_N)).to(tl.int64)
+    lrows = (pid_n * ROWS + tl.arange(0, BLOCK_N)).to(tl.int64)  # the logical rows of this program's first block
+    n64 = _rope_rows(pid_n * ROW_STEPS, BLOCK_N, ROPE_HALF) if ROPE_HALF > 0 else lrows  # and the weights' rows
     p_ptrs = p_ptr + pid_k.to(tl.int64) * stride_pk + n64[:, None, None] * stride_pn + wl[None, :, :]
     s_ptrs = s_ptr + pid_k.to(tl.int64) * stride_sk + n64[:, None] * stride_sn + gl[None, :]
     z_ptrs = z_ptr + pid_k.to(tl.int64) * stride_zk + n64[:, None] * stride_zn + gl[None, :]
@@ -522,23 +586,24 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
     if PREFETCH and not WEIGHTS_FIRST:
         nw, ns, nz = tl.load(p_ptrs), tl.load(s_ptrs), tl.load(z_ptrs)
     for i in range(ROW_STEPS):
+        step = _rope_step(pid_n * ROW_STEPS + i, BLOCK_N, ROPE_HALF) if ROPE_HALF > 0 else BLOCK_N  # rows to next
         if PREFETCH:  # this block's loads were issued a block ago; issue the next block's now
             wd, s, z = nw, ns, nz
             more = i + 1 < ROW_STEPS
-            nw = tl.load(p_ptrs + BLOCK_N * stride_pn, mask=more)
-            ns = tl.load(s_ptrs + BLOCK_N * stride_sn, mask=more)
-            nz = tl.load(z_ptrs + BLOCK_N * stride_zn, mask=more)
+            nw = tl.load(p_ptrs + step * stride_pn, mask=more)
+            ns = tl.load(s_ptrs + step * stride_sn, mask=more)
+            nz = tl.load(z_ptrs + step * stride_zn, mask=more)
         else:
             wd, s, z = tl.load(p_ptrs), tl.load(s_ptrs), tl.load(z_ptrs)
-        p_ptrs += BLOCK_N * stride_pn
-        s_ptrs += BLOCK_N * stride_sn
-        z_ptrs += BLOCK_N * stride_zn
+        p_ptrs += step * stride_pn
+        s_ptrs += step * stride_sn
+        z_ptrs += step * stride_zn
         q_x = tl.sum(_word_dot(wd, xa[None], xb[None], xc[None], xd[None], HALF_MATH == 1), 2) * down[None, :]
         part = tl.sum(s.to(tl.float32) * (q_x - z.to(tl.float32) * x_sum[None, :]), 1)
         if SPLIT_P2 == 1:  # the whole of K in this program: the rows are done
             _output_rows(part, n64 + i * BLOCK_N, res_ptr, out_ptr, RESIDUAL)
         else:
-            tl.store(ws_ptr + pid_k * N + n64 + i * BLOCK_N, part)
+            tl.store(ws_ptr + pid_k * N + lrows + i * BLOCK_N, part)
     if SPLIT_P2 == 1 or not REDUCE:  # (not REDUCE: a timing experiment, the partials are left unsummed)
         return
     tl.debug_barrier()  # all of this program's partials are written before its arrival is counted
@@ -548,7 +613,12 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
             rows = pid_n * ROWS + r0 + tl.arange(0, RED_ROWS)
             parts = tl.load(ws_ptr + sl[:, None] * N + rows[None, :], mask=(sl < tl.num_programs(0))[:, None],
                             other=0.0, cache_modifier=".cg")
-            _output_rows(tl.sum(parts, 0), rows, res_ptr, out_ptr, RESIDUAL)
+            if ROPE_HALF > 0:
+                _rope_cache_rows(tl.sum(parts, 0), (pid_n * ROWS + r0) // BLOCK_N, out_ptr, cos_ptr, sin_ptr,
+                                 slot_ptr, kc_ptr, vc_ptr, n_rot_rows, n_k_rows, n_slots, RED_ROWS, BLOCK_N,
+                                 ROPE_HALF)
+            else:
+                _output_rows(tl.sum(parts, 0), rows, res_ptr, out_ptr, RESIDUAL)
         tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
 
 
@@ -873,13 +943,15 @@ def xs_tile(n: int, k: int, group: int, device: torch.device, tile: dict | None 
 
 def w4_gemv_xs(x2: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor, group: int,
                tile: dict, swiglu: bool = False, norm: tuple[torch.Tensor, float] | None = None,
-               residual: torch.Tensor | None = None) -> torch.Tensor:
+               residual: torch.Tensor | None = None, rope: dict | None = None) -> torch.Tensor:
     """Launch ``_w4_gemv_xs`` on one row ``x2`` ``[1, K]`` (float16/bfloat16) and int4 weights as int32 words
     ``[N, K // 8]`` with scales and zeros ``[N, K // group]``; ``tile`` from ``xs_tile`` (``PDL``, an experiment of
     scripts/gemv_study.py: launched as a programmatic dependent launch, sm_90 and later). ``swiglu``: ``x2`` is
     ``[1, 2K]``, ``[gate | up]``, and the GEMV multiplies ``silu(gate) * up``. ``norm``: ``(weight [K], eps)``,
     the GEMV multiplies ``rms_norm(x2)``. ``residual`` ``[1, N]`` (contiguous, ``x2``'s dtype): added to the
-    output. Returns ``[1, N]``."""
+    output. ``rope`` (a merged q/k/v projection on a split tile whose row blocks fit its heads: see
+    ``w4a16_qkv_rope_cache``): ``cos``, ``sin`` (the token's rows, at least ``head_dim / 2`` values), ``slot``
+    (int ``[1]``), ``k_cache``, ``v_cache`` and ``num_heads``. Returns ``[1, N]``."""
     n, k = words.shape[0], x2.shape[1] // (2 if swiglu else 1)
     out = torch.empty(1, n, dtype=x2.dtype, device=x2.device)
     bk = tile["BLOCK_K"]
@@ -889,11 +961,19 @@ def w4_gemv_xs(x2: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.
     # (slice, row) strides: the kernel also reads weights stored slice after slice (gemv_study_xs_sm_492b4c7)
     strides = (bk // 8, words.stride(0), bk // group, s.stride(0), bk // group, z.stride(0))
     nw, eps = norm if norm is not None else (x2, 0.0)
+    half, rope_args = 0, (x2,) * 5 + (0, 0, 0)
+    if rope is not None:
+        kc = rope["k_cache"]
+        head_dim, k_rows = kc.shape[-1], kc.shape[-2] * kc.shape[-1]
+        half = head_dim // 2
+        rope_args = (rope["cos"], rope["sin"], rope["slot"], kc, rope["v_cache"],
+                     rope["num_heads"] * head_dim + k_rows, k_rows, kc.shape[0] * kc.shape[1])
     _w4_gemv_xs[(slices, n // rows)](x2, words, s, z, out, ws, cnt, nw, x2 if residual is None else residual,
-                                      eps, n, k, *strides, GROUP=group, **meta, num_warps=tile["num_warps"],
-                                      num_stages=1, HALF_MATH=1 if x2.device.type == "cuda" else 2, SWIGLU=swiglu,
+                                      eps, n, k, *strides, *rope_args, GROUP=group, **meta,
+                                      num_warps=tile["num_warps"], num_stages=1,
+                                      HALF_MATH=1 if x2.device.type == "cuda" else 2, SWIGLU=swiglu,
                                       NORM_CHUNKS=slices if norm is not None else 0,
-                                      RESIDUAL=residual is not None,
+                                      RESIDUAL=residual is not None, ROPE_HALF=half,
                                       **({"launch_pdl": True} if tile.get("PDL") else {}))
     return out
 
@@ -1027,6 +1107,70 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
         x = rms_norm(x, *norm)
     out = _w4a16_matmul(x, p, s, z, group_size)
     return out if res is None else out + res
+
+
+def w4a16_qkv_rope_cache(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                         group_size: int, num_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                         norm_weight: torch.Tensor | None = None,
+                         norm_eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """A merged q/k/v projection in int4, then RoPE on q and k and the paged-cache write of k and v: what
+    ``labkit.kernels.rope.apply_rope_and_cache`` does to ``w4a16_matmul(x, ..., norm_weight=, norm_eps=)`` split
+    into heads. ``x`` ``[T, K]``; ``packed`` ``[(num_heads + 2 * num_kv_heads) * head_dim, K // 2]`` with
+    ``num_kv_heads`` and ``head_dim`` from ``k_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]``;
+    ``cos``/``sin``, caches and ``slot_mapping`` as ``apply_rope_and_cache`` takes them. Returns ``(q_rot [T,
+    num_heads, head_dim], k_rot [T, num_kv_heads, head_dim])``.
+
+    One 16-bit row on a split stationary tile whose row blocks fit the heads does it in the GEMV: its programs
+    walk each head's rows in rotary pairs (``_rope_rows``), and the last program of a row chunk rotates and stores
+    them and writes the cache rows -- one launch for the projection, RoPE and the cache write. Anything else runs
+    ``w4a16_matmul`` then ``apply_rope_and_cache``.
+    """
+    check_tensor("k_cache", k_cache, FLOAT_DTYPES, dim=4)
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    n, k = packed.shape[0], 2 * packed.shape[1]
+    if not isinstance(num_heads, int) or num_heads < 1 or n != (num_heads + 2 * kv_heads) * head_dim:
+        raise ValueError(f"packed {tuple(packed.shape)} must hold (num_heads={num_heads!r} + 2 * {kv_heads}) * "
+                         f"{head_dim} rows: q, k and v of k_cache {tuple(k_cache.shape)}'s heads")
+    rows = x.reshape(-1, k) if x.dim() and x.shape[-1] == k else None
+    fused = _qkv_rope_tile(rows, packed, group_size, head_dim, (k_cache, v_cache), cos, sin, slot_mapping)
+    if fused is None:
+        from labkit.kernels.rope import apply_rope_and_cache
+
+        qkv = w4a16_matmul(x, packed, scales, zeros, group_size, norm_weight=norm_weight, norm_eps=norm_eps)
+        q, kk, v = qkv.reshape(-1, n).split([num_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+        t = q.shape[0]
+        return apply_rope_and_cache(q.view(t, num_heads, head_dim), kk.view(t, kv_heads, head_dim),
+                                    v.view(t, kv_heads, head_dim), cos, sin, k_cache, v_cache, slot_mapping)
+    norm = _check_norm(norm_weight, norm_eps, k, x, False)
+    rope = dict(cos=cos.reshape(-1)[: head_dim // 2 * 2].contiguous(), sin=sin.reshape(-1)[: head_dim // 2 * 2]
+                .contiguous(), slot=slot_mapping.reshape(1), k_cache=k_cache, v_cache=v_cache, num_heads=num_heads)
+    out = w4_gemv_xs(rows.contiguous(), packed.view(torch.int32), scales.contiguous(), zeros.contiguous(),
+                     group_size, fused, rope=rope, **({"norm": norm} if norm is not None else {}))
+    q_rows = num_heads * head_dim
+    return (out[:, :q_rows].view(1, num_heads, head_dim),
+            out[:, q_rows:q_rows + kv_heads * head_dim].view(1, kv_heads, head_dim))
+
+
+def _qkv_rope_tile(rows: torch.Tensor | None, packed: torch.Tensor, group_size: int, head_dim: int, caches: tuple,
+                   cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor) -> dict | None:
+    """The split stationary tile for ``w4a16_qkv_rope_cache``'s fused path, or None where it does not apply (more
+    than one row, float32, row blocks that do not fit the heads, caches not of ``rows``' dtype and layout, tables
+    or slots not of one token)."""
+    if rows is None or packed.stride(-1) != 1 or rows.shape[0] != 1 or head_dim % 2:
+        return None
+    if any(c.dtype != rows.dtype or not c.is_contiguous() or c.device != rows.device or c.shape != caches[0].shape
+           for c in caches):
+        return None
+    if any(t.numel() not in (head_dim // 2, head_dim) or t.device != rows.device for t in (cos, sin)) or \
+            slot_mapping.numel() != 1 or slot_mapping.dtype.is_floating_point:
+        return None
+    n, k = packed.shape[0], 2 * packed.shape[1]
+    tile = _stationary_tile(rows, n, k, group_size, packed, norm=True)  # the split tile, as a normed GEMV takes
+    if tile is None or tile["SPLIT_P2"] == 1 or tile["BLOCK_N"] % 2 or head_dim % tile["BLOCK_N"] or \
+            tile["RED_ROWS"] % tile["BLOCK_N"]:
+        return None
+    return tile
 
 
 def _check_norm(weight: torch.Tensor | None, eps: float, k: int, x: torch.Tensor,

@@ -223,6 +223,10 @@ class Int4Linear(nn.Module):
         y = y.view(*lead, self.out_features)
         return y if self.bias is None else y + self.bias
 
+    def uses_kernels(self, x: torch.Tensor) -> bool:
+        """Whether this layer runs labkit's fused kernels on ``x`` (its backend and ``x``'s device)."""
+        return _use_fused(self.backend, x, "w4a16_matmul") is not None
+
     def fused_forward(self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None,
                       swiglu: bool = False) -> torch.Tensor:
         """``residual + self(act(x))``, the projection with what a decoder layer does around it, where ``act`` is
