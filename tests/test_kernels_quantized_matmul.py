@@ -558,6 +558,53 @@ def test_layer_ops_fused_into_the_gemv_on_the_gpu(n, k, fuse):
 
 
 @pytest.mark.gpu
+def test_qkv_rope_and_cache_inside_the_gemv_on_the_gpu():
+    """The 8B q/k/v projection (32 q heads, 8 kv heads of 128) with its RMSNorm, RoPE and the cache write in one
+    GEMV, against ``w4a16_matmul`` then ``apply_rope_and_cache`` (within a rounding: the compiled kernels may
+    contract the rotation into FMAs differently), eagerly and replayed in a CUDA graph at a new slot."""
+    import labkit.kernels.quantized_matmul as qm
+    from labkit.kernels.quantized_matmul import w4a16_qkv_rope_cache
+    from labkit.kernels.rope import apply_rope_and_cache
+
+    heads, kv_heads, d, k, dt = 32, 8, 128, 4096, torch.bfloat16
+    n = (heads + 2 * kv_heads) * d
+    assert qm._qkv_rope_tile(torch.empty(1, k, dtype=dt, device=DEVICE), torch.empty(n, k // 2, dtype=torch.uint8,
+                             device=DEVICE), 128, d, (torch.empty(4, 16, kv_heads, d, dtype=dt, device=DEVICE),) * 2,
+                             torch.empty(1, d, device=DEVICE), torch.empty(1, d, device=DEVICE),
+                             torch.zeros(1, dtype=torch.long, device=DEVICE)) is not None
+    packed, scales, zeros = _int4(n, k, 128, seed=120)
+    args = (packed, (scales * 0.1).to(dt), zeros.to(dt), 128)
+    opts = dict(norm_weight=(torch.rand(k, device=DEVICE) + 0.5).to(dt), norm_eps=1e-5)
+    ang = torch.rand(1, d // 2, device=DEVICE) * 6
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(dt), torch.cat([ang.sin()] * 2, -1).to(dt)
+    x = _x((1, k), dt, seed=121) * 2
+
+    def both(slot: torch.Tensor):
+        caches = [torch.zeros(64, 16, kv_heads, d, dtype=dt, device=DEVICE) for _ in range(4)]
+        got = w4a16_qkv_rope_cache(x, *args, heads, cos, sin, caches[0], caches[1], slot, **opts)
+        qs, ks, vs = w4a16_matmul(x, *args, **opts).split([heads * d, kv_heads * d, kv_heads * d], -1)
+        ref = apply_rope_and_cache(qs.view(1, heads, d), ks.view(1, kv_heads, d), vs.view(1, kv_heads, d), cos, sin,
+                                   caches[2], caches[3], slot)
+        for a, b in zip((*got, caches[0], caches[1]), (*ref, caches[2], caches[3])):
+            assert relative_error(a, b) < 1e-2
+        assert torch.equal(caches[1], caches[3])  # v is not rotated: the same bits
+        return got, caches
+
+    both(torch.tensor([77], device=DEVICE))
+    slot = torch.tensor([5], device=DEVICE)
+    caches = [torch.zeros(64, 16, kv_heads, d, dtype=dt, device=DEVICE) for _ in range(2)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = w4a16_qkv_rope_cache(x, *args, heads, cos, sin, *caches, slot, **opts)
+    slot.fill_(300)
+    x.copy_(_x((1, k), dt, seed=122))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager, eager_caches = both(slot)
+    assert torch.equal(replayed[0], eager[0]) and torch.equal(caches[0], eager_caches[0])
+
+
+@pytest.mark.gpu
 def test_dependent_launches_wait_for_what_they_read(monkeypatch):
     """Launched with PDL (``tile["PDL"]``, sm_90), each GEMV starts before the kernel ahead of it ends and issues
     its first weight loads early; its activations come from that kernel: a scaling kernel, then a chain of three

@@ -169,9 +169,10 @@ display(pd.DataFrame(gen_rows))
 # per-kernel costs that do not shrink with the weights weigh less. With int4 weights the engine also folds each
 # layer's neighbours into its GEMVs (`Int4Linear.fused_forward`): the RMSNorms run in the prologues of the q/k/v and
 # gate/up GEMVs, the residual adds in the stores of the o and down GEMVs, SwiGLU as the down GEMV prepares its
-# activations -- four GEMVs, RoPE/cache and attention per layer. A fourth pass times the int4 engine step with
-# those ops in kernels of their own (`fuse_layer_ops=False`), the fusion's A/B in one run. The figures quote the
-# third pass where it ran.
+# activations -- four GEMVs, RoPE/cache and attention per layer. Two more passes time the int4 engine step with
+# those ops in kernels of their own (`fuse_layer_ops=False`) and with RoPE and the k/v cache write in the q/k/v
+# GEMV's store as well (`fuse_qkv_rope=True`, not the default yet): A/Bs in one run. The figures quote the third
+# pass where it ran.
 # On the CPU profiles this section times the embedded model instead: there the quantised layers dequantise on
 # every call (no fused kernel), so they are *slower*: the speed-up is a property of the fused GPU kernels.
 # Each row carries its floor: the bytes the step must read as measured on the model (weights as held, the
@@ -191,12 +192,12 @@ if PROFILE == "gpu":
                             iters=SIZES["decode_iters"], runner="engine", bandwidth=bandwidth, breakdown=16)
     except Exception as e:
         print(f"engine pass failed: {type(e).__name__}: {e}")
-    try:  # the same engine with int4's norms and residual adds in kernels of their own: the fusion's A/B
-        speed += speed_rows(big, methods=("int4",), context_len=SIZES["context"], iters=SIZES["decode_iters"],
-                            runner="engine", bandwidth=bandwidth, breakdown=16,
-                            engine_options={"fuse_layer_ops": False})
-    except Exception as e:
-        print(f"engine A/B pass failed: {type(e).__name__}: {e}")
+    for opts in ({"fuse_layer_ops": False}, {"fuse_qkv_rope": True}):  # A/B passes of the int4 fusions
+        try:
+            speed += speed_rows(big, methods=("int4",), context_len=SIZES["context"], iters=SIZES["decode_iters"],
+                                runner="engine", bandwidth=bandwidth, breakdown=16, engine_options=opts)
+        except Exception as e:
+            print(f"engine A/B pass {opts} failed: {type(e).__name__}: {e}")
     del big
     torch.cuda.empty_cache()
 else:
@@ -396,13 +397,16 @@ if PROFILE == "gpu":
             record_figure(f"quant.{name}_decode_speedup_hf", hf[0]["speedup"], "x over bf16", rec,
                           note=f"llama-3-8b, batch 1, context {SIZES['context']}, CUDA-graph replay of HF's "
                           f"static-cache forward with labkit's Triton norms/SiLU/attention on both sides")
-    separate = [r for r in speed_ok if r["method"] == "int4" and r.get("engine_options")]
-    fused = pick_speed("int4")
-    if separate and fused is not None and fused["timing"] == "engine_graph":
-        record_figure("quant.int4_layer_ops_fusion_speedup", separate[0]["decode_ms"] / fused["decode_ms"], "x", rec,
-                      note=f"llama-3-8b int4, batch 1, engine graph replays in one run: norms and residual adds in "
-                      f"kernels of their own {separate[0]['decode_ms']:.3f} ms over inside the GEMVs "
-                      f"{fused['decode_ms']:.3f} ms")
+    default = pick_speed("int4")
+    # each fusion's speed-up in one run: the step without it over the step with it (> 1: the fusion pays)
+    for key, name, fused_in_ab in (("fuse_layer_ops", "layer_ops", False), ("fuse_qkv_rope", "qkv_rope", True)):
+        ab = [r for r in speed_ok if r["method"] == "int4" and key in r.get("engine_options", {})]
+        if not ab or default is None or default["timing"] != "engine_graph":
+            continue
+        without, with_ = (default, ab[0]) if fused_in_ab else (ab[0], default)
+        record_figure(f"quant.int4_{name}_fusion_speedup", without["decode_ms"] / with_["decode_ms"], "x", rec,
+                      note=f"llama-3-8b int4, batch 1, engine graph replays in one run: {key}=False "
+                      f"{without['decode_ms']:.3f} ms over {key}=True {with_['decode_ms']:.3f} ms")
 else:
     wb_note = "embedded model linear layers, float32 scales, measured bytes held over the same weights in bf16"
     record_figure("quant.int8_weight_bytes_ratio", by["int8"]["weight_bytes_ratio"], "ratio", rec, bar="<= 0.52",
