@@ -286,6 +286,9 @@ def test_qkv_rope_and_cache_inside_the_gemv(monkeypatch, norm):
         assert (caches[0][0] == 7.0).all() == (slot < 0)
     with pytest.raises(ValueError, match="num_heads=3"):
         w4a16_qkv_rope_cache(x, *args, 3, cos[:3], sin[:3], *caches[0], slots)
+    with pytest.raises(ValueError, match="scales"):  # one row, as the fused path takes it: the weights checked
+        w4a16_qkv_rope_cache(x[:1], packed, args[1][:, :2], args[2], 64, heads, cos[:1], sin[:1], *caches[0],
+                             slots[:1])
 
 
 def test_fused_gemv_arguments_are_checked():

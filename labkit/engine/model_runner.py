@@ -329,7 +329,7 @@ class ModelRunner:
         With ``fuse_qkv_rope`` (and an unquantised cache) RoPE and the cache write run in the GEMV's store
         (``w4a16_qkv_rope_cache``) at batch 1."""
         qkv_layer, norm = self.w_qkv[i], layer.input_layernorm
-        if self.fuse_qkv_rope and not self._dequantise and qkv_layer.bias is None and qkv_layer.uses_kernels(stream):
+        if self.fuse_qkv_rope and not self._dequantise and qkv_layer.uses_kernels(stream):  # merged: no bias
             from labkit.kernels.quantized_matmul import w4a16_qkv_rope_cache
 
             q, k = w4a16_qkv_rope_cache(stream, qkv_layer.packed, qkv_layer.scales, qkv_layer.zeros,

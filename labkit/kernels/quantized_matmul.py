@@ -1071,17 +1071,8 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
     * ``residual`` ``[..., N]`` in ``x``'s dtype: returns ``residual + x @ W.T``, the product rounded first (the
       o and down projections, which end in the residual add).
     """
-    check_tensor("packed", packed, (torch.uint8,), dim=2)
-    check_tensor("scales", scales, FLOAT_DTYPES, dim=2, device=packed.device)
-    check_tensor("zeros", zeros, FLOAT_DTYPES, dim=2, device=packed.device)
-    n, k = packed.shape[0], 2 * packed.shape[1]
-    if not isinstance(group_size, int) or group_size < 2 or group_size % 2 or k % group_size:
-        raise ValueError(f"group_size={group_size!r} must be an even integer dividing K={k} (e.g. 32, 64, 128)")
-    if scales.shape != (n, k // group_size) or zeros.shape != scales.shape:
-        raise ValueError(f"scales {tuple(scales.shape)} and zeros {tuple(zeros.shape)} must be "
-                         f"[N, K // group_size] = [{n}, {k // group_size}]")
-    p = packed if packed.stride(-1) == 1 else packed.contiguous()
-    s, z = scales.contiguous(), zeros.contiguous()
+    p, s, z = _check_int4_weights(packed, scales, zeros, group_size)
+    n, k = p.shape[0], 2 * p.shape[1]
     check_tensor("x", x, FLOAT_DTYPES, device=packed.device)
     width = 2 * k if swiglu else k
     if x.dim() == 0 or x.shape[-1] != width:
@@ -1109,6 +1100,21 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
     return out if res is None else out + res
 
 
+def _check_int4_weights(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                        group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Refuse int4 weights the kernels cannot read; returns them with contiguous rows, scales and zeros."""
+    check_tensor("packed", packed, (torch.uint8,), dim=2)
+    check_tensor("scales", scales, FLOAT_DTYPES, dim=2, device=packed.device)
+    check_tensor("zeros", zeros, FLOAT_DTYPES, dim=2, device=packed.device)
+    n, k = packed.shape[0], 2 * packed.shape[1]
+    if not isinstance(group_size, int) or group_size < 2 or group_size % 2 or k % group_size:
+        raise ValueError(f"group_size={group_size!r} must be an even integer dividing K={k} (e.g. 32, 64, 128)")
+    if scales.shape != (n, k // group_size) or zeros.shape != scales.shape:
+        raise ValueError(f"scales {tuple(scales.shape)} and zeros {tuple(zeros.shape)} must be "
+                         f"[N, K // group_size] = [{n}, {k // group_size}]")
+    return packed if packed.stride(-1) == 1 else packed.contiguous(), scales.contiguous(), zeros.contiguous()
+
+
 def w4a16_qkv_rope_cache(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                          group_size: int, num_heads: int, cos: torch.Tensor, sin: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -1126,27 +1132,29 @@ def w4a16_qkv_rope_cache(x: torch.Tensor, packed: torch.Tensor, scales: torch.Te
     them and writes the cache rows -- one launch for the projection, RoPE and the cache write. Anything else runs
     ``w4a16_matmul`` then ``apply_rope_and_cache``.
     """
+    p, s, z = _check_int4_weights(packed, scales, zeros, group_size)
+    check_tensor("x", x, FLOAT_DTYPES, device=packed.device)
     check_tensor("k_cache", k_cache, FLOAT_DTYPES, dim=4)
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    n, k = packed.shape[0], 2 * packed.shape[1]
+    n, k = p.shape[0], 2 * p.shape[1]
     if not isinstance(num_heads, int) or num_heads < 1 or n != (num_heads + 2 * kv_heads) * head_dim:
         raise ValueError(f"packed {tuple(packed.shape)} must hold (num_heads={num_heads!r} + 2 * {kv_heads}) * "
                          f"{head_dim} rows: q, k and v of k_cache {tuple(k_cache.shape)}'s heads")
     rows = x.reshape(-1, k) if x.dim() and x.shape[-1] == k else None
-    fused = _qkv_rope_tile(rows, packed, group_size, head_dim, (k_cache, v_cache), cos, sin, slot_mapping)
+    fused = _qkv_rope_tile(rows, p, group_size, head_dim, (k_cache, v_cache), cos, sin, slot_mapping)
     if fused is None:
         from labkit.kernels.rope import apply_rope_and_cache
 
-        qkv = w4a16_matmul(x, packed, scales, zeros, group_size, norm_weight=norm_weight, norm_eps=norm_eps)
+        qkv = w4a16_matmul(x, p, s, z, group_size, norm_weight=norm_weight, norm_eps=norm_eps)
         q, kk, v = qkv.reshape(-1, n).split([num_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
         t = q.shape[0]
         return apply_rope_and_cache(q.view(t, num_heads, head_dim), kk.view(t, kv_heads, head_dim),
                                     v.view(t, kv_heads, head_dim), cos, sin, k_cache, v_cache, slot_mapping)
     norm = _check_norm(norm_weight, norm_eps, k, x, False)
-    rope = dict(cos=cos.reshape(-1)[: head_dim // 2 * 2].contiguous(), sin=sin.reshape(-1)[: head_dim // 2 * 2]
-                .contiguous(), slot=slot_mapping.reshape(1), k_cache=k_cache, v_cache=v_cache, num_heads=num_heads)
-    out = w4_gemv_xs(rows.contiguous(), packed.view(torch.int32), scales.contiguous(), zeros.contiguous(),
-                     group_size, fused, rope=rope, **({"norm": norm} if norm is not None else {}))
+    rope = dict(cos=cos.reshape(-1), sin=sin.reshape(-1), slot=slot_mapping.reshape(1), k_cache=k_cache,
+                v_cache=v_cache, num_heads=num_heads)  # the kernel reads the tables' first head_dim / 2 values
+    out = w4_gemv_xs(rows.contiguous(), p.view(torch.int32), s, z, group_size, fused, rope=rope,
+                     **({"norm": norm} if norm is not None else {}))
     q_rows = num_heads * head_dim
     return (out[:, :q_rows].view(1, num_heads, head_dim),
             out[:, q_rows:q_rows + kv_heads * head_dim].view(1, kv_heads, head_dim))
@@ -1157,7 +1165,7 @@ def _qkv_rope_tile(rows: torch.Tensor | None, packed: torch.Tensor, group_size: 
     """The split stationary tile for ``w4a16_qkv_rope_cache``'s fused path, or None where it does not apply (more
     than one row, float32, row blocks that do not fit the heads, caches not of ``rows``' dtype and layout, tables
     or slots not of one token)."""
-    if rows is None or packed.stride(-1) != 1 or rows.shape[0] != 1 or head_dim % 2:
+    if rows is None or rows.shape[0] != 1 or head_dim % 2:
         return None
     if any(c.dtype != rows.dtype or not c.is_contiguous() or c.device != rows.device or c.shape != caches[0].shape
            for c in caches):
