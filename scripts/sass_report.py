@@ -8,7 +8,7 @@ weights / 33.4e12`` is the time the kernel needs for issue alone; compare it wit
 that floor is instruction-bound; below it, a slow measured time points at latency (too few bytes in flight per
 SM), not at the arithmetic.
 
-    python scripts/sass_report.py [--kernel w8 w4] [--group 128]
+    python scripts/sass_report.py [--kernel w8 w4 xs] [--group 128] [--out DIR]
 """
 
 from __future__ import annotations
@@ -35,6 +35,21 @@ W4_SIG = {"x_ptr": "*bf16", "p_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16",
           "stride_zn": "i32", "exp_bits": "i32", "GROUP": "constexpr", "BLOCK_N": "constexpr",
           "BLOCK_K": "constexpr", "SPLIT_K": "constexpr", "LOAD_STAGES": "constexpr", "EVEN": "constexpr",
           "HALF_MATH": "constexpr", "PREFETCH": "constexpr"}
+XS_SIG = {"x_ptr": "*bf16", "p_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "out_ptr": "*bf16",
+          "ws_ptr": "*fp32", "cnt_ptr": "*i32", "norm_w_ptr": "*bf16", "res_ptr": "*bf16", "eps": "fp32", "N": "i32",
+          "K": "i32", "stride_pk": "i32", "stride_pn": "i32", "stride_sk": "i32", "stride_sn": "i32",
+          "stride_zk": "i32", "stride_zn": "i32", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "slot_ptr": "*i64",
+          "kc_ptr": "*bf16", "vc_ptr": "*bf16", "n_rot_rows": "i32", "n_k_rows": "i32", "n_slots": "i32"}
+# the 8B decode step's stationary GEMVs as the engine launches them, plain and with what they take in:
+# (name, N, K, tile: "split" | "whole" | None for labkit's pick, constexprs beyond the tile)
+XS_CASES = [("qkv", 6144, 4096, "split", {}), ("qkv", 6144, 4096, "whole", {}),
+            ("qkv norm", 6144, 4096, "split", {"NORM_CHUNKS": 8}),
+            ("qkv norm", 6144, 4096, "whole", {"NORM_CHUNKS": 1}),
+            ("qkv norm rope", 6144, 4096, "split", {"NORM_CHUNKS": 8, "ROPE_HALF": 64}),
+            ("o", 4096, 4096, "whole", {}), ("o residual", 4096, 4096, "whole", {"RESIDUAL": True}),
+            ("gate_up", 28672, 4096, "split", {}), ("gate_up norm", 28672, 4096, "split", {"NORM_CHUNKS": 8}),
+            ("down", 4096, 14336, "split", {}),
+            ("down swiglu residual", 4096, 14336, "split", {"SWIGLU": True, "RESIDUAL": True})]
 _INSTR = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")
 
 
@@ -96,9 +111,35 @@ def report(fn, signature: dict, constexprs: dict, num_warps: int, weights_per_th
             "top_ops": sorted(ops.items(), key=lambda kv: -kv[1])[:8]}
 
 
+def xs_report(qm, group: int = 128) -> list[dict]:
+    """Registers, spills and loop instructions of the stationary int4 GEMV (``_w4_gemv_xs``) in ``XS_CASES``, with
+    the tiles ``qm.xs_tile`` picks on 132 SMs (``split``: ``XS_TILE``; ``whole``: ``XS_WHOLE_K_TILE``)."""
+    import torch
+
+    qm.num_sms = lambda device: 132  # an H200's SMs: the row-step rule as on the GPU
+    rows = []
+    for name, n, k, kind, extra in XS_CASES:
+        base = qm.XS_TILE if kind == "split" else dict(qm.XS_WHOLE_K_TILE, BLOCK_K=k)
+        tile = qm.xs_tile(n, k, group, torch.device("cuda"), base)
+        meta = {key: val for key, val in tile.items() if key != "num_warps"}
+        meta.update({"GROUP": group, "HALF_MATH": 1, "PDL": False, "REDUCE": True, "SWIGLU": False,
+                     "NORM_CHUNKS": 0, "RESIDUAL": False, "ROPE_HALF": 0, **extra})
+        sig = dict(XS_SIG, **{key: "constexpr" for key in meta})
+        r = report(qm._w4_gemv_xs, sig, meta, tile["num_warps"], 1)  # (per weight: not reported here)
+        rows.append({"case": name, "N": n, "K": k, "tile": kind, **{key: tile[key] for key in
+                     ("BLOCK_N", "BLOCK_K", "ROW_STEPS", "num_warps")}, "registers": r["registers"],
+                     "spill_bytes": r["spill_bytes"], "loop_instructions": r["loop_instructions"]})
+        print(f"xs {name:22s} {kind:5s} {tile['BLOCK_N']}x{tile['BLOCK_K']} x{tile['ROW_STEPS']}, "
+              f"{tile['num_warps']} warps: {r['registers']} registers, {r['spill_bytes']} B spilled, "
+              f"{r['loop_instructions']} loop instructions")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kernel", nargs="+", default=["w8", "w4"], choices=["w8", "w4"])
+    ap.add_argument("--kernel", nargs="+", default=["w8", "w4"], choices=["w8", "w4", "xs"],
+                    help="xs: the stationary int4 GEMV at the 8B decode shapes, plain and fused (XS_CASES)")
+    ap.add_argument("--out", help="with --kernel xs: folder for records/sass_xs.json")
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--prefetch", action="store_true", help="int4: loads issued a step ahead (PREFETCH)")
     ap.add_argument("--float32", action="store_true", help="int4: the float32 path (float32 activations) "
@@ -106,7 +147,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", type=float, default=4096 * 14336, help="weights of the layer, for the issue time")
     args = ap.parse_args(argv)
     qm = _jit_kernels()
-    for name in args.kernel:
+    if "xs" in args.kernel:
+        rows = xs_report(qm, args.group)
+        if args.out:
+            from labkit.bench import write_record
+
+            print("wrote", write_record("sass_xs", {"target": "sm_90", "triton": triton.__version__, "rows": rows},
+                                        out_dir=args.out))
+    for name in (k for k in args.kernel if k != "xs"):
         tiles = qm.W8_TILES if name == "w8" else qm.W4_TILES
         for bn, bk, warps in tiles:
             meta = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 4, "LOAD_STAGES": 1}

@@ -78,8 +78,9 @@ activations through memory, with the same bits. ``norm_weight=`` and ``residual=
 layer's add + RMSNorm: the q/k/v and gate/up GEMVs normalise their row in the prologue (each program takes the
 row's statistic: a split program re-reads the row from L2), the o and down GEMVs add the residual as they store.
 Measured after a kernel that writes the activations (gemv_study_fused_ed2d5a7, us): the norm costs 0.4-0.7 us a
-GEMV on the split tile (qkv 9.09 -> 9.48, gate_up 25.40 -> 26.13; a whole-K program needs 95 registers for it, not
-72, and lost 1.2 us, so normed GEMVs take the split tile), the residual add nothing measurable (o 7.94 -> 7.74,
+GEMV on the split tile (qkv 9.09 -> 9.48, gate_up 25.40 -> 26.13; a whole-K program needs 96 registers for it, not
+72 -- ``scripts/sass_report.py --kernel xs``, results/cpu/records/sass_xs.json -- and lost 1.2 us, so normed GEMVs
+take the split tile), the residual add nothing measurable (o 7.94 -> 7.74,
 down 15.43 -> 15.47), against ~2.2 us for each add + RMSNorm launch they remove; the engine's int4 step at batch 1
 went 2.474 -> 2.371 ms with them and the attention change of the same commits.
 bitsandbytes LLM.int8 took 30.9 us there: a 3x bar over it needs 10.3 us, below the int8 bytes' floor of
@@ -919,8 +920,9 @@ def xs_tile(n: int, k: int, group: int, device: torch.device, tile: dict | None 
     blocks per program that still give every SM ``XS_WARPS_PER_SM`` warps. Default tile: under the interpreter
     ``CPU_XS_TILE``; on CUDA ``XS_WHOLE_K_TILE`` where ``K <= XS_WHOLE_K_MAX`` is a power-of-two number of groups
     and ``N <= XS_WHOLE_K_MAX_N`` whole steps of it, else ``XS_TILE``; also ``XS_TILE`` with ``norm`` (the RMSNorm
-    in the prologue), where a whole-K program holds its row's statistic beside the row (95 registers on sm_90,
-    against 72: fewer warps per SM; qkv 10.6 us against 9.5 split, gemv_study_fused_ed2d5a7)."""
+    in the prologue), where a whole-K program holds its row's statistic beside the row (96 registers on sm_90,
+    against 72, results/cpu/records/sass_xs.json: fewer warps per SM; qkv 10.6 us against 9.5 split,
+    gemv_study_fused_ed2d5a7)."""
     if tile is None and device.type == "cuda":
         whole = not norm and (k <= XS_WHOLE_K_MAX and k % group == 0 and (k // group) & (k // group - 1) == 0
                  and n <= XS_WHOLE_K_MAX_N and n % XS_WHOLE_K_TILE["BLOCK_N"] == 0)
