@@ -93,6 +93,17 @@ def test_bad_inputs():
         paged_attention(q, k, v, tables[:1], ctx)
     with pytest.raises(ValueError, match="num_splits"):
         paged_attention(q, k, v, tables, ctx, num_splits=0)
+    with pytest.raises(ValueError, match="pdl='overlap' is unknown; allowed"):
+        paged_attention(q, k, v, tables, ctx, pdl="overlap")
+
+
+def test_releasing_the_next_launch_changes_nothing():
+    """``pdl="release"`` (on sm_90: the split kernel releases the next launch as it starts, the merge kernel is a
+    programmatic dependent launch that waits for the partials): the same bits as a plain call, split or not."""
+    q, k, v, tables, ctx = _case(2, 4, 2, 16, 16, [40, 17], 10, torch.float32, seed=6)
+    for splits in (1, 3):
+        plain = paged_attention(q, k, v, tables, ctx, num_splits=splits)
+        assert torch.equal(paged_attention(q, k, v, tables, ctx, num_splits=splits, pdl="release"), plain)
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's bfloat16 refusal")

@@ -306,6 +306,8 @@ def test_fused_gemv_arguments_are_checked():
         w4a16_matmul(x, *args, residual=torch.zeros(1, 32, dtype=torch.float16, device=DEVICE))
     with pytest.raises((TypeError, ValueError), match="residual"):
         w4a16_matmul(x, *args, residual=torch.zeros(1, 64, device=DEVICE))
+    with pytest.raises(ValueError, match="pdl='yes' is unknown; allowed"):
+        w4a16_matmul(x, *args, pdl="yes")
 
 
 def test_w4a16_gemv_takes_stationary_activations_only_where_it_fits(monkeypatch):
@@ -609,7 +611,7 @@ def test_qkv_rope_and_cache_inside_the_gemv_on_the_gpu():
 
 @pytest.mark.gpu
 def test_dependent_launches_wait_for_what_they_read(monkeypatch):
-    """Launched with PDL (``tile["PDL"]``, sm_90), each GEMV starts before the kernel ahead of it ends and issues
+    """Launched with PDL (``pdl="overlap"``, sm_90), each GEMV starts before the kernel ahead of it ends and issues
     its first weight loads early; its activations come from that kernel: a scaling kernel, then a chain of three
     GEMVs, each reading the one before's output. Captured and replayed with new inputs, every output matches the
     reference."""
@@ -618,8 +620,7 @@ def test_dependent_launches_wait_for_what_they_read(monkeypatch):
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90")
     launched = []
-    monkeypatch.setattr(qm, "w4_gemv_xs", lambda *a, f=qm.w4_gemv_xs: launched.append(a[-1]) or f(*a))
-    monkeypatch.setattr(qm, "xs_tile", lambda *a, f=qm.xs_tile: dict(f(*a), PDL=True))
+    monkeypatch.setattr(qm, "w4_gemv_xs", lambda *a, f=qm.w4_gemv_xs, **kw: launched.append(kw["pdl"]) or f(*a, **kw))
     n = 4096
     layers = [_int4(n, n, 128, seed=60 + i) for i in range(3)]
     layers = [(p, s.bfloat16() * 0.05, z.bfloat16(), 128) for p, s, z in layers]
@@ -628,7 +629,7 @@ def test_dependent_launches_wait_for_what_they_read(monkeypatch):
     def chain():
         h = [x * 2]
         for args in layers:
-            h.append(w4a16_matmul(h[-1], *args))
+            h.append(w4a16_matmul(h[-1], *args, pdl="overlap"))
         return h
 
     side = torch.cuda.Stream()
@@ -640,7 +641,7 @@ def test_dependent_launches_wait_for_what_they_read(monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = chain()
-    assert launched and all(t["PDL"] for t in launched)
+    assert launched == ["overlap"] * 3
     for seed in (65, 66):
         x.copy_(_x((1, n), torch.bfloat16, seed=seed))
         graph.replay()

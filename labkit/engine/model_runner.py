@@ -94,13 +94,18 @@ class ModelRunner:
       projection after it and each residual add into the one before it (``Int4Linear.fused_forward``): at decode
       batch 1 the GEMVs do them, two kernels fewer per layer
     * ``fuse_qkv_rope`` (with ``fuse_layer_ops``): RoPE and the k/v cache write in the int4 q/k/v GEMV's store too
-      (``w4a16_qkv_rope_cache``); off until timed on the GPU
+      (``w4a16_qkv_rope_cache``): one kernel fewer per layer (the H200's 8B int4 step 2.374 -> 2.313 ms,
+      results/h200/records/04_quantization_1c63a29.json)
+    * ``gemv_pdl`` (with ``fuse_layer_ops``, sm_90): the int4 GEMVs after the first are programmatic dependent
+      launches (the next layer's q/k/v after down, gate/up after o, down after gate/up, and o after attention,
+      which releases it as it starts), so each GEMV's first weight loads overlap the kernels ahead of it
     """
 
     def __init__(self, model, cache: PagedKVCache, kernels: str = "auto", cuda_graphs: bool | str = "auto",
                  max_num_seqs: int = 256, max_model_len: int | None = None,
                  graph_batch_sizes: Sequence[int] | None = None, merge_weights: bool = True,
-                 graph_token_sizes: Sequence[int] = (), fuse_layer_ops: bool = True, fuse_qkv_rope: bool = False):
+                 graph_token_sizes: Sequence[int] = (), fuse_layer_ops: bool = True, fuse_qkv_rope: bool = True,
+                 gemv_pdl: bool = False):
         self._check_model(model, cache)
         if kernels not in KERNELS:
             raise ValueError(f"kernels={kernels!r} is unknown; allowed: {KERNELS}")
@@ -120,6 +125,7 @@ class ModelRunner:
         self.merged = self._merge_projections() if (self.use_triton and merge_weights) else False
         self.fused_layer_ops = fuse_layer_ops and self.merged and self._fusable()
         self.fuse_qkv_rope = fuse_qkv_rope and self.fused_layer_ops
+        self.gemv_pdl = gemv_pdl and self.fused_layer_ops
         self.scratch_block: int | None = None  # padding rows of captured steps write here (cuda_graph.py)
         self.graphs = None
         self.last_step_replayed = False  # whether the last ``execute`` replayed a graph
@@ -315,19 +321,22 @@ class ModelRunner:
         """``forward`` with int4 layers that take in their neighbours (``Int4Linear.fused_forward``): each RMSNorm
         inside the projection after it (q/k/v, gate/up), each residual add inside the one before it (o, down),
         SwiGLU inside the down projection. Only the residual stream passes from layer to layer; at decode batch
-        1 a layer is four GEMVs, the RoPE/cache kernel and attention."""
+        1 a layer is four GEMVs (RoPE and the cache write in the first) and attention. With ``gemv_pdl`` every
+        kernel of the chain releases the launch after it and every GEMV but the first overlaps the one ahead."""
+        overlap, release = ("overlap", "release") if self.gemv_pdl else ("", "")
         for i, layer in enumerate(self.layers):
-            attn = self._fused_attention_input(i, layer, stream, cos, sin, inp)
-            stream = layer.self_attn.o_proj.fused_forward(attn, residual=stream)
-            gate_up = self.w_gate_up[i].fused_forward(stream, norm=layer.post_attention_layernorm)
-            stream = layer.mlp.down_proj.fused_forward(gate_up, swiglu=True, residual=stream)
+            attn = self._fused_attention_input(i, layer, stream, cos, sin, inp, overlap if i else release)
+            stream = layer.self_attn.o_proj.fused_forward(attn, residual=stream, pdl=overlap)
+            gate_up = self.w_gate_up[i].fused_forward(stream, norm=layer.post_attention_layernorm, pdl=overlap)
+            stream = layer.mlp.down_proj.fused_forward(gate_up, swiglu=True, residual=stream, pdl=overlap)
         return self._logits(stream, None, inp)
 
     def _fused_attention_input(self, i: int, layer, stream: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                               inp: ModelInput) -> torch.Tensor:
+                               inp: ModelInput, pdl: str = "") -> torch.Tensor:
         """RMSNorm, the q/k/v GEMV, RoPE, the cache write and attention of an int4 layer: ``[T, heads * head_dim]``.
         With ``fuse_qkv_rope`` (and an unquantised cache) RoPE and the cache write run in the GEMV's store
-        (``w4a16_qkv_rope_cache``) at batch 1."""
+        (``w4a16_qkv_rope_cache``) at batch 1. ``pdl``: the GEMV's launch mode; decode attention then releases
+        the launch after it as it starts."""
         qkv_layer, norm = self.w_qkv[i], layer.input_layernorm
         if self.fuse_qkv_rope and not self._dequantise and qkv_layer.uses_kernels(stream):  # merged: no bias
             from labkit.kernels.quantized_matmul import w4a16_qkv_rope_cache
@@ -335,10 +344,10 @@ class ModelRunner:
             q, k = w4a16_qkv_rope_cache(stream, qkv_layer.packed, qkv_layer.scales, qkv_layer.zeros,
                                         qkv_layer.group_size, self.num_heads, cos, sin, self.cache.k_caches[i],
                                         self.cache.v_caches[i], inp.slot_mapping, norm_weight=norm.weight,
-                                        norm_eps=norm.variance_epsilon)
-            return self._attend(i, q, k, None, inp).reshape(q.shape[0], -1)
-        qkv = qkv_layer.fused_forward(stream, norm=norm)
-        return self._attend_qkv(i, *self._split_qkv(qkv), cos, sin, inp)
+                                        norm_eps=norm.variance_epsilon, pdl=pdl)
+            return self._attend(i, q, k, None, inp, "release" if pdl else "").reshape(q.shape[0], -1)
+        qkv = qkv_layer.fused_forward(stream, norm=norm, pdl=pdl)
+        return self._attend_qkv(i, *self._split_qkv(qkv), cos, sin, inp, "release" if pdl else "")
 
     def _logits(self, h: torch.Tensor, residual: torch.Tensor | None, inp: ModelInput) -> torch.Tensor:
         """The final add + RMSNorm and the LM head, for each sequence's last token only."""
@@ -374,7 +383,7 @@ class ModelRunner:
         return qkv.split([self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1)
 
     def _attend_qkv(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor, inp: ModelInput) -> torch.Tensor:
+                    sin: torch.Tensor, inp: ModelInput, pdl: str = "") -> torch.Tensor:
         """RoPE on ``q``, ``k`` ``[T, heads * head_dim]``, ``k`` and ``v`` written to the cache, attention:
         ``[T, heads * head_dim]``, the o projection's input."""
         T, D = q.shape[0], self.head_dim
@@ -393,7 +402,7 @@ class ModelRunner:
                 q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
                 k = k * cos[:, None] + _rotate_half(k) * sin[:, None]
             self.cache.write(i, inp.slot_mapping, k, v)
-        return self._attend(i, q, k, v, inp).reshape(T, -1)
+        return self._attend(i, q, k, v, inp, pdl).reshape(T, -1)
 
     def _mlp(self, i: int, mlp, x: torch.Tensor) -> torch.Tensor:
         if not self.use_triton:
@@ -410,12 +419,13 @@ class ModelRunner:
             return dequantised_blocks(self.cache, i, tables, dtype)
         return self.cache.k_caches[i], self.cache.v_caches[i], tables
 
-    def _attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inp: ModelInput) -> torch.Tensor:
+    def _attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inp: ModelInput,
+                pdl: str = "") -> torch.Tensor:
         """Attention of every query row ``[T, heads, head_dim]``: decode rows over the paged cache, prefill
-        chunks causally over their sequence's cached context."""
+        chunks causally over their sequence's cached context. ``pdl``: decode attention's (``paged_attention``)."""
         d = inp.num_decode
         if inp.is_decode:
-            return self._decode_attention(i, q, inp.block_tables, inp.context_lens)
+            return self._decode_attention(i, q, inp.block_tables, inp.context_lens, pdl)
         if self.use_triton:  # every row, decode rows included, in one launch whose grid depends on shapes only
             from labkit.kernels.paged_prefill_attention import paged_prefill_attention
 
@@ -431,12 +441,13 @@ class ModelRunner:
                                               self.scale)
         return out
 
-    def _decode_attention(self, i: int, q: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+    def _decode_attention(self, i: int, q: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor,
+                          pdl: str = "") -> torch.Tensor:
         k_cache, v_cache, tables = self._pools(i, tables, q.dtype)
         if self.use_triton:
             from labkit.kernels.paged_attention import paged_attention
 
-            return paged_attention(q, k_cache, v_cache, tables, ctx, scale=self.scale)
+            return paged_attention(q, k_cache, v_cache, tables, ctx, scale=self.scale, pdl=pdl)
         return paged_decode_attention_torch(q, k_cache, v_cache, tables, ctx, self.scale)
 
 

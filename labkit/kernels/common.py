@@ -79,6 +79,21 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+PDL_MODES = ("", "release", "overlap")  # programmatic dependent launch: none, release the next launch, and overlap
+
+
+def check_pdl(pdl: str, allowed: tuple[str, ...] = PDL_MODES) -> None:
+    """Refuse a ``pdl`` launch mode outside ``allowed``."""
+    if pdl not in allowed:
+        raise ValueError(f"pdl={pdl!r} is unknown; allowed: {allowed}")
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can take part in programmatic dependent launch (CUDA, sm_90 and later; the
+    interpreter cannot)."""
+    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (a nominal 4 for the interpreter)."""
     if device.type == "cuda":

@@ -17,7 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
-from labkit.kernels.common import FLOAT_DTYPES, check_tensor, next_pow2, num_sms, refuse_bf16_dot_on_cpu
+from labkit.kernels.common import (
+    FLOAT_DTYPES,
+    check_pdl,
+    check_tensor,
+    next_pow2,
+    num_sms,
+    pdl_supported,
+    refuse_bf16_dot_on_cpu,
+)
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -83,7 +91,9 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, 
                        stride_sb, stride_st, stride_sh, stride_bt, stride_os, stride_oh, CTX_BUCKET,
                        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                       KV_QUANT: tl.constexpr, PRECISION: tl.constexpr):
+                       KV_QUANT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # the launch after this one may start now (see ``paged_attention``'s ``pdl``)
+        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -147,7 +157,11 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, 
 
 @triton.jit
 def _paged_attn_reduce(part_acc_ptr, part_ml_ptr, out_ptr, n_heads, n_splits, stride_os, stride_oh,
-                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    if PDL:  # launched while the split kernel runs: release the next launch, then wait for the partials
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.arange(0, BLOCK_SPLITS)
@@ -228,7 +242,8 @@ def _check_paged_args(q, k_cache, v_cache, block_tables, context_lens, k_scale, 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, scale: float | None = None, num_splits: int | None = None,
-                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                    pdl: str = "") -> torch.Tensor:
     """Decode attention over the paged layout above, in Triton (``paged_attention_ref`` is the reference).
 
     ``q`` ``[num_seqs, num_heads, head_dim]``; caches ``[num_blocks, block_size, num_kv_heads, head_dim]`` of
@@ -238,10 +253,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     merged by a second kernel (flash-decoding); ``None`` picks from the SM count, ``1`` is the single-pass
     kernel. Quantised caches (``labkit.kvcache.quant``): int8 or float8_e4m3fn caches with float32
     ``k_scale``/``v_scale`` ``[num_blocks, block_size, num_kv_heads]`` (``x = q * scale`` per token and head),
-    dequantised in registers, so the kernel reads 1 byte per element instead of 2.
+    dequantised in registers, so the kernel reads 1 byte per element instead of 2. ``pdl="release"`` (sm_90):
+    the launch after this call may start as soon as this one does (a programmatic dependent launch, such as an
+    int4 GEMV's ``pdl="overlap"``, then issues its first weight loads while attention runs); the merge kernel is
+    then a programmatic dependent launch itself, waiting for the partials before it reads them.
     Returns ``[num_seqs, num_heads, head_dim]`` in ``q``'s dtype.
     """
     _check_paged_args(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
+    check_pdl(pdl, ("", "release"))
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -271,13 +290,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 BLOCK_G=max(16, next_pow2(group)), SPLIT=split, KV_QUANT=quant,
                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32")  # fp32 stays exact
     grid = (num_seqs, num_kv_heads, num_splits)
+    release = bool(pdl) and pdl_supported(q.device)
     if q.device.type == "cuda":
-        _paged_attn_tuned[grid](*args, **meta)
+        _paged_attn_tuned[grid](*args, **meta, PDL=release)
     else:
         _paged_attn_kernel[grid](*args, BLOCK_N=CPU_BLOCK_N, **meta)
     if split:
         _paged_attn_reduce[(num_seqs, num_heads)](part_acc, part_ml, out, num_heads, num_splits,
                                                  out.stride(0), out.stride(1), HEAD_DIM=head_dim,
                                                  BLOCK_D=next_pow2(head_dim),
-                                                 BLOCK_SPLITS=next_pow2(num_splits))
+                                                 BLOCK_SPLITS=next_pow2(num_splits), PDL=release,
+                                                 **({"launch_pdl": True} if release else {}))
     return out

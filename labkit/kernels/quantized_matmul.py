@@ -71,7 +71,10 @@ timing only). Tried (records/gemv_study_xs_*_{492b4c7,495f9d6,b39937c}): slice-m
 stream a program: 0.5-2%), a 64-register cap (spills: 2.5x slower), bulk L2 prefetch (slower), and programmatic
 dependent launch (PDL, ``PDL``: the first weight loads before ``griddepcontrol.wait``). PDL saved 0.4-0.8 us a
 GEMV launched after another GEMV (13.9 -> 13.1 us; notebook 03's ratio 2.36 with it at dcaf71d), but cost 0.3-0.8
-us after any other kernel -- the decode step's case (the engine's int4 step 2.54 -> 2.65 ms) -- so it stays off.
+us after any other kernel -- the decode step's case then (the engine's int4 step 2.54 -> 2.65 ms) -- so it is off
+by default. With the norms and residual adds inside the GEMVs, three of a layer's four GEMVs follow a GEMV, so
+``pdl=`` asks for it per call: ``"release"`` (the next launch may start at once) or ``"overlap"`` (that, and this
+launch overlaps the one ahead); ``ModelRunner(gemv_pdl=True)`` uses them.
 ``w4a16_matmul(gate_up, ..., swiglu=True)`` (an MLP's down projection) computes ``silu(gate) * up`` while the
 stationary GEMV prepares its slice: a decode step loses the ``silu_and_mul`` launch and its round trip of the
 activations through memory, with the same bits. ``norm_weight=`` and ``residual=`` do the same for a decoder
@@ -93,7 +96,16 @@ import torch
 import triton
 import triton.language as tl
 
-from labkit.kernels.common import FLOAT_DTYPES, check_tensor, cold_l2_bench, next_pow2, num_sms, refuse_bf16_dot_on_cpu
+from labkit.kernels.common import (
+    FLOAT_DTYPES,
+    check_pdl,
+    check_tensor,
+    cold_l2_bench,
+    next_pow2,
+    num_sms,
+    pdl_supported,
+    refuse_bf16_dot_on_cpu,
+)
 
 MAX_SPLIT_K = 16  # rows of the float32 partial-sum workspace
 _MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2**23: OR an integer v < 2**23 in, read 2**23 + v
@@ -554,9 +566,10 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
     dims of its second half (``_rope_rows``), so the last program rotates the first ``n_rot_rows`` rows (q and k)
     by ``cos_ptr``/``sin_ptr`` as it stores them, and writes the k and v rows (``n_k_rows`` each) to the paged
     caches at ``slot_ptr``'s slot (skipped outside ``[0, n_slots)``), as ``apply_rope_and_cache`` does.
-    Experiments of scripts/gemv_study.py: ``PDL`` (launched as a programmatic dependent launch: the next launch
-    released at the start, the first loads issued before waiting for the kernel ahead) and ``REDUCE=False`` (the
-    partials left unsummed: wrong output, for the time the reduction costs)."""
+    ``PDL`` (``pdl_meta``): the next launch released at the start and, where this one is launched as a
+    programmatic dependent launch, the first loads issued before waiting for the kernel ahead. Experiment of
+    scripts/gemv_study.py: ``REDUCE=False`` (the partials left unsummed: wrong output, for the time the reduction
+    costs)."""
     BLOCK_G: tl.constexpr = BLOCK_K // GROUP
     WORDS: tl.constexpr = GROUP // 8
     ROWS: tl.constexpr = BLOCK_N * ROW_STEPS
@@ -943,9 +956,24 @@ def xs_tile(n: int, k: int, group: int, device: torch.device, tile: dict | None 
                 RED_ROWS=min(bn * steps, max(1, XS_REDUCE_TILE // split_p2)))
 
 
+def pdl_meta(pdl: str, device: torch.device, tile: dict | None = None) -> dict:
+    """Launch options of a stationary GEMV for ``pdl`` (``PDL_MODES``): ``""`` plain (or the tile's ``PDL``
+    experiment); ``"release"``: the kernel lets the launch after it start at once (a programmatic dependent launch
+    then overlaps this kernel's tail); ``"overlap"``: that, and launched as a programmatic dependent launch itself,
+    so its programs start while the kernel ahead finishes and issue their first weight loads before waiting for
+    it (``griddepcontrol.wait``, before any activation is read or anything written). Only sm_90 and later have
+    it; elsewhere every mode is plain."""
+    check_pdl(pdl)
+    if tile is not None and tile.get("PDL"):
+        pdl = "overlap"
+    if not pdl or not pdl_supported(device):
+        return {"PDL": False}
+    return {"PDL": True, **({"launch_pdl": True} if pdl == "overlap" else {})}
+
+
 def w4_gemv_xs(x2: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor, group: int,
                tile: dict, swiglu: bool = False, norm: tuple[torch.Tensor, float] | None = None,
-               residual: torch.Tensor | None = None, rope: dict | None = None) -> torch.Tensor:
+               residual: torch.Tensor | None = None, rope: dict | None = None, pdl: str = "") -> torch.Tensor:
     """Launch ``_w4_gemv_xs`` on one row ``x2`` ``[1, K]`` (float16/bfloat16) and int4 weights as int32 words
     ``[N, K // 8]`` with scales and zeros ``[N, K // group]``; ``tile`` from ``xs_tile`` (``PDL``, an experiment of
     scripts/gemv_study.py: launched as a programmatic dependent launch, sm_90 and later). ``swiglu``: ``x2`` is
@@ -953,13 +981,14 @@ def w4_gemv_xs(x2: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.
     the GEMV multiplies ``rms_norm(x2)``. ``residual`` ``[1, N]`` (contiguous, ``x2``'s dtype): added to the
     output. ``rope`` (a merged q/k/v projection on a split tile whose row blocks fit its heads: see
     ``w4a16_qkv_rope_cache``): ``cos``, ``sin`` (the token's rows, at least ``head_dim / 2`` values), ``slot``
-    (int ``[1]``), ``k_cache``, ``v_cache`` and ``num_heads``. Returns ``[1, N]``."""
+    (int ``[1]``), ``k_cache``, ``v_cache`` and ``num_heads``. ``pdl``: see ``pdl_meta``. Returns ``[1, N]``."""
     n, k = words.shape[0], x2.shape[1] // (2 if swiglu else 1)
     out = torch.empty(1, n, dtype=x2.dtype, device=x2.device)
     bk = tile["BLOCK_K"]
     slices, rows = k // bk, tile["BLOCK_N"] * tile["ROW_STEPS"]
     ws, cnt = _split_buffers(x2.device, n, slices)
     meta = {key: val for key, val in tile.items() if key != "num_warps"}
+    meta.update(pdl_meta(pdl, x2.device, tile))
     # (slice, row) strides: the kernel also reads weights stored slice after slice (gemv_study_xs_sm_492b4c7)
     strides = (bk // 8, words.stride(0), bk // group, s.stride(0), bk // group, z.stride(0))
     nw, eps = norm if norm is not None else (x2, 0.0)
@@ -975,8 +1004,7 @@ def w4_gemv_xs(x2: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.
                                       num_warps=tile["num_warps"], num_stages=1,
                                       HALF_MATH=1 if x2.device.type == "cuda" else 2, SWIGLU=swiglu,
                                       NORM_CHUNKS=slices if norm is not None else 0,
-                                      RESIDUAL=residual is not None, ROPE_HALF=half,
-                                      **({"launch_pdl": True} if tile.get("PDL") else {}))
+                                      RESIDUAL=residual is not None, ROPE_HALF=half)
     return out
 
 
@@ -1053,7 +1081,7 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) ->
 
 def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  group_size: int, swiglu: bool = False, norm_weight: torch.Tensor | None = None,
-                 norm_eps: float = 1e-6, residual: torch.Tensor | None = None) -> torch.Tensor:
+                 norm_eps: float = 1e-6, residual: torch.Tensor | None = None, pdl: str = "") -> torch.Tensor:
     """``x @ W.T`` with ``W = (q - zeros) * scales`` per group, unpacked from int4 in registers.
 
     ``x`` ``[..., K]`` float16/bfloat16/float32 (bfloat16 with more than one row needs CUDA); ``packed`` uint8
@@ -1072,6 +1100,9 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
       summed in another order).
     * ``residual`` ``[..., N]`` in ``x``'s dtype: returns ``residual + x @ W.T``, the product rounded first (the
       o and down projections, which end in the residual add).
+
+    ``pdl`` (``"release"``, ``"overlap"``; sm_90, the stationary GEMV only): programmatic dependent launch, so
+    that a chain of GEMVs streams weights through each launch's tail (``pdl_meta``).
     """
     p, s, z = _check_int4_weights(packed, scales, zeros, group_size)
     n, k = p.shape[0], 2 * p.shape[1]
@@ -1085,8 +1116,10 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
     res = _check_residual(residual, x, n)
     rows = x.reshape(-1, width)
     tile = _stationary_tile(rows, n, k, group_size, p, norm is not None) if n else None
+    check_pdl(pdl)
     if tile is not None:
-        fused = dict(swiglu=swiglu or None, norm=norm, residual=None if res is None else res.reshape(1, n).contiguous())
+        fused = dict(swiglu=swiglu or None, norm=norm, residual=None if res is None else res.reshape(1, n).contiguous(),
+                     pdl=pdl or None)
         out = w4_gemv_xs(rows.contiguous(), p.view(torch.int32), s, z, group_size, tile,
                          **{key: val for key, val in fused.items() if val is not None})
         return out.view(*x.shape[:-1], n)
@@ -1121,7 +1154,7 @@ def w4a16_qkv_rope_cache(x: torch.Tensor, packed: torch.Tensor, scales: torch.Te
                          group_size: int, num_heads: int, cos: torch.Tensor, sin: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                          norm_weight: torch.Tensor | None = None,
-                         norm_eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+                         norm_eps: float = 1e-6, pdl: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """A merged q/k/v projection in int4, then RoPE on q and k and the paged-cache write of k and v: what
     ``labkit.kernels.rope.apply_rope_and_cache`` does to ``w4a16_matmul(x, ..., norm_weight=, norm_eps=)`` split
     into heads. ``x`` ``[T, K]``; ``packed`` ``[(num_heads + 2 * num_kv_heads) * head_dim, K // 2]`` with
@@ -1132,9 +1165,10 @@ def w4a16_qkv_rope_cache(x: torch.Tensor, packed: torch.Tensor, scales: torch.Te
     One 16-bit row on a split stationary tile whose row blocks fit the heads does it in the GEMV: its programs
     walk each head's rows in rotary pairs (``_rope_rows``), and the last program of a row chunk rotates and stores
     them and writes the cache rows -- one launch for the projection, RoPE and the cache write. Anything else runs
-    ``w4a16_matmul`` then ``apply_rope_and_cache``.
+    ``w4a16_matmul`` then ``apply_rope_and_cache``. ``pdl``: as ``w4a16_matmul`` takes it.
     """
     p, s, z = _check_int4_weights(packed, scales, zeros, group_size)
+    check_pdl(pdl)
     check_tensor("x", x, FLOAT_DTYPES, device=packed.device)
     check_tensor("k_cache", k_cache, FLOAT_DTYPES, dim=4)
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -1147,7 +1181,7 @@ def w4a16_qkv_rope_cache(x: torch.Tensor, packed: torch.Tensor, scales: torch.Te
     if fused is None:
         from labkit.kernels.rope import apply_rope_and_cache
 
-        qkv = w4a16_matmul(x, p, s, z, group_size, norm_weight=norm_weight, norm_eps=norm_eps)
+        qkv = w4a16_matmul(x, p, s, z, group_size, norm_weight=norm_weight, norm_eps=norm_eps, pdl=pdl)
         q, kk, v = qkv.reshape(-1, n).split([num_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
         t = q.shape[0]
         return apply_rope_and_cache(q.view(t, num_heads, head_dim), kk.view(t, kv_heads, head_dim),
@@ -1156,7 +1190,7 @@ def w4a16_qkv_rope_cache(x: torch.Tensor, packed: torch.Tensor, scales: torch.Te
     rope = dict(cos=cos.reshape(-1), sin=sin.reshape(-1), slot=slot_mapping.reshape(1), k_cache=k_cache,
                 v_cache=v_cache, num_heads=num_heads)  # the kernel reads the tables' first head_dim / 2 values
     out = w4_gemv_xs(rows.contiguous(), p.view(torch.int32), s, z, group_size, fused, rope=rope,
-                     **({"norm": norm} if norm is not None else {}))
+                     **({"norm": norm} if norm is not None else {}), **({"pdl": pdl} if pdl else {}))
     q_rows = num_heads * head_dim
     return (out[:, :q_rows].view(1, num_heads, head_dim),
             out[:, q_rows:q_rows + kv_heads * head_dim].view(1, kv_heads, head_dim))

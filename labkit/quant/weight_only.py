@@ -228,14 +228,15 @@ class Int4Linear(nn.Module):
         return _use_fused(self.backend, x, "w4a16_matmul") is not None
 
     def fused_forward(self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None,
-                      swiglu: bool = False) -> torch.Tensor:
+                      swiglu: bool = False, pdl: str = "") -> torch.Tensor:
         """``residual + self(act(x))``, the projection with what a decoder layer does around it, where ``act`` is
         ``norm`` (an RMSNorm module: ``weight``, ``variance_epsilon``; the q/k/v and gate/up projections) or, with
         ``swiglu``, ``silu(gate) * up`` of ``x`` ``[..., 2 * in_features]`` = ``[gate | up]`` (the down
         projection); ``residual`` ``[..., out_features]`` (the o and down projections end in the residual add).
         On the fused path one 16-bit row does them inside the GEMV (``w4a16_matmul``'s ``norm_weight``,
         ``residual`` and ``swiglu``), so a decode step loses their kernels; on the torch path they run as HF's
-        modules round them."""
+        modules round them. ``pdl``: ``w4a16_matmul``'s programmatic dependent launch (``"release"``,
+        ``"overlap"``), for a chain of GEMVs on sm_90."""
         width = 2 * self.in_features if swiglu else self.in_features
         if x.dim() == 0 or x.shape[-1] != width:
             raise ValueError(f"x {tuple(x.shape)} must be [..., {'2 * ' if swiglu else ''}in_features] = "
@@ -244,13 +245,17 @@ class Int4Linear(nn.Module):
             raise ValueError("norm and swiglu=True cannot be combined (an RMSNorm precedes q/k/v and gate/up, "
                              "SwiGLU the down projection)")
         fn = _use_fused(self.backend, x, "w4a16_matmul")
+        if pdl:
+            from labkit.kernels.common import check_pdl
+
+            check_pdl(pdl)
         if fn is None:
             if swiglu:
                 gate, up = x.chunk(2, dim=-1)
                 x = F.silu(gate) * up
             y = self(norm(x) if norm is not None else x)
             return y if residual is None else residual + y
-        opts = {"swiglu": swiglu}
+        opts = {"swiglu": swiglu, **({"pdl": pdl} if pdl else {})}
         if norm is not None:
             opts.update(norm_weight=norm.weight, norm_eps=norm.variance_epsilon)
         inside = residual is not None and self.bias is None  # the bias comes between the product and the add
