@@ -152,8 +152,8 @@ def test_int4_layers_take_in_their_norms_and_residual_adds(tiny_model, prompts, 
     with_rope = decode_logits(qmodel, prompts[1][:4], 3, True)
     assert inside.count(["norm", "rope"]) == 3 * layers and inside.count(["norm"]) == 3 * layers
     assert all(torch.equal(a, b) for a, b in zip(with_rope, fused))
-    modes.clear()  # gemv_pdl: every GEMV but the first overlaps the kernel ahead (plain launches on the CPU)
-    with_pdl = decode_logits(qmodel, prompts[1][:4], 3, True, gemv_pdl=True)
+    modes.clear()  # gemv_pdl (the default): every GEMV but the first overlaps the kernel ahead (plain on the CPU)
+    with_pdl = decode_logits(qmodel, prompts[1][:4], 3, True)
     assert modes == ["release"] + ["overlap"] * 7 + ["release"] + ["overlap"] * 7 + ["release"] + ["overlap"] * 7
     assert all(torch.equal(a, b) for a, b in zip(with_pdl, with_rope))
 
@@ -192,7 +192,7 @@ def test_int4_layer_ops_fused_on_the_gpu(tiny_model, prompts):
 def test_int4_layers_at_the_8b_shape_on_the_gpu(prompts):
     """Two layers of llama-3-8b in int4, decode steps replayed from CUDA graphs, where every GEMV takes the
     stationary kernel with its neighbours inside: the logits of the separate kernels within bf16 rounding, and
-    with the GEMVs as programmatic dependent launches (``gemv_pdl``) the same bits."""
+    with the GEMVs as programmatic dependent launches (``gemv_pdl``, the default) the same bits as without."""
     from labkit.models import random_model
     from labkit.quant import quantize
 
@@ -200,8 +200,8 @@ def test_int4_layers_at_the_8b_shape_on_the_gpu(prompts):
     fused = decode_logits(qmodel, prompts[0], 8, True, max_num_seqs=1, max_model_len=64)
     separate = decode_logits(qmodel, prompts[0], 8, False, max_num_seqs=1, max_model_len=64)
     assert max(relative_error(a, b) for a, b in zip(fused, separate)) < 2e-2
-    with_pdl = decode_logits(qmodel, prompts[0], 8, True, max_num_seqs=1, max_model_len=64, gemv_pdl=True)
-    assert all(torch.equal(a, b) for a, b in zip(with_pdl, fused))
+    plain = decode_logits(qmodel, prompts[0], 8, True, max_num_seqs=1, max_model_len=64, gemv_pdl=False)
+    assert all(torch.equal(a, b) for a, b in zip(plain, fused))
 
 
 def test_padded_rows_touch_nothing(tiny_model, prompts):
