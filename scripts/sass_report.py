@@ -47,8 +47,6 @@ XS_CASES = [("qkv", 6144, 4096, "split", {}), ("qkv", 6144, 4096, "whole", {}),
             ("qkv norm", 6144, 4096, "whole", {"NORM_CHUNKS": 1}),
             ("qkv norm rope", 6144, 4096, "split", {"NORM_CHUNKS": 8, "ROPE_HALF": 64}),
             ("o", 4096, 4096, "whole", {}), ("o residual", 4096, 4096, "whole", {"RESIDUAL": True}),
-            ("o residual pdl two ahead", 4096, 4096, "whole", {"RESIDUAL": True, "PDL": True, "PREFETCH": 2}),
-            ("gate_up norm pdl", 28672, 4096, "split", {"NORM_CHUNKS": 8, "PDL": True}),
             ("gate_up", 28672, 4096, "split", {}), ("gate_up norm", 28672, 4096, "split", {"NORM_CHUNKS": 8}),
             ("down", 4096, 14336, "split", {}),
             ("down swiglu residual", 4096, 14336, "split", {"SWIGLU": True, "RESIDUAL": True})]

@@ -197,11 +197,12 @@ def test_int4_layers_at_the_8b_shape_on_the_gpu(prompts):
     from labkit.quant import quantize
 
     qmodel = quantize(random_model("llama-3-8b", device="cuda", num_layers=2, seed=3), "int4")
-    fused = decode_logits(qmodel, prompts[0], 8, True, max_num_seqs=1, max_model_len=64)
-    separate = decode_logits(qmodel, prompts[0], 8, False, max_num_seqs=1, max_model_len=64)
-    assert max(relative_error(a, b) for a, b in zip(fused, separate)) < 2e-2
-    plain = decode_logits(qmodel, prompts[0], 8, True, max_num_seqs=1, max_model_len=64, gemv_pdl=False)
-    assert all(torch.equal(a, b) for a, b in zip(plain, fused))
+    for max_len in (64, 1024):  # decode attention in one pass, and split (its merge kernel a dependent launch too)
+        fused = decode_logits(qmodel, prompts[0], 16, True, max_num_seqs=1, max_model_len=max_len)
+        separate = decode_logits(qmodel, prompts[0], 16, False, max_num_seqs=1, max_model_len=max_len)
+        assert max(relative_error(a, b) for a, b in zip(fused, separate)) < 2e-2, max_len
+        plain = decode_logits(qmodel, prompts[0], 16, True, max_num_seqs=1, max_model_len=max_len, gemv_pdl=False)
+        assert all(torch.equal(a, b) for a, b in zip(plain, fused)), max_len
 
 
 def test_padded_rows_touch_nothing(tiny_model, prompts):

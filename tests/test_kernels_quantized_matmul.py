@@ -136,8 +136,7 @@ def test_w4a16_gemv_half_math_at_any_activation_scale(dtype, magnitude):
 # the stationary-activation int4 GEMV (16-bit activations, whole tiles): (BLOCK_N, BLOCK_K, ROW_STEPS, PREFETCH,
 # WEIGHTS_FIRST); BLOCK_K is raised to groups wider than it; 1 row step with a prefetch that loads nothing; 3 or 5
 # slices (a reduction tile padded to 4 or 8 with masked-off slices)
-XS_TILES = [(8, 128, 1, 1, False), (8, 128, 4, 1, True), (16, 64, 2, 0, False), (4, 256, 8, 1, True),
-            (8, 128, 4, 2, True), (16, 64, 2, 2, False)]  # PREFETCH=2: two blocks ahead
+XS_TILES = [(8, 128, 1, 1, False), (8, 128, 4, 1, True), (16, 64, 2, 0, False), (4, 256, 8, 1, True)]
 
 
 @pytest.mark.parametrize("tile", XS_TILES)
@@ -178,9 +177,6 @@ def test_stationary_gemv_with_the_whole_of_k_in_one_program(monkeypatch, dtype):
     out = w4a16_matmul(x, *args)
     assert relative_error(out, w4a16_matmul_ref(x.double(), *args)) < TOL[dtype]
     assert not qm._split_buffers(out.device, 40)[1].any()
-    # both row blocks' loads issued before the activations are prepared (pdl="overlap" on sm_90): the same bits
-    deep = qm.w4_gemv_xs(x, packed.view(torch.int32), args[1], args[2], 128, dict(tile, PREFETCH=2))
-    assert torch.equal(deep, out)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

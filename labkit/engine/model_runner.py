@@ -98,9 +98,8 @@ class ModelRunner:
       results/h200/records/04_quantization_1c63a29.json)
     * ``gemv_pdl`` (with ``fuse_layer_ops``, sm_90): the int4 GEMVs after the first are programmatic dependent
       launches (the next layer's q/k/v after down, gate/up after o, down after gate/up, and o after attention,
-      which releases it as it starts), so each GEMV's first weight loads overlap the kernels ahead of it (the
-      o GEMV loads all of its weights while attention runs): the H200's 8B int4 step 2.325 -> 2.226 ms
-      (results/h200/records/04_quantization_4204cc0.json)
+      which releases it as it starts), so each GEMV's first weight loads overlap the kernels ahead of it: the
+      H200's 8B int4 step 2.325 -> 2.226 ms (results/h200/records/04_quantization_4204cc0.json)
     """
 
     def __init__(self, model, cache: PagedKVCache, kernels: str = "auto", cuda_graphs: bool | str = "auto",

@@ -537,13 +537,6 @@ def _rope_cache_rows(total, g0, out_ptr, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_
 
 
 @triton.jit
-def _row_block(p_ptrs, s_ptrs, z_ptrs, rows, stride_pn, stride_sn, stride_zn, mask):
-    """The packed words, scales and zeros of the row block ``rows`` rows below the pointers' block."""
-    return (tl.load(p_ptrs + rows * stride_pn, mask=mask), tl.load(s_ptrs + rows * stride_sn, mask=mask),
-            tl.load(z_ptrs + rows * stride_zn, mask=mask))
-
-
-@triton.jit
 def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr, res_ptr, eps, N, K, stride_pk,
                 stride_pn, stride_sk, stride_sn, stride_zk, stride_zn, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr,
                 n_rot_rows, n_k_rows, n_slots, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -557,8 +550,7 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
     Program ``(k, n)`` owns slice ``k`` of ``BLOCK_K`` activations and ``ROW_STEPS`` blocks of ``BLOCK_N`` rows.
     It prepares its slice once (float16 pairs, powers of two, sums) and walks down its rows with nothing but
     weight, scale and zero loads and the packed float16 dot, the next row block's loads issued before this one's
-    math (``PREFETCH``; 2: the next two blocks'; ``WEIGHTS_FIRST``: the first blocks' loads issued before the
-    slice's preparation).
+    math (``PREFETCH``; ``WEIGHTS_FIRST``: the first block's loads issued before the slice's preparation).
     ``_w4_gemv`` redoes that preparation, with a layout change through shared memory and a barrier, at every step
     of every row block. With one slice (``SPLIT_P2 == 1``: the program owns the whole of K) it stores its rows;
     otherwise partials go to the float32 workspace ``[slices, N]`` and the last slice of a row chunk to arrive
@@ -592,11 +584,8 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
     z_ptrs = z_ptr + pid_k.to(tl.int64) * stride_zk + n64[:, None] * stride_zn + gl[None, :]
     if PDL:  # the next launch may start now: its first weight loads overlap this kernel's tail
         tl.extra.cuda.gdc_launch_dependents()
-    tl.static_assert(PREFETCH < 2 or (ROW_STEPS >= 2 and ROPE_HALF == 0), "two blocks ahead: >= 2, no RoPE rows")
     if PREFETCH and WEIGHTS_FIRST:  # the first block's loads in flight while the slice is prepared
         nw, ns, nz = tl.load(p_ptrs), tl.load(s_ptrs), tl.load(z_ptrs)
-        if PREFETCH == 2:  # and the second's
-            mw, ms, mz = _row_block(p_ptrs, s_ptrs, z_ptrs, BLOCK_N, stride_pn, stride_sn, stride_zn, True)
     if PDL:  # launched before the kernel ahead finished: nothing it writes may be read or written before this
         tl.extra.cuda.gdc_wait()
     k8 = kw[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
@@ -610,16 +599,9 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
     xa, xb, xc, xd = _x_half2(x0, x1, x2, x3, x4, x5, x6, x7, up[:, None], HALF_MATH == 1)
     if PREFETCH and not WEIGHTS_FIRST:
         nw, ns, nz = tl.load(p_ptrs), tl.load(s_ptrs), tl.load(z_ptrs)
-        if PREFETCH == 2:
-            mw, ms, mz = _row_block(p_ptrs, s_ptrs, z_ptrs, BLOCK_N, stride_pn, stride_sn, stride_zn, True)
     for i in range(ROW_STEPS):
         step = _rope_step(pid_n * ROW_STEPS + i, BLOCK_N, ROPE_HALF) if ROPE_HALF > 0 else BLOCK_N  # rows to next
-        if PREFETCH == 2:  # loads issued two blocks ago; issue those of the block after next now
-            wd, s, z = nw, ns, nz
-            nw, ns, nz = mw, ms, mz
-            mw, ms, mz = _row_block(p_ptrs, s_ptrs, z_ptrs, 2 * BLOCK_N, stride_pn, stride_sn, stride_zn,
-                                    i + 2 < ROW_STEPS)
-        elif PREFETCH:  # this block's loads were issued a block ago; issue the next block's now
+        if PREFETCH:  # this block's loads were issued a block ago; issue the next block's now
             wd, s, z = nw, ns, nz
             more = i + 1 < ROW_STEPS
             nw = tl.load(p_ptrs + step * stride_pn, mask=more)
@@ -979,18 +961,14 @@ def pdl_meta(pdl: str, device: torch.device, tile: dict | None = None) -> dict:
     experiment); ``"release"``: the kernel lets the launch after it start at once (a programmatic dependent launch
     then overlaps this kernel's tail); ``"overlap"``: that, and launched as a programmatic dependent launch itself,
     so its programs start while the kernel ahead finishes and issue their first weight loads before waiting for
-    it (``griddepcontrol.wait``, before any activation is read or anything written); a whole-K tile then issues
-    its first two row blocks' (``PREFETCH=2``: all of the o projection's weights at the 8B shape, loaded while
-    decode attention runs). Only sm_90 and later have it; elsewhere every mode is plain."""
+    it (``griddepcontrol.wait``, before any activation is read or anything written). Only sm_90 and later have
+    it; elsewhere every mode is plain."""
     check_pdl(pdl)
     if tile is not None and tile.get("PDL"):
         pdl = "overlap"
     if not pdl or not pdl_supported(device):
         return {"PDL": False}
-    if pdl == "release":
-        return {"PDL": True}
-    deep = tile is not None and tile.get("SPLIT_P2") == 1 and tile.get("ROW_STEPS", 1) >= 2 and tile.get("PREFETCH")
-    return {"PDL": True, "launch_pdl": True, **({"PREFETCH": 2} if deep else {})}
+    return {"PDL": True, **({"launch_pdl": True} if pdl == "overlap" else {})}
 
 
 def w4_gemv_xs(x2: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor, group: int,

@@ -171,8 +171,8 @@ display(pd.DataFrame(gen_rows))
 # gate/up GEMVs, the residual adds in the stores of the o and down GEMVs, SwiGLU as the down GEMV prepares its
 # activations, RoPE and the k/v cache write as the q/k/v GEMV stores its rows -- four GEMVs and attention per
 # layer -- and every GEMV but the first is a programmatic dependent launch: its programs start while the kernel
-# ahead finishes and issue their first weight loads before waiting for it (the o GEMV all of its weights, while
-# attention runs). Three more passes time the int4 engine step with the norms and adds in kernels of their own
+# ahead finishes and issue their first weight loads before waiting for it (the o GEMV's while attention runs).
+# Three more passes time the int4 engine step with the norms and adds in kernels of their own
 # (`fuse_layer_ops=False`), with RoPE and the cache write in a kernel of their own (`fuse_qkv_rope=False`), and
 # with plain launches (`gemv_pdl=False`): A/Bs in one run. The figures quote the third pass where it ran.
 # On the CPU profiles this section times the embedded model instead: there the quantised layers dequantise on
