@@ -152,8 +152,8 @@ def test_int4_layers_take_in_their_norms_and_residual_adds(tiny_model, prompts, 
     with_rope = decode_logits(qmodel, prompts[1][:4], 3, True)
     assert inside.count(["norm", "rope"]) == 3 * layers and inside.count(["norm"]) == 3 * layers
     assert all(torch.equal(a, b) for a, b in zip(with_rope, fused))
-    modes.clear()  # gemv_pdl (the default): every GEMV but the first overlaps the kernel ahead (plain on the CPU)
-    with_pdl = decode_logits(qmodel, prompts[1][:4], 3, True)
+    modes.clear()  # gemv_pdl: every GEMV but the first overlaps the kernel ahead (plain launches on the CPU)
+    with_pdl = decode_logits(qmodel, prompts[1][:4], 3, True, gemv_pdl=True)
     assert modes == ["release"] + ["overlap"] * 7 + ["release"] + ["overlap"] * 7 + ["release"] + ["overlap"] * 7
     assert all(torch.equal(a, b) for a, b in zip(with_pdl, with_rope))
 
@@ -188,21 +188,53 @@ def test_int4_layer_ops_fused_on_the_gpu(tiny_model, prompts):
     assert max(relative_error(a, b) for a, b in zip(without_rope, fused)) < 1e-2
 
 
-@pytest.mark.gpu
-def test_int4_layers_at_the_8b_shape_on_the_gpu(prompts):
-    """Two layers of llama-3-8b in int4, decode steps replayed from CUDA graphs, where every GEMV takes the
-    stationary kernel with its neighbours inside: the logits of the separate kernels within bf16 rounding, and
-    with the GEMVs as programmatic dependent launches (``gemv_pdl``, the default) the same bits as without."""
+def _int4_8b_layers():
     from labkit.models import random_model
     from labkit.quant import quantize
 
-    qmodel = quantize(random_model("llama-3-8b", device="cuda", num_layers=2, seed=3), "int4")
-    for max_len in (64, 1024):  # decode attention in one pass, and split (its merge kernel a dependent launch too)
+    return quantize(random_model("llama-3-8b", device="cuda", num_layers=2, seed=3), "int4")
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(reason="on the H200 the PDL run, first in its pytest process, gave logits 1.4 (relative) from "
+                   "the separate kernels' (results/h200/logs/2026-12-04e_call{3,4}_tests.log); the same "
+                   "comparison passed with PDL runs after a plain one (call 2 and a standalone run): not explained "
+                   "yet, so gemv_pdl is off by default", strict=False)
+def test_gemv_pdl_gives_the_bits_of_plain_launches_on_the_gpu(prompts):
+    """``gemv_pdl=True`` (every int4 GEMV but the first a programmatic dependent launch; attention releases the o
+    GEMV) run first on a fresh model, then plain launches: the same logits, bit for bit, with decode attention in
+    one pass and split (its merge kernel a dependent launch too), and the separate kernels' within bf16 rounding."""
+    import labkit.kernels.quantized_matmul as qm
+
+    qmodel = _int4_8b_layers()
+    counters = None
+    try:
+        for max_len in (64, 1024):
+            with_pdl = decode_logits(qmodel, prompts[0], 16, True, max_num_seqs=1, max_model_len=max_len,
+                                     gemv_pdl=True)
+            _, counters = qm._split_buffers(qmodel.lm_head.weight.device, 1)  # the split GEMVs' arrival counters
+            assert not counters.any(), f"counters left set by the PDL run: {counters.nonzero().flatten()[:8]}"
+            plain = decode_logits(qmodel, prompts[0], 16, True, max_num_seqs=1, max_model_len=max_len)
+            separate = decode_logits(qmodel, prompts[0], 16, False, max_num_seqs=1, max_model_len=max_len)
+            errors = [relative_error(a, b) for a, b in zip(with_pdl, separate)]
+            assert max(errors) < 2e-2, (max_len, errors)
+            assert all(torch.equal(a, b) for a, b in zip(with_pdl, plain)), max_len
+    finally:
+        if counters is not None:
+            counters.zero_()  # whatever happened, later tests start from clean counters
+
+
+@pytest.mark.gpu
+def test_int4_layers_at_the_8b_shape_on_the_gpu(prompts):
+    """Two layers of llama-3-8b in int4, decode steps replayed from CUDA graphs, where every GEMV takes the
+    stationary kernel with its neighbours inside (RoPE and the cache write in the q/k/v GEMV): the logits of the
+    separate kernels within bf16 rounding, decode attention in one pass and split."""
+    qmodel = _int4_8b_layers()
+    for max_len in (64, 1024):
         fused = decode_logits(qmodel, prompts[0], 16, True, max_num_seqs=1, max_model_len=max_len)
         separate = decode_logits(qmodel, prompts[0], 16, False, max_num_seqs=1, max_model_len=max_len)
-        assert max(relative_error(a, b) for a, b in zip(fused, separate)) < 2e-2, max_len
-        plain = decode_logits(qmodel, prompts[0], 16, True, max_num_seqs=1, max_model_len=max_len, gemv_pdl=False)
-        assert all(torch.equal(a, b) for a, b in zip(plain, fused)), max_len
+        errors = [relative_error(a, b) for a, b in zip(fused, separate)]
+        assert max(errors) < 2e-2, (max_len, errors)
 
 
 def test_padded_rows_touch_nothing(tiny_model, prompts):

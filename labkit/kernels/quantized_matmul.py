@@ -85,7 +85,9 @@ GEMV on the split tile (qkv 9.09 -> 9.48, gate_up 25.40 -> 26.13; a whole-K prog
 72 -- ``scripts/sass_report.py --kernel xs``, results/cpu/records/sass_xs.json -- and lost 1.2 us, so normed GEMVs
 take the split tile), the residual add nothing measurable (o 7.94 -> 7.74,
 down 15.43 -> 15.47), against ~2.2 us for each add + RMSNorm launch they remove; the engine's int4 step at batch 1
-went 2.474 -> 2.371 ms with them and the attention change of the same commits.
+went 2.474 -> 2.371 ms with them and the attention change of the same commits. RoPE and the k/v cache write in the
+q/k/v GEMV's store (``w4a16_qkv_rope_cache``) took it 2.387 -> 2.325 ms (one run's A/B, records/
+04_quantization_4204cc0.json).
 bitsandbytes LLM.int8 took 30.9 us there: a 3x bar over it needs 10.3 us, below the int8 bytes' floor of
 13.8 us -- no int8 kernel can meet that at this shape (at most 30.9 / 13.8 = 2.24x).
 """
