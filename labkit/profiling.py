@@ -317,8 +317,7 @@ def _device_events(prof, on_cuda: bool) -> list[KernelEvent]:
 def step_breakdown(step: Callable[[], object], top: int = 15, steps: int = 3) -> dict:
     """Where one step's device time goes: kernels per step, device time per step (kernel durations summed) and by
     category, the device's busy time per step (kernel intervals' union) and the ``top`` kernels by time, from a
-    profile of
-    ``steps`` calls of ``step`` (CUDA-graph replays are profiled kernel by kernel)."""
+    profile of ``steps`` calls of ``step`` (CUDA-graph replays are profiled kernel by kernel)."""
     res = profile_run(lambda: [step() for _ in range(steps)], steps=steps, warmup=1)
     return {"kernels_per_step": res.kernels_per_step, "device_us_per_step": res.device_s * 1e6 / steps,
             "busy_us_per_step": res.busy_s * 1e6 / steps, "top": res.top_kernels_per_step(top),

@@ -341,6 +341,7 @@ class ModelRunner:
         (``w4a16_qkv_rope_cache``) at batch 1. ``pdl``: the GEMV's launch mode; decode attention then releases
         the launch after it as it starts."""
         qkv_layer, norm = self.w_qkv[i], layer.input_layernorm
+        attn_pdl = "release" if pdl else ""
         if self.fuse_qkv_rope and not self._dequantise and qkv_layer.uses_kernels(stream):  # merged: no bias
             from labkit.kernels.quantized_matmul import w4a16_qkv_rope_cache
 
@@ -348,9 +349,9 @@ class ModelRunner:
                                         qkv_layer.group_size, self.num_heads, cos, sin, self.cache.k_caches[i],
                                         self.cache.v_caches[i], inp.slot_mapping, norm_weight=norm.weight,
                                         norm_eps=norm.variance_epsilon, pdl=pdl)
-            return self._attend(i, q, k, None, inp, "release" if pdl else "").reshape(q.shape[0], -1)
+            return self._attend(i, q, k, None, inp, attn_pdl).reshape(q.shape[0], -1)
         qkv = qkv_layer.fused_forward(stream, norm=norm, pdl=pdl)
-        return self._attend_qkv(i, *self._split_qkv(qkv), cos, sin, inp, "release" if pdl else "")
+        return self._attend_qkv(i, *self._split_qkv(qkv), cos, sin, inp, attn_pdl)
 
     def _logits(self, h: torch.Tensor, residual: torch.Tensor | None, inp: ModelInput) -> torch.Tensor:
         """The final add + RMSNorm and the LM head, for each sequence's last token only."""

@@ -1170,7 +1170,6 @@ def w4a16_qkv_rope_cache(x: torch.Tensor, packed: torch.Tensor, scales: torch.Te
     ``w4a16_matmul`` then ``apply_rope_and_cache``. ``pdl``: as ``w4a16_matmul`` takes it.
     """
     p, s, z = _check_int4_weights(packed, scales, zeros, group_size)
-    check_pdl(pdl)
     check_tensor("x", x, FLOAT_DTYPES, device=packed.device)
     check_tensor("k_cache", k_cache, FLOAT_DTYPES, dim=4)
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]

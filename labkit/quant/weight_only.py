@@ -245,11 +245,10 @@ class Int4Linear(nn.Module):
             raise ValueError("norm and swiglu=True cannot be combined (an RMSNorm precedes q/k/v and gate/up, "
                              "SwiGLU the down projection)")
         fn = _use_fused(self.backend, x, "w4a16_matmul")
-        if pdl:
+        if fn is None:
             from labkit.kernels.common import check_pdl
 
-            check_pdl(pdl)
-        if fn is None:
+            check_pdl(pdl)  # (the kernel path's w4a16_matmul checks it)
             if swiglu:
                 gate, up = x.chunk(2, dim=-1)
                 x = F.silu(gate) * up
