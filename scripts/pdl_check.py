@@ -10,7 +10,9 @@ attention in one pass (``max_model_len`` 64) and split (1024):
 * ``pdl_first_blocking``: ``CUDA_LAUNCH_BLOCKING=1`` (no launch overlaps another: a race would vanish);
 * ``pdl_first_no_release``: attention does not release the o GEMV (only GEMV after GEMV overlaps);
 * ``pdl_first_compiled_only``: the kernels compiled with their ``griddepcontrol`` instructions but launched plainly;
-* ``pdl_first_attention_tuned``: paged attention autotuned by a plain call before the PDL engine is built.
+* ``pdl_first_attention_tuned``: paged attention autotuned by a plain call before the PDL engine is built;
+* ``pdl_first_eager``: no CUDA graphs (every step launched eagerly);
+* ``pdl_twice``: a second PDL engine after the first (is only the process's first engine wrong?).
 
 Per variant and engine: every step's relative error against the separate kernels, whether the PDL engine's logits
 equal the plain engine's bit for bit, and whether the split GEMVs' arrival counters were all zero after each engine.
@@ -36,8 +38,11 @@ VARIANTS = {
     "pdl_first_no_release": (["pdl", "plain", "separate"], {}),
     "pdl_first_compiled_only": (["pdl", "plain", "separate"], {}),
     "pdl_first_attention_tuned": (["pdl", "plain", "separate"], {}),
+    "pdl_first_eager": (["pdl", "plain", "separate"], {}),
+    "pdl_twice": (["pdl", "pdl_again", "plain", "separate"], {}),
 }
-ENGINES = {"pdl": dict(gemv_pdl=True), "plain": dict(gemv_pdl=False), "separate": dict(fuse_layer_ops=False)}
+ENGINES = {"pdl": dict(gemv_pdl=True), "pdl_again": dict(gemv_pdl=True), "plain": dict(gemv_pdl=False),
+           "separate": dict(fuse_layer_ops=False)}
 PROMPT, STEPS = 27, 16
 
 
@@ -71,7 +76,14 @@ def _logits(model, tokens: list[int], max_len: int, options: dict) -> list:
     return out
 
 
-def child(variant: str, path: str) -> None:
+def child(variant: str, path: str, preset: str, device_name: str) -> None:
+    import torch
+
+    with torch.inference_mode():  # the engine's buffers are inference tensors: zeroing them needs the mode too
+        _child(variant, path, preset, device_name)
+
+
+def _child(variant: str, path: str, preset: str, device_name: str) -> None:
     import torch
 
     from labkit.data import sample_prompts
@@ -82,15 +94,18 @@ def child(variant: str, path: str) -> None:
 
     _patch(variant)
     tokens = sample_prompts(load_model()[1], 1, PROMPT + STEPS, seed=5)[0]
-    model = quantize(random_model("llama-3-8b", device="cuda", num_layers=2, seed=3), "int4")
+    dtype = torch.float16 if device_name == "cpu" else torch.bfloat16  # the interpreter's tl.dot is wrong in bf16
+    model = quantize(random_model(preset, device=device_name, dtype=dtype, num_layers=2, seed=3), "int4")
     device = model.lm_head.weight.device
     if variant == "pdl_first_attention_tuned":
         from labkit.kernels.paged_attention import paged_attention
 
         for max_len in (64, 1024):  # the engine's decode attention shapes, tuned by plain calls
             blocks = max_len // 4
-            q = torch.randn(1, 32, 128, device=device, dtype=torch.bfloat16)
-            kv = torch.randn(blocks + 1, 4, 8, 128, device=device, dtype=torch.bfloat16)
+            cfg = model.config
+            head_dim = cfg.hidden_size // cfg.num_attention_heads
+            q = torch.randn(1, cfg.num_attention_heads, head_dim, device=device, dtype=dtype)
+            kv = torch.randn(blocks + 1, 4, cfg.num_key_value_heads, head_dim, device=device, dtype=dtype)
             tables = torch.arange(blocks, device=device, dtype=torch.int32)[None]
             paged_attention(q, kv, kv, tables, torch.tensor([PROMPT], device=device, dtype=torch.int32))
     order, _ = VARIANTS[variant]
@@ -98,14 +113,16 @@ def child(variant: str, path: str) -> None:
     for max_len in (64, 1024):
         runs, counters = {}, {}
         for name in order:
-            runs[name] = _logits(model, tokens, max_len, ENGINES[name])
-            torch.cuda.synchronize()
+            graphs = {"cuda_graphs": False} if variant.endswith("_eager") else {}
+            runs[name] = _logits(model, tokens, max_len, {**ENGINES[name], **graphs})
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             cnt = qm._split_buffers(device, 1)[1]
             counters[name] = cnt.nonzero().flatten()[:16].tolist()
             cnt.zero_()  # the next engine starts from clean counters whatever this one left
         result[max_len] = {
             "errors_vs_separate": {n: [relative_error(a, b) for a, b in zip(runs[n], runs["separate"])]
-                                   for n in ("pdl", "plain")},
+                                   for n in order if n != "separate"},
             "pdl_equals_plain": [bool(torch.equal(a, b)) for a, b in zip(runs["pdl"], runs["plain"])],
             "counters_left_set": counters}
     Path(path).write_text(json.dumps(result))
@@ -115,11 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="out/local")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--preset", default="llama-3-8b", help="model shape (tiny: a quick CPU check of the script)")
+    ap.add_argument("--device", default="cuda")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        child(args.child, args.json)
+        child(args.child, args.json, args.preset, args.device)
         return 0
     from labkit.bench import write_record
 
@@ -128,15 +147,16 @@ def main(argv: list[str] | None = None) -> int:
     tmp.parent.mkdir(parents=True, exist_ok=True)
     for variant in args.variants:
         env = dict(os.environ, **VARIANTS[variant][1])
-        run = subprocess.run([sys.executable, __file__, "--child", variant, "--json", str(tmp)], env=env,
+        run = subprocess.run([sys.executable, __file__, "--child", variant, "--json", str(tmp), "--preset",
+                              args.preset, "--device", args.device], env=env,
                              capture_output=True, text=True, timeout=300)
         data[variant] = json.loads(tmp.read_text()) if run.returncode == 0 else {"error": run.stderr[-3000:]}
         tmp.unlink(missing_ok=True)
         for max_len, r in data[variant].items() if run.returncode == 0 else ():
-            worst = {n: max(e) for n, e in r["errors_vs_separate"].items()}
-            print(f"{variant:28s} max_len {max_len:>4}: worst error pdl {worst['pdl']:.4f} plain {worst['plain']:.4f},"
-                  f" pdl == plain at {sum(r['pdl_equals_plain'])}/{len(r['pdl_equals_plain'])} steps, counters left "
-                  f"set: {r['counters_left_set']}")
+            worst = " ".join(f"{n} {max(e):.4f}" for n, e in r["errors_vs_separate"].items())
+            print(f"{variant:26s} max_len {max_len:>4}: worst error {worst}, pdl == plain at "
+                  f"{sum(r['pdl_equals_plain'])}/{len(r['pdl_equals_plain'])} steps, counters left set: "
+                  f"{r['counters_left_set']}")
         if run.returncode:
             print(f"{variant}: failed\n{run.stderr[-1500:]}")
     print(f"wrote {write_record('pdl_check', data, args.out)}")
