@@ -12,7 +12,11 @@ attention in one pass (``max_model_len`` 64) and split (1024):
 * ``pdl_first_compiled_only``: the kernels compiled with their ``griddepcontrol`` instructions but launched plainly;
 * ``pdl_first_attention_tuned``: paged attention autotuned by a plain call before the PDL engine is built;
 * ``pdl_first_eager``: no CUDA graphs (every step launched eagerly);
-* ``pdl_twice``: a second PDL engine after the first (is only the process's first engine wrong?).
+* ``pdl_twice``: a second PDL engine after the first (is only the process's first engine wrong?);
+* ``nan_cache``: the cache pools start as NaN (as the tests' caches do: a slot read before it is written shows);
+* ``tiny_first``: an int4 engine of the embedded model (PDL, then separate kernels) runs first, as the GPU test
+  before the failing one did;
+* ``test_like``: both, and each engine fed its own greedy tokens, as the failing test was.
 
 Per variant and engine: every step's relative error against the separate kernels, whether the PDL engine's logits
 equal the plain engine's bit for bit, and whether the split GEMVs' arrival counters were all zero after each engine.
@@ -40,6 +44,9 @@ VARIANTS = {
     "pdl_first_attention_tuned": (["pdl", "plain", "separate"], {}),
     "pdl_first_eager": (["pdl", "plain", "separate"], {}),
     "pdl_twice": (["pdl", "pdl_again", "plain", "separate"], {}),
+    "nan_cache": (["pdl", "plain", "separate"], {}),
+    "tiny_first": (["pdl", "plain", "separate"], {}),
+    "test_like": (["pdl", "plain", "separate"], {}),
 }
 ENGINES = {"pdl": dict(gemv_pdl=True), "pdl_again": dict(gemv_pdl=True), "plain": dict(gemv_pdl=False),
            "separate": dict(fuse_layer_ops=False)}
@@ -61,17 +68,20 @@ def _patch(variant: str) -> None:
         pa.paged_attention = lambda *a, pdl="", **kw: plain(*a, **kw)
 
 
-def _logits(model, tokens: list[int], max_len: int, options: dict) -> list:
-    """Logits of the prompt's step and of ``STEPS`` single-sequence decode steps fed ``tokens`` (graph replays)."""
+def _logits(model, tokens: list[int], max_len: int, options: dict, nan: bool = False, greedy: bool = False) -> list:
+    """Logits of the prompt's step and of ``STEPS`` single-sequence decode steps (graph replays) fed ``tokens``
+    (``greedy``: each step's argmax); ``nan``: the cache pools start as NaN."""
     from labkit.engine.model_runner import ModelRunner
     from labkit.kvcache import PagedKVCache
 
     cache = PagedKVCache.for_model(model, num_blocks=-(-len(tokens) // 4) + 2, block_size=4)
+    for pool in cache.k_caches + cache.v_caches if nan else ():
+        pool.fill_(float("nan"))
     runner = ModelRunner(model, cache, kernels="triton", max_num_seqs=1, max_model_len=max_len, **options)
     cache.allocate(0, tokens[:PROMPT])
     out = [runner.execute([0], [PROMPT], 0).float().cpu()]
     for t in tokens[PROMPT:PROMPT + STEPS]:
-        cache.append_slots(0, [t])
+        cache.append_slots(0, [int(out[-1].argmax())] if greedy else [t])
         out.append(runner.execute([0], [1], 1).float().cpu())
     return out
 
@@ -93,8 +103,14 @@ def _child(variant: str, path: str, preset: str, device_name: str) -> None:
     from labkit.quant import quantize
 
     _patch(variant)
-    tokens = sample_prompts(load_model()[1], 1, PROMPT + STEPS, seed=5)[0]
     dtype = torch.float16 if device_name == "cpu" else torch.bfloat16  # the interpreter's tl.dot is wrong in bf16
+    tiny, tokenizer = load_model()
+    tokens = sample_prompts(tokenizer, 1, PROMPT + STEPS, seed=5)[0]
+    nan, greedy = variant in ("nan_cache", "test_like"), variant == "test_like"
+    if variant in ("tiny_first", "test_like"):  # as test_int4_layer_ops_fused_on_the_gpu, before the failing test
+        small = quantize(tiny, "int4").to(device_name, dtype)
+        for options in (dict(gemv_pdl=True), dict(fuse_layer_ops=False)):
+            _logits(small, tokens, 64, options, nan, greedy=True)
     model = quantize(random_model(preset, device=device_name, dtype=dtype, num_layers=2, seed=3), "int4")
     device = model.lm_head.weight.device
     if variant == "pdl_first_attention_tuned":
@@ -114,7 +130,7 @@ def _child(variant: str, path: str, preset: str, device_name: str) -> None:
         runs, counters = {}, {}
         for name in order:
             graphs = {"cuda_graphs": False} if variant.endswith("_eager") else {}
-            runs[name] = _logits(model, tokens, max_len, {**ENGINES[name], **graphs})
+            runs[name] = _logits(model, tokens, max_len, {**ENGINES[name], **graphs}, nan, greedy)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             cnt = qm._split_buffers(device, 1)[1]
