@@ -16,7 +16,10 @@ attention in one pass (``max_model_len`` 64) and split (1024):
 * ``nan_cache``: the cache pools start as NaN (as the tests' caches do: a slot read before it is written shows);
 * ``tiny_first``: an int4 engine of the embedded model (PDL, then separate kernels) runs first, as the GPU test
   before the failing one did;
-* ``test_like``: both, and each engine fed its own greedy tokens, as the failing test was.
+* ``test_like``: both, and each engine fed its own greedy tokens, as the failing test was;
+* ``test_prompt_greedy``: the failing test's own prompt, NaN pools, greedy feed (do the engines' tokens part?).
+
+Each engine's tokens (every step's argmax) are recorded too.
 
 Per variant and engine: every step's relative error against the separate kernels, whether the PDL engine's logits
 equal the plain engine's bit for bit, and whether the split GEMVs' arrival counters were all zero after each engine.
@@ -47,6 +50,7 @@ VARIANTS = {
     "nan_cache": (["pdl", "plain", "separate"], {}),
     "tiny_first": (["pdl", "plain", "separate"], {}),
     "test_like": (["pdl", "plain", "separate"], {}),
+    "test_prompt_greedy": (["pdl", "plain", "separate"], {}),
 }
 ENGINES = {"pdl": dict(gemv_pdl=True), "pdl_again": dict(gemv_pdl=True), "plain": dict(gemv_pdl=False),
            "separate": dict(fuse_layer_ops=False)}
@@ -106,7 +110,10 @@ def _child(variant: str, path: str, preset: str, device_name: str) -> None:
     dtype = torch.float16 if device_name == "cpu" else torch.bfloat16  # the interpreter's tl.dot is wrong in bf16
     tiny, tokenizer = load_model()
     tokens = sample_prompts(tokenizer, 1, PROMPT + STEPS, seed=5)[0]
-    nan, greedy = variant in ("nan_cache", "test_like"), variant == "test_like"
+    if variant == "test_prompt_greedy":  # tests/test_engine_model_runner.py's prompts[0]
+        tokens = sample_prompts(tokenizer, 3, PROMPT, seed=5)[0] + tokens[PROMPT:]
+    nan = variant in ("nan_cache", "test_like", "test_prompt_greedy")
+    greedy = variant in ("test_like", "test_prompt_greedy")
     if variant in ("tiny_first", "test_like"):  # as test_int4_layer_ops_fused_on_the_gpu, before the failing test
         small = quantize(tiny, "int4").to(device_name, dtype)
         for options in (dict(gemv_pdl=True), dict(fuse_layer_ops=False)):
@@ -140,7 +147,8 @@ def _child(variant: str, path: str, preset: str, device_name: str) -> None:
             "errors_vs_separate": {n: [relative_error(a, b) for a, b in zip(runs[n], runs["separate"])]
                                    for n in order if n != "separate"},
             "pdl_equals_plain": [bool(torch.equal(a, b)) for a, b in zip(runs["pdl"], runs["plain"])],
-            "counters_left_set": counters}
+            "counters_left_set": counters,
+            "tokens": {n: [int(a.argmax()) for a in r] for n, r in runs.items()}}
     Path(path).write_text(json.dumps(result))
 
 

@@ -99,16 +99,15 @@ class ModelRunner:
     * ``gemv_pdl`` (with ``fuse_layer_ops``, sm_90): the int4 GEMVs after the first are programmatic dependent
       launches (the next layer's q/k/v after down, gate/up after o, down after gate/up, and o after attention,
       which releases it as it starts), so each GEMV's first weight loads overlap the kernels ahead of it: the
-      H200's 8B int4 step 2.325 -> 2.226 ms (results/h200/records/04_quantization_4204cc0.json). Off by default:
-      on the H200 the 8B int4 engine test gave wrong logits when a PDL run came first in its pytest process
-      (results/h200/logs/2026-12-04e_call4_tests.log), not yet explained; see tests/test_engine_model_runner.py
+      H200's 8B int4 step 2.325 -> 2.226 ms (results/h200/records/04_quantization_4204cc0.json), with the plain
+      launches' bits (scripts/pdl_check.py, results/h200/records/pdl_check.json)
     """
 
     def __init__(self, model, cache: PagedKVCache, kernels: str = "auto", cuda_graphs: bool | str = "auto",
                  max_num_seqs: int = 256, max_model_len: int | None = None,
                  graph_batch_sizes: Sequence[int] | None = None, merge_weights: bool = True,
                  graph_token_sizes: Sequence[int] = (), fuse_layer_ops: bool = True, fuse_qkv_rope: bool = True,
-                 gemv_pdl: bool = False):
+                 gemv_pdl: bool = True):
         self._check_model(model, cache)
         if kernels not in KERNELS:
             raise ValueError(f"kernels={kernels!r} is unknown; allowed: {KERNELS}")

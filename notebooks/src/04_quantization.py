@@ -172,9 +172,9 @@ display(pd.DataFrame(gen_rows))
 # activations, RoPE and the k/v cache write as the q/k/v GEMV stores its rows -- four GEMVs and attention per
 # layer. Three more passes time the int4 engine step with the norms and adds in kernels of their own
 # (`fuse_layer_ops=False`), with RoPE and the cache write in a kernel of their own (`fuse_qkv_rope=False`), and
-# with every GEMV but the first a programmatic dependent launch (`gemv_pdl=True`: its programs start while the
-# kernel ahead finishes and issue their first weight loads before waiting for it; off by default while a GPU test
-# of it is unexplained): A/Bs in one run. The figures quote the third pass where it ran.
+# with every GEMV launched plainly (`gemv_pdl=False`; by default every GEMV but the first is a programmatic
+# dependent launch, whose programs start while the kernel ahead finishes and issue their first weight loads
+# before waiting for it): A/Bs in one run. The figures quote the third pass where it ran.
 # On the CPU profiles this section times the embedded model instead: there the quantised layers dequantise on
 # every call (no fused kernel), so they are *slower*: the speed-up is a property of the fused GPU kernels.
 # Each row carries its floor: the bytes the step must read as measured on the model (weights as held, the
@@ -194,7 +194,7 @@ if PROFILE == "gpu":
                             iters=SIZES["decode_iters"], runner="engine", bandwidth=bandwidth, breakdown=16)
     except Exception as e:
         print(f"engine pass failed: {type(e).__name__}: {e}")
-    for opts in ({"fuse_layer_ops": False}, {"fuse_qkv_rope": False}, {"gemv_pdl": True}):  # int4 A/B passes
+    for opts in ({"fuse_layer_ops": False}, {"fuse_qkv_rope": False}, {"gemv_pdl": False}):  # int4 A/B passes
         try:
             speed += speed_rows(big, methods=("int4",), context_len=SIZES["context"], iters=SIZES["decode_iters"],
                                 runner="engine", bandwidth=bandwidth, breakdown=16, engine_options=opts)
