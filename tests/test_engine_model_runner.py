@@ -125,6 +125,7 @@ def test_int4_layers_take_in_their_norms_and_residual_adds(tiny_model, prompts, 
     SwiGLU inside the GEMV before it (``fuse_layer_ops``, the interpreter's stationary GEMV). A prompt and three
     single-sequence decode steps give the same greedy tokens as the separate kernels, logits within float16
     rounding; the prompt's step (rows > 1) takes the separate kernels on both."""
+    import labkit.kernels.paged_attention as pa
     import labkit.kernels.quantized_matmul as qm
     from labkit.quant import quantize
 
@@ -149,13 +150,26 @@ def test_int4_layers_take_in_their_norms_and_residual_adds(tiny_model, prompts, 
     for a, b in zip(fused, separate):
         assert a.argmax() == b.argmax() and relative_error(a, b) < 2e-2
     inside.clear()  # RoPE and the cache write in the q/k/v GEMV too (the default): the same bits as without
-    with_rope = decode_logits(qmodel, prompts[1][:4], 3, True)
+    modes.clear()
+    with_rope = decode_logits(qmodel, prompts[1][:4], 3, True, gemv_pdl=False)
     assert inside.count(["norm", "rope"]) == 3 * layers and inside.count(["norm"]) == 3 * layers
     assert all(torch.equal(a, b) for a, b in zip(with_rope, fused))
-    modes.clear()  # gemv_pdl: every GEMV but the first overlaps the kernel ahead (plain launches on the CPU)
-    with_pdl = decode_logits(qmodel, prompts[1][:4], 3, True, gemv_pdl=True)
+    assert set(modes) == {""}
+    modes.clear()  # gemv_pdl (the default): every GEMV but the first overlaps the kernel ahead (plain on the CPU)
+    with_pdl = decode_logits(qmodel, prompts[1][:4], 3, True)
     assert modes == ["release"] + ["overlap"] * 7 + ["release"] + ["overlap"] * 7 + ["release"] + ["overlap"] * 7
     assert all(torch.equal(a, b) for a, b in zip(with_pdl, with_rope))
+    # early_attention: decode attention loads its first K/V tile early and the newest token's rows after waiting
+    attention_modes = []
+
+    def attention(*a, f=pa.paged_attention, **kw):
+        attention_modes.append(kw.get("pdl", ""))
+        return f(*a, **kw)
+
+    monkeypatch.setattr(pa, "paged_attention", attention)
+    early = decode_logits(qmodel, prompts[1][:4], 3, True, early_attention=True)
+    assert attention_modes == ["overlap"] * 3 * layers
+    assert all(torch.equal(a, b) for a, b in zip(early, with_rope))
 
 
 def decode_logits(model, prompt, steps: int, fuse: bool, feed: list[int] | None = None,
@@ -207,19 +221,23 @@ FEED_8B = list(range(1000, 17000, 1000))
 @pytest.mark.gpu
 def test_gemv_pdl_gives_the_bits_of_plain_launches_on_the_gpu(prompts):
     """``gemv_pdl=True`` (every int4 GEMV but the first a programmatic dependent launch; attention releases the o
-    GEMV) run first on a fresh model, then plain launches: the same logits, bit for bit, with decode attention in
-    one pass and split (its merge kernel a dependent launch too), and the separate kernels' within bf16 rounding;
-    every split GEMV's arrival counter back at zero."""
+    GEMV) run first on a fresh model, then with ``early_attention`` (attention a dependent launch too), then plain
+    launches: the same logits, bit for bit, with decode attention in one pass and split (its merge kernel a
+    dependent launch too), and the separate kernels' within bf16 rounding; every split GEMV's arrival counter
+    back at zero."""
     import labkit.kernels.quantized_matmul as qm
 
     qmodel = _int4_8b_layers()
     for max_len in (64, 1024):
-        with_pdl, plain, separate = (
-            decode_logits(qmodel, prompts[0], 16, fuse, FEED_8B, max_num_seqs=1, max_model_len=max_len, gemv_pdl=pdl)
-            for fuse, pdl in ((True, True), (True, False), (False, False)))
+        with_pdl, early, plain, separate = (
+            decode_logits(qmodel, prompts[0], 16, fuse, FEED_8B, max_num_seqs=1, max_model_len=max_len, gemv_pdl=pdl,
+                          early_attention=early)
+            for fuse, pdl, early in ((True, True, False), (True, True, True), (True, False, False),
+                                     (False, False, False)))
         _, counters = qm._split_buffers(qmodel.lm_head.weight.device, 1)
         assert not counters.any(), f"counters left set: {counters.nonzero().flatten()[:8]}"
         assert all(torch.equal(a, b) for a, b in zip(with_pdl, plain)), max_len
+        assert all(torch.equal(a, b) for a, b in zip(early, plain)), ("early_attention", max_len)
         errors = [relative_error(a, b) for a, b in zip(with_pdl, separate)]
         assert max(errors) < 2e-2, (max_len, errors)
 

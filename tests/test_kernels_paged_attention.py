@@ -93,8 +93,8 @@ def test_bad_inputs():
         paged_attention(q, k, v, tables[:1], ctx)
     with pytest.raises(ValueError, match="num_splits"):
         paged_attention(q, k, v, tables, ctx, num_splits=0)
-    with pytest.raises(ValueError, match="pdl='overlap' is unknown; allowed"):
-        paged_attention(q, k, v, tables, ctx, pdl="overlap")
+    with pytest.raises(ValueError, match="pdl='wait' is unknown; allowed"):
+        paged_attention(q, k, v, tables, ctx, pdl="wait")
 
 
 def test_releasing_the_next_launch_changes_nothing():
@@ -104,6 +104,23 @@ def test_releasing_the_next_launch_changes_nothing():
     for splits in (1, 3):
         plain = paged_attention(q, k, v, tables, ctx, num_splits=splits)
         assert torch.equal(paged_attention(q, k, v, tables, ctx, num_splits=splits, pdl="release"), plain)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_early_first_tile_gives_the_bits_of_a_plain_call(kv_dtype):
+    """``pdl="overlap"``: the first tile loaded early but for the newest token's row, which is read later and put
+    in its place (in the first tile, a later one, or another range's): the same bits as a plain call, split or
+    not, one-token contexts included."""
+    from labkit.kvcache.quant import kv_format, quantize_kv
+
+    q, k, v, tables, ctx = _case(3, 4, 2, 16, 16, [1, 33, 70], 20, torch.float32, seed=9)
+    scales = {}
+    if kv_dtype:
+        (k, ks), (v, vs) = quantize_kv(k, kv_format(kv_dtype)), quantize_kv(v, kv_format(kv_dtype))
+        scales = dict(k_scale=ks, v_scale=vs)
+    for splits in (1, 2, 3):
+        plain = paged_attention(q, k, v, tables, ctx, num_splits=splits, **scales)
+        assert torch.equal(paged_attention(q, k, v, tables, ctx, num_splits=splits, pdl="overlap", **scales), plain)
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's bfloat16 refusal")

@@ -101,13 +101,16 @@ class ModelRunner:
       which releases it as it starts), so each GEMV's first weight loads overlap the kernels ahead of it: the
       H200's 8B int4 step 2.325 -> 2.226 ms (results/h200/records/04_quantization_4204cc0.json), with the plain
       launches' bits (scripts/pdl_check.py, results/h200/records/pdl_check.json)
+    * ``early_attention`` (with ``gemv_pdl``): decode attention is a programmatic dependent launch too, loading
+      its first tile of K and V (all but the newest token's rows) while the q/k/v GEMV ahead of it finishes
+      (``paged_attention(pdl="overlap")``)
     """
 
     def __init__(self, model, cache: PagedKVCache, kernels: str = "auto", cuda_graphs: bool | str = "auto",
                  max_num_seqs: int = 256, max_model_len: int | None = None,
                  graph_batch_sizes: Sequence[int] | None = None, merge_weights: bool = True,
                  graph_token_sizes: Sequence[int] = (), fuse_layer_ops: bool = True, fuse_qkv_rope: bool = True,
-                 gemv_pdl: bool = True):
+                 gemv_pdl: bool = True, early_attention: bool = False):
         self._check_model(model, cache)
         if kernels not in KERNELS:
             raise ValueError(f"kernels={kernels!r} is unknown; allowed: {KERNELS}")
@@ -128,6 +131,7 @@ class ModelRunner:
         self.fused_layer_ops = fuse_layer_ops and self.merged and self._fusable()
         self.fuse_qkv_rope = fuse_qkv_rope and self.fused_layer_ops
         self.gemv_pdl = gemv_pdl and self.fused_layer_ops
+        self.early_attention = early_attention and self.gemv_pdl
         self.scratch_block: int | None = None  # padding rows of captured steps write here (cuda_graph.py)
         self.graphs = None
         self.last_step_replayed = False  # whether the last ``execute`` replayed a graph
@@ -338,9 +342,9 @@ class ModelRunner:
         """RMSNorm, the q/k/v GEMV, RoPE, the cache write and attention of an int4 layer: ``[T, heads * head_dim]``.
         With ``fuse_qkv_rope`` (and an unquantised cache) RoPE and the cache write run in the GEMV's store
         (``w4a16_qkv_rope_cache``) at batch 1. ``pdl``: the GEMV's launch mode; decode attention then releases
-        the launch after it as it starts."""
+        the launch after it as it starts (``early_attention``: and is a dependent launch itself)."""
         qkv_layer, norm = self.w_qkv[i], layer.input_layernorm
-        attn_pdl = "release" if pdl else ""
+        attn_pdl = ("overlap" if self.early_attention else "release") if pdl else ""
         if self.fuse_qkv_rope and not self._dequantise and qkv_layer.uses_kernels(stream):  # merged: no bias
             from labkit.kernels.quantized_matmul import w4a16_qkv_rope_cache
 

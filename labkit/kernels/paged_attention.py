@@ -91,7 +91,11 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, 
                        stride_sb, stride_st, stride_sh, stride_bt, stride_os, stride_oh, CTX_BUCKET,
                        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                       KV_QUANT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+                       KV_QUANT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+                       EARLY: tl.constexpr = False):
+    """``EARLY`` (``pdl="overlap"``): the first tile of K and V is loaded before waiting for the kernel ahead, all
+    but the newest token's rows (the ones the kernel ahead writes: the q/k/v projection with the cache write), and
+    the newest token's row is read after the wait and put in its place in whichever tile holds it."""
     if PDL:  # the launch after this one may start now (see ``paged_attention``'s ``pdl``)
         tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0).to(tl.int64)
@@ -106,22 +110,47 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, 
     h_ok = g < group
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
+    offs_n = tl.arange(0, BLOCK_N)
+    kv_head_off = kvh.to(tl.int64)
+    newest = ctx - 1
+    if EARLY:  # the first tile's older tokens, written by earlier steps, while the kernel ahead still runs
+        tok = start + offs_n
+        old = (tok < end) & (tok != newest)
+        blk, in_blk = _block_slots(block_tables_ptr, seq * stride_bt, tok, old, BLOCK_SIZE)
+        early_mask = old[:, None] & d_ok[None, :]
+        k_first = _kv_tile(k_ptr, blk, in_blk, kv_head_off, stride_kb, stride_kt, stride_kh, offs_d, early_mask)
+        v_first = _kv_tile(v_ptr, blk, in_blk, kv_head_off, stride_vb, stride_vt, stride_vh, offs_d, early_mask)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        has_new = (newest >= start) & (newest < end)  # this program's range holds the newest token
+        nblk, nin = _block_slots(block_tables_ptr, seq * stride_bt, newest, has_new, BLOCK_SIZE)
+        new_at = nblk * stride_kb + nin * stride_kt + kv_head_off * stride_kh + offs_d
+        new_ok = offs_d < tl.where(has_new, HEAD_DIM, 0)  # (d_ok & has_new: the interpreter's bool & fails)
+        k_new = tl.load(k_ptr + new_at, mask=new_ok, other=0.0)
+        v_new = tl.load(v_ptr + nblk * stride_vb + nin * stride_vt + kv_head_off * stride_vh + offs_d,
+                        mask=new_ok, other=0.0)
     q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)
     m_i = tl.full([BLOCK_G], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
-    kv_head_off = kvh.to(tl.int64)
     for t0 in range(start, end, BLOCK_N):
         tok = t0 + offs_n
         t_ok = tok < end
         blk, in_blk = _block_slots(block_tables_ptr, seq * stride_bt, tok, t_ok, BLOCK_SIZE)
         ld_mask = t_ok[:, None] & d_ok[None, :]
+        if EARLY:  # the first tile is in registers already (but for its newest row)
+            ld_mask = (tok < tl.where(t0 == start, 0, end))[:, None] & d_ok[None, :]
         k = _kv_tile(k_ptr, blk, in_blk, kv_head_off, stride_kb, stride_kt, stride_kh, offs_d, ld_mask)
         # V's loads go out with K's, not after the scores: a short range (a decode step's few tiles) waits for
         # one memory round trip instead of two
         v = _kv_tile(v_ptr, blk, in_blk, kv_head_off, stride_vb, stride_vt, stride_vh, offs_d, ld_mask)
+        if EARLY:
+            k = tl.where(t0 == start, k_first, k)
+            v = tl.where(t0 == start, v_first, v)
+            is_new = (tok == newest)[:, None]
+            k = tl.where(is_new, k_new[None, :], k)
+            v = tl.where(is_new, v_new[None, :], v)
         if KV_QUANT:
             # int8/fp8 K with one scale per (token, head): q . (kq * s) = (q . kq) * s, so the scale is
             # applied to the [G, N] scores, not to the [N, D] tile
@@ -256,11 +285,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     dequantised in registers, so the kernel reads 1 byte per element instead of 2. ``pdl="release"`` (sm_90):
     the launch after this call may start as soon as this one does (a programmatic dependent launch, such as an
     int4 GEMV's ``pdl="overlap"``, then issues its first weight loads while attention runs); the merge kernel is
-    then a programmatic dependent launch itself, waiting for the partials before it reads them.
+    then a programmatic dependent launch itself, waiting for the partials before it reads them. ``pdl="overlap"``:
+    that, and this call is itself a programmatic dependent launch that loads its first tile of K and V before
+    waiting for the kernel ahead. That kernel may write ``q`` and each sequence's *newest* token (position
+    ``context_lens - 1``: the q/k/v projection that writes the cache) and nothing else this call reads; the newest
+    token's rows are read after the wait.
     Returns ``[num_seqs, num_heads, head_dim]`` in ``q``'s dtype.
     """
     _check_paged_args(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
-    check_pdl(pdl, ("", "release"))
+    check_pdl(pdl)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -291,8 +324,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32")  # fp32 stays exact
     grid = (num_seqs, num_kv_heads, num_splits)
     release = bool(pdl) and pdl_supported(q.device)
+    meta["EARLY"] = pdl == "overlap"  # the interpreter runs the early loads too, with nothing ahead to wait for
     if q.device.type == "cuda":
-        _paged_attn_tuned[grid](*args, **meta, PDL=release)
+        launch = {"launch_pdl": True} if release and meta["EARLY"] else {}
+        _paged_attn_tuned[grid](*args, **meta, PDL=release, **launch)
     else:
         _paged_attn_kernel[grid](*args, BLOCK_N=CPU_BLOCK_N, **meta)
     if split:
