@@ -213,8 +213,9 @@ def _int4_8b_layers():
 
 # Random weights give near-flat logits whose argmax a rounding can flip, and greedy engines that flip once decode
 # different sequences from then on (logits ~1.4 apart, relative): the 8B tests feed every engine the same tokens.
-# (Greedy feeding made these tests fail on the H200, results/h200/logs/2026-12-04e_call{3,4}_tests.log, while
-# scripts/pdl_check.py found the PDL and plain engines equal bit for bit at every step, records/pdl_check.json.)
+# Greedy feeding made these tests fail on the H200 (results/h200/logs/2026-12-04e_call{3,4}_tests.log): with this
+# prompt the plain engine's 7th token differs from the separate kernels' as the PDL engine's does, and PDL and
+# plain engines agree bit for bit at every step (scripts/pdl_check.py, results/h200/records/pdl_check_*.json).
 FEED_8B = list(range(1000, 17000, 1000))
 
 

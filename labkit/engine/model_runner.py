@@ -99,11 +99,11 @@ class ModelRunner:
     * ``gemv_pdl`` (with ``fuse_layer_ops``, sm_90): the int4 GEMVs after the first are programmatic dependent
       launches (the next layer's q/k/v after down, gate/up after o, down after gate/up, and o after attention,
       which releases it as it starts), so each GEMV's first weight loads overlap the kernels ahead of it: the
-      H200's 8B int4 step 2.325 -> 2.226 ms (results/h200/records/04_quantization_4204cc0.json), with the plain
-      launches' bits (scripts/pdl_check.py, results/h200/records/pdl_check.json)
+      H200's 8B int4 step 2.325 -> 2.225 ms (results/h200/records/04_quantization.json), with the plain
+      launches' bits (scripts/pdl_check.py, results/h200/records/pdl_check_47e547d.json)
     * ``early_attention`` (with ``gemv_pdl``): decode attention is a programmatic dependent launch too, loading
       its first tile of K and V (all but the newest token's rows) while the q/k/v GEMV ahead of it finishes
-      (``paged_attention(pdl="overlap")``)
+      (``paged_attention(pdl="overlap")``). Off: it gained nothing on the H200 (2.225 -> 2.230 ms, the same record)
     """
 
     def __init__(self, model, cache: PagedKVCache, kernels: str = "auto", cuda_graphs: bool | str = "auto",
