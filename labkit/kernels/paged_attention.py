@@ -216,8 +216,8 @@ def _configs() -> list:
 
 
 _paged_attn_tuned = triton.autotune(configs=_configs(),
-                                    key=["CTX_BUCKET", "BLOCK_SIZE", "HEAD_DIM", "BLOCK_G", "SPLIT",
-                                         "KV_QUANT"],
+                                    key=["CTX_BUCKET", "n_splits", "BLOCK_SIZE", "HEAD_DIM", "BLOCK_G",
+                                         "SPLIT", "KV_QUANT"],
                                     )(_paged_attn_kernel)
 CPU_BLOCK_N = 32
 
@@ -272,7 +272,7 @@ def _check_paged_args(q, k_cache, v_cache, block_tables, context_lens, k_scale, 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, scale: float | None = None, num_splits: int | None = None,
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                    pdl: str = "") -> torch.Tensor:
+                    pdl: str = "", config: dict | None = None) -> torch.Tensor:
     """Decode attention over the paged layout above, in Triton (``paged_attention_ref`` is the reference).
 
     ``q`` ``[num_seqs, num_heads, head_dim]``; caches ``[num_blocks, block_size, num_kv_heads, head_dim]`` of
@@ -290,7 +290,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     waiting for the kernel ahead. That kernel may write ``q`` and each sequence's *newest* token (position
     ``context_lens - 1``: the q/k/v projection that writes the cache) and nothing else this call reads; the newest
     token's rows are read after the wait.
-    Returns ``[num_seqs, num_heads, head_dim]`` in ``q``'s dtype.
+    ``config`` (CUDA; experiments, scripts/attention_splits.py): ``BLOCK_N``, ``num_warps`` and ``num_stages`` of
+    the split kernel instead of the autotuner's pick. Returns ``[num_seqs, num_heads, head_dim]`` in ``q``'s dtype.
     """
     _check_paged_args(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     check_pdl(pdl)
@@ -327,7 +328,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     meta["EARLY"] = pdl == "overlap"  # the interpreter runs the early loads too, with nothing ahead to wait for
     if q.device.type == "cuda":
         launch = {"launch_pdl": True} if release and meta["EARLY"] else {}
-        _paged_attn_tuned[grid](*args, **meta, PDL=release, **launch)
+        kernel = _paged_attn_tuned if config is None else _paged_attn_kernel
+        kernel[grid](*args, **meta, PDL=release, **launch, **(config or {}))
     else:
         _paged_attn_kernel[grid](*args, BLOCK_N=CPU_BLOCK_N, **meta)
     if split:
