@@ -2,7 +2,7 @@
 
 The int4 8B engine step spends ~6.5 us a layer in the split attention kernel and ~1.6 us in its merge (plain
 launches, results/h200/records/04_quantization.json) for ~2 MB of K and V: a floor of ~0.5 us. At batch 1 with a
-513-token context ``auto_num_splits`` gives 8 ranges (``MIN_SPLIT_TOKENS`` = 64 of a 528-slot table), which whole
+513-token context ``auto_num_splits`` gave 8 ranges (``MIN_SPLIT_TOKENS`` was 64; a 528-slot table), which whole
 64-token tiles round to 5 non-empty ranges of up to 128 tokens: 40 busy programs of 64 on 132 SMs, each walking two
 tiles one after the other. Two measurements, both CUDA-graph replays:
 
@@ -10,8 +10,8 @@ tiles one after the other. Two measurements, both CUDA-graph replays:
   KV heads of 128, 16-token blocks -- over 48 distinct cache pools in turn (~100 MB, more than L2, so K and V come
   from DRAM as they do in a step), for each range count and tile (``BLOCK_N``, warps, stages), and the autotuned
   default;
-* ``engine``: the int4 llama-3-8b engine step (``runner_step``, notebook 04's) with ``MIN_SPLIT_TOKENS`` 64 (the
-  default), 32 and 16, in turn, twice.
+* ``engine``: the int4 llama-3-8b engine step (``runner_step``, notebook 04's) with ``MIN_SPLIT_TOKENS`` 64, 32
+  and 16 (the default since records/attention_splits_4aec4fc.json: 2.193/2.219 -> 2.130/2.158 ms), in turn, twice.
 
     python scripts/attention_splits.py --out /tmp/h200          # records/attention_splits.json
 """
@@ -118,11 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     device = torch.device("cuda")
     data = {"command": "python scripts/attention_splits.py " + " ".join(argv or sys.argv[1:])}
-    if "kernel" in args.parts:
-        data["kernel"] = kernel_sweep(device)
-    if "engine" in args.parts:
-        data["engine"] = engine_ab(device)
-    print(f"wrote {write_record('attention_splits', data, args.out)}")
+    for part, fn in (("kernel", kernel_sweep), ("engine", engine_ab)):
+        if part in args.parts:  # the record rewritten after each part: a part cut off at a time limit keeps the rest
+            data[part] = fn(device)
+            print(f"wrote {write_record('attention_splits', data, args.out)}", flush=True)
     return 0
 
 

@@ -63,8 +63,9 @@ def test_scale_and_auto_splits():
     assert relative_error(out, paged_attention_ref(q, k, v, tables, ctx, scale=0.3)) < 1e-5
     assert auto_num_splits(32, 8, 4096, torch.device("cpu")) == 1       # plenty of programs already
     assert auto_num_splits(1, 8, 65536, torch.device("cpu")) == 2       # one sequence: split its context
-    assert auto_num_splits(1, 1, 600, torch.device("cpu")) == 9         # short contexts split too (>= 64 each)
-    assert auto_num_splits(1, 1, 100, torch.device("cpu")) == 1
+    assert auto_num_splits(1, 1, 600, torch.device("cpu")) == 16        # short contexts split too
+    assert auto_num_splits(1, 1, 100, torch.device("cpu")) == 6         # ranges of >= 16 tokens
+    assert auto_num_splits(1, 1, 31, torch.device("cpu")) == 1
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])

@@ -66,7 +66,10 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 LOG2E = 1.4426950408889634
 QUANT_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
-MIN_SPLIT_TOKENS = 64  # a range shorter than about one tile only adds partials for the merge to read
+# Ranges of at least one 16-token block: at batch 1 short contexts want many short ranges, each program one small
+# tile (H200, int4 8B engine step at 513 tokens: 8 ranges of >= 64 tokens 2.193/2.219 ms, 33 of >= 16
+# 2.130/2.158 ms, records/attention_splits_4aec4fc.json); the 4-programs-per-SM target binds at larger batches
+MIN_SPLIT_TOKENS = 16
 
 
 @triton.jit
