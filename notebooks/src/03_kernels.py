@@ -190,8 +190,10 @@ display(att.round(3))
 # (without them, wrong sums, timing only: 13.6 -> 12.1 us at 4096 -> 14336). Where N is small, programs that own
 # the whole of K avoid it (k/v 6.2 -> 5.6 us). Programmatic dependent launch, which lets a kernel start its
 # weight loads while the kernel ahead is still finishing, took 0.4-0.8 us off a GEMV that follows another GEMV --
-# and *added* 0.3-0.8 us after any other kernel, which is what precedes every GEMV in a decode step; so it is off,
-# and this benchmark, where GEMVs follow GEMVs, does not use it either.
+# and *added* 0.3-0.8 us after any other kernel (an RMSNorm, SwiGLU). Once a layer's norms, adds and SwiGLU run
+# inside its int4 GEMVs (notebook 04), a decode step is GEMV after GEMV, with attention releasing the next launch
+# as it starts: there the engine launches them this way by default, and notebook 04 measures what it buys
+# (`quant.int4_gemv_pdl_speedup`). This benchmark times plain launches.
 
 # %%
 gemv = table[table.kernel == "gemv"][["impl", "shape", "median_us", "gb_s", "frac_of_ceiling", "rel_err",
