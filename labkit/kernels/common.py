@@ -94,6 +94,15 @@ def pdl_supported(device: torch.device) -> bool:
     return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+def pdl_launch(pdl: str, device: torch.device) -> dict:
+    """A kernel's launch options for a checked ``pdl`` mode: ``PDL`` (its constexpr: release the launch after it as
+    it starts, and wait for the kernel ahead where it is launched as a dependent) and, for ``"overlap"``,
+    ``launch_pdl`` (launched as a programmatic dependent launch). Plain wherever ``pdl_supported`` is not."""
+    if not pdl or not pdl_supported(device):
+        return {"PDL": False}
+    return {"PDL": True, **({"launch_pdl": True} if pdl == "overlap" else {})}
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (a nominal 4 for the interpreter)."""
     if device.type == "cuda":

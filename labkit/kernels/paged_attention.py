@@ -23,7 +23,7 @@ from labkit.kernels.common import (
     check_tensor,
     next_pow2,
     num_sms,
-    pdl_supported,
+    pdl_launch,
     refuse_bf16_dot_on_cpu,
 )
 
@@ -127,9 +127,9 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, 
             tl.extra.cuda.gdc_wait()
         has_new = (newest >= start) & (newest < end)  # this program's range holds the newest token
         nblk, nin = _block_slots(block_tables_ptr, seq * stride_bt, newest, has_new, BLOCK_SIZE)
-        new_at = nblk * stride_kb + nin * stride_kt + kv_head_off * stride_kh + offs_d
         new_ok = offs_d < tl.where(has_new, HEAD_DIM, 0)  # (d_ok & has_new: the interpreter's bool & fails)
-        k_new = tl.load(k_ptr + new_at, mask=new_ok, other=0.0)
+        k_new = tl.load(k_ptr + nblk * stride_kb + nin * stride_kt + kv_head_off * stride_kh + offs_d,
+                        mask=new_ok, other=0.0)
         v_new = tl.load(v_ptr + nblk * stride_vb + nin * stride_vt + kv_head_off * stride_vh + offs_d,
                         mask=new_ok, other=0.0)
     q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
@@ -327,18 +327,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 BLOCK_G=max(16, next_pow2(group)), SPLIT=split, KV_QUANT=quant,
                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32")  # fp32 stays exact
     grid = (num_seqs, num_kv_heads, num_splits)
-    release = bool(pdl) and pdl_supported(q.device)
+    launch = pdl_launch(pdl, q.device)
     meta["EARLY"] = pdl == "overlap"  # the interpreter runs the early loads too, with nothing ahead to wait for
     if q.device.type == "cuda":
-        launch = {"launch_pdl": True} if release and meta["EARLY"] else {}
         kernel = _paged_attn_tuned if config is None else _paged_attn_kernel
-        kernel[grid](*args, **meta, PDL=release, **launch, **(config or {}))
+        kernel[grid](*args, **meta, **launch, **(config or {}))
     else:
         _paged_attn_kernel[grid](*args, BLOCK_N=CPU_BLOCK_N, **meta)
-    if split:
+    if split:  # the merge: a dependent launch of a split kernel that releases it
         _paged_attn_reduce[(num_seqs, num_heads)](part_acc, part_ml, out, num_heads, num_splits,
                                                  out.stride(0), out.stride(1), HEAD_DIM=head_dim,
                                                  BLOCK_D=next_pow2(head_dim),
-                                                 BLOCK_SPLITS=next_pow2(num_splits), PDL=release,
-                                                 **({"launch_pdl": True} if release else {}))
+                                                 BLOCK_SPLITS=next_pow2(num_splits),
+                                                 **pdl_launch("overlap" if launch["PDL"] else "", q.device))
     return out

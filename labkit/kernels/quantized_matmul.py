@@ -105,7 +105,7 @@ from labkit.kernels.common import (
     cold_l2_bench,
     next_pow2,
     num_sms,
-    pdl_supported,
+    pdl_launch,
     refuse_bf16_dot_on_cpu,
 )
 
@@ -966,11 +966,7 @@ def pdl_meta(pdl: str, device: torch.device, tile: dict | None = None) -> dict:
     it (``griddepcontrol.wait``, before any activation is read or anything written). Only sm_90 and later have
     it; elsewhere every mode is plain."""
     check_pdl(pdl)
-    if tile is not None and tile.get("PDL"):
-        pdl = "overlap"
-    if not pdl or not pdl_supported(device):
-        return {"PDL": False}
-    return {"PDL": True, **({"launch_pdl": True} if pdl == "overlap" else {})}
+    return pdl_launch("overlap" if tile is not None and tile.get("PDL") else pdl, device)
 
 
 def w4_gemv_xs(x2: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor, group: int,
