@@ -163,13 +163,25 @@ def test_int4_layers_take_in_their_norms_and_residual_adds(tiny_model, prompts, 
     attention_modes = []
 
     def attention(*a, f=pa.paged_attention, **kw):
-        attention_modes.append(kw.get("pdl", ""))
+        attention_modes.append((kw.get("pdl", ""), kw.get("fused_merge", False)))
+        splits.append(pa.auto_num_splits(a[0].shape[0], a[1].shape[2], a[3].shape[1] * a[1].shape[1],
+                                         a[0].device))
         return f(*a, **kw)
 
+    splits = []
     monkeypatch.setattr(pa, "paged_attention", attention)
     early = decode_logits(qmodel, prompts[1][:4], 3, True, early_attention=True)
-    assert attention_modes == ["overlap"] * 3 * layers
+    assert attention_modes == [("overlap", False)] * 3 * layers
     assert all(torch.equal(a, b) for a, b in zip(early, with_rope))
+    # fused_attention_merge: the last of attention's ranges to finish merges them (no merge kernel), same bits.
+    # Ranges of >= 2 tokens, so that these short contexts are split (a merge to fuse) at all
+    monkeypatch.setattr(pa, "MIN_SPLIT_TOKENS", 2)
+    attention_modes.clear()
+    split = decode_logits(qmodel, prompts[1][:4], 3, True)
+    merged_in_place = decode_logits(qmodel, prompts[1][:4], 3, True, fused_attention_merge=True)
+    assert attention_modes == [("release", False)] * 3 * layers + [("release", True)] * 3 * layers
+    assert min(splits[-3 * layers:]) > 1
+    assert all(torch.equal(a, b) for a, b in zip(merged_in_place, split))
 
 
 def decode_logits(model, prompt, steps: int, fuse: bool, feed: list[int] | None = None,
@@ -222,23 +234,27 @@ FEED_8B = list(range(1000, 17000, 1000))
 @pytest.mark.gpu
 def test_gemv_pdl_gives_the_bits_of_plain_launches_on_the_gpu(prompts):
     """``gemv_pdl=True`` (every int4 GEMV but the first a programmatic dependent launch; attention releases the o
-    GEMV) run first on a fresh model, then with ``early_attention`` (attention a dependent launch too), then plain
-    launches: the same logits, bit for bit, with decode attention in one pass and split (its merge kernel a
-    dependent launch too), and the separate kernels' within bf16 rounding; every split GEMV's arrival counter
-    back at zero."""
+    GEMV) run first on a fresh model, then with ``early_attention`` (attention a dependent launch too), then with
+    ``fused_attention_merge`` (attention's last range merges), then plain launches: the same logits, bit for bit,
+    with decode attention in one pass and split (its merge kernel a dependent launch too), and the separate
+    kernels' within bf16 rounding; every arrival counter (split GEMVs, attention's merge) back at zero."""
     import labkit.kernels.quantized_matmul as qm
+    from labkit.kernels.common import arrival_counters
 
     qmodel = _int4_8b_layers()
     for max_len in (64, 1024):
-        with_pdl, early, plain, separate = (
+        with_pdl, early, fused_merge, plain, separate = (
             decode_logits(qmodel, prompts[0], 16, fuse, FEED_8B, max_num_seqs=1, max_model_len=max_len, gemv_pdl=pdl,
-                          early_attention=early)
-            for fuse, pdl, early in ((True, True, False), (True, True, True), (True, False, False),
-                                     (False, False, False)))
+                          early_attention=early, fused_attention_merge=merge)
+            for fuse, pdl, early, merge in ((True, True, False, False), (True, True, True, False),
+                                            (True, True, False, True), (True, False, False, False),
+                                            (False, False, False, False)))
         _, counters = qm._split_buffers(qmodel.lm_head.weight.device, 1)
         assert not counters.any(), f"counters left set: {counters.nonzero().flatten()[:8]}"
+        assert not arrival_counters("paged_attention", 1, counters.device).any()
         assert all(torch.equal(a, b) for a, b in zip(with_pdl, plain)), max_len
         assert all(torch.equal(a, b) for a, b in zip(early, plain)), ("early_attention", max_len)
+        assert all(torch.equal(a, b) for a, b in zip(fused_merge, plain)), ("fused_attention_merge", max_len)
         errors = [relative_error(a, b) for a, b in zip(with_pdl, separate)]
         assert max(errors) < 2e-2, (max_len, errors)
 

@@ -124,6 +124,47 @@ def test_early_first_tile_gives_the_bits_of_a_plain_call(kv_dtype):
         assert torch.equal(paged_attention(q, k, v, tables, ctx, num_splits=splits, pdl="overlap", **scales), plain)
 
 
+def test_short_ranges_get_one_tile_each():
+    """Ranges of at most 64 tokens take the smallest tile that holds one (not the autotuner's pick); longer ones
+    are left to the autotuner."""
+    from labkit.kernels.paged_attention import short_range_tile
+
+    assert short_range_tile(528, 33) == dict(BLOCK_N=16, num_warps=4, num_stages=1)  # notebook 04's engine step
+    assert short_range_tile(2064, 33)["BLOCK_N"] == 64
+    assert short_range_tile(100, 6)["BLOCK_N"] == 32
+    assert short_range_tile(40, 8)["BLOCK_N"] == 16
+    assert short_range_tile(8192, 64) is None and short_range_tile(4096, 3) is None
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_fused_merge_gives_the_bits_of_the_merge_kernel(kv_dtype):
+    """``fused_merge``: the last range of each (sequence, KV head) to finish merges them -- the same bits as the
+    merge kernel, with PDL modes, one-token contexts (ranges with no token) and more ranges than tokens; every
+    arrival counter is back at zero after each call, so the next call counts from zero."""
+    from labkit.kernels.common import arrival_counters
+    from labkit.kvcache.quant import kv_format, quantize_kv
+
+    q, k, v, tables, ctx = _case(3, 6, 2, 16, 8, [1, 33, 70], 30, torch.float32, seed=11)
+    scales = {}
+    if kv_dtype:
+        (k, ks), (v, vs) = quantize_kv(k, kv_format(kv_dtype)), quantize_kv(v, kv_format(kv_dtype))
+        scales = dict(k_scale=ks, v_scale=vs)
+    queries = (q, q.flip(0))  # calls alternate, so partials a wrong merge might read are the other query's
+    for splits, pdl in ((2, ""), (3, "release"), (5, "overlap"), (16, "")):
+        merged = [paged_attention(x, k, v, tables, ctx, num_splits=splits, pdl=pdl, **scales) for x in queries]
+        for i in (0, 1, 0, 1):
+            fused = paged_attention(queries[i], k, v, tables, ctx, num_splits=splits, pdl=pdl, fused_merge=True,
+                                    **scales)
+            assert torch.equal(fused, merged[i]), (splits, pdl)
+            assert not arrival_counters("paged_attention", 1, q.device).any()
+
+
+def test_fused_merge_of_one_range_is_the_single_pass_kernel():
+    q, k, v, tables, ctx = _case(2, 4, 2, 16, 16, [40, 17], 10, torch.float32, seed=12)
+    one = paged_attention(q, k, v, tables, ctx, num_splits=1)
+    assert torch.equal(paged_attention(q, k, v, tables, ctx, num_splits=1, fused_merge=True), one)
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's bfloat16 refusal")
 def test_bf16_is_refused_on_the_cpu():
     q, k, v, tables, ctx = _case(2, 4, 2, 16, 16, [40, 17], 10, torch.float32, seed=5)
@@ -140,3 +181,26 @@ def test_paged_attention_gpu(dtype, num_splits):
     out = paged_attention(q, k, v, tables, ctx, num_splits=num_splits)
     ref = paged_attention_ref(q, k, v, tables, ctx)
     assert relative_error(out, ref) < TOL[dtype]
+
+
+@pytest.mark.gpu
+def test_fused_merge_on_the_gpu_in_a_cuda_graph():
+    """Many programs arrive at once on the GPU: the fused merge gives the merge kernel's bits, eagerly and in
+    graph replays, and leaves every counter at zero."""
+    from labkit.kernels.common import arrival_counters
+
+    lens = [1, 100, 4096, 2000, 17, 513]
+    q, k, v, tables, ctx = _case(6, 32, 8, 128, 16, lens, 1400, torch.bfloat16, seed=13, device="cuda")
+    for pdl in ("", "release", "overlap"):
+        merged = paged_attention(q, k, v, tables, ctx, num_splits=33, pdl=pdl)
+        fused = paged_attention(q, k, v, tables, ctx, num_splits=33, pdl=pdl, fused_merge=True)
+        assert torch.equal(fused, merged), pdl
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = paged_attention(q, k, v, tables, ctx, num_splits=33, pdl=pdl, fused_merge=True)
+        for _ in range(3):
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, merged), pdl
+        assert not arrival_counters("paged_attention", 1, q.device).any()

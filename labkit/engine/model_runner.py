@@ -104,13 +104,16 @@ class ModelRunner:
     * ``early_attention`` (with ``gemv_pdl``): decode attention is a programmatic dependent launch too, loading
       its first tile of K and V (all but the newest token's rows) while the q/k/v GEMV ahead of it finishes
       (``paged_attention(pdl="overlap")``). Off: it gained nothing on the H200 (2.225 -> 2.230 ms, the same record)
+    * ``fused_attention_merge`` (Triton decode attention split into ranges): no merge kernel; the last range of
+      each (sequence, KV head) to finish merges the ranges (``paged_attention(fused_merge=True)``): one launch
+      fewer per layer. Off until notebook 04's A/B pass has timed it on the H200
     """
 
     def __init__(self, model, cache: PagedKVCache, kernels: str = "auto", cuda_graphs: bool | str = "auto",
                  max_num_seqs: int = 256, max_model_len: int | None = None,
                  graph_batch_sizes: Sequence[int] | None = None, merge_weights: bool = True,
                  graph_token_sizes: Sequence[int] = (), fuse_layer_ops: bool = True, fuse_qkv_rope: bool = True,
-                 gemv_pdl: bool = True, early_attention: bool = False):
+                 gemv_pdl: bool = True, early_attention: bool = False, fused_attention_merge: bool = False):
         self._check_model(model, cache)
         if kernels not in KERNELS:
             raise ValueError(f"kernels={kernels!r} is unknown; allowed: {KERNELS}")
@@ -132,6 +135,7 @@ class ModelRunner:
         self.fuse_qkv_rope = fuse_qkv_rope and self.fused_layer_ops
         self.gemv_pdl = gemv_pdl and self.fused_layer_ops
         self.early_attention = early_attention and self.gemv_pdl
+        self.fused_attention_merge = fused_attention_merge and self.use_triton
         self.scratch_block: int | None = None  # padding rows of captured steps write here (cuda_graph.py)
         self.graphs = None
         self.last_step_replayed = False  # whether the last ``execute`` replayed a graph
@@ -454,7 +458,8 @@ class ModelRunner:
         if self.use_triton:
             from labkit.kernels.paged_attention import paged_attention
 
-            return paged_attention(q, k_cache, v_cache, tables, ctx, scale=self.scale, pdl=pdl)
+            return paged_attention(q, k_cache, v_cache, tables, ctx, scale=self.scale, pdl=pdl,
+                                   fused_merge=self.fused_attention_merge)
         return paged_decode_attention_torch(q, k_cache, v_cache, tables, ctx, self.scale)
 
 

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from labkit.kernels.common import (
     FLOAT_DTYPES,
+    arrival_counters,
     check_pdl,
     check_tensor,
     next_pow2,
@@ -59,7 +60,9 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 # gathering ``BLOCK_N`` tokens per step through the block table. Long contexts at small batch leave most SMs
 # idle with one program per (sequence, KV head); the split-context path (flash-decoding) cuts each context
 # into ``num_splits`` ranges processed in parallel, each writing an un-normalised partial output with its row
-# maximum and sum, and a second small kernel merges them (the online-softmax rescaling, across programs).
+# maximum and sum, and a second small kernel merges them (the online-softmax rescaling, across programs) -- or,
+# with ``fused_merge``, the last range of a (sequence, KV head) to finish merges its heads itself (an atomic
+# arrival counter, as the split-K GEMVs of quantized_matmul.py reduce), which saves a launch per layer.
 # Each sequence's ranges are cut from its own context length, on the device: a CUDA-graph step's block tables
 # are max_model_len wide whatever the sequences hold, so ranges cut from the table width would leave a
 # 531-token context in one range of a 512-per-range split of 8,192 (on the H200: 20 us per layer for 2 MB).
@@ -89,16 +92,19 @@ def _kv_tile(pool_ptr, blk, in_blk, head_off, stride_b, stride_t, stride_h, offs
 
 @triton.jit
 def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_acc_ptr,
-                       part_ml_ptr, k_scale_ptr, v_scale_ptr, qk_scale, group, n_heads, n_splits,
+                       part_ml_ptr, cnt_ptr, k_scale_ptr, v_scale_ptr, qk_scale, group, n_heads, n_splits,
                        stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                        stride_sb, stride_st, stride_sh, stride_bt, stride_os, stride_oh, CTX_BUCKET,
                        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                        KV_QUANT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
-                       EARLY: tl.constexpr = False):
-    """``EARLY`` (``pdl="overlap"``): the first tile of K and V is loaded before waiting for the kernel ahead, all
-    but the newest token's rows (the ones the kernel ahead writes: the q/k/v projection with the cache write), and
-    the newest token's row is read after the wait and put in its place in whichever tile holds it."""
+                       EARLY: tl.constexpr = False, MERGE: tl.constexpr = 0, BLOCK_SPLITS: tl.constexpr = 1):
+    """``MERGE`` (with ``SPLIT``; ``group``, or 0): the last of a (sequence, KV head)'s ranges to write its
+    partials merges them for the head's ``MERGE`` query heads, counting arrivals in
+    ``cnt_ptr[seq * kv_heads + kv_head]`` (zero before the launch, zero again after it).
+    ``EARLY`` (``pdl="overlap"``): the first tile of K and V is loaded before waiting for the kernel ahead, all but
+    the newest token's rows (the ones the kernel ahead writes: the q/k/v projection with the cache write), and the
+    newest token's row is read after the wait and put in its place in whichever tile holds it."""
     if PDL:  # the launch after this one may start now (see ``paged_attention``'s ``pdl``)
         tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0).to(tl.int64)
@@ -181,10 +187,39 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, 
                  mask=h_ok[:, None] & d_ok[None, :])
         tl.store(part_ml_ptr + row * 2, m_i, mask=h_ok)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=h_ok)
+        if MERGE > 0:
+            tl.debug_barrier()  # all of this program's partials are written before its arrival is counted
+            cnt = cnt_ptr + seq * tl.num_programs(1) + kvh
+            if tl.atomic_add(cnt, 1, sem="acq_rel") == n_splits - 1:  # release ours, acquire the others'
+                for i in tl.static_range(MERGE):  # unrolled: every head's loads can be in flight at once
+                    _merge_head(part_acc_ptr, part_ml_ptr, out_ptr, seq, kvh * MERGE + i, n_heads, n_splits,
+                                stride_os, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_SPLITS)
+                tl.atomic_xchg(cnt, 0)  # ready for the next launch
     else:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # an empty context gives zeros, not NaN
         tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_head(part_acc_ptr, part_ml_ptr, out_ptr, seq, h, n_heads, n_splits, stride_os, stride_oh,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
+    """Query head ``h`` of sequence ``seq``: its ranges' partials rescaled to their common maximum and summed.
+    The loads bypass L1 (``.cg``): other SMs wrote the partials."""
+    sp = tl.arange(0, BLOCK_SPLITS)
+    sp_ok = sp < n_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    row = (seq * n_heads + h) * n_splits + sp
+    m = tl.load(part_ml_ptr + row * 2, mask=sp_ok, other=-float("inf"), cache_modifier=".cg")
+    lsum = tl.load(part_ml_ptr + row * 2 + 1, mask=sp_ok, other=0.0, cache_modifier=".cg")
+    m_max = tl.max(m, 0)
+    w = tl.where(m == -float("inf"), 0.0, tl.math.exp2(m - m_max))  # empty splits weigh nothing
+    total = tl.sum(w * lsum, 0)
+    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=sp_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0, cache_modifier=".cg")
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + seq * stride_os + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
 
 
 @triton.jit
@@ -194,22 +229,8 @@ def _paged_attn_reduce(part_acc_ptr, part_ml_ptr, out_ptr, n_heads, n_splits, st
     if PDL:  # launched while the split kernel runs: release the next launch, then wait for the partials
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    seq = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    sp = tl.arange(0, BLOCK_SPLITS)
-    sp_ok = sp < n_splits
-    offs_d = tl.arange(0, BLOCK_D)
-    row = (seq * n_heads + h) * n_splits + sp
-    m = tl.load(part_ml_ptr + row * 2, mask=sp_ok, other=-float("inf"))
-    lsum = tl.load(part_ml_ptr + row * 2 + 1, mask=sp_ok, other=0.0)
-    m_max = tl.max(m, 0)
-    w = tl.where(m == -float("inf"), 0.0, tl.math.exp2(m - m_max))  # empty splits weigh nothing
-    total = tl.sum(w * lsum, 0)
-    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                  mask=sp_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + seq * stride_os + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
+    _merge_head(part_acc_ptr, part_ml_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), n_heads,
+                n_splits, stride_os, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_SPLITS)
 
 
 def _configs() -> list:
@@ -218,9 +239,28 @@ def _configs() -> list:
     return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n, w, s in cfgs]
 
 
+# Where every range fits in one tile of at most this many tokens, the tile is picked, not autotuned: a decode
+# step's ranges are that short at small batch, and the autotuner would time whatever context its first call
+# has -- in the engine the CUDA-graph warm-up's padding rows, one token each. H200, one sequence, 8 KV heads,
+# graph replays over DRAM-cold pools (results/h200/logs/2026-12-04f_call5_attention_splits_kernel.log, a run
+# cut off before it wrote its record): 513 tokens in 33 ranges, BLOCK_N 16 with 4 warps and 1 stage 6.45 us per
+# call (32: 6.68); 2049 in 33 ranges, BLOCK_N 64, 4 warps, 1 stage 8.61 us (2 stages 9.03, 2 warps 8.94)
+SHORT_RANGE_TOKENS = 64
+
+
+def short_range_tile(max_context: int, num_splits: int) -> dict | None:
+    """The split kernel's tile where no range of a ``max_context``-token table cut into ``num_splits`` needs more
+    than one tile of ``SHORT_RANGE_TOKENS``: the smallest power of two of at least 16 tokens that holds a range,
+    4 warps, 1 stage (nothing to pipeline in one tile). None for longer ranges (the autotuner picks)."""
+    longest = -(-max_context // num_splits)
+    if longest > SHORT_RANGE_TOKENS:
+        return None
+    return dict(BLOCK_N=max(16, next_pow2(longest)), num_warps=4, num_stages=1)
+
+
 _paged_attn_tuned = triton.autotune(configs=_configs(),
                                     key=["CTX_BUCKET", "n_splits", "BLOCK_SIZE", "HEAD_DIM", "BLOCK_G",
-                                         "SPLIT", "KV_QUANT"],
+                                         "SPLIT", "KV_QUANT", "MERGE"],
                                     )(_paged_attn_kernel)
 CPU_BLOCK_N = 32
 
@@ -275,7 +315,7 @@ def _check_paged_args(q, k_cache, v_cache, block_tables, context_lens, k_scale, 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, scale: float | None = None, num_splits: int | None = None,
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                    pdl: str = "", config: dict | None = None) -> torch.Tensor:
+                    pdl: str = "", config: dict | None = None, fused_merge: bool = False) -> torch.Tensor:
     """Decode attention over the paged layout above, in Triton (``paged_attention_ref`` is the reference).
 
     ``q`` ``[num_seqs, num_heads, head_dim]``; caches ``[num_blocks, block_size, num_kv_heads, head_dim]`` of
@@ -293,8 +333,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     waiting for the kernel ahead. That kernel may write ``q`` and each sequence's *newest* token (position
     ``context_lens - 1``: the q/k/v projection that writes the cache) and nothing else this call reads; the newest
     token's rows are read after the wait.
+    ``fused_merge`` (with ``num_splits > 1``): no merge kernel; the last range of each (sequence, KV head) to
+    finish merges the ranges' partials (an arrival counter per pair, ``common.arrival_counters``: one such
+    call at a time per device, the first one outside CUDA-graph capture). The same bits as the merge kernel.
     ``config`` (CUDA; experiments, scripts/attention_splits.py): ``BLOCK_N``, ``num_warps`` and ``num_stages`` of
-    the split kernel instead of the autotuner's pick. Returns ``[num_seqs, num_heads, head_dim]`` in ``q``'s dtype.
+    the split kernel instead of the default (``short_range_tile`` for ranges of one tile, else the autotuner's).
+    Returns ``[num_seqs, num_heads, head_dim]`` in ``q``'s dtype.
     """
     _check_paged_args(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     check_pdl(pdl)
@@ -311,30 +355,34 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_seqs == 0:
         return out
     split = num_splits > 1
+    fused_merge = bool(fused_merge) and split
     if split:
         f32 = dict(dtype=torch.float32, device=q.device)
         part_acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, **f32)
         part_ml = torch.empty(num_seqs, num_heads, num_splits, 2, **f32)
     else:
         part_acc = part_ml = out  # never written: SPLIT=False
+    cnt = arrival_counters("paged_attention", num_seqs * num_kv_heads, q.device) if fused_merge else context_lens
     quant = k_scale is not None
     k_s, v_s = (k_scale, v_scale) if quant else (out, out)  # never read without KV_QUANT
-    args = (q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, k_s, v_s, scale * LOG2E,
+    args = (q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, cnt, k_s, v_s, scale * LOG2E,
             group, num_heads, num_splits, q.stride(0), q.stride(1), *k_cache.stride()[:3],
             *v_cache.stride()[:3], *(k_scale.stride() if quant else (0, 0, 0)), block_tables.stride(0),
             out.stride(0), out.stride(1), next_pow2(max_context))
     meta = dict(BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
-                BLOCK_G=max(16, next_pow2(group)), SPLIT=split, KV_QUANT=quant,
+                BLOCK_G=max(16, next_pow2(group)), SPLIT=split, KV_QUANT=quant, MERGE=group if fused_merge else 0,
+                BLOCK_SPLITS=next_pow2(num_splits),
                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32")  # fp32 stays exact
     grid = (num_seqs, num_kv_heads, num_splits)
     launch = pdl_launch(pdl, q.device)
     meta["EARLY"] = pdl == "overlap"  # the interpreter runs the early loads too, with nothing ahead to wait for
     if q.device.type == "cuda":
+        config = config or (short_range_tile(max_context, num_splits) if split else None)
         kernel = _paged_attn_tuned if config is None else _paged_attn_kernel
         kernel[grid](*args, **meta, **launch, **(config or {}))
     else:
         _paged_attn_kernel[grid](*args, BLOCK_N=CPU_BLOCK_N, **meta)
-    if split:  # the merge: a dependent launch of a split kernel that releases it
+    if split and not fused_merge:  # the merge: a dependent launch of a split kernel that releases it
         _paged_attn_reduce[(num_seqs, num_heads)](part_acc, part_ml, out, num_heads, num_splits,
                                                  out.stride(0), out.stride(1), HEAD_DIM=head_dim,
                                                  BLOCK_D=next_pow2(head_dim),

@@ -174,8 +174,10 @@ display(pd.DataFrame(gen_rows))
 # (`fuse_layer_ops=False`), with RoPE and the cache write in a kernel of their own (`fuse_qkv_rope=False`), and
 # with every GEMV launched plainly (`gemv_pdl=False`; by default every GEMV but the first is a programmatic
 # dependent launch, whose programs start while the kernel ahead finishes and issue their first weight loads
-# before waiting for it), and with decode attention a dependent launch too (`early_attention=True`: it loads its
-# first tile of K and V, all but the newest token's rows, while the q/k/v GEMV ahead finishes): A/Bs in one run.
+# before waiting for it), with decode attention a dependent launch too (`early_attention=True`: it loads its
+# first tile of K and V, all but the newest token's rows, while the q/k/v GEMV ahead finishes), and with no merge
+# kernel after decode attention (`fused_attention_merge=True`: the last of a KV head's context ranges to finish
+# merges them, counted with an atomic as the split GEMVs reduce): A/Bs in one run.
 # The figures quote the third pass where it ran.
 # On the CPU profiles this section times the embedded model instead: there the quantised layers dequantise on
 # every call (no fused kernel), so they are *slower*: the speed-up is a property of the fused GPU kernels.
@@ -196,7 +198,8 @@ if PROFILE == "gpu":
                             iters=SIZES["decode_iters"], runner="engine", bandwidth=bandwidth, breakdown=16)
     except Exception as e:
         print(f"engine pass failed: {type(e).__name__}: {e}")
-    ab_options = ({"fuse_layer_ops": False}, {"fuse_qkv_rope": False}, {"gemv_pdl": False}, {"early_attention": True})
+    ab_options = ({"fuse_layer_ops": False}, {"fuse_qkv_rope": False}, {"gemv_pdl": False}, {"early_attention": True},
+                  {"fused_attention_merge": True})
     for opts in ab_options:  # int4 A/B passes
         try:
             speed += speed_rows(big, methods=("int4",), context_len=SIZES["context"], iters=SIZES["decode_iters"],
@@ -405,7 +408,8 @@ if PROFILE == "gpu":
     default = pick_speed("int4")
     # each option's speed-up in one run: the step with it off over the step with it on (> 1: it pays)
     for key, name in (("fuse_layer_ops", "layer_ops_fusion"), ("fuse_qkv_rope", "qkv_rope_fusion"),
-                      ("gemv_pdl", "gemv_pdl"), ("early_attention", "early_attention")):
+                      ("gemv_pdl", "gemv_pdl"), ("early_attention", "early_attention"),
+                      ("fused_attention_merge", "fused_attention_merge")):
         ab = [r for r in speed_ok if r["method"] == "int4" and key in r.get("engine_options", {})]
         if not ab or default is None or default["timing"] != "engine_graph":
             continue
