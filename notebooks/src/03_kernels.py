@@ -194,6 +194,12 @@ display(att.round(3))
 # inside its int4 GEMVs (notebook 04), a decode step is GEMV after GEMV, with attention releasing the next launch
 # as it starts: there the engine launches them this way by default, and notebook 04 measures what it buys
 # (`quant.int4_gemv_pdl_speedup`). This benchmark times plain launches.
+#
+# How far can a ratio over bitsandbytes go? No GEMV beats the time its weights take to read. The figures
+# `kernels.w8_vs_bnb_int8_at_copy_bw` and `kernels.w4_vs_bnb_nf4_at_copy_bw` divide bitsandbytes' time by that
+# floor (labkit's bytes over the copy bandwidth measured above): the ratio labkit's GEMV would reach if it read
+# its weights at the copy rate. Where that is below a bar, the bar cannot be met by a faster kernel, only by a
+# slower baseline.
 
 # %%
 gemv = table[table.kernel == "gemv"][["impl", "shape", "median_us", "gb_s", "frac_of_ceiling", "rel_err",
@@ -272,7 +278,7 @@ for name, value in figures.items():
         note += "; CPU interpreter: times Python, not the kernels"
     if value == value:  # NaN where a baseline is absent (bitsandbytes on the CPU)
         record_figure(name, value, unit, rec, bar=kb.BARS[name], note=note)
-    print(f"{name:36s} {value:8.3f}   bar {kb.BARS[name]}")
+    print(f"{name:36s} {value:8.3f}   bar {kb.BARS[name] or '-'}")
 kb.plot_rows(rows, show=True)
 
 # %% [markdown]
