@@ -204,3 +204,21 @@ def test_fused_merge_on_the_gpu_in_a_cuda_graph():
             torch.cuda.synchronize()
             assert torch.equal(out, merged), pdl
         assert not arrival_counters("paged_attention", 1, q.device).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ctx", [513, 2049])
+def test_short_range_tiles_on_the_gpu(ctx):
+    """A decode step's shape at batch 1 (a table as wide as the context): ranges of at most 64 tokens take
+    ``short_range_tile`` (16- and 64-token tiles here); the reference's output, and the same bits with the merge
+    fused."""
+    from labkit.kernels.paged_attention import auto_num_splits, short_range_tile
+
+    width = -(-ctx // 16)
+    q, k, v, _, lens = _case(1, 32, 8, 128, 16, [ctx], width + 3, torch.bfloat16, seed=14, device="cuda")
+    tables = torch.arange(width, device="cuda", dtype=torch.int32)[None]
+    splits = auto_num_splits(1, 8, width * 16, q.device)
+    assert short_range_tile(width * 16, splits) is not None
+    out = paged_attention(q, k, v, tables, lens)
+    assert relative_error(out, paged_attention_ref(q, k, v, tables, lens)) < TOL[torch.bfloat16]
+    assert torch.equal(paged_attention(q, k, v, tables, lens, fused_merge=True), out)
