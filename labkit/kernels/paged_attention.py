@@ -191,7 +191,7 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, 
             tl.debug_barrier()  # all of this program's partials are written before its arrival is counted
             cnt = cnt_ptr + seq * tl.num_programs(1) + kvh
             if tl.atomic_add(cnt, 1, sem="acq_rel") == n_splits - 1:  # release ours, acquire the others'
-                for i in tl.static_range(MERGE):  # unrolled: every head's loads can be in flight at once
+                for i in tl.static_range(MERGE):  # a head's loads go out together; the heads in turn (sm_90)
                     _merge_head(part_acc_ptr, part_ml_ptr, out_ptr, seq, kvh * MERGE + i, n_heads, n_splits,
                                 stride_os, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_SPLITS)
                 tl.atomic_xchg(cnt, 0)  # ready for the next launch
