@@ -35,7 +35,10 @@ def test_methods_with_the_lm_head_quantised_too(tiny_model):
     speed = speed_rows(model, methods=("int4", "int4+lm_head"), context_len=8, iters=2, bandwidth=1e10,
                        progress=False)
     assert speed[2]["method"] == "int4+lm_head" and speed[2]["step_bytes"] < speed[1]["step_bytes"]
-    for bad, match in (("int4+head", "only suffix"), ("int3", "int3")):
+    mixed = accuracy_rows(model, tok, methods=("int4+int8_head",), seq_len=64, max_windows=2,
+                          error_tokens=(1, 16), progress=False)[1]  # an int8 head: its error near int8's
+    assert 0 < mixed["layer_errors"]["lm_head"] < by["int4+lm_head"]["layer_errors"]["lm_head"] / 2
+    for bad, match in (("int4+head", "suffixes allowed"), ("int4+nf4_head", "suffixes allowed"), ("int3", "int3")):
         with pytest.raises(ValueError, match=match):
             accuracy_rows(model, tok, methods=(bad,), progress=False)
         with pytest.raises(ValueError, match=match):

@@ -61,6 +61,25 @@ def test_lm_head_unties_the_embedding(tiny_model):
     assert len(_greedy(qmodel, tok, n=4)) == 4
 
 
+def test_lm_head_by_another_method(tiny_model):
+    """``lm_head="int8"``: int4 layers, an int8 head (untied from the embedding), and generation still runs; the
+    head's error is int8's, not int4's."""
+    from labkit.evaluate import relative_error
+
+    model, tok = tiny_model
+    qmodel = quantize(model, "int4", lm_head="int8")
+    assert isinstance(qmodel.lm_head, Int8Linear) and not qmodel.config.tie_word_embeddings
+    assert isinstance(qmodel.model.layers[0].mlp.down_proj, Int4Linear)
+    assert qmodel.labkit_quant["lm_head"] == "int8"
+    int4_head = quantize(model, "int4", lm_head=True).lm_head
+    x = torch.randn(3, model.config.hidden_size)
+    ref = model.lm_head(x)
+    assert relative_error(qmodel.lm_head(x), ref) < relative_error(int4_head(x), ref) / 2
+    assert len(_greedy(qmodel, tok, n=4)) == 4
+    with pytest.raises(ValueError, match=r"lm_head='nf4': allowed False, True"):
+        quantize(model, "int4", lm_head="nf4")
+
+
 def test_inplace_modifies_the_model(tiny_model):
     import copy
 

@@ -78,6 +78,9 @@ def test_decode_weight_bytes_of_llama_3_8b():
     ratio_int4 = qm.decode_weight_bytes("llama-3-8b", "int4") / bf16
     assert 0.30 < ratio_int4 < 0.33  # 4.25 bits on the linears, the bf16 LM head weighs in
     assert qm.decode_weight_bytes("llama-3-8b", "int4", lm_head=True) / bf16 == pytest.approx(0.2656, abs=1e-3)
+    head = 128256 * 4096
+    mixed = qm.decode_weight_bytes("llama-3-8b", "int4", lm_head="int8")  # int4 layers, an int8 head
+    assert mixed == pytest.approx(qm.decode_weight_bytes("llama-3-8b", "int4") - head * (2 - 1 - 2 / 4096))
 
 
 def test_decode_step_bytes(tiny_model):

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from labkit.quant.methods import METHODS, quantize, target_linears
+from labkit.quant.methods import HEAD_METHODS, METHODS, quantize, target_linears
 from labkit.quant.metrics import (
     decode_step_bytes,
     decode_step_time,
@@ -30,16 +30,21 @@ from labkit.quant.metrics import (
 BASELINE = "base"
 
 
+HEAD_SUFFIXES = {"lm_head": True, **{f"{m}_head": m for m in HEAD_METHODS}}
+
+
 def method_options(spec: str) -> tuple[str, dict]:
     """A row's method name as ``quantize`` arguments: ``"int4"`` -> ``("int4", {})``; a ``+lm_head`` suffix
-    quantises the LM head too: ``"int4+lm_head"`` -> ``("int4", {"lm_head": True})``."""
+    quantises the LM head too: ``"int4+lm_head"`` -> ``("int4", {"lm_head": True})``; ``+int8_head`` (a method of
+    ``HEAD_METHODS``) quantises it by that method: ``"int4+int8_head"`` -> ``("int4", {"lm_head": "int8"})``."""
     method, plus, flag = spec.partition("+")
-    if plus and flag != "lm_head":
-        raise ValueError(f"method {spec!r}: the only suffix allowed is '+lm_head' (e.g. 'int4+lm_head')")
+    if plus and flag not in HEAD_SUFFIXES:
+        raise ValueError(f"method {spec!r}: the suffixes allowed are {['+' + f for f in HEAD_SUFFIXES]} "
+                         "(e.g. 'int4+lm_head')")
     if method not in METHODS:
         raise ValueError(f"method {spec!r}: {method!r} is unknown; allowed: {list(METHODS)}, each optionally "
                          "with '+lm_head'")
-    return method, ({"lm_head": True} if plus else {})
+    return method, ({"lm_head": HEAD_SUFFIXES[flag]} if plus else {})
 
 
 def _quantized(model: nn.Module, spec: str, **opts) -> nn.Module:
@@ -79,8 +84,9 @@ def accuracy_rows(model: nn.Module, tokenizer, methods=METHODS, seq_len: int = 2
     bits per weight, and the peak of tensor memory during one forward over ``error_tokens`` ``(batch, seq)``
     (last-position logits only, as in generation, so the LM head's output does not hide the rest).
     Decode time is ``speed_rows``' business. A method that cannot run or raises gets a row saying why. A
-    method name may end in ``+lm_head`` (``method_options``): the LM head quantised too; its error then joins
-    the per-layer errors, while the bytes stay those of the layers every method replaces."""
+    method name may end in ``+lm_head`` or ``+int8_head`` (``method_options``): the LM head quantised too (by
+    the method, or by int8); its error then joins the per-layer errors, while the bytes stay those of the layers
+    every method replaces."""
     dev = _device(model)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, model.config.vocab_size, error_tokens, generator=g).to(dev)

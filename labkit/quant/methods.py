@@ -4,8 +4,11 @@ The returned model is the same Hugging Face model class with its ``nn.Linear`` m
 ones, so ``generate``, ``StaticCache`` decoding and ``labkit.evaluate.perplexity`` run it unchanged.
 Embeddings, norms and the LM head stay in the model's dtype: embeddings are a lookup (one row per token, never a matmul
 bottleneck), and the LM head is the layer most sensitive to error. ``lm_head=True`` quantises the LM head too;
-for a model with tied embeddings (the embedded model) that unties them: the embedding stays in full precision
-for the lookup and the quantised copy serves the output projection (so the bytes held *grow* on a tied model).
+``lm_head="int8"`` (a method of ``HEAD_METHODS``) quantises it by that method instead, with its default options
+(``backend`` shared): a mixed model such as int4 layers with an int8 head, the head's error held near int8's.
+For a model with tied embeddings (the embedded model) a quantised head unties them: the embedding stays in full
+precision for the lookup and the quantised copy serves the output projection (so the bytes held *grow* on a tied
+model).
 
 ========== ====================================================== ============================================
 method     what                                                   options (default)
@@ -20,8 +23,8 @@ bnb-nf4    bitsandbytes NF4, double quantisation                  double_quant (
 fp8        e4m3 weights per channel, e4m3 activations per token   backend ('auto': _scaled_mm on Hopper/Ada,
                                                                   emulated on the CPU)
 ========== ====================================================== ============================================
-Every method also takes ``lm_head`` (False) and ``inplace`` (False: the input model is left untouched, and the
-weights about to be replaced are not copied).
+Every method also takes ``lm_head`` (False, True or a method of ``HEAD_METHODS``) and ``inplace`` (False: the
+input model is left untouched, and the weights about to be replaced are not copied).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from labkit.quant.gptq import gptq_quantize_model
 from labkit.quant.weight_only import Int4Linear, Int8Linear, _check_group
 
 METHODS = ("int8", "int4", "gptq", "bnb-int8", "bnb-nf4", "fp8")
+HEAD_METHODS = ("int8", "int4", "fp8")  # ``lm_head=<method>``: round-to-nearest methods that need no calibration
 _COMMON = {"lm_head": False, "inplace": False}
 _OPTIONS: dict[str, dict] = {
     "int8": {"backend": "auto"},
@@ -58,6 +62,10 @@ def _options(method: str, given: dict) -> dict:
     unknown = sorted(set(given) - set(allowed))
     if unknown:
         raise ValueError(f"option(s) {unknown} do not apply to method={method!r}; allowed: {sorted(allowed)}")
+    head = given.get("lm_head", False)
+    if not isinstance(head, bool) and head not in HEAD_METHODS:
+        raise ValueError(f"lm_head={head!r}: allowed False, True (the head by method={method!r} too) or one of "
+                         f"{list(HEAD_METHODS)}")
     return {**allowed, **given}
 
 
@@ -96,6 +104,16 @@ def _calibration_ids(opts: dict) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long)
 
 
+def _replace_head(model: nn.Module, method: str, backend: str) -> None:
+    """The LM head quantised by ``method`` (a ``HEAD_METHODS`` entry) with its default options."""
+    head = model.get_output_embeddings()
+    name = next(n for n, mod in model.named_modules() if mod is head)
+    opts = {**_OPTIONS[method], "backend": backend}
+    if method == "int4":
+        _check_group(head.in_features, opts["group_size"])
+    model.set_submodule(name, _replacement(method, head, opts))
+
+
 def _replacement(method: str, linear: nn.Linear, opts: dict) -> nn.Module:
     if method == "int8":
         return Int8Linear.from_linear(linear, opts["backend"])
@@ -123,22 +141,28 @@ def quantize(model: nn.Module, method: str, **options) -> nn.Module:
     options). The model's ``labkit_quant`` attribute records the method and options used."""
     opts = _options(method, options)
     _check_device(model, method, opts)
-    targets = target_linears(model, opts["lm_head"])
+    same_head = opts["lm_head"] is True
+    targets = target_linears(model, same_head)
     if method in ("int4", "gptq"):
         for name, lin in targets.items():
             try:
                 _check_group(lin.in_features, opts["group_size"])
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
+    head_method = opts["lm_head"] if isinstance(opts["lm_head"], str) else None
+    if head_method:
+        _check_device(model, head_method, {"backend": opts.get("backend", "auto")})
     if not opts["inplace"]:
-        model = _shallow_copy(model, targets)
+        model = _shallow_copy(model, target_linears(model, bool(opts["lm_head"])))
     if method == "gptq":
         calib = _calibration_ids(opts)
-        gptq_quantize_model(model, calib, opts["group_size"], opts["damp"], opts["lm_head"],
+        gptq_quantize_model(model, calib, opts["group_size"], opts["damp"], same_head,
                             opts["batch_size"], opts["backend"], opts["progress"])
     else:
-        for name in target_linears(model, opts["lm_head"]):
+        for name in target_linears(model, same_head):
             model.set_submodule(name, _replacement(method, model.get_submodule(name), opts))
+    if head_method:
+        _replace_head(model, head_method, opts.get("backend", "auto"))
     if opts["lm_head"] and getattr(model.config, "tie_word_embeddings", False):
         model.config.tie_word_embeddings = False  # the quantised head is no longer the embedding table
     model.labkit_quant = {"method": method, **{k: v for k, v in opts.items()

@@ -130,10 +130,11 @@ def bytes_per_weight(method: str, in_features: int = 4096, group_size: int = 128
     return table[method]
 
 
-def decode_weight_bytes(spec, method: str, group_size: int = 128, lm_head: bool = False) -> float:
+def decode_weight_bytes(spec, method: str, group_size: int = 128, lm_head: bool | str = False) -> float:
     """Predicted weight bytes one decode step reads for a ``labkit.models.ModelSpec`` (or preset name) with its
     linear layers in ``method``: the decoder's linears at ``bytes_per_weight``, the LM head in bf16 unless
-    ``lm_head``, norms in bf16; the embedding contributes one row per token (nothing, to this precision)."""
+    ``lm_head`` (True: in ``method`` too; a method name: in that one), norms in bf16; the embedding contributes one
+    row per token (nothing, to this precision)."""
     from labkit.models import get_spec
 
     spec = get_spec(spec)
@@ -141,7 +142,10 @@ def decode_weight_bytes(spec, method: str, group_size: int = 128, lm_head: bool 
     head = spec.vocab_size * spec.hidden_size
     bpw = bytes_per_weight(method, in_features=spec.hidden_size, group_size=group_size)
     norms = (spec.num_layers * spec.norm_params_per_layer + spec.hidden_size) * BF16_BYTES
-    return linear * bpw + head * (bpw if lm_head else BF16_BYTES) + norms
+    head_bpw = bpw if lm_head is True else BF16_BYTES
+    if isinstance(lm_head, str):
+        head_bpw = bytes_per_weight(lm_head, in_features=spec.hidden_size, group_size=group_size)
+    return linear * bpw + head * head_bpw + norms
 
 
 def decode_step_bytes(model: nn.Module, batch_size: int = 1, context_len: int = 512) -> int:
