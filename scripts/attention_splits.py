@@ -9,12 +9,13 @@ tiles one after the other. Two measurements, both CUDA-graph replays:
 * ``kernel``: ``paged_attention`` at the engine's shape -- one sequence, 32 query and 8 KV heads of 128, 16-token
   blocks -- over 48 distinct cache pools in turn (~100 MB, more than L2, so K and V come from DRAM as they do in a
   step): the default call (``short_range_tile``: one tile per range where ranges are short) and the autotuner's
-  pick instead, each with the merge kernel and with the merge fused (``fused_merge``: the last range merges), then
-  every (range count, tile, merge);
+  pick instead, and the default with the kernel's general loop instead of its one-tile path, each with the merge
+  kernel and with the merge fused (``fused_merge``: the last range merges), then every (range count, tile,
+  merge);
 * ``engine``: the int4 llama-3-8b engine step (``runner_step``, notebook 04's) in turn, twice: ``MIN_SPLIT_TOKENS``
   64 with the autotuner (the policy before records/attention_splits_4aec4fc.json), 16 with the autotuner (after
-  it: 2.193/2.219 -> 2.130/2.158 ms), 16 with ``short_range_tile`` (now the default), and that with
-  ``fused_attention_merge``.
+  it: 2.193/2.219 -> 2.130/2.158 ms), 16 with ``short_range_tile`` through the kernel's general loop, then
+  through its one-tile path (now the default), and that with ``fused_attention_merge``.
 
     python scripts/attention_splits.py --out /tmp/h200          # records/attention_splits.json
     python scripts/attention_splits.py --device cpu --preset tiny   # the script itself, quickly, on a CPU
@@ -36,26 +37,29 @@ CONTEXTS = (513, 2049)  # notebook 04's engine step (512 cached + 1) and a longe
 SPLITS = (16, 33, 64)
 TILES = [dict(BLOCK_N=n, num_warps=4, num_stages=s) for n, s in itertools.product((16, 32, 64), (1, 2))]
 POOLS = 48
-ENGINE_VARIANTS = (  # (name, MIN_SPLIT_TOKENS, short-range tiles, ModelRunner options)
-    ("min_split_64_autotuned", 64, False, {}),
-    ("min_split_16_autotuned", 16, False, {}),
-    ("min_split_16_short_tile", 16, True, {}),
-    ("min_split_16_short_tile_fused_merge", 16, True, {"fused_attention_merge": True}),
+ENGINE_VARIANTS = (  # (name, MIN_SPLIT_TOKENS, short-range tiles, one-tile path, ModelRunner options)
+    ("min_split_64_autotuned", 64, False, False, {}),
+    ("min_split_16_autotuned", 16, False, False, {}),
+    ("min_split_16_short_tile_loop", 16, True, False, {}),
+    ("min_split_16_short_tile", 16, True, True, {}),
+    ("min_split_16_short_tile_fused_merge", 16, True, True, {"fused_attention_merge": True}),
 )
 
 
 @contextlib.contextmanager
-def policy(min_split: int | None = None, short_tiles: bool = True):
-    """``paged_attention``'s defaults changed for the duration: the shortest range, and whether short ranges take
-    ``short_range_tile`` (else the autotuner picks every tile, as before)."""
-    saved = pa.MIN_SPLIT_TOKENS, pa.short_range_tile
+def policy(min_split: int | None = None, short_tiles: bool = True, one_tile: bool = True):
+    """``paged_attention``'s defaults changed for the duration: the shortest range, whether short ranges take
+    ``short_range_tile`` (else the autotuner picks every tile, as before) and whether ranges of one tile take the
+    kernel's ``ONE_TILE`` path (the block table read alongside the context length) or its general loop."""
+    saved = pa.MIN_SPLIT_TOKENS, pa.short_range_tile, pa.ONE_TILE_RANGES
     pa.MIN_SPLIT_TOKENS = saved[0] if min_split is None else min_split
+    pa.ONE_TILE_RANGES = one_tile
     if not short_tiles:
         pa.short_range_tile = lambda max_context, num_splits: None
     try:
         yield
     finally:
-        pa.MIN_SPLIT_TOKENS, pa.short_range_tile = saved
+        pa.MIN_SPLIT_TOKENS, pa.short_range_tile, pa.ONE_TILE_RANGES = saved
 
 
 def _run_all(q, pools, tables, lens, **kw) -> None:
@@ -106,9 +110,9 @@ def _sweep_context(ctx: int, device, pools: int = POOLS, splits_tiles=None) -> l
     data = (q, pools, tables, lens, pa.paged_attention(q, *pools[0], tables, lens, num_splits=1))
     auto = pa.auto_num_splits(1, 8, width * 16, device)
     rows = []
-    for short_tiles, fused in itertools.product((True, False), (False, True)):
-        with policy(short_tiles=short_tiles):
-            tile = "default" if short_tiles else "autotuned"
+    for (tile, short_tiles, one_tile), fused in itertools.product(
+            (("default", True, True), ("default_loop", True, False), ("autotuned", False, False)), (False, True)):
+        with policy(short_tiles=short_tiles, one_tile=one_tile):
             rows.append(_time_row(dict(context=ctx, num_splits=auto, tile=tile, fused_merge=fused), *data,
                                   fused_merge=fused))
         print(f"ctx {ctx}: {rows[-1]['tile']} ({auto} ranges, fused_merge={fused}) {rows[-1].get('us', -1):.2f} us",
@@ -141,13 +145,14 @@ def engine_ab(device, preset: str) -> list[dict]:
     model = random_model(preset, device=device, dtype="bf16" if gpu else "fp16", seed=0, num_layers=None if gpu else 1)
     model = quantize(model, "int4", backend="triton" if gpu else "torch")
     rows = []
-    for rep, (name, min_split, short_tiles, options) in itertools.product(range(2 if gpu else 1), ENGINE_VARIANTS):
-        with policy(min_split, short_tiles):
+    for rep, (name, min_split, short_tiles, one_tile, options) in itertools.product(range(2 if gpu else 1),
+                                                                                    ENGINE_VARIANTS):
+        with policy(min_split, short_tiles, one_tile):
             step, runner = runner_step(model, "decode", 1, 512 if gpu else 40, **options)
             t = time_fn(step, device=device, warmup=2 if gpu else 0, iters=50 if gpu else 1)
             splits = pa.auto_num_splits(1, runner.num_kv_heads, runner.max_blocks * 16, device)
         rows.append(dict(rep=rep, variant=name, min_split_tokens=min_split, short_range_tiles=short_tiles,
-                         runner_options=options, num_splits=splits, step_ms=t.median_ms,
+                         one_tile=one_tile, runner_options=options, num_splits=splits, step_ms=t.median_ms,
                          samples_ms=[1e3 * x for x in t.samples_s]))
         print(f"engine step, {name} ({splits} ranges): {t.median_ms:.4f} ms", flush=True)
         del step, runner

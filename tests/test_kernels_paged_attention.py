@@ -159,6 +159,31 @@ def test_fused_merge_gives_the_bits_of_the_merge_kernel(kv_dtype):
             assert not arrival_counters("paged_attention", 1, q.device).any()
 
 
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_ranges_of_one_tile_give_the_bits_of_the_loop(kv_dtype, monkeypatch):
+    """Where every range of the table fits one tile, the split kernel reads the block table without waiting for
+    the context length (``ONE_TILE``): the same bits as its general loop, empty ranges and one-token contexts
+    included, with the merge kernel and fused."""
+    import labkit.kernels.paged_attention as pa
+    from labkit.kvcache.quant import kv_format, quantize_kv
+
+    q, k, v, tables, ctx = _case(3, 6, 2, 16, 8, [1, 33, 70], 30, torch.float32, seed=15)  # an 80-token table
+    scales = {}
+    if kv_dtype:
+        (k, ks), (v, vs) = quantize_kv(k, kv_format(kv_dtype)), quantize_kv(v, kv_format(kv_dtype))
+        scales = dict(k_scale=ks, v_scale=vs)
+    for splits in (3, 5, 16):
+        assert pa._one_tile(True, "", 80, splits, pa.CPU_BLOCK_N)
+        for fused in (False, True):
+            one_tile = paged_attention(q, k, v, tables, ctx, num_splits=splits, fused_merge=fused, **scales)
+            monkeypatch.setattr(pa, "ONE_TILE_RANGES", False)
+            loop = paged_attention(q, k, v, tables, ctx, num_splits=splits, fused_merge=fused, **scales)
+            monkeypatch.setattr(pa, "ONE_TILE_RANGES", True)
+            assert torch.equal(one_tile, loop), (splits, fused)
+    assert not pa._one_tile(True, "", 80, 2, pa.CPU_BLOCK_N)  # 40-token ranges: two tiles each
+    assert not pa._one_tile(True, "overlap", 80, 3, pa.CPU_BLOCK_N)  # the early first tile has its own loads
+
+
 def test_fused_merge_of_one_range_is_the_single_pass_kernel():
     q, k, v, tables, ctx = _case(2, 4, 2, 16, 16, [40, 17], 10, torch.float32, seed=12)
     one = paged_attention(q, k, v, tables, ctx, num_splits=1)

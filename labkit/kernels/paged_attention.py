@@ -91,17 +91,48 @@ def _kv_tile(pool_ptr, blk, in_blk, head_off, stride_b, stride_t, stride_h, offs
 
 
 @triton.jit
+def _attend_tile(q, k, v, t_ok, blk, in_blk, kv_head_off, m_i, l_i, acc, k_scale_ptr, v_scale_ptr, stride_sb,
+                 stride_st, stride_sh, qk_scale, KV_QUANT: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of the online softmax: ``q`` ``[G, D]`` against ``k``, ``v`` ``[N, D]`` (rows where ``t_ok``);
+    returns the running maximum, sum and un-normalised output, updated."""
+    if KV_QUANT:
+        # int8/fp8 K with one scale per (token, head): q . (kq * s) = (q . kq) * s, so the scale is
+        # applied to the [G, N] scores, not to the [N, D] tile
+        slot = blk * stride_sb + in_blk * stride_st + kv_head_off * stride_sh
+        ks = tl.load(k_scale_ptr + slot, mask=t_ok, other=0.0)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * (ks * qk_scale)[None, :]
+    else:
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    qk = tl.where(t_ok[None, :], qk, -float("inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.math.exp2(qk - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if KV_QUANT:  # p @ (vq * s) = (p * s) @ vq
+        vs = tl.load(v_scale_ptr + slot, mask=t_ok, other=0.0)
+        acc = tl.dot((p * vs[None, :]).to(q.dtype), v.to(q.dtype), acc * alpha[:, None],
+                     input_precision=PRECISION)
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_acc_ptr,
                        part_ml_ptr, cnt_ptr, k_scale_ptr, v_scale_ptr, qk_scale, group, n_heads, n_splits,
                        stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                       stride_sb, stride_st, stride_sh, stride_bt, stride_os, stride_oh, CTX_BUCKET,
+                       stride_sb, stride_st, stride_sh, stride_bt, stride_os, stride_oh, CTX_BUCKET, table_len,
                        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                        KV_QUANT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
-                       EARLY: tl.constexpr = False, MERGE: tl.constexpr = 0, BLOCK_SPLITS: tl.constexpr = 1):
+                       EARLY: tl.constexpr = False, MERGE: tl.constexpr = 0, BLOCK_SPLITS: tl.constexpr = 1,
+                       ONE_TILE: tl.constexpr = False):
     """``MERGE`` (with ``SPLIT``; ``group``, or 0): the last of a (sequence, KV head)'s ranges to write its
     partials merges them for the head's ``MERGE`` query heads, counting arrivals in
     ``cnt_ptr[seq * kv_heads + kv_head]`` (zero before the launch, zero again after it).
+    ``ONE_TILE`` (with ``SPLIT``, not ``EARLY``; the host knows every range of a ``table_len``-token table fits one
+    tile): range ``split`` is tokens ``split * BLOCK_N ...`` whatever the context, so its block-table entries are
+    read alongside the context length, not after it -- one memory round trip fewer before K and V.
     ``EARLY`` (``pdl="overlap"``): the first tile of K and V is loaded before waiting for the kernel ahead, all but
     the newest token's rows (the ones the kernel ahead writes: the q/k/v projection with the cache write), and the
     newest token's row is read after the wait and put in its place in whichever tile holds it."""
@@ -143,43 +174,38 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, 
     m_i = tl.full([BLOCK_G], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for t0 in range(start, end, BLOCK_N):
-        tok = t0 + offs_n
-        t_ok = tok < end
-        blk, in_blk = _block_slots(block_tables_ptr, seq * stride_bt, tok, t_ok, BLOCK_SIZE)
-        ld_mask = t_ok[:, None] & d_ok[None, :]
-        if EARLY:  # the first tile is in registers already (but for its newest row)
-            ld_mask = (tok < tl.where(t0 == start, 0, end))[:, None] & d_ok[None, :]
-        k = _kv_tile(k_ptr, blk, in_blk, kv_head_off, stride_kb, stride_kt, stride_kh, offs_d, ld_mask)
-        # V's loads go out with K's, not after the scores: a short range (a decode step's few tiles) waits for
-        # one memory round trip instead of two
-        v = _kv_tile(v_ptr, blk, in_blk, kv_head_off, stride_vb, stride_vt, stride_vh, offs_d, ld_mask)
-        if EARLY:
-            k = tl.where(t0 == start, k_first, k)
-            v = tl.where(t0 == start, v_first, v)
-            is_new = (tok == newest)[:, None]
-            k = tl.where(is_new, k_new[None, :], k)
-            v = tl.where(is_new, v_new[None, :], v)
-        if KV_QUANT:
-            # int8/fp8 K with one scale per (token, head): q . (kq * s) = (q . kq) * s, so the scale is
-            # applied to the [G, N] scores, not to the [N, D] tile
-            slot = blk * stride_sb + in_blk * stride_st + kv_head_off * stride_sh
-            ks = tl.load(k_scale_ptr + slot, mask=t_ok, other=0.0)
-            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * (ks * qk_scale)[None, :]
-        else:
-            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        qk = tl.where(t_ok[None, :], qk, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if KV_QUANT:  # p @ (vq * s) = (p * s) @ vq
-            vs = tl.load(v_scale_ptr + slot, mask=t_ok, other=0.0)
-            acc = tl.dot((p * vs[None, :]).to(q.dtype), v.to(q.dtype), acc * alpha[:, None],
-                         input_precision=PRECISION)
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
+    if ONE_TILE:
+        tok = split * BLOCK_N + offs_n  # == start + offs_n: split_len is BLOCK_N for every context
+        blk, in_blk = _block_slots(block_tables_ptr, seq * stride_bt, tok, tok < table_len, BLOCK_SIZE)
+        if start < end:
+            t_ok = tok < end
+            ld_mask = t_ok[:, None] & d_ok[None, :]
+            k = _kv_tile(k_ptr, blk, in_blk, kv_head_off, stride_kb, stride_kt, stride_kh, offs_d, ld_mask)
+            v = _kv_tile(v_ptr, blk, in_blk, kv_head_off, stride_vb, stride_vt, stride_vh, offs_d, ld_mask)
+            m_i, l_i, acc = _attend_tile(q, k, v, t_ok, blk, in_blk, kv_head_off, m_i, l_i, acc, k_scale_ptr,
+                                         v_scale_ptr, stride_sb, stride_st, stride_sh, qk_scale, KV_QUANT,
+                                         PRECISION)
+    else:
+        for t0 in range(start, end, BLOCK_N):
+            tok = t0 + offs_n
+            t_ok = tok < end
+            blk, in_blk = _block_slots(block_tables_ptr, seq * stride_bt, tok, t_ok, BLOCK_SIZE)
+            ld_mask = t_ok[:, None] & d_ok[None, :]
+            if EARLY:  # the first tile is in registers already (but for its newest row)
+                ld_mask = (tok < tl.where(t0 == start, 0, end))[:, None] & d_ok[None, :]
+            k = _kv_tile(k_ptr, blk, in_blk, kv_head_off, stride_kb, stride_kt, stride_kh, offs_d, ld_mask)
+            # V's loads go out with K's, not after the scores: a short range (a decode step's few tiles) waits
+            # for one memory round trip instead of two
+            v = _kv_tile(v_ptr, blk, in_blk, kv_head_off, stride_vb, stride_vt, stride_vh, offs_d, ld_mask)
+            if EARLY:
+                k = tl.where(t0 == start, k_first, k)
+                v = tl.where(t0 == start, v_first, v)
+                is_new = (tok == newest)[:, None]
+                k = tl.where(is_new, k_new[None, :], k)
+                v = tl.where(is_new, v_new[None, :], v)
+            m_i, l_i, acc = _attend_tile(q, k, v, t_ok, blk, in_blk, kv_head_off, m_i, l_i, acc, k_scale_ptr,
+                                         v_scale_ptr, stride_sb, stride_st, stride_sh, qk_scale, KV_QUANT,
+                                         PRECISION)
     if SPLIT:
         # partials: acc [seq, head, split, D] un-normalised; (m, l) [seq, head, split, 2]
         row = (seq * n_heads + heads) * n_splits + split
@@ -263,6 +289,15 @@ _paged_attn_tuned = triton.autotune(configs=_configs(),
                                          "SPLIT", "KV_QUANT", "MERGE"],
                                     )(_paged_attn_kernel)
 CPU_BLOCK_N = 32
+
+
+ONE_TILE_RANGES = True  # False: ranges of one tile walk the general loop (for A/B timing, scripts/attention_splits.py)
+
+
+def _one_tile(split: bool, pdl: str, max_context: int, num_splits: int, block_n: int) -> bool:
+    """Whether the split kernel may take its ``ONE_TILE`` path: every range of the table fits a tile (and the
+    early first tile of ``pdl="overlap"``, which has its own loads, is off)."""
+    return ONE_TILE_RANGES and split and pdl != "overlap" and -(-max_context // num_splits) <= block_n
 
 
 def auto_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
@@ -368,7 +403,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     args = (q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, cnt, k_s, v_s, scale * LOG2E,
             group, num_heads, num_splits, q.stride(0), q.stride(1), *k_cache.stride()[:3],
             *v_cache.stride()[:3], *(k_scale.stride() if quant else (0, 0, 0)), block_tables.stride(0),
-            out.stride(0), out.stride(1), next_pow2(max_context))
+            out.stride(0), out.stride(1), next_pow2(max_context), max_context)
     meta = dict(BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
                 BLOCK_G=max(16, next_pow2(group)), SPLIT=split, KV_QUANT=quant, MERGE=group if fused_merge else 0,
                 BLOCK_SPLITS=next_pow2(num_splits),
@@ -378,9 +413,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     meta["EARLY"] = pdl == "overlap"  # the interpreter runs the early loads too, with nothing ahead to wait for
     if q.device.type == "cuda":
         config = config or (short_range_tile(max_context, num_splits) if split else None)
+        meta["ONE_TILE"] = config is not None and _one_tile(split, pdl, max_context, num_splits, config["BLOCK_N"])
         kernel = _paged_attn_tuned if config is None else _paged_attn_kernel
         kernel[grid](*args, **meta, **launch, **(config or {}))
     else:
+        meta["ONE_TILE"] = _one_tile(split, pdl, max_context, num_splits, CPU_BLOCK_N)
         _paged_attn_kernel[grid](*args, BLOCK_N=CPU_BLOCK_N, **meta)
     if split and not fused_merge:  # the merge: a dependent launch of a split kernel that releases it
         _paged_attn_reduce[(num_seqs, num_heads)](part_acc, part_ml, out, num_heads, num_splits,
