@@ -22,6 +22,16 @@ def _case(num_seqs, heads, kv_heads, head_dim, block_size, lens, num_blocks, dty
     return [t.to(dtype).to(device) for t in (q, k, v)] + [tables.int().to(device), ctx]
 
 
+def _quantised_kv(k, v, kv_dtype):
+    """``k``, ``v`` and the ``paged_attention`` scale arguments: as given (``kv_dtype`` None) or quantised."""
+    if not kv_dtype:
+        return k, v, {}
+    from labkit.kvcache.quant import kv_format, quantize_kv
+
+    (k, ks), (v, vs) = quantize_kv(k, kv_format(kv_dtype)), quantize_kv(v, kv_format(kv_dtype))
+    return k, v, dict(k_scale=ks, v_scale=vs)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_splits", [1, 3, None])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,lens", [
@@ -112,13 +122,8 @@ def test_early_first_tile_gives_the_bits_of_a_plain_call(kv_dtype):
     """``pdl="overlap"``: the first tile loaded early but for the newest token's row, which is read later and put
     in its place (in the first tile, a later one, or another range's): the same bits as a plain call, split or
     not, one-token contexts included."""
-    from labkit.kvcache.quant import kv_format, quantize_kv
-
     q, k, v, tables, ctx = _case(3, 4, 2, 16, 16, [1, 33, 70], 20, torch.float32, seed=9)
-    scales = {}
-    if kv_dtype:
-        (k, ks), (v, vs) = quantize_kv(k, kv_format(kv_dtype)), quantize_kv(v, kv_format(kv_dtype))
-        scales = dict(k_scale=ks, v_scale=vs)
+    k, v, scales = _quantised_kv(k, v, kv_dtype)
     for splits in (1, 2, 3):
         plain = paged_attention(q, k, v, tables, ctx, num_splits=splits, **scales)
         assert torch.equal(paged_attention(q, k, v, tables, ctx, num_splits=splits, pdl="overlap", **scales), plain)
@@ -142,13 +147,8 @@ def test_fused_merge_gives_the_bits_of_the_merge_kernel(kv_dtype):
     merge kernel, with PDL modes, one-token contexts (ranges with no token) and more ranges than tokens; every
     arrival counter is back at zero after each call, so the next call counts from zero."""
     from labkit.kernels.common import arrival_counters
-    from labkit.kvcache.quant import kv_format, quantize_kv
-
     q, k, v, tables, ctx = _case(3, 6, 2, 16, 8, [1, 33, 70], 30, torch.float32, seed=11)
-    scales = {}
-    if kv_dtype:
-        (k, ks), (v, vs) = quantize_kv(k, kv_format(kv_dtype)), quantize_kv(v, kv_format(kv_dtype))
-        scales = dict(k_scale=ks, v_scale=vs)
+    k, v, scales = _quantised_kv(k, v, kv_dtype)
     queries = (q, q.flip(0))  # calls alternate, so partials a wrong merge might read are the other query's
     for splits, pdl in ((2, ""), (3, "release"), (5, "overlap"), (16, "")):
         merged = [paged_attention(x, k, v, tables, ctx, num_splits=splits, pdl=pdl, **scales) for x in queries]
@@ -165,13 +165,8 @@ def test_ranges_of_one_tile_give_the_bits_of_the_loop(kv_dtype, monkeypatch):
     the context length (``ONE_TILE``): the same bits as its general loop, empty ranges and one-token contexts
     included, with the merge kernel and fused."""
     import labkit.kernels.paged_attention as pa
-    from labkit.kvcache.quant import kv_format, quantize_kv
-
     q, k, v, tables, ctx = _case(3, 6, 2, 16, 8, [1, 33, 70], 30, torch.float32, seed=15)  # an 80-token table
-    scales = {}
-    if kv_dtype:
-        (k, ks), (v, vs) = quantize_kv(k, kv_format(kv_dtype)), quantize_kv(v, kv_format(kv_dtype))
-        scales = dict(k_scale=ks, v_scale=vs)
+    k, v, scales = _quantised_kv(k, v, kv_dtype)
     for splits in (3, 5, 16):
         assert pa._one_tile(True, "", 80, splits, pa.CPU_BLOCK_N)
         for fused in (False, True):

@@ -413,12 +413,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     meta["EARLY"] = pdl == "overlap"  # the interpreter runs the early loads too, with nothing ahead to wait for
     if q.device.type == "cuda":
         config = config or (short_range_tile(max_context, num_splits) if split else None)
-        meta["ONE_TILE"] = config is not None and _one_tile(split, pdl, max_context, num_splits, config["BLOCK_N"])
-        kernel = _paged_attn_tuned if config is None else _paged_attn_kernel
-        kernel[grid](*args, **meta, **launch, **(config or {}))
     else:
-        meta["ONE_TILE"] = _one_tile(split, pdl, max_context, num_splits, CPU_BLOCK_N)
-        _paged_attn_kernel[grid](*args, BLOCK_N=CPU_BLOCK_N, **meta)
+        config = {"BLOCK_N": CPU_BLOCK_N}  # the interpreter's one tile
+    # with no tile yet (the autotuner picks one per launch) the general loop, which any tile runs
+    meta["ONE_TILE"] = config is not None and _one_tile(split, pdl, max_context, num_splits, config["BLOCK_N"])
+    kernel = _paged_attn_tuned if config is None else _paged_attn_kernel
+    kernel[grid](*args, **meta, **launch, **(config or {}))
     if split and not fused_merge:  # the merge: a dependent launch of a split kernel that releases it
         _paged_attn_reduce[(num_seqs, num_heads)](part_acc, part_ml, out, num_heads, num_splits,
                                                  out.stride(0), out.stride(1), HEAD_DIM=head_dim,

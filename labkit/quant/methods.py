@@ -104,14 +104,19 @@ def _calibration_ids(opts: dict) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long)
 
 
-def _replace_head(model: nn.Module, method: str, backend: str) -> None:
-    """The LM head quantised by ``method`` (a ``HEAD_METHODS`` entry) with its default options."""
+def _output_head(model: nn.Module) -> tuple[str, nn.Module]:
+    """The LM head's qualified name and module."""
     head = model.get_output_embeddings()
-    name = next(n for n, mod in model.named_modules() if mod is head)
-    opts = {**_OPTIONS[method], "backend": backend}
-    if method == "int4":
-        _check_group(head.in_features, opts["group_size"])
-    model.set_submodule(name, _replacement(method, head, opts))
+    return next(n for n, mod in model.named_modules() if mod is head), head
+
+
+def _check_groups(linears: dict[str, nn.Module], group_size: int) -> None:
+    """Refuse a group size that does not divide every layer's inputs, naming the first layer it fails."""
+    for name, lin in linears.items():
+        try:
+            _check_group(lin.in_features, group_size)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
 
 
 def _replacement(method: str, linear: nn.Linear, opts: dict) -> nn.Module:
@@ -142,16 +147,14 @@ def quantize(model: nn.Module, method: str, **options) -> nn.Module:
     opts = _options(method, options)
     _check_device(model, method, opts)
     same_head = opts["lm_head"] is True
-    targets = target_linears(model, same_head)
     if method in ("int4", "gptq"):
-        for name, lin in targets.items():
-            try:
-                _check_group(lin.in_features, opts["group_size"])
-            except ValueError as e:
-                raise ValueError(f"{name}: {e}") from None
+        _check_groups(target_linears(model, same_head), opts["group_size"])
     head_method = opts["lm_head"] if isinstance(opts["lm_head"], str) else None
-    if head_method:
-        _check_device(model, head_method, {"backend": opts.get("backend", "auto")})
+    if head_method:  # checked before anything is copied or replaced, as the layers are
+        head_opts = {**_OPTIONS[head_method], "backend": opts.get("backend", "auto")}
+        _check_device(model, head_method, head_opts)
+        if head_method == "int4":
+            _check_groups(dict([_output_head(model)]), head_opts["group_size"])
     if not opts["inplace"]:
         model = _shallow_copy(model, target_linears(model, bool(opts["lm_head"])))
     if method == "gptq":
@@ -161,8 +164,9 @@ def quantize(model: nn.Module, method: str, **options) -> nn.Module:
     else:
         for name in target_linears(model, same_head):
             model.set_submodule(name, _replacement(method, model.get_submodule(name), opts))
-    if head_method:
-        _replace_head(model, head_method, opts.get("backend", "auto"))
+    if head_method:  # the head by its own method, with that method's default options
+        name, head = _output_head(model)
+        model.set_submodule(name, _replacement(head_method, head, head_opts))
     if opts["lm_head"] and getattr(model.config, "tie_word_embeddings", False):
         model.config.tie_word_embeddings = False  # the quantised head is no longer the embedding table
     model.labkit_quant = {"method": method, **{k: v for k, v in opts.items()

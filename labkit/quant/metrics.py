@@ -142,9 +142,8 @@ def decode_weight_bytes(spec, method: str, group_size: int = 128, lm_head: bool 
     head = spec.vocab_size * spec.hidden_size
     bpw = bytes_per_weight(method, in_features=spec.hidden_size, group_size=group_size)
     norms = (spec.num_layers * spec.norm_params_per_layer + spec.hidden_size) * BF16_BYTES
-    head_bpw = bpw if lm_head is True else BF16_BYTES
-    if isinstance(lm_head, str):
-        head_bpw = bytes_per_weight(lm_head, in_features=spec.hidden_size, group_size=group_size)
+    head_method = method if lm_head is True else (lm_head or None)
+    head_bpw = bytes_per_weight(head_method, spec.hidden_size, group_size) if head_method else BF16_BYTES
     return linear * bpw + head * head_bpw + norms
 
 
