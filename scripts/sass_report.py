@@ -8,7 +8,7 @@ weights / 33.4e12`` is the time the kernel needs for issue alone; compare it wit
 that floor is instruction-bound; below it, a slow measured time points at latency (too few bytes in flight per
 SM), not at the arithmetic.
 
-    python scripts/sass_report.py [--kernel w8 w4 xs] [--group 128] [--out DIR]
+    python scripts/sass_report.py [--kernel w8 w4 xs w8xs] [--group 128] [--out DIR]
 """
 
 from __future__ import annotations
@@ -40,6 +40,11 @@ XS_SIG = {"x_ptr": "*bf16", "p_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16",
           "K": "i32", "stride_pk": "i32", "stride_pn": "i32", "stride_sk": "i32", "stride_sn": "i32",
           "stride_zk": "i32", "stride_zn": "i32", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "slot_ptr": "*i64",
           "kc_ptr": "*bf16", "vc_ptr": "*bf16", "n_rot_rows": "i32", "n_k_rows": "i32", "n_slots": "i32"}
+XS8_SIG = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "lo_mask": "i32", "hi_mask": "i32",
+           "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "norm_w_ptr": "*bf16", "res_ptr": "*bf16",
+           "eps": "fp32", "N": "i32", "K": "i32", "stride_wk": "i32", "stride_wn": "i32", "cos_ptr": "*bf16",
+           "sin_ptr": "*bf16", "slot_ptr": "*i64", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "n_rot_rows": "i32",
+           "n_k_rows": "i32", "n_slots": "i32"}
 # the 8B decode step's stationary GEMVs as the engine launches them, plain and with what they take in:
 # (name, N, K, tile: "split" | "whole" | None for labkit's pick, constexprs beyond the tile)
 XS_CASES = [("qkv", 6144, 4096, "split", {}), ("qkv", 6144, 4096, "whole", {}),
@@ -92,7 +97,7 @@ def report(fn, signature: dict, constexprs: dict, num_warps: int, weights_per_th
 
     # as a launch at LLM shapes specialises them: pointers 16-byte aligned, every integer a multiple of 16
     attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(signature.items())
-             if ty != "constexpr"}
+             if ty != "constexpr" and not name.endswith("_mask")}  # (the byte masks are 0xFF and 0xFF00)
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": num_warps,
                                                                            "num_stages": 1})
@@ -111,35 +116,41 @@ def report(fn, signature: dict, constexprs: dict, num_warps: int, weights_per_th
             "top_ops": sorted(ops.items(), key=lambda kv: -kv[1])[:8]}
 
 
-def xs_report(qm, group: int = 128) -> list[dict]:
-    """Registers, spills and loop instructions of the stationary int4 GEMV (``_w4_gemv_xs``) in ``XS_CASES``, with
-    the tiles ``qm.xs_tile`` picks on 132 SMs (``split``: ``XS_TILE``; ``whole``: ``XS_WHOLE_K_TILE``)."""
+def xs_report(qm, group: int = 128, bits: int = 4) -> list[dict]:
+    """Registers, spills and loop instructions of the stationary GEMV -- int4 (``_w4_gemv_xs``) or, with ``bits=8``,
+    int8 (``_w8_gemv_xs``) -- in ``XS_CASES``, with the tiles ``qm.xs_tile`` picks on 132 SMs (``split``:
+    ``XS_TILE`` / ``XS8_TILE``; ``whole``: ``XS_WHOLE_K_TILE`` / ``XS8_WHOLE_K_TILE``)."""
     import torch
 
     qm.num_sms = lambda device: 132  # an H200's SMs: the row-step rule as on the GPU
+    split, whole = (qm.XS_TILE, qm.XS_WHOLE_K_TILE) if bits == 4 else (qm.XS8_TILE, qm.XS8_WHOLE_K_TILE)
+    kernel, sig0 = (qm._w4_gemv_xs, XS_SIG) if bits == 4 else (qm._w8_gemv_xs, XS8_SIG)
     rows = []
     for name, n, k, kind, extra in XS_CASES:
-        base = qm.XS_TILE if kind == "split" else dict(qm.XS_WHOLE_K_TILE, BLOCK_K=k)
-        tile = qm.xs_tile(n, k, group, torch.device("cuda"), base)
+        tile = qm.xs_tile(n, k, group, torch.device("cuda"), split if kind == "split" else dict(whole, BLOCK_K=k),
+                          bits=bits)
         meta = {key: val for key, val in tile.items() if key != "num_warps"}
-        meta.update({"GROUP": group, "HALF_MATH": 1, "PDL": False, "REDUCE": True, "SWIGLU": False,
-                     "NORM_CHUNKS": 0, "RESIDUAL": False, "ROPE_HALF": 0, **extra})
-        sig = dict(XS_SIG, **{key: "constexpr" for key in meta})
-        r = report(qm._w4_gemv_xs, sig, meta, tile["num_warps"], 1)  # (per weight: not reported here)
-        rows.append({"case": name, "N": n, "K": k, "tile": kind, **{key: tile[key] for key in
+        meta.update({"PDL": False, "REDUCE": True, "SWIGLU": False, "NORM_CHUNKS": 0, "RESIDUAL": False,
+                     "ROPE_HALF": 0, **extra, **({"GROUP": group, "HALF_MATH": 1} if bits == 4 else {})})
+        sig = dict(sig0, **{key: "constexpr" for key in meta})
+        per_thread = tile["BLOCK_N"] * tile["BLOCK_K"] // (32 * tile["num_warps"])  # weights a row block gives
+        r = report(kernel, sig, meta, tile["num_warps"], per_thread)
+        rows.append({"case": name, "bits": bits, "N": n, "K": k, "tile": kind, **{key: tile[key] for key in
                      ("BLOCK_N", "BLOCK_K", "ROW_STEPS", "num_warps")}, "registers": r["registers"],
-                     "spill_bytes": r["spill_bytes"], "loop_instructions": r["loop_instructions"]})
-        print(f"xs {name:22s} {kind:5s} {tile['BLOCK_N']}x{tile['BLOCK_K']} x{tile['ROW_STEPS']}, "
+                     "spill_bytes": r["spill_bytes"], "loop_instructions": r["loop_instructions"],
+                     "per_weight": r["per_weight"]})
+        print(f"xs int{bits} {name:22s} {kind:5s} {tile['BLOCK_N']}x{tile['BLOCK_K']} x{tile['ROW_STEPS']}, "
               f"{tile['num_warps']} warps: {r['registers']} registers, {r['spill_bytes']} B spilled, "
-              f"{r['loop_instructions']} loop instructions")
+              f"{r['loop_instructions']} loop instructions ({r['per_weight']:.2f} per weight)")
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kernel", nargs="+", default=["w8", "w4"], choices=["w8", "w4", "xs"],
-                    help="xs: the stationary int4 GEMV at the 8B decode shapes, plain and fused (XS_CASES)")
-    ap.add_argument("--out", help="with --kernel xs: folder for records/sass_xs.json")
+    ap.add_argument("--kernel", nargs="+", default=["w8", "w4"], choices=["w8", "w4", "xs", "w8xs"],
+                    help="xs / w8xs: the stationary int4 / int8 GEMV at the 8B decode shapes, plain and fused "
+                         "(XS_CASES)")
+    ap.add_argument("--out", help="with --kernel xs / w8xs: folder for records/sass_xs.json / sass_w8xs.json")
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--prefetch", action="store_true", help="int4: loads issued a step ahead (PREFETCH)")
     ap.add_argument("--float32", action="store_true", help="int4: the float32 path (float32 activations) "
@@ -147,14 +158,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", type=float, default=4096 * 14336, help="weights of the layer, for the issue time")
     args = ap.parse_args(argv)
     qm = _jit_kernels()
-    if "xs" in args.kernel:
-        rows = xs_report(qm, args.group)
+    for name, bits in (("xs", 4), ("w8xs", 8)):
+        if name not in args.kernel:
+            continue
+        rows = xs_report(qm, args.group, bits)
         if args.out:
             from labkit.bench import write_record
 
-            print("wrote", write_record("sass_xs", {"target": "sm_90", "triton": triton.__version__, "rows": rows},
-                                        out_dir=args.out))
-    for name in (k for k in args.kernel if k != "xs"):
+            print("wrote", write_record(f"sass_{name}", {"target": "sm_90", "triton": triton.__version__,
+                                                         "rows": rows}, out_dir=args.out))
+    for name in (k for k in args.kernel if k in ("w8", "w4")):
         tiles = qm.W8_TILES if name == "w8" else qm.W4_TILES
         for bn, bk, warps in tiles:
             meta = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 4, "LOAD_STAGES": 1}

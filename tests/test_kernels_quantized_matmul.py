@@ -30,6 +30,36 @@ def _x(shape, dtype, seed, device=DEVICE):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
 
 
+FORMATS = ["int4", "int8"]
+LAUNCHER = {"int4": "w4_gemv_xs", "int8": "w8_gemv_xs"}  # each format's stationary GEMV launcher
+
+
+def _spy(monkeypatch, name: str) -> list[dict]:
+    """Wrap ``labkit.kernels.quantized_matmul.<name>``: the returned list gets each call's keyword arguments."""
+    import labkit.kernels.quantized_matmul as qm
+
+    real, calls = getattr(qm, name), []
+
+    def spy(*a, **kw):
+        calls.append(kw)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(qm, name, spy)
+    return calls
+
+
+def _layer(fmt, n, k, dtype, seed, group=64, scale=1.0):
+    """Random weights ``[n, k]`` of ``fmt`` (scales in ``dtype``, times ``scale``) as ``(matmul, ref)``:
+    ``matmul(x, **neighbours)`` (``w4a16_matmul`` / ``w8a16_matmul``) and its float64 reference."""
+    if fmt == "int4":
+        packed, scales, zeros = _int4(n, k, group, seed)
+        args = (packed, (scales * scale).to(dtype), zeros.to(dtype), group)
+        return (lambda x, **kw: w4a16_matmul(x, *args, **kw)), (lambda x: w4a16_matmul_ref(x.double(), *args))
+    q, s = _int8(n, k, seed)
+    args = (q, (s * scale).to(dtype))
+    return (lambda x, **kw: w8a16_matmul(x, *args, **kw)), (lambda x: w8a16_matmul_ref(x.double(), *args))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("x_shape", [(1, 192), (37, 192), (2, 3, 192)])  # GEMV, GEMM, leading dims
 def test_w8a16(dtype, x_shape):
@@ -179,8 +209,56 @@ def test_stationary_gemv_with_the_whole_of_k_in_one_program(monkeypatch, dtype):
     assert not qm._split_buffers(out.device, 40)[1].any()
 
 
+@pytest.mark.parametrize("tile", XS_TILES + [(2, 512, 2, 1, True)])  # the last: the whole of K in a program
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_swiglu_down_projection_fused_into_the_gemv(monkeypatch, dtype):
+def test_w8a16_gemv_stationary_activations(monkeypatch, tile, dtype):
+    """The stationary int8 GEMV (``_w8_gemv_xs``) on one 16-bit row, over slices of K or all of it, each row's
+    words read in place: within the tolerance of the reference (int8 weights of every value, -128 and 127 in one
+    word), the same bits twice, every counter reset."""
+    import labkit.kernels.quantized_matmul as qm
+
+    bn, bk, steps, prefetch, weights_first = tile
+    monkeypatch.setattr(qm, "CPU_XS_TILE", dict(BLOCK_N=bn, BLOCK_K=bk, ROW_STEPS=steps, PREFETCH=prefetch,
+                                                WEIGHTS_FIRST=weights_first, num_warps=1))
+    monkeypatch.setattr(qm, "XS8_PLAIN", True)
+    n, k = 2 * bn * steps, 512 if bk == 512 else 5 * bk
+    launched = []
+    monkeypatch.setattr(qm, "w8_gemv_xs", lambda *a, f=qm.w8_gemv_xs: launched.append(a[-1]) or f(*a))
+    q, s = _int8(n, k, seed=150)
+    q[0, :4] = torch.tensor([-128, 127, 0, -1], dtype=torch.int8)
+    x = _x((1, k), dtype, seed=151)
+    args = (q, s.to(dtype))
+    out = w8a16_matmul(x, *args)
+    assert launched and launched[0]["ROW_STEPS"] == steps and launched[0]["SPLIT_P2"] == qm.next_pow2(k // bk)
+    assert relative_error(out, w8a16_matmul_ref(x.double(), *args)) < TOL[dtype]
+    assert torch.equal(w8a16_matmul(x, *args), out)
+    assert not qm._split_buffers(out.device, n)[1].any()
+
+
+def test_bare_int8_products_keep_the_split_k_gemv_until_timed(monkeypatch):
+    """Without ``XS8_PLAIN`` only a product with neighbours (or PDL) takes the stationary int8 GEMV; a bare one
+    keeps the autotuned split-K GEMV whose speed notebook 03 measured. Unaligned words never take it."""
+    import labkit.kernels.quantized_matmul as qm
+
+    monkeypatch.setattr(qm, "CPU_XS_TILE", dict(BLOCK_N=8, BLOCK_K=128, PREFETCH=1, num_warps=1))
+    launched = _spy(monkeypatch, "w8_gemv_xs")
+    q, s = _int8(64, 256, seed=152)
+    x = _x((1, 256), torch.float16, seed=153)
+    res = _x((1, 64), torch.float16, seed=154)
+    w8a16_matmul(x, q, s.half())
+    assert launched == []
+    w8a16_matmul(x, q, s.half(), residual=res)
+    assert [sorted(kw) for kw in launched] == [["residual"]]
+    launched.clear()
+    q_odd = torch.empty(64, 257, dtype=torch.int8, device=DEVICE)[:, 1:]  # rows off 4-byte boundaries
+    q_odd.copy_(q)
+    out = w8a16_matmul(x, q_odd, s.half(), residual=res)
+    assert launched == [] and torch.equal(out, w8a16_matmul(x, q, s.half()) + res)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_swiglu_down_projection_fused_into_the_gemv(monkeypatch, fmt, dtype):
     """``swiglu=True``: ``silu_and_mul(x) @ W.T`` from ``x = [gate | up]``. One 16-bit row on the stationary
     GEMV computes the activation as it prepares its slice: the same bits as running ``silu_and_mul`` first;
     more rows, float32 or a ragged N run ``silu_and_mul`` first. A wrong width is refused."""
@@ -188,31 +266,31 @@ def test_swiglu_down_projection_fused_into_the_gemv(monkeypatch, dtype):
     from labkit.kernels.silu_and_mul import silu_and_mul
 
     monkeypatch.setattr(qm, "CPU_XS_TILE", dict(BLOCK_N=8, BLOCK_K=128, PREFETCH=1, num_warps=1))
-    fused = []
-    monkeypatch.setattr(qm, "w4_gemv_xs", lambda *a, f=qm.w4_gemv_xs, **kw: fused.append(kw) or f(*a, **kw))
+    monkeypatch.setattr(qm, "XS8_PLAIN", True)  # the bare int8 product on the same kernel: comparable bits
+    fused = _spy(monkeypatch, LAUNCHER[fmt])
     k = 256
     for n, rows, dt, expect_fused in [(64, 1, dtype, True), (64, 3, dtype, False), (60, 1, dtype, False),
                                       (64, 1, torch.float32, False)]:
         fused.clear()
-        packed, scales, zeros = _int4(n, k, 64, seed=70)
-        args = (packed, scales.to(dt), zeros.to(dt), 64)
+        matmul = _layer(fmt, n, k, dt, seed=70)[0]
         gate_up = _x((rows, 2 * k), dt, seed=71) * 3
         if rows > 1 and dt == torch.bfloat16:
             continue  # bfloat16 tl.dot is CUDA-only; the GEMM path is tested elsewhere
-        out = w4a16_matmul(gate_up, *args, swiglu=True)
+        out = matmul(gate_up, swiglu=True)
         assert out.shape == (rows, n)
         assert (fused == [{"swiglu": True}]) == expect_fused, (n, rows, dt)
         fused.clear()
-        plain = w4a16_matmul(silu_and_mul(gate_up), *args)
+        plain = matmul(silu_and_mul(gate_up))
         assert torch.equal(out, plain), (n, rows, dt)
     with pytest.raises(ValueError, match="swiglu=True"):
-        w4a16_matmul(_x((1, k), dtype, seed=72), *args, swiglu=True)
+        matmul(_x((1, k), dtype, seed=72), swiglu=True)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("k,tile", [(384, dict(BLOCK_N=8, BLOCK_K=128, PREFETCH=1, num_warps=1)),  # 3 slices
                                     (256, dict(BLOCK_N=4, BLOCK_K=256, PREFETCH=1, num_warps=1))])  # whole K
-def test_norm_and_residual_fused_into_the_gemv(monkeypatch, dtype, k, tile):
+def test_norm_and_residual_fused_into_the_gemv(monkeypatch, fmt, dtype, k, tile):
     """``norm_weight``: ``rms_norm(x) @ W.T``; ``residual``: ``residual + x @ W.T`` (the product rounded first).
     One 16-bit row on the stationary GEMV does both inside the kernel -- every program takes the row's statistic
     itself, split over K or owning all of it: within one rounding of the separate kernels (the statistic's sum runs
@@ -223,48 +301,58 @@ def test_norm_and_residual_fused_into_the_gemv(monkeypatch, dtype, k, tile):
     from labkit.kernels.rms_norm import rms_norm, rms_norm_ref
 
     monkeypatch.setattr(qm, "CPU_XS_TILE", tile)
-    fused = []
-    monkeypatch.setattr(qm, "w4_gemv_xs", lambda *a, f=qm.w4_gemv_xs, **kw: fused.append(sorted(kw)) or f(*a, **kw))
+    monkeypatch.setattr(qm, "XS8_PLAIN", True)  # the bare int8 product on the same kernel: comparable bits
+    fused = _spy(monkeypatch, LAUNCHER[fmt])
     for n, rows, dt, expect_fused in [(64, 1, dtype, True), (64, 3, torch.float16, False), (62, 1, dtype, False),
                                       (64, 1, torch.float32, False)]:
-        packed, scales, zeros = _int4(n, k, 64, seed=90)
-        args = (packed, scales.to(dt), zeros.to(dt), 64)
+        matmul, ref_matmul = _layer(fmt, n, k, dt, seed=90)
         x = _x((rows, k), dt, seed=91) * 4
         w = (torch.rand(k, generator=torch.Generator().manual_seed(92)) + 0.5).to(dt).to(DEVICE)
         res = _x((rows, n), dt, seed=93) * 8
         fused.clear()
-        out = w4a16_matmul(x, *args, norm_weight=w, norm_eps=1e-5, residual=res)
-        assert (fused == [["norm", "residual"]]) == expect_fused, (n, rows, dt)
+        out = matmul(x, norm_weight=w, norm_eps=1e-5, residual=res)
+        assert ([sorted(kw) for kw in fused] == [["norm", "residual"]]) == expect_fused, (n, rows, dt)
         fused.clear()
-        plain = w4a16_matmul(rms_norm(x, w, 1e-5), *args) + res
+        plain = matmul(rms_norm(x, w, 1e-5)) + res
         if expect_fused:
-            ref = w4a16_matmul_ref(rms_norm_ref(x, w, 1e-5).double(), *args) + res.double()
+            ref = ref_matmul(rms_norm_ref(x, w, 1e-5)) + res.double()
             assert relative_error(out, ref) < TOL[dt] and relative_error(out, plain) < TOL[dt]
-            added = w4a16_matmul(x, *args, residual=res)
+            added = matmul(x, residual=res)
             if dt == torch.float16 or DEVICE == "cuda":  # the interpreter casts to bfloat16 by truncation
-                assert torch.equal(added, w4a16_matmul(x, *args) + res)
-            assert relative_error(added, w4a16_matmul(x, *args) + res) < TOL[dt]
+                assert torch.equal(added, matmul(x) + res)
+            assert relative_error(added, matmul(x) + res) < TOL[dt]
         else:
             assert torch.equal(out, plain), (n, rows, dt)
 
 
+def _qkv_rope(fmt, n, k, dtype, seed, group=64, scale=1.0):
+    """``(qkv_rope_cache, matmul, weight args)`` of ``fmt`` for random q/k/v weights ``[n, k]``."""
+    from labkit.kernels.quantized_matmul import w4a16_qkv_rope_cache, w8a16_qkv_rope_cache
+
+    if fmt == "int4":
+        packed, scales, zeros = _int4(n, k, group, seed)
+        return w4a16_qkv_rope_cache, w4a16_matmul, (packed, (scales * scale).to(dtype), zeros.to(dtype), group)
+    q, s = _int8(n, k, seed)
+    return w8a16_qkv_rope_cache, w8a16_matmul, (q, (s * scale).to(dtype))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("norm", [False, True])
-def test_qkv_rope_and_cache_inside_the_gemv(monkeypatch, norm):
-    """``w4a16_qkv_rope_cache``: one float16 row on the split stationary tile walks each head's rows in rotary
-    pairs and its last programs rotate q and k and write k and v to the paged caches -- the same bits as
-    ``w4a16_matmul`` then ``apply_rope_and_cache`` (4 q heads, 2 kv heads of 16 dims: two row blocks a head).
-    A slot of -1 leaves the caches alone; more rows take the separate kernels; a wrong head count is refused."""
+def test_qkv_rope_and_cache_inside_the_gemv(monkeypatch, fmt, norm):
+    """``w4a16_qkv_rope_cache`` / ``w8a16_qkv_rope_cache``: one float16 row on the split stationary tile walks
+    each head's rows in rotary pairs and its last programs rotate q and k and write k and v to the paged caches --
+    the same bits as the product then ``apply_rope_and_cache`` (4 q heads, 2 kv heads of 16 dims: two row blocks
+    a head). A slot of -1 leaves the caches alone; more rows take the separate kernels; a wrong head count is
+    refused."""
     import labkit.kernels.quantized_matmul as qm
-    from labkit.kernels.quantized_matmul import w4a16_qkv_rope_cache
     from labkit.kernels.rope import apply_rope_and_cache
 
     monkeypatch.setattr(qm, "CPU_XS_TILE", dict(BLOCK_N=8, BLOCK_K=128, PREFETCH=1, num_warps=1))
-    fused = []
-    monkeypatch.setattr(qm, "w4_gemv_xs", lambda *a, f=qm.w4_gemv_xs, **kw: fused.append(sorted(kw)) or f(*a, **kw))
+    monkeypatch.setattr(qm, "XS8_PLAIN", True)  # the bare int8 product on the same kernel: comparable bits
+    fused = _spy(monkeypatch, LAUNCHER[fmt])
     heads, kv_heads, d, k, dt = 4, 2, 16, 256, torch.float16
     n = (heads + 2 * kv_heads) * d
-    packed, scales, zeros = _int4(n, k, 64, seed=110)
-    args = (packed, (scales * 0.2).to(dt), zeros.to(dt), 64)
+    qkv_rope_cache, matmul, args = _qkv_rope(fmt, n, k, dt, seed=110, scale=0.2)
     opts = dict(norm_weight=(torch.rand(k) + 0.5).to(dt).to(DEVICE), norm_eps=1e-5) if norm else {}
     ang = torch.rand(5, d // 2, generator=torch.Generator().manual_seed(111)) * 6
     cos, sin = torch.cat([ang.cos()] * 2, -1).to(dt).to(DEVICE), torch.cat([ang.sin()] * 2, -1).to(dt).to(DEVICE)
@@ -275,9 +363,11 @@ def test_qkv_rope_and_cache_inside_the_gemv(monkeypatch, norm):
         caches = [[torch.full((6, 4, kv_heads, d), 7.0, dtype=dt, device=DEVICE) for _ in range(2)]
                   for _ in range(2)]
         fused.clear()
-        q, kr = w4a16_qkv_rope_cache(x, *args, heads, cos[:rows], sin[:rows], *caches[0], slots, **opts)
-        assert fused == ([["norm", "rope"] if norm else ["rope"]] if rows == 1 else []), (rows, fused)
-        qkv = w4a16_matmul(x, *args, **opts)
+        q, kr = qkv_rope_cache(x, *args, heads, cos[:rows], sin[:rows], *caches[0], slots, **opts)
+        assert [sorted(kw) for kw in fused] == ([["norm", "rope"] if norm else ["rope"]] if rows == 1 else []), \
+            (rows, fused)
+        fused.clear()
+        qkv = matmul(x, *args, **opts)
         qs, ks, vs = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)
         ref = apply_rope_and_cache(qs.reshape(rows, heads, d), ks.reshape(rows, kv_heads, d),
                                    vs.reshape(rows, kv_heads, d), cos[:rows], sin[:rows], *caches[1], slots)
@@ -285,10 +375,10 @@ def test_qkv_rope_and_cache_inside_the_gemv(monkeypatch, norm):
         assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1]), (rows, slot)
         assert (caches[0][0] == 7.0).all() == (slot < 0)
     with pytest.raises(ValueError, match="num_heads=3"):
-        w4a16_qkv_rope_cache(x, *args, 3, cos[:3], sin[:3], *caches[0], slots)
-    with pytest.raises(ValueError, match="scales"):  # one row, as the fused path takes it: the weights checked
-        w4a16_qkv_rope_cache(x[:1], packed, args[1][:, :2], args[2], 64, heads, cos[:1], sin[:1], *caches[0],
-                             slots[:1])
+        qkv_rope_cache(x, *args, 3, cos[:3], sin[:3], *caches[0], slots)
+    with pytest.raises(ValueError, match="scale"):  # one row, as the fused path takes it: the weights checked
+        qkv_rope_cache(x[:1], args[0], args[1][:, :2] if fmt == "int4" else args[1][:2], *args[2:], heads,
+                       cos[:1], sin[:1], *caches[0], slots[:1])
 
 
 def test_fused_gemv_arguments_are_checked():
@@ -474,30 +564,32 @@ def test_split_k_gemv_replays_in_a_cuda_graph(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_stationary_gemv_replays_in_a_cuda_graph():
-    """The stationary-activation int4 GEMV at an 8B shape (28 slices of K): warmed up, captured, replayed with new
-    activations; its counters are reset after every replay."""
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,k", [(4096, 14336), (4096, 4096)])  # 28 slices of K; all of K in each program
+def test_stationary_gemv_replays_in_a_cuda_graph(monkeypatch, fmt, n, k):
+    """The stationary-activation GEMV at 8B shapes: warmed up, captured, replayed with new activations; its
+    counters are reset after every replay."""
     import labkit.kernels.quantized_matmul as qm
 
-    n, k = 4096, 14336
-    packed, scales, zeros = _int4(n, k, 128, seed=35)
-    args = (packed, scales.bfloat16(), zeros.bfloat16(), 128)
-    assert qm.xs_tile(n, k, 128, torch.device("cuda")) is not None
+    monkeypatch.setattr(qm, "XS8_PLAIN", True)
+    launched = _spy(monkeypatch, LAUNCHER[fmt])
+    matmul, ref = _layer(fmt, n, k, torch.bfloat16, seed=35, group=128)
     x = _x((1, k), torch.bfloat16, seed=36)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        w4a16_matmul(x, *args)
+        matmul(x)
     torch.cuda.current_stream().wait_stream(side)
+    assert launched, "the stationary GEMV takes 8B shapes"
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = w4a16_matmul(x, *args)
+        out = matmul(x)
     for seed in (37, 38):
         x.copy_(_x((1, k), torch.bfloat16, seed=seed))
         graph.replay()
         torch.cuda.synchronize()
-        assert relative_error(out, w4a16_matmul_ref(x.double(), *args)) < 2e-2
-        assert torch.equal(out, w4a16_matmul(x, *args))  # captured and eager: the same bits
+        assert relative_error(out, ref(x)) < 2e-2
+        assert torch.equal(out, matmul(x))  # captured and eager: the same bits
     assert not qm._split_buffers(x.device, n)[1].any()
 
 
@@ -523,17 +615,19 @@ def test_swiglu_down_projection_on_the_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n,k,fuse", [(6144, 4096, "norm"), (28672, 4096, "norm"), (4096, 4096, "residual"),
                                       (4096, 14336, "swiglu+residual")])
-def test_layer_ops_fused_into_the_gemv_on_the_gpu(n, k, fuse):
+def test_layer_ops_fused_into_the_gemv_on_the_gpu(monkeypatch, fmt, n, k, fuse):
     """The 8B decode projections with their neighbours inside (q/k/v and gate/up after RMSNorm: whole-K and split
     programs; o and down before the residual add, down with SwiGLU too): within a rounding of the separate kernels
     (the residual add bit-equal), and the same bits eagerly and replayed in a CUDA graph."""
+    import labkit.kernels.quantized_matmul as qm
     from labkit.kernels.rms_norm import rms_norm
     from labkit.kernels.silu_and_mul import silu_and_mul
 
-    packed, scales, zeros = _int4(n, k, 128, seed=100)
-    args = (packed, scales.bfloat16() * 0.1, zeros.bfloat16(), 128)
+    monkeypatch.setattr(qm, "XS8_PLAIN", True)  # the separate int8 product on the same kernel: comparable bits
+    matmul = _layer(fmt, n, k, torch.bfloat16, seed=100, group=128, scale=0.1)[0]
     swiglu = fuse.startswith("swiglu")
     x = _x((1, 2 * k if swiglu else k), torch.bfloat16, seed=101) * 3
     opts = dict(swiglu=swiglu)
@@ -545,40 +639,37 @@ def test_layer_ops_fused_into_the_gemv_on_the_gpu(n, k, fuse):
     def separate(x):
         y = silu_and_mul(x) if swiglu else x
         y = rms_norm(y, opts["norm_weight"], 1e-6) if fuse == "norm" else y
-        out = w4a16_matmul(y, *args)
+        out = matmul(y)
         return out + opts["residual"] if "residual" in opts else out
 
-    out = w4a16_matmul(x, *args, **opts)
+    out = matmul(x, **opts)
     assert relative_error(out, separate(x)) < 1e-2
     if fuse != "norm":
         assert torch.equal(out, separate(x))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        replayed = w4a16_matmul(x, *args, **opts)
+        replayed = matmul(x, **opts)
     x.copy_(_x(x.shape, torch.bfloat16, seed=103))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(replayed, w4a16_matmul(x, *args, **opts))
+    assert torch.equal(replayed, matmul(x, **opts))
     assert relative_error(replayed, separate(x)) < 1e-2
 
 
 @pytest.mark.gpu
-def test_qkv_rope_and_cache_inside_the_gemv_on_the_gpu():
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_qkv_rope_and_cache_inside_the_gemv_on_the_gpu(monkeypatch, fmt):
     """The 8B q/k/v projection (32 q heads, 8 kv heads of 128) with its RMSNorm, RoPE and the cache write in one
-    GEMV, against ``w4a16_matmul`` then ``apply_rope_and_cache`` (within a rounding: the compiled kernels may
-    contract the rotation into FMAs differently), eagerly and replayed in a CUDA graph at a new slot."""
+    GEMV, against the product then ``apply_rope_and_cache`` (within a rounding: the compiled kernels may contract
+    the rotation into FMAs differently), eagerly and replayed in a CUDA graph at a new slot."""
     import labkit.kernels.quantized_matmul as qm
-    from labkit.kernels.quantized_matmul import w4a16_qkv_rope_cache
     from labkit.kernels.rope import apply_rope_and_cache
 
+    monkeypatch.setattr(qm, "XS8_PLAIN", True)  # the separate int8 product on the same kernel: comparable bits
     heads, kv_heads, d, k, dt = 32, 8, 128, 4096, torch.bfloat16
     n = (heads + 2 * kv_heads) * d
-    assert qm._qkv_rope_tile(torch.empty(1, k, dtype=dt, device=DEVICE), torch.empty(n, k // 2, dtype=torch.uint8,
-                             device=DEVICE), 128, d, (torch.empty(4, 16, kv_heads, d, dtype=dt, device=DEVICE),) * 2,
-                             torch.empty(1, d, device=DEVICE), torch.empty(1, d, device=DEVICE),
-                             torch.zeros(1, dtype=torch.long, device=DEVICE)) is not None
-    packed, scales, zeros = _int4(n, k, 128, seed=120)
-    args = (packed, (scales * 0.1).to(dt), zeros.to(dt), 128)
+    fused = _spy(monkeypatch, LAUNCHER[fmt])
+    qkv_rope_cache, matmul, args = _qkv_rope(fmt, n, k, dt, seed=120, group=128, scale=0.1)
     opts = dict(norm_weight=(torch.rand(k, device=DEVICE) + 0.5).to(dt), norm_eps=1e-5)
     ang = torch.rand(1, d // 2, device=DEVICE) * 6
     cos, sin = torch.cat([ang.cos()] * 2, -1).to(dt), torch.cat([ang.sin()] * 2, -1).to(dt)
@@ -586,8 +677,10 @@ def test_qkv_rope_and_cache_inside_the_gemv_on_the_gpu():
 
     def both(slot: torch.Tensor):
         caches = [torch.zeros(64, 16, kv_heads, d, dtype=dt, device=DEVICE) for _ in range(4)]
-        got = w4a16_qkv_rope_cache(x, *args, heads, cos, sin, caches[0], caches[1], slot, **opts)
-        qs, ks, vs = w4a16_matmul(x, *args, **opts).split([heads * d, kv_heads * d, kv_heads * d], -1)
+        fused.clear()
+        got = qkv_rope_cache(x, *args, heads, cos, sin, caches[0], caches[1], slot, **opts)
+        assert [sorted(kw) for kw in fused] == [["norm", "rope"]]  # the fused path, not the fallback
+        qs, ks, vs = matmul(x, *args, **opts).split([heads * d, kv_heads * d, kv_heads * d], -1)
         ref = apply_rope_and_cache(qs.view(1, heads, d), ks.view(1, kv_heads, d), vs.view(1, kv_heads, d), cos, sin,
                                    caches[2], caches[3], slot)
         for a, b in zip((*got, caches[0], caches[1]), (*ref, caches[2], caches[3])):
@@ -600,7 +693,7 @@ def test_qkv_rope_and_cache_inside_the_gemv_on_the_gpu():
     caches = [torch.zeros(64, 16, kv_heads, d, dtype=dt, device=DEVICE) for _ in range(2)]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        replayed = w4a16_qkv_rope_cache(x, *args, heads, cos, sin, *caches, slot, **opts)
+        replayed = qkv_rope_cache(x, *args, heads, cos, sin, *caches, slot, **opts)
     slot.fill_(300)
     x.copy_(_x((1, k), dt, seed=122))
     graph.replay()

@@ -539,6 +539,40 @@ def _rope_cache_rows(total, g0, out_ptr, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_
 
 
 @triton.jit
+def _xs_block_done(part, rows, lrows, ws_ptr, res_ptr, out_ptr, N, SPLIT_P2: tl.constexpr, RESIDUAL: tl.constexpr):
+    """A stationary program's float32 sums for one row block: the output rows ``rows`` where the program owns
+    the whole of K (``SPLIT_P2 == 1``), else its slice's partials at the logical rows ``lrows`` of the workspace."""
+    if SPLIT_P2 == 1:
+        _output_rows(part, rows, res_ptr, out_ptr, RESIDUAL)
+    else:
+        tl.store(ws_ptr + tl.program_id(0) * N + lrows, part)
+
+
+@triton.jit
+def _xs_reduce(ws_ptr, cnt_ptr, res_ptr, out_ptr, N, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, n_rot_rows,
+               n_k_rows, n_slots, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SPLIT_P2: tl.constexpr,
+               RED_ROWS: tl.constexpr, RESIDUAL: tl.constexpr, ROPE_HALF: tl.constexpr):
+    """Count this program's arrival at its row chunk (``program_id(1)``, ``ROWS`` rows); the last slice to arrive
+    sums every slice's partials in slice order, ``RED_ROWS`` rows at a time, stores them (``_output_rows``, or
+    ``_rope_cache_rows`` with ``ROPE_HALF``) and resets the chunk's counter."""
+    pid_n = tl.program_id(1)
+    tl.debug_barrier()  # all of this program's partials are written before its arrival is counted
+    if tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        sl = tl.arange(0, SPLIT_P2)
+        for r0 in range(0, ROWS, RED_ROWS):  # slices summed in a fixed order: the same bits whoever came last
+            rows = pid_n * ROWS + r0 + tl.arange(0, RED_ROWS)
+            parts = tl.load(ws_ptr + sl[:, None] * N + rows[None, :], mask=(sl < tl.num_programs(0))[:, None],
+                            other=0.0, cache_modifier=".cg")
+            if ROPE_HALF > 0:
+                _rope_cache_rows(tl.sum(parts, 0), (pid_n * ROWS + r0) // BLOCK_N, out_ptr, cos_ptr, sin_ptr,
+                                 slot_ptr, kc_ptr, vc_ptr, n_rot_rows, n_k_rows, n_slots, RED_ROWS, BLOCK_N,
+                                 ROPE_HALF)
+            else:
+                _output_rows(tl.sum(parts, 0), rows, res_ptr, out_ptr, RESIDUAL)
+        tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
+
+
+@triton.jit
 def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr, res_ptr, eps, N, K, stride_pk,
                 stride_pn, stride_sk, stride_sn, stride_zk, stride_zn, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr,
                 n_rot_rows, n_k_rows, n_slots, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -616,26 +650,74 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
         z_ptrs += step * stride_zn
         q_x = tl.sum(_word_dot(wd, xa[None], xb[None], xc[None], xd[None], HALF_MATH == 1), 2) * down[None, :]
         part = tl.sum(s.to(tl.float32) * (q_x - z.to(tl.float32) * x_sum[None, :]), 1)
-        if SPLIT_P2 == 1:  # the whole of K in this program: the rows are done
-            _output_rows(part, n64 + i * BLOCK_N, res_ptr, out_ptr, RESIDUAL)
-        else:
-            tl.store(ws_ptr + pid_k * N + lrows + i * BLOCK_N, part)
+        _xs_block_done(part, n64 + i * BLOCK_N, lrows + i * BLOCK_N, ws_ptr, res_ptr, out_ptr, N, SPLIT_P2,
+                       RESIDUAL)
     if SPLIT_P2 == 1 or not REDUCE:  # (not REDUCE: a timing experiment, the partials are left unsummed)
         return
-    tl.debug_barrier()  # all of this program's partials are written before its arrival is counted
-    if tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        sl = tl.arange(0, SPLIT_P2)
-        for r0 in range(0, ROWS, RED_ROWS):  # slices summed in a fixed order: the same bits whoever came last
-            rows = pid_n * ROWS + r0 + tl.arange(0, RED_ROWS)
-            parts = tl.load(ws_ptr + sl[:, None] * N + rows[None, :], mask=(sl < tl.num_programs(0))[:, None],
-                            other=0.0, cache_modifier=".cg")
-            if ROPE_HALF > 0:
-                _rope_cache_rows(tl.sum(parts, 0), (pid_n * ROWS + r0) // BLOCK_N, out_ptr, cos_ptr, sin_ptr,
-                                 slot_ptr, kc_ptr, vc_ptr, n_rot_rows, n_k_rows, n_slots, RED_ROWS, BLOCK_N,
-                                 ROPE_HALF)
-            else:
-                _output_rows(tl.sum(parts, 0), rows, res_ptr, out_ptr, RESIDUAL)
-        tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
+    _xs_reduce(ws_ptr, cnt_ptr, res_ptr, out_ptr, N, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, n_rot_rows,
+               n_k_rows, n_slots, BLOCK_N, ROWS, SPLIT_P2, RED_ROWS, RESIDUAL, ROPE_HALF)
+
+
+@triton.jit
+def _w8_gemv_xs(x_ptr, w_ptr, s_ptr, lo_mask, hi_mask, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr, res_ptr, eps, N, K,
+                stride_wk, stride_wn, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, n_rot_rows, n_k_rows, n_slots,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_STEPS: tl.constexpr, PREFETCH: tl.constexpr,
+                SPLIT_P2: tl.constexpr, RED_ROWS: tl.constexpr, WEIGHTS_FIRST: tl.constexpr = False,
+                PDL: tl.constexpr = False, REDUCE: tl.constexpr = True, SWIGLU: tl.constexpr = False,
+                NORM_CHUNKS: tl.constexpr = 0, RESIDUAL: tl.constexpr = False, ROPE_HALF: tl.constexpr = 0):
+    """``_w4_gemv_xs`` for int8 weights with a per-row scale: the same grid, slices, prefetch, programmatic
+    dependent launch, cross-slice reduction and neighbours (``SWIGLU``, ``NORM_CHUNKS``, ``RESIDUAL``,
+    ``ROPE_HALF``), so an int8 decode step loses the same kernels an int4 one does. ``w_ptr``: the weights as int32
+    words (bytes ``4w .. 4w + 3`` of a row, k = 4w + i at bits 8i), read in place by ``_byte_pair`` (one LOP3, one
+    FADD and one FFMA per weight, float32 activations held by the program); ``s_ptr`` ``[N]``; strides in words,
+    ``stride_wk`` from one slice to the next. Each slice's partial sum is scaled by its row's scale before the
+    slices are summed."""
+    WORDS: tl.constexpr = BLOCK_K // 4
+    ROWS: tl.constexpr = BLOCK_N * ROW_STEPS
+    pid_k, pid_n = tl.program_id(0), tl.program_id(1)
+    wl = tl.arange(0, WORDS)
+    lrows = (pid_n * ROWS + tl.arange(0, BLOCK_N)).to(tl.int64)
+    n64 = _rope_rows(pid_n * ROW_STEPS, BLOCK_N, ROPE_HALF) if ROPE_HALF > 0 else lrows
+    w_ptrs = w_ptr + pid_k.to(tl.int64) * stride_wk + n64[:, None] * stride_wn + wl[None, :]
+    s_ptrs = s_ptr + n64
+    if PDL:  # the next launch may start now: its first weight loads overlap this kernel's tail
+        tl.extra.cuda.gdc_launch_dependents()
+    if PREFETCH and WEIGHTS_FIRST:  # the first block's loads in flight while the slice is prepared
+        nw, ns = tl.load(w_ptrs), tl.load(s_ptrs)
+    if PDL:  # nothing the kernel ahead writes may be read or written before this
+        tl.extra.cuda.gdc_wait()
+    # [words, 2, 2]: k = 4w + 2a + b, so splitting b then a gives bytes 0 and 2, then 1 and 3 of each word
+    k4 = (pid_k * WORDS + wl)[:, None, None] * 4 + (tl.arange(0, 2)[:, None] * 2 + tl.arange(0, 2)[None, :])[None]
+    if NORM_CHUNKS > 0:
+        x4 = _normed_activations(x_ptr, norm_w_ptr, k4, K, eps, BLOCK_K, NORM_CHUNKS)
+    else:
+        x4 = _slice_activations(x_ptr, k4, K, SWIGLU)
+    ev, od = tl.split(x4)
+    x0, x2 = tl.split(ev)
+    x1, x3 = tl.split(od)
+    if PREFETCH and not WEIGHTS_FIRST:
+        nw, ns = tl.load(w_ptrs), tl.load(s_ptrs)
+    for i in range(ROW_STEPS):
+        step = _rope_step(pid_n * ROW_STEPS + i, BLOCK_N, ROPE_HALF) if ROPE_HALF > 0 else BLOCK_N  # rows to next
+        if PREFETCH:  # this block's loads were issued a block ago; issue the next block's now
+            wd, s = nw, ns
+            more = i + 1 < ROW_STEPS
+            nw = tl.load(w_ptrs + step * stride_wn, mask=more)
+            ns = tl.load(s_ptrs + step, mask=more)
+        else:
+            wd, s = tl.load(w_ptrs), tl.load(s_ptrs)
+        w_ptrs += step * stride_wn
+        s_ptrs += step
+        b0, b1 = _byte_pair(wd, lo_mask, hi_mask)
+        b2, b3 = _byte_pair(wd >> 16, lo_mask, hi_mask)
+        qx = b0 * x0[None, :] + b1 * x1[None, :] + b2 * x2[None, :] + b3 * x3[None, :]
+        part = tl.sum(qx, 1) * s.to(tl.float32)
+        _xs_block_done(part, n64 + i * BLOCK_N, lrows + i * BLOCK_N, ws_ptr, res_ptr, out_ptr, N, SPLIT_P2,
+                       RESIDUAL)
+    if SPLIT_P2 == 1 or not REDUCE:  # (not REDUCE: a timing experiment, the partials are left unsummed)
+        return
+    _xs_reduce(ws_ptr, cnt_ptr, res_ptr, out_ptr, N, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, n_rot_rows,
+               n_k_rows, n_slots, BLOCK_N, ROWS, SPLIT_P2, RED_ROWS, RESIDUAL, ROPE_HALF)
 
 
 @triton.jit
@@ -893,6 +975,11 @@ XS_TILE = dict(BLOCK_N=16, BLOCK_K=512, PREFETCH=1, WEIGHTS_FIRST=True, num_warp
 XS_WHOLE_K_TILE = dict(BLOCK_N=4, PREFETCH=1, WEIGHTS_FIRST=True, num_warps=4)  # BLOCK_K = K
 XS_WHOLE_K_MAX = 4096  # K
 XS_WHOLE_K_MAX_N = 8192
+# int8 (_w8_gemv_xs), not timed yet: the int4 tiles' bytes per row block (a weight is twice the bytes, so half
+# the rows); scripts/gemv_study.py --kinds w8xs times them against the split-K _w8_gemv
+XS8_TILE = dict(BLOCK_N=8, BLOCK_K=512, PREFETCH=1, WEIGHTS_FIRST=True, num_warps=2)
+XS8_WHOLE_K_TILE = dict(BLOCK_N=2, PREFETCH=1, WEIGHTS_FIRST=True, num_warps=4)  # BLOCK_K = K
+XS8_PLAIN = False  # whether a bare int8 product (nothing fused, no PDL) takes _w8_gemv_xs too
 CPU_XS_TILE = dict(BLOCK_N=8, BLOCK_K=128, PREFETCH=1, num_warps=1)  # tests set ROW_STEPS and others
 XS_WARPS_PER_SM = 11
 XS_MAX_SLICES = 256
@@ -928,7 +1015,7 @@ def _split_buffers(device: torch.device, n: int, splits: int = MAX_SPLIT_K) -> t
 
 
 def xs_tile(n: int, k: int, group: int, device: torch.device, tile: dict | None = None,
-            norm: bool = False) -> dict | None:
+            norm: bool = False, bits: int = 4) -> dict | None:
     """The stationary-activation int4 GEMV's launch parameters for ``[N, K]`` weights, or None where its whole
     tiles do not fit (the split-K ``_w4_gemv`` takes those). ``tile``: ``BLOCK_N``, ``BLOCK_K`` (raised to the
     group), ``PREFETCH``, ``num_warps`` and optionally ``ROW_STEPS`` (a power of two); without it, the most row
@@ -937,13 +1024,21 @@ def xs_tile(n: int, k: int, group: int, device: torch.device, tile: dict | None 
     and ``N <= XS_WHOLE_K_MAX_N`` whole steps of it, else ``XS_TILE``; also ``XS_TILE`` with ``norm`` (the RMSNorm
     in the prologue), where a whole-K program holds its row's statistic beside the row (96 registers on sm_90,
     against 72, results/cpu/records/sass_xs.json: fewer warps per SM; qkv 10.6 us against 9.5 split,
-    gemv_study_fused_ed2d5a7)."""
+    gemv_study_fused_ed2d5a7). ``bits=8``: the int8 kernel's tiles (``XS8_TILE``, ``XS8_WHOLE_K_TILE``), where
+    ``group`` is ignored and a slice is whole int32 words of weights."""
+    if bits not in (4, 8):
+        raise ValueError(f"bits={bits!r}; allowed: 4, 8")
+    unit = group if bits == 4 else 4  # a slice holds a power-of-two number of these
+    split_tile, whole_tile = (XS_TILE, XS_WHOLE_K_TILE) if bits == 4 else (XS8_TILE, XS8_WHOLE_K_TILE)
     if tile is None and device.type == "cuda":
-        whole = not norm and (k <= XS_WHOLE_K_MAX and k % group == 0 and (k // group) & (k // group - 1) == 0
-                 and n <= XS_WHOLE_K_MAX_N and n % XS_WHOLE_K_TILE["BLOCK_N"] == 0)
-        tile = dict(XS_WHOLE_K_TILE, BLOCK_K=k) if whole else XS_TILE
+        whole = not norm and (k <= XS_WHOLE_K_MAX and k % unit == 0 and (k // unit) & (k // unit - 1) == 0
+                 and n <= XS_WHOLE_K_MAX_N and n % whole_tile["BLOCK_N"] == 0)
+        tile = dict(whole_tile, BLOCK_K=k) if whole else split_tile
     tile = dict(tile or CPU_XS_TILE)
-    bn, bk = tile["BLOCK_N"], max(tile["BLOCK_K"], group)
+    bn, bk = tile["BLOCK_N"], max(tile["BLOCK_K"], unit)
+    if (bk // unit) & (bk // unit - 1) or bk % unit:
+        raise ValueError(f"BLOCK_K={bk} must hold a power-of-two number of {unit}-weight "
+                         f"{'groups' if bits == 4 else 'words'}")
     if n % bn or k % bk or k // bk > XS_MAX_SLICES:
         return None
     slices, target = k // bk, XS_WARPS_PER_SM * num_sms(device)
@@ -980,15 +1075,35 @@ def w4_gemv_xs(x2: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.
     output. ``rope`` (a merged q/k/v projection on a split tile whose row blocks fit its heads: see
     ``w4a16_qkv_rope_cache``): ``cos``, ``sin`` (the token's rows, at least ``head_dim / 2`` values), ``slot``
     (int ``[1]``), ``k_cache``, ``v_cache`` and ``num_heads``. ``pdl``: see ``pdl_meta``. Returns ``[1, N]``."""
-    n, k = words.shape[0], x2.shape[1] // (2 if swiglu else 1)
-    out = torch.empty(1, n, dtype=x2.dtype, device=x2.device)
     bk = tile["BLOCK_K"]
-    slices, rows = k // bk, tile["BLOCK_N"] * tile["ROW_STEPS"]
+    # (slice, row) strides: the kernel also reads weights stored slice after slice (gemv_study_xs_sm_492b4c7)
+    strides = (bk // 8, words.stride(0), bk // group, s.stride(0), bk // group, z.stride(0))
+    return _xs_launch(_w4_gemv_xs, x2, words.shape[0], (words, s, z), strides, tile, swiglu, norm, residual, rope,
+                      pdl, GROUP=group, HALF_MATH=1 if x2.device.type == "cuda" else 2)
+
+
+def w8_gemv_xs(x2: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, tile: dict, swiglu: bool = False,
+               norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
+               rope: dict | None = None, pdl: str = "") -> torch.Tensor:
+    """``w4_gemv_xs`` for int8 weights: launch ``_w8_gemv_xs`` on one row ``x2`` and the weights as int32 words
+    ``[N, K // 4]`` with ``scale`` ``[N]``; ``tile`` from ``xs_tile(..., bits=8)``; the other arguments as
+    ``w4_gemv_xs`` takes them. Returns ``[1, N]``."""
+    strides = (tile["BLOCK_K"] // 4, words.stride(0))
+    return _xs_launch(_w8_gemv_xs, x2, words.shape[0], (words, scale, 0xFF, 0xFF00), strides, tile, swiglu, norm,
+                      residual, rope, pdl)
+
+
+def _xs_launch(kernel, x2: torch.Tensor, n: int, weights: tuple, strides: tuple, tile: dict, swiglu: bool,
+               norm: tuple[torch.Tensor, float] | None, residual: torch.Tensor | None, rope: dict | None, pdl: str,
+               **consts) -> torch.Tensor:
+    """Launch a stationary GEMV (``_w4_gemv_xs``, ``_w8_gemv_xs``: ``weights`` and their ``strides`` are what
+    each reads) with the neighbours it takes in: one program per (slice, row chunk)."""
+    k = x2.shape[1] // (2 if swiglu else 1)
+    out = torch.empty(1, n, dtype=x2.dtype, device=x2.device)
+    slices, rows = k // tile["BLOCK_K"], tile["BLOCK_N"] * tile["ROW_STEPS"]
     ws, cnt = _split_buffers(x2.device, n, slices)
     meta = {key: val for key, val in tile.items() if key != "num_warps"}
     meta.update(pdl_meta(pdl, x2.device, tile))
-    # (slice, row) strides: the kernel also reads weights stored slice after slice (gemv_study_xs_sm_492b4c7)
-    strides = (bk // 8, words.stride(0), bk // group, s.stride(0), bk // group, z.stride(0))
     nw, eps = norm if norm is not None else (x2, 0.0)
     half, rope_args = 0, (x2,) * 5 + (0, 0, 0)
     if rope is not None:
@@ -997,12 +1112,10 @@ def w4_gemv_xs(x2: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.
         half = head_dim // 2
         rope_args = (rope["cos"], rope["sin"], rope["slot"], kc, rope["v_cache"],
                      rope["num_heads"] * head_dim + k_rows, k_rows, kc.shape[0] * kc.shape[1])
-    _w4_gemv_xs[(slices, n // rows)](x2, words, s, z, out, ws, cnt, nw, x2 if residual is None else residual,
-                                      eps, n, k, *strides, *rope_args, GROUP=group, **meta,
-                                      num_warps=tile["num_warps"], num_stages=1,
-                                      HALF_MATH=1 if x2.device.type == "cuda" else 2, SWIGLU=swiglu,
-                                      NORM_CHUNKS=slices if norm is not None else 0,
-                                      RESIDUAL=residual is not None, ROPE_HALF=half)
+    kernel[(slices, n // rows)](x2, *weights, out, ws, cnt, nw, x2 if residual is None else residual, eps, n, k,
+                                *strides, *rope_args, **meta, **consts, num_warps=tile["num_warps"], num_stages=1,
+                                SWIGLU=swiglu, NORM_CHUNKS=slices if norm is not None else 0,
+                                RESIDUAL=residual is not None, ROPE_HALF=half)
     return out
 
 
@@ -1049,22 +1162,44 @@ def _gemm(x2: torch.Tensor, n: int, gemm, gemm_tuned, args: tuple, w_strides: tu
     return out
 
 
-def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, swiglu: bool = False,
+                 norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
+                 residual: torch.Tensor | None = None, pdl: str = "") -> torch.Tensor:
     """``x @ (qweight * scale[:, None]).T`` with the int8 weights dequantised in registers.
 
     ``x`` ``[..., K]`` float16/bfloat16/float32 (bfloat16 with more than one row needs CUDA); ``qweight`` int8
     ``[N, K]``; ``scale`` ``[N]`` (any float dtype). Returns ``[..., N]`` in ``x``'s dtype, accumulated in
-    float32. One row of ``x`` takes the split-K GEMV, more rows the Tensor-Core GEMM.
+    float32. One row of ``x`` takes the split-K GEMV, more rows the Tensor-Core GEMM. ``swiglu``,
+    ``norm_weight``/``norm_eps``, ``residual`` and ``pdl``: a decoder layer's neighbours of the projection, as
+    ``w4a16_matmul`` takes them; one 16-bit row with whole words does them inside the stationary int8 GEMV
+    (``_w8_gemv_xs``), which a bare product takes only with ``XS8_PLAIN`` (until it is timed against the split-K
+    GEMV on a GPU).
     """
+    w, s = _check_int8_weights(qweight, scale)
+    n, k = w.shape
+    check_tensor("x", x, FLOAT_DTYPES, device=qweight.device)
+    fusing = swiglu or norm_weight is not None or residual is not None or bool(pdl)
+    return _with_neighbours(
+        x, n, k, f"qweight {tuple(qweight.shape)}", swiglu, norm_weight, norm_eps, residual, pdl,
+        tile=lambda rows, norm: _stationary_tile8(rows, n, k, w, norm, fusing or XS8_PLAIN),
+        launch=lambda rows, tile, **kw: w8_gemv_xs(rows, w.view(torch.int32), s, tile, **kw),
+        product=lambda x_: _w8a16_matmul(x_, w, s))
+
+
+def _check_int8_weights(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Refuse int8 weights the kernels cannot read; returns them with contiguous rows and scales."""
     check_tensor("qweight", qweight, (torch.int8,), dim=2)
     check_tensor("scale", scale, FLOAT_DTYPES, dim=1, device=qweight.device)
-    n, k = qweight.shape
-    if scale.shape[0] != n:
-        raise ValueError(f"scale {tuple(scale.shape)} must be [N] with N={n} from qweight {tuple(qweight.shape)}")
-    x2 = _check_x(x, k, f"qweight {tuple(qweight.shape)}")
-    check_tensor("x", x2, device=qweight.device)
-    w = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
-    s = scale.contiguous()
+    if scale.shape[0] != qweight.shape[0]:
+        raise ValueError(f"scale {tuple(scale.shape)} must be [N] with N={qweight.shape[0]} from qweight "
+                         f"{tuple(qweight.shape)}")
+    return qweight if qweight.stride(-1) == 1 else qweight.contiguous(), scale.contiguous()
+
+
+def _w8a16_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The product alone (checked arguments): the split-K GEMV for one row, the GEMM for more."""
+    n, k = w.shape
+    x2 = _check_x(x, k, f"qweight {tuple(w.shape)}")
     m = x2.shape[0]
     if m == 0 or n == 0:
         out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
@@ -1075,6 +1210,46 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) ->
     else:
         out = _gemm(x2, n, _w8_gemm, _w8_gemm_tuned, (w, s), (w.stride(0),), {})
     return out.view(*x.shape[:-1], n)
+
+
+def _stationary_tile8(x2: torch.Tensor, n: int, k: int, w: torch.Tensor, norm: bool, wanted: bool) -> dict | None:
+    """The stationary int8 GEMV's tile for activation rows ``x2`` and int8 weights ``w``, or None where another
+    kernel takes them: not ``wanted``, more than one row, float32 activations, or rows not whole 4-byte words."""
+    if not wanted or x2.shape[0] != 1 or x2.dtype == torch.float32 or k % 4 or w.stride(0) % 4 or \
+            w.data_ptr() % 4:
+        return None
+    return xs_tile(n, k, 4, x2.device, norm=norm, bits=8)
+
+
+def _with_neighbours(x: torch.Tensor, n: int, k: int, what: str, swiglu: bool, norm_weight: torch.Tensor | None,
+                     norm_eps: float, residual: torch.Tensor | None, pdl: str, tile, launch, product) -> torch.Tensor:
+    """``[residual +] product(act(x))`` for a quantised projection of ``[N, K]`` weights (``what`` names them),
+    ``act`` SwiGLU or an RMSNorm (``w4a16_matmul``'s arguments): inside the stationary GEMV where ``tile(rows,
+    normed)`` gives one (``launch(rows, tile, **neighbours)``), else the separate kernels around ``product``."""
+    width = 2 * k if swiglu else k
+    if x.dim() == 0 or x.shape[-1] != width:
+        shape = "[..., 2K] = [gate | up] with swiglu=True" if swiglu else "[..., K]"
+        raise ValueError(f"x {tuple(x.shape)} must be {shape}, K={k} from {what}")
+    norm = _check_norm(norm_weight, norm_eps, k, x, swiglu)
+    res = _check_residual(residual, x, n)
+    check_pdl(pdl)
+    rows = x.reshape(-1, width)
+    picked = tile(rows, norm is not None) if n else None
+    if picked is not None:
+        fused = dict(swiglu=swiglu or None, norm=norm, residual=None if res is None else res.reshape(1, n).contiguous(),
+                     pdl=pdl or None)
+        out = launch(rows.contiguous(), picked, **{key: val for key, val in fused.items() if val is not None})
+        return out.view(*x.shape[:-1], n)
+    if swiglu:
+        from labkit.kernels.silu_and_mul import silu_and_mul
+
+        x = silu_and_mul(x)
+    if norm is not None:
+        from labkit.kernels.rms_norm import rms_norm
+
+        x = rms_norm(x, *norm)
+    out = product(x)
+    return out if res is None else out + res
 
 
 def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -1105,32 +1280,11 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
     p, s, z = _check_int4_weights(packed, scales, zeros, group_size)
     n, k = p.shape[0], 2 * p.shape[1]
     check_tensor("x", x, FLOAT_DTYPES, device=packed.device)
-    width = 2 * k if swiglu else k
-    if x.dim() == 0 or x.shape[-1] != width:
-        what = "[..., 2K] = [gate | up] with swiglu=True" if swiglu else "[..., K]"
-        raise ValueError(f"x {tuple(x.shape)} must be {what}, K={k} from packed {tuple(packed.shape)} "
-                         "(K = 2 * packed.shape[1])")
-    norm = _check_norm(norm_weight, norm_eps, k, x, swiglu)
-    res = _check_residual(residual, x, n)
-    rows = x.reshape(-1, width)
-    tile = _stationary_tile(rows, n, k, group_size, p, norm is not None) if n else None
-    check_pdl(pdl)
-    if tile is not None:
-        fused = dict(swiglu=swiglu or None, norm=norm, residual=None if res is None else res.reshape(1, n).contiguous(),
-                     pdl=pdl or None)
-        out = w4_gemv_xs(rows.contiguous(), p.view(torch.int32), s, z, group_size, tile,
-                         **{key: val for key, val in fused.items() if val is not None})
-        return out.view(*x.shape[:-1], n)
-    if swiglu:
-        from labkit.kernels.silu_and_mul import silu_and_mul
-
-        x = silu_and_mul(x)
-    if norm is not None:
-        from labkit.kernels.rms_norm import rms_norm
-
-        x = rms_norm(x, *norm)
-    out = _w4a16_matmul(x, p, s, z, group_size)
-    return out if res is None else out + res
+    return _with_neighbours(
+        x, n, k, f"packed {tuple(packed.shape)} (K = 2 * packed.shape[1])", swiglu, norm_weight, norm_eps,
+        residual, pdl, tile=lambda rows, norm: _stationary_tile(rows, n, k, group_size, p, norm),
+        launch=lambda rows, tile, **kw: w4_gemv_xs(rows, p.view(torch.int32), s, z, group_size, tile, **kw),
+        product=lambda x_: _w4a16_matmul(x_, p, s, z, group_size))
 
 
 def _check_int4_weights(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -1167,37 +1321,71 @@ def w4a16_qkv_rope_cache(x: torch.Tensor, packed: torch.Tensor, scales: torch.Te
     """
     p, s, z = _check_int4_weights(packed, scales, zeros, group_size)
     check_tensor("x", x, FLOAT_DTYPES, device=packed.device)
+    n, k = p.shape[0], 2 * p.shape[1]
+    return _qkv_rope_cache(
+        x, n, k, f"packed {tuple(packed.shape)}", num_heads, cos, sin, k_cache, v_cache, slot_mapping, norm_weight,
+        norm_eps, pdl, tile=lambda rows: _stationary_tile(rows, n, k, group_size, p, norm=True),
+        launch=lambda rows, tile, **kw: w4_gemv_xs(rows, p.view(torch.int32), s, z, group_size, tile, **kw),
+        matmul=lambda **kw: w4a16_matmul(x, p, s, z, group_size, **kw))
+
+
+def w8a16_qkv_rope_cache(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, num_heads: int,
+                         cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor, norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
+                         pdl: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """``w4a16_qkv_rope_cache`` for a merged int8 q/k/v projection (``qweight`` int8 ``[(num_heads + 2 *
+    num_kv_heads) * head_dim, K]``, ``scale`` ``[N]``): on one 16-bit row the stationary int8 GEMV rotates and
+    caches in its store, else ``w8a16_matmul`` then ``apply_rope_and_cache``."""
+    w, s = _check_int8_weights(qweight, scale)
+    check_tensor("x", x, FLOAT_DTYPES, device=qweight.device)
+    n, k = w.shape
+    return _qkv_rope_cache(
+        x, n, k, f"qweight {tuple(qweight.shape)}", num_heads, cos, sin, k_cache, v_cache, slot_mapping,
+        norm_weight, norm_eps, pdl, tile=lambda rows: _stationary_tile8(rows, n, k, w, True, True),
+        launch=lambda rows, tile, **kw: w8_gemv_xs(rows, w.view(torch.int32), s, tile, **kw),
+        matmul=lambda **kw: w8a16_matmul(x, w, s, **kw))
+
+
+def _qkv_rope_cache(x: torch.Tensor, n: int, k: int, what: str, num_heads: int, cos: torch.Tensor,
+                    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    norm_weight: torch.Tensor | None, norm_eps: float, pdl: str, tile, launch,
+                    matmul) -> tuple[torch.Tensor, torch.Tensor]:
+    """The q/k/v projection, RoPE and the cache write of ``w4a16_qkv_rope_cache`` for weights of ``n`` rows
+    (``what`` names them): in the stationary GEMV's store where ``tile(rows)`` gives a split tile that fits the
+    heads (``launch(rows, tile, **neighbours)``), else ``matmul(norm_weight=, norm_eps=, pdl=)`` then
+    ``apply_rope_and_cache``."""
+    check_tensor("x", x, FLOAT_DTYPES, device=k_cache.device)
     check_tensor("k_cache", k_cache, FLOAT_DTYPES, dim=4)
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    n, k = p.shape[0], 2 * p.shape[1]
     if not isinstance(num_heads, int) or num_heads < 1 or n != (num_heads + 2 * kv_heads) * head_dim:
-        raise ValueError(f"packed {tuple(packed.shape)} must hold (num_heads={num_heads!r} + 2 * {kv_heads}) * "
-                         f"{head_dim} rows: q, k and v of k_cache {tuple(k_cache.shape)}'s heads")
+        raise ValueError(f"{what} must hold (num_heads={num_heads!r} + 2 * {kv_heads}) * {head_dim} rows: q, k "
+                         f"and v of k_cache {tuple(k_cache.shape)}'s heads")
     rows = x.reshape(-1, k) if x.dim() and x.shape[-1] == k else None
-    fused = _qkv_rope_tile(rows, p, group_size, head_dim, (k_cache, v_cache), cos, sin, slot_mapping)
+    fused = _qkv_rope_tile(rows, tile, head_dim, (k_cache, v_cache), cos, sin, slot_mapping)
     if fused is None:
         from labkit.kernels.rope import apply_rope_and_cache
 
-        qkv = w4a16_matmul(x, p, s, z, group_size, norm_weight=norm_weight, norm_eps=norm_eps, pdl=pdl)
+        qkv = matmul(norm_weight=norm_weight, norm_eps=norm_eps, pdl=pdl)
         q, kk, v = qkv.reshape(-1, n).split([num_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
         t = q.shape[0]
         return apply_rope_and_cache(q.view(t, num_heads, head_dim), kk.view(t, kv_heads, head_dim),
                                     v.view(t, kv_heads, head_dim), cos, sin, k_cache, v_cache, slot_mapping)
     norm = _check_norm(norm_weight, norm_eps, k, x, False)
+    check_pdl(pdl)
     rope = dict(cos=cos.reshape(-1), sin=sin.reshape(-1), slot=slot_mapping.reshape(1), k_cache=k_cache,
                 v_cache=v_cache, num_heads=num_heads)  # the kernel reads the tables' first head_dim / 2 values
-    out = w4_gemv_xs(rows.contiguous(), p.view(torch.int32), s, z, group_size, fused, rope=rope,
-                     **({"norm": norm} if norm is not None else {}), **({"pdl": pdl} if pdl else {}))
+    out = launch(rows.contiguous(), fused, rope=rope, **({"norm": norm} if norm is not None else {}),
+                 **({"pdl": pdl} if pdl else {}))
     q_rows = num_heads * head_dim
     return (out[:, :q_rows].view(1, num_heads, head_dim),
             out[:, q_rows:q_rows + kv_heads * head_dim].view(1, kv_heads, head_dim))
 
 
-def _qkv_rope_tile(rows: torch.Tensor | None, packed: torch.Tensor, group_size: int, head_dim: int, caches: tuple,
-                   cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor) -> dict | None:
-    """The split stationary tile for ``w4a16_qkv_rope_cache``'s fused path, or None where it does not apply (more
-    than one row, float32, row blocks that do not fit the heads, caches not of ``rows``' dtype and layout, tables
-    or slots not of one token)."""
+def _qkv_rope_tile(rows: torch.Tensor | None, tile, head_dim: int, caches: tuple, cos: torch.Tensor,
+                   sin: torch.Tensor, slot_mapping: torch.Tensor) -> dict | None:
+    """The split stationary tile (``tile(rows)``, as a normed GEMV takes it) for ``_qkv_rope_cache``'s fused path,
+    or None where it does not apply (more than one row, float32, row blocks that do not fit the heads, caches not
+    of ``rows``' dtype and layout, tables or slots not of one token)."""
     if rows is None or rows.shape[0] != 1 or head_dim % 2:
         return None
     if any(c.dtype != rows.dtype or not c.is_contiguous() or c.device != rows.device or c.shape != caches[0].shape
@@ -1206,12 +1394,11 @@ def _qkv_rope_tile(rows: torch.Tensor | None, packed: torch.Tensor, group_size: 
     if any(t.numel() not in (head_dim // 2, head_dim) or t.device != rows.device for t in (cos, sin)) or \
             slot_mapping.numel() != 1 or slot_mapping.dtype.is_floating_point:
         return None
-    n, k = packed.shape[0], 2 * packed.shape[1]
-    tile = _stationary_tile(rows, n, k, group_size, packed, norm=True)  # the split tile, as a normed GEMV takes
-    if tile is None or tile["SPLIT_P2"] == 1 or tile["BLOCK_N"] % 2 or head_dim % tile["BLOCK_N"] or \
-            tile["RED_ROWS"] % tile["BLOCK_N"]:
+    picked = tile(rows)
+    if picked is None or picked["SPLIT_P2"] == 1 or picked["BLOCK_N"] % 2 or head_dim % picked["BLOCK_N"] or \
+            picked["RED_ROWS"] % picked["BLOCK_N"]:
         return None
-    return tile
+    return picked
 
 
 def _check_norm(weight: torch.Tensor | None, eps: float, k: int, x: torch.Tensor,
