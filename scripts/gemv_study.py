@@ -8,6 +8,7 @@ same rotation, and an empty Triton kernel (what one graph node costs before any 
 
     python scripts/gemv_study.py --out /tmp/h200            # sweep: records/gemv_study.json
     python scripts/gemv_study.py --best /tmp/h200/records/gemv_study.json   # each shape's best, once (for ncu)
+    python scripts/gemv_study.py --kinds w8 w8xs --experiments step --out /tmp/h200   # int8: split-K vs stationary
 
 Prints, per shape and kernel, the best candidate and the autotuner's pick, in us and as a fraction of the copy
 bandwidth measured in the same run.
@@ -80,6 +81,34 @@ def launch_w4_xs(x, w: tuple, n: int, k: int, cfg: dict):
     elif fuse == "residual":
         extra["residual"] = _fused_input(("res", n), lambda: torch.randn(1, n, device=x.device, dtype=x.dtype))
     return qm.w4_gemv_xs(x, w[0].view(torch.int32), w[1], w[2], GROUP, tile, **extra)
+
+
+def launch_w8_xs(x, w: tuple, n: int, k: int, cfg: dict):
+    """``qm.w8_gemv_xs`` (the stationary int8 GEMV) on one row ``x`` and weights ``w = (qweight, scale)`` with the
+    tile ``cfg`` (whole tiles only)."""
+    tile = qm.xs_tile(n, k, 4, x.device, cfg, bits=8)
+    if tile is None:
+        raise ValueError(f"no whole x-stationary tiles of {cfg} in N={n}, K={k}")
+    return qm.w8_gemv_xs(x, w[0].view(torch.int32), w[1], tile)
+
+
+def _xs8_candidates(n: int, k: int) -> list[dict]:
+    """The stationary int8 GEMV (``w8xs``, untimed before this): labkit's tiles (``XS8_TILE``, and
+    ``XS8_WHOLE_K_TILE`` where K <= 4096) and neighbours of them -- the int4 tiles' bytes per row block or twice
+    them, 2-4 warps -- each at the row steps labkit's rule picks and one either side."""
+    tiles = [dict(qm.XS8_TILE), dict(qm.XS8_TILE, BLOCK_N=4, BLOCK_K=1024), dict(qm.XS8_TILE, BLOCK_N=16),
+             dict(qm.XS8_TILE, BLOCK_N=16, num_warps=4)]
+    if k <= 4096:
+        tiles += [dict(qm.XS8_WHOLE_K_TILE, BLOCK_K=k), dict(qm.XS8_WHOLE_K_TILE, BLOCK_N=4, BLOCK_K=k)]
+    out = []
+    for t in tiles:
+        base = qm.xs_tile(n, k, 4, torch.device("cuda"), t, bits=8)
+        if base is None:
+            continue
+        for steps in (base["ROW_STEPS"] // 2, base["ROW_STEPS"], base["ROW_STEPS"] * 2):
+            if steps >= 1 and n % (base["BLOCK_N"] * steps) == 0:
+                out.append(dict(_launch_config(base), ROW_STEPS=steps))
+    return out
 
 
 def _xs_candidates(n: int, k: int, narrow: bool = False) -> list[dict]:
@@ -181,7 +210,7 @@ def _weights(kind: str, n: int, k: int, copies: int, dev) -> list[tuple]:
     """Random quantised weights (every bit pattern of the codes is valid), ``copies`` independent sets."""
     out = []
     for _ in range(copies):
-        if kind == "w8":
+        if kind in ("w8", "w8xs"):
             q = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=dev)
             out.append((q, torch.rand(n, device=dev, dtype=torch.bfloat16) * 0.01 + 1e-3))
         elif kind in ("w4", "w4xs"):
@@ -195,7 +224,7 @@ def _weights(kind: str, n: int, k: int, copies: int, dev) -> list[tuple]:
 
 def _nbytes(kind: str, n: int, k: int) -> int:
     w4 = n * k // 2 + 4 * n * k // GROUP
-    return {"w8": n * k + 2 * n, "w4": w4, "w4xs": w4, "bf16": 2 * n * k}[kind]
+    return {"w8": n * k + 2 * n, "w8xs": n * k + 2 * n, "w4": w4, "w4xs": w4, "bf16": 2 * n * k}[kind]
 
 
 def _launcher(kind: str, x, ws, n: int, k: int, cfg: dict | None):
@@ -207,6 +236,8 @@ def _launcher(kind: str, x, ws, n: int, k: int, cfg: dict | None):
         return lambda w: F.linear(x, w[0])
     if kind == "w4xs":
         return lambda w: launch_w4_xs(x, w, n, k, cfg)
+    if kind == "w8xs":
+        return lambda w: launch_w8_xs(x, w, n, k, cfg)
     if cfg is None:
         if kind == "w8":
             return lambda w: qm.w8a16_matmul(x, *w)
@@ -290,6 +321,8 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"),
                          "num_warps": 2} for sp in (1, 4)] + [
                         {"BLOCK_N": 8, "BLOCK_K": 2048, "SPLIT_K": 1, "LOAD_STAGES": 1, "PREFETCH": False,
                          "num_warps": 4}]
+            elif kind == "w8xs":
+                todo = _xs8_candidates(n, k)
             elif kind == "w4xs" and experiments == "step":
                 todo = _step_candidates(n, k)
             elif kind == "w4xs" and experiments == "fused":
@@ -334,7 +367,7 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"),
 def _dequant(kind: str, w: tuple, n: int, k: int) -> torch.Tensor:
     from labkit.quant.packing import dequantize_int4, dequantize_int8
 
-    if kind == "w8":
+    if kind in ("w8", "w8xs"):
         return dequantize_int8(w[0], w[1], torch.float32)
     if kind in ("w4", "w4xs"):
         return dequantize_int4(w[0], w[1].float(), w[2].float(), GROUP)
@@ -391,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="folder for records/gemv_study.json")
     ap.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), default=tuple(SHAPES)[:5])
-    ap.add_argument("--kinds", nargs="+", choices=("bf16", "w8", "w4", "w4xs"),
+    ap.add_argument("--kinds", nargs="+", choices=("bf16", "w8", "w4", "w4xs", "w8xs"),
                     default=("bf16", "w8", "w4"))
     ap.add_argument("--baseline-only", action="store_true",
                     help="int4: time only the split-K kernel's best configs and, for w4xs, labkit's tile around "

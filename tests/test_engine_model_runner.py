@@ -113,7 +113,7 @@ def test_quantised_projections_merge(tiny_model, prompts, method):
     cache = nan_cache(qmodel, num_blocks=24, block_size=4)
     runner = ModelRunner(qmodel, cache, kernels="triton")
     assert runner.merged and type(runner.w_qkv[0]) is {"int8": Int8Linear, "int4": Int4Linear}[method]
-    assert runner.fused_layer_ops == (method == "int4")  # float32: the separate kernels, inside fused_forward
+    assert runner.fused_layer_ops  # float32: the separate kernels, inside fused_forward
     for (a, _), (b, _) in zip(run_steps(runner, cache, short), ref):
         assert relative_error(a, b) <= 1e-5
 
@@ -184,6 +184,32 @@ def test_int4_layers_take_in_their_norms_and_residual_adds(tiny_model, prompts, 
     assert all(torch.equal(a, b) for a, b in zip(merged_in_place, split))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the fused GEMVs")
+def test_int8_layers_take_in_their_neighbours(tiny_model, prompts, monkeypatch):
+    """float16 int8 layers at decode batch 1 take the stationary int8 GEMV with what the int4 ones take in: the
+    RMSNorms, residual adds, SwiGLU, and RoPE with the cache write in the q/k/v GEMV. The greedy tokens of the
+    separate kernels, logits within float16 rounding."""
+    import labkit.kernels.quantized_matmul as qm
+    from labkit.quant import quantize
+
+    inside = []
+
+    def record(*a, f=qm.w8_gemv_xs, **kw):
+        inside.append(sorted(key for key in kw if key != "pdl"))
+        return f(*a, **kw)
+
+    monkeypatch.setattr(qm, "w8_gemv_xs", record)
+    monkeypatch.setattr(qm, "CPU_XS_TILE", dict(BLOCK_N=64, BLOCK_K=128, PREFETCH=1, num_warps=1, ROW_STEPS=1))
+    qmodel = quantize(tiny_model[0], "int8", backend="triton").half()
+    qmodel.model.layers = qmodel.model.layers[:2]
+    qmodel.config.num_hidden_layers = 2
+    fused, separate = (decode_logits(qmodel, prompts[1][:4], 3, fuse) for fuse in (True, False))
+    assert inside.count(["norm", "rope"]) == 3 * 2 and inside.count(["norm"]) == 3 * 2
+    assert inside.count(["residual"]) == 3 * 2 and inside.count(["residual", "swiglu"]) == 3 * 2
+    for a, b in zip(fused, separate):
+        assert a.argmax() == b.argmax() and relative_error(a, b) < 2e-2
+
+
 def decode_logits(model, prompt, steps: int, fuse: bool, feed: list[int] | None = None,
                   **kw) -> list[torch.Tensor]:
     """Logits of a prompt's step and of ``steps`` single-sequence decode steps, ``fuse_layer_ops`` as given, each
@@ -200,13 +226,14 @@ def decode_logits(model, prompt, steps: int, fuse: bool, feed: list[int] | None 
 
 
 @pytest.mark.gpu
-def test_int4_layer_ops_fused_on_the_gpu(tiny_model, prompts):
-    """The embedded model in bfloat16 with int4 layers, decode steps replayed from CUDA graphs: the GEMVs that take
-    in the norms, residual adds and SwiGLU (and RoPE with the cache write) give the separate kernels' greedy tokens,
-    logits within bf16 rounding."""
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantised_layer_ops_fused_on_the_gpu(tiny_model, prompts, method):
+    """The embedded model in bfloat16 with int8 or int4 layers, decode steps replayed from CUDA graphs: the GEMVs
+    that take in the norms, residual adds and SwiGLU (and RoPE with the cache write) give the separate kernels'
+    greedy tokens, logits within bf16 rounding."""
     from labkit.quant import quantize
 
-    qmodel = quantize(tiny_model[0], "int4").to("cuda", torch.bfloat16)
+    qmodel = quantize(tiny_model[0], method).to("cuda", torch.bfloat16)
     fused, separate = (decode_logits(qmodel, prompts[0], 12, fuse, max_num_seqs=1) for fuse in (True, False))
     assert [int(a.argmax()) for a in fused] == [int(b.argmax()) for b in separate]
     assert max(relative_error(a, b) for a, b in zip(fused, separate)) < 2e-2
@@ -216,11 +243,11 @@ def test_int4_layer_ops_fused_on_the_gpu(tiny_model, prompts):
     assert max(relative_error(a, b) for a, b in zip(without_rope, fused)) < 1e-2
 
 
-def _int4_8b_layers():
+def _8b_layers(method: str = "int4"):
     from labkit.models import random_model
     from labkit.quant import quantize
 
-    return quantize(random_model("llama-3-8b", device="cuda", num_layers=2, seed=3), "int4")
+    return quantize(random_model("llama-3-8b", device="cuda", num_layers=2, seed=3), method)
 
 
 # Random weights give near-flat logits whose argmax a rounding can flip, and greedy engines that flip once decode
@@ -241,7 +268,7 @@ def test_gemv_pdl_gives_the_bits_of_plain_launches_on_the_gpu(prompts):
     import labkit.kernels.quantized_matmul as qm
     from labkit.kernels.common import arrival_counters
 
-    qmodel = _int4_8b_layers()
+    qmodel = _8b_layers()
     for max_len in (64, 1024):
         with_pdl, early, fused_merge, plain, separate = (
             decode_logits(qmodel, prompts[0], 16, fuse, FEED_8B, max_num_seqs=1, max_model_len=max_len, gemv_pdl=pdl,
@@ -260,11 +287,12 @@ def test_gemv_pdl_gives_the_bits_of_plain_launches_on_the_gpu(prompts):
 
 
 @pytest.mark.gpu
-def test_int4_layers_at_the_8b_shape_on_the_gpu(prompts):
-    """Two layers of llama-3-8b in int4, decode steps replayed from CUDA graphs, where every GEMV takes the
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantised_layers_at_the_8b_shape_on_the_gpu(prompts, method):
+    """Two layers of llama-3-8b in int8 or int4, decode steps replayed from CUDA graphs, where every GEMV takes the
     stationary kernel with its neighbours inside (RoPE and the cache write in the q/k/v GEMV): the logits of the
     separate kernels within bf16 rounding, decode attention in one pass and split."""
-    qmodel = _int4_8b_layers()
+    qmodel = _8b_layers(method)
     for max_len in (64, 1024):
         fused, separate = (decode_logits(qmodel, prompts[0], 16, fuse, FEED_8B, max_num_seqs=1, max_model_len=max_len)
                            for fuse in (True, False))

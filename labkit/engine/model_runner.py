@@ -8,8 +8,8 @@ RoPE -> write k, v at ``slot_mapping`` (one kernel for both on the Triton path w
 attention (an all-decode step: ``paged_attention`` over the block tables, flash-decoding for long contexts; a step
 with prefill chunks: ``paged_prefill_attention``, every row causally over its sequence's cached tokens, decode rows
 included, in one launch) -> o projection -> add residual + RMSNorm -> SwiGLU MLP (gate and up merged,
-``silu_and_mul``). With int4 weights each RMSNorm, residual add and SwiGLU runs inside the projection next to it
-(``Int4Linear.fused_forward``: at decode batch 1 inside the GEMVs).
+``silu_and_mul``). With int8 or int4 weights each RMSNorm, residual add and SwiGLU runs inside the projection next
+to it (``Int8Linear`` / ``Int4Linear.fused_forward``: at decode batch 1 inside the GEMVs).
 Logits are computed for each sequence's last token only (``logits_indices``).
 
 ``kernels='torch'`` (the CPU default) calls the model's own modules and the torch references of
@@ -90,13 +90,13 @@ class ModelRunner:
       layer (the same values, no extra memory; the HF model still works), so each is one matmul; plain, int8 and
       int4 linears (``labkit.quant``) merge
     * ``max_model_len``: longest sequence (sets the graphs' block-table width); default the model's maximum
-    * ``fuse_layer_ops``: where every merged projection is labkit's int4 layer, fold each RMSNorm into the
-      projection after it and each residual add into the one before it (``Int4Linear.fused_forward``): at decode
-      batch 1 the GEMVs do them, two kernels fewer per layer
-    * ``fuse_qkv_rope`` (with ``fuse_layer_ops``): RoPE and the k/v cache write in the int4 q/k/v GEMV's store too
-      (``w4a16_qkv_rope_cache``): one kernel fewer per layer (the H200's 8B int4 step 2.374 -> 2.313 ms,
-      results/h200/records/04_quantization_1c63a29.json)
-    * ``gemv_pdl`` (with ``fuse_layer_ops``, sm_90): the int4 GEMVs after the first are programmatic dependent
+    * ``fuse_layer_ops``: where every merged projection is labkit's int8 or int4 layer, fold each RMSNorm into
+      the projection after it and each residual add into the one before it (``fused_forward``): at decode batch 1
+      the GEMVs do them, two kernels fewer per layer (int8: not timed on the H200 yet)
+    * ``fuse_qkv_rope`` (with ``fuse_layer_ops``): RoPE and the k/v cache write in the q/k/v GEMV's store too
+      (``w4a16_qkv_rope_cache`` / ``w8a16_qkv_rope_cache``): one kernel fewer per layer (the H200's 8B int4
+      step 2.374 -> 2.313 ms, results/h200/records/04_quantization_1c63a29.json)
+    * ``gemv_pdl`` (with ``fuse_layer_ops``, sm_90): the quantised GEMVs after the first are programmatic dependent
       launches (the next layer's q/k/v after down, gate/up after o, down after gate/up, and o after attention,
       which releases it as it starts), so each GEMV's first weight loads overlap the kernels ahead of it: the
       H200's 8B int4 step 2.325 -> 2.225 ms (results/h200/records/04_quantization.json), with the plain
@@ -185,7 +185,7 @@ class ModelRunner:
         return all(w is not None for w in self.w_qkv + self.w_gate_up)
 
     def _fusable(self) -> bool:
-        """Whether every projection can take in its neighbours (``fused_forward``: labkit's int4 layers) and every
+        """Whether every projection can take in its neighbours (``fused_forward``: labkit's int8/int4 layers) and every
         norm is an RMSNorm with ``weight`` and ``variance_epsilon``."""
         projections = [p for i, ly in enumerate(self.layers)
                        for p in (self.w_qkv[i], ly.self_attn.o_proj, self.w_gate_up[i], ly.mlp.down_proj)]
@@ -328,7 +328,7 @@ class ModelRunner:
 
     def _forward_fused(self, stream: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        inp: ModelInput) -> torch.Tensor:
-        """``forward`` with int4 layers that take in their neighbours (``Int4Linear.fused_forward``): each RMSNorm
+        """``forward`` with quantised layers that take in their neighbours (``fused_forward``): each RMSNorm
         inside the projection after it (q/k/v, gate/up), each residual add inside the one before it (o, down),
         SwiGLU inside the down projection. Only the residual stream passes from layer to layer; at decode batch
         1 a layer is four GEMVs (RoPE and the cache write in the first) and attention. With ``gemv_pdl`` every
@@ -343,19 +343,15 @@ class ModelRunner:
 
     def _fused_attention_input(self, i: int, layer, stream: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                                inp: ModelInput, pdl: str = "") -> torch.Tensor:
-        """RMSNorm, the q/k/v GEMV, RoPE, the cache write and attention of an int4 layer: ``[T, heads * head_dim]``.
+        """RMSNorm, the q/k/v GEMV, RoPE, the cache write and attention of a quantised layer: ``[T, heads * D]``.
         With ``fuse_qkv_rope`` (and an unquantised cache) RoPE and the cache write run in the GEMV's store
-        (``w4a16_qkv_rope_cache``) at batch 1. ``pdl``: the GEMV's launch mode; decode attention then releases
+        (``qkv_rope_cache``) at batch 1. ``pdl``: the GEMV's launch mode; decode attention then releases
         the launch after it as it starts (``early_attention``: and is a dependent launch itself)."""
         qkv_layer, norm = self.w_qkv[i], layer.input_layernorm
         attn_pdl = ("overlap" if self.early_attention else "release") if pdl else ""
         if self.fuse_qkv_rope and not self._dequantise and qkv_layer.uses_kernels(stream):  # merged: no bias
-            from labkit.kernels.quantized_matmul import w4a16_qkv_rope_cache
-
-            q, k = w4a16_qkv_rope_cache(stream, qkv_layer.packed, qkv_layer.scales, qkv_layer.zeros,
-                                        qkv_layer.group_size, self.num_heads, cos, sin, self.cache.k_caches[i],
-                                        self.cache.v_caches[i], inp.slot_mapping, norm_weight=norm.weight,
-                                        norm_eps=norm.variance_epsilon, pdl=pdl)
+            q, k = qkv_layer.qkv_rope_cache(stream, self.num_heads, cos, sin, self.cache.k_caches[i],
+                                            self.cache.v_caches[i], inp.slot_mapping, norm=norm, pdl=pdl)
             return self._attend(i, q, k, None, inp, attn_pdl).reshape(q.shape[0], -1)
         qkv = qkv_layer.fused_forward(stream, norm=norm, pdl=pdl)
         return self._attend_qkv(i, *self._split_qkv(qkv), cos, sin, inp, attn_pdl)

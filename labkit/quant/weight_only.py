@@ -136,7 +136,82 @@ def _check_backend(backend: str) -> str:
 
 
 # --- modules -------------------------------------------------------------------------------------------------
-class Int8Linear(nn.Module):
+class _QuantizedLinear(nn.Module):
+    """What labkit's quantised linears share: the fused kernel ``_KERNEL`` of ``labkit.kernels.quantized_matmul``
+    called on ``(x, *self._weights())``, and ``fused_forward`` (the projection with a decoder layer's neighbours).
+    Subclasses set ``in_features``, ``out_features``, ``bias`` and ``backend``."""
+
+    _KERNEL = ""
+
+    def _weights(self) -> tuple:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fn = _use_fused(self.backend, x, self._KERNEL)
+        if fn is None:
+            return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return self._out(fn(x.reshape(-1, self.in_features), *self._weights()), x.shape[:-1])
+
+    def _out(self, y: torch.Tensor, lead: torch.Size) -> torch.Tensor:
+        """The fused kernel's rows ``y`` ``[M, N]`` as ``[*lead, N]``, plus the bias."""
+        y = y.view(*lead, self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def uses_kernels(self, x: torch.Tensor) -> bool:
+        """Whether this layer runs labkit's fused kernels on ``x`` (its backend and ``x``'s device)."""
+        return _use_fused(self.backend, x, self._KERNEL) is not None
+
+    def fused_forward(self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None,
+                      swiglu: bool = False, pdl: str = "") -> torch.Tensor:
+        """``residual + self(act(x))``, the projection with what a decoder layer does around it, where ``act`` is
+        ``norm`` (an RMSNorm module: ``weight``, ``variance_epsilon``; the q/k/v and gate/up projections) or, with
+        ``swiglu``, ``silu(gate) * up`` of ``x`` ``[..., 2 * in_features]`` = ``[gate | up]`` (the down
+        projection); ``residual`` ``[..., out_features]`` (the o and down projections end in the residual add).
+        On the fused path one 16-bit row does them inside the stationary GEMV (the kernel's ``norm_weight``,
+        ``residual`` and ``swiglu``), so a decode step loses their kernels; on the torch path they run as HF's
+        modules round them. ``pdl``: the kernel's programmatic dependent launch (``"release"``, ``"overlap"``),
+        for a chain of GEMVs on sm_90."""
+        width = 2 * self.in_features if swiglu else self.in_features
+        if x.dim() == 0 or x.shape[-1] != width:
+            raise ValueError(f"x {tuple(x.shape)} must be [..., {'2 * ' if swiglu else ''}in_features] = "
+                             f"[..., {width}]{' ([gate | up] with swiglu=True)' if swiglu else ''}")
+        if norm is not None and swiglu:
+            raise ValueError("norm and swiglu=True cannot be combined (an RMSNorm precedes q/k/v and gate/up, "
+                             "SwiGLU the down projection)")
+        fn = _use_fused(self.backend, x, self._KERNEL)
+        if fn is None:
+            from labkit.kernels.common import check_pdl
+
+            check_pdl(pdl)  # (the kernel path checks it)
+            if swiglu:
+                gate, up = x.chunk(2, dim=-1)
+                x = F.silu(gate) * up
+            y = self(norm(x) if norm is not None else x)
+            return y if residual is None else residual + y
+        opts = {"swiglu": swiglu, **({"pdl": pdl} if pdl else {})}
+        if norm is not None:
+            opts.update(norm_weight=norm.weight, norm_eps=norm.variance_epsilon)
+        inside = residual is not None and self.bias is None  # the bias comes between the product and the add
+        if inside:
+            opts["residual"] = residual.reshape(-1, self.out_features)
+        y = self._out(fn(x.reshape(-1, width), *self._weights(), **opts), x.shape[:-1])
+        return y if residual is None or inside else residual + y
+
+
+    def qkv_rope_cache(self, x: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       norm: nn.Module | None = None, pdl: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer as a merged, bias-free q/k/v projection after ``norm``, then RoPE and the paged-cache write
+        (``labkit.kernels.quantized_matmul.w4a16_qkv_rope_cache`` / ``w8a16_qkv_rope_cache``: one kernel at decode
+        batch 1). Returns ``(q_rot, k_rot)``; needs the fused kernels (``uses_kernels``)."""
+        if self.bias is not None:
+            raise ValueError("qkv_rope_cache needs a bias-free layer (a merged q/k/v projection)")
+        fn = _use_fused("triton", x, self._KERNEL.replace("matmul", "qkv_rope_cache"))
+        opts = dict(norm_weight=norm.weight, norm_eps=norm.variance_epsilon) if norm is not None else {}
+        return fn(x, *self._weights(), num_heads, cos, sin, k_cache, v_cache, slot_mapping, pdl=pdl, **opts)
+
+
+class Int8Linear(_QuantizedLinear):
     """``y = x @ (q * scale[:, None]).T + bias``: int8 weights, activations and output in ``scale``'s dtype.
 
     Buffers: ``qweight`` int8 ``[N, K]``, ``scale`` ``[N]``, optional ``bias`` ``[N]``. ``backend``: ``auto``
@@ -164,20 +239,17 @@ class Int8Linear(nn.Module):
         """The weight ``[N, K]`` this layer computes with."""
         return dequantize_int8(self.qweight, self.scale, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fn = _use_fused(self.backend, x, "w8a16_matmul")
-        if fn is None:
-            return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        y = fn(x.reshape(-1, self.in_features), self.qweight, self.scale)
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+    _KERNEL = "w8a16_matmul"
+
+    def _weights(self) -> tuple:
+        return self.qweight, self.scale
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel, " \
                f"backend={self.backend}"
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(_QuantizedLinear):
     """``y = x @ W.T + bias`` with ``W = (q - zero) * scale`` per group: packed int4 weights.
 
     Buffers: ``packed`` uint8 ``[N, K // 2]``, ``scales`` and ``zeros`` ``[N, K // group_size]``, optional
@@ -211,58 +283,10 @@ class Int4Linear(nn.Module):
         """The weight ``[N, K]`` this layer computes with."""
         return dequantize_int4(self.packed, self.scales, self.zeros, self.group_size, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fn = _use_fused(self.backend, x, "w4a16_matmul")
-        if fn is None:
-            return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        return self._out(fn(x.reshape(-1, self.in_features), self.packed, self.scales, self.zeros, self.group_size),
-                         x.shape[:-1])
+    _KERNEL = "w4a16_matmul"
 
-    def _out(self, y: torch.Tensor, lead: torch.Size) -> torch.Tensor:
-        """The fused kernel's rows ``y`` ``[M, N]`` as ``[*lead, N]``, plus the bias."""
-        y = y.view(*lead, self.out_features)
-        return y if self.bias is None else y + self.bias
-
-    def uses_kernels(self, x: torch.Tensor) -> bool:
-        """Whether this layer runs labkit's fused kernels on ``x`` (its backend and ``x``'s device)."""
-        return _use_fused(self.backend, x, "w4a16_matmul") is not None
-
-    def fused_forward(self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None,
-                      swiglu: bool = False, pdl: str = "") -> torch.Tensor:
-        """``residual + self(act(x))``, the projection with what a decoder layer does around it, where ``act`` is
-        ``norm`` (an RMSNorm module: ``weight``, ``variance_epsilon``; the q/k/v and gate/up projections) or, with
-        ``swiglu``, ``silu(gate) * up`` of ``x`` ``[..., 2 * in_features]`` = ``[gate | up]`` (the down
-        projection); ``residual`` ``[..., out_features]`` (the o and down projections end in the residual add).
-        On the fused path one 16-bit row does them inside the GEMV (``w4a16_matmul``'s ``norm_weight``,
-        ``residual`` and ``swiglu``), so a decode step loses their kernels; on the torch path they run as HF's
-        modules round them. ``pdl``: ``w4a16_matmul``'s programmatic dependent launch (``"release"``,
-        ``"overlap"``), for a chain of GEMVs on sm_90."""
-        width = 2 * self.in_features if swiglu else self.in_features
-        if x.dim() == 0 or x.shape[-1] != width:
-            raise ValueError(f"x {tuple(x.shape)} must be [..., {'2 * ' if swiglu else ''}in_features] = "
-                             f"[..., {width}]{' ([gate | up] with swiglu=True)' if swiglu else ''}")
-        if norm is not None and swiglu:
-            raise ValueError("norm and swiglu=True cannot be combined (an RMSNorm precedes q/k/v and gate/up, "
-                             "SwiGLU the down projection)")
-        fn = _use_fused(self.backend, x, "w4a16_matmul")
-        if fn is None:
-            from labkit.kernels.common import check_pdl
-
-            check_pdl(pdl)  # (the kernel path's w4a16_matmul checks it)
-            if swiglu:
-                gate, up = x.chunk(2, dim=-1)
-                x = F.silu(gate) * up
-            y = self(norm(x) if norm is not None else x)
-            return y if residual is None else residual + y
-        opts = {"swiglu": swiglu, **({"pdl": pdl} if pdl else {})}
-        if norm is not None:
-            opts.update(norm_weight=norm.weight, norm_eps=norm.variance_epsilon)
-        inside = residual is not None and self.bias is None  # the bias comes between the product and the add
-        if inside:
-            opts["residual"] = residual.reshape(-1, self.out_features)
-        y = self._out(fn(x.reshape(-1, width), self.packed, self.scales, self.zeros, self.group_size, **opts),
-                      x.shape[:-1])
-        return y if residual is None or inside else residual + y
+    def _weights(self) -> tuple:
+        return self.packed, self.scales, self.zeros, self.group_size
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 " \

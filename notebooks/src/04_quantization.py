@@ -169,11 +169,13 @@ display(pd.DataFrame(gen_rows))
 # A third pass times labkit's own serving forward on the same weights (the engine's `ModelRunner` of notebook 05,
 # over a preallocated paged cache, replayed as a CUDA graph): q/k/v and gate/up merged into one GEMV each, RoPE and
 # the cache write in one kernel, paged decode attention -- about a dozen kernels per layer against HF's ~25, so the
-# per-kernel costs that do not shrink with the weights weigh less. With int4 weights the engine also folds each
-# layer's neighbours into its GEMVs (`Int4Linear.fused_forward`): the RMSNorms run in the prologues of the q/k/v and
-# gate/up GEMVs, the residual adds in the stores of the o and down GEMVs, SwiGLU as the down GEMV prepares its
-# activations, RoPE and the k/v cache write as the q/k/v GEMV stores its rows -- four GEMVs and attention per
-# layer. Three more passes time the int4 engine step with the norms and adds in kernels of their own
+# per-kernel costs that do not shrink with the weights weigh less. With int4 or int8 weights the engine also folds
+# each layer's neighbours into its GEMVs (`fused_forward`, on the stationary GEMVs): the RMSNorms run in the
+# prologues of the q/k/v and gate/up GEMVs, the residual adds in the stores of the o and down GEMVs, SwiGLU as the
+# down GEMV prepares its activations, RoPE and the k/v cache write as the q/k/v GEMV stores its rows -- four GEMVs
+# and attention per layer. (For int8 this is new and timed here for the first time: one more pass times the int8
+# step the old way, separate kernels around the split-K GEMV, `fuse_layer_ops=False`.)
+# More passes time the int4 engine step with the norms and adds in kernels of their own
 # (`fuse_layer_ops=False`), with RoPE and the cache write in a kernel of their own (`fuse_qkv_rope=False`), and
 # with every GEMV launched plainly (`gemv_pdl=False`; by default every GEMV but the first is a programmatic
 # dependent launch, whose programs start while the kernel ahead finishes and issue their first weight loads
@@ -204,12 +206,13 @@ if PROFILE == "gpu":
         print(f"engine pass failed: {type(e).__name__}: {e}")
     ab_options = ({"fuse_layer_ops": False}, {"fuse_qkv_rope": False}, {"gemv_pdl": False}, {"early_attention": True},
                   {"fused_attention_merge": True})
-    for opts in ab_options:  # int4 A/B passes
+    ab_passes = [("int4", opts) for opts in ab_options] + [("int8", {"fuse_layer_ops": False})]
+    for method, opts in ab_passes:  # A/B passes: one option flipped against the default, in this run
         try:
-            speed += speed_rows(big, methods=("int4",), context_len=SIZES["context"], iters=SIZES["decode_iters"],
+            speed += speed_rows(big, methods=(method,), context_len=SIZES["context"], iters=SIZES["decode_iters"],
                                 runner="engine", bandwidth=bandwidth, breakdown=16, engine_options=opts)
         except Exception as e:
-            print(f"engine A/B pass {opts} failed: {type(e).__name__}: {e}")
+            print(f"engine A/B pass {method} {opts} failed: {type(e).__name__}: {e}")
     del big
     torch.cuda.empty_cache()
 else:
@@ -417,17 +420,18 @@ if PROFILE == "gpu":
             record_figure(f"quant.{name}_decode_speedup_hf", hf[0]["speedup"], "x over bf16", rec,
                           note=f"llama-3-8b, batch 1, context {SIZES['context']}, CUDA-graph replay of HF's "
                           f"static-cache forward with labkit's Triton norms/SiLU/attention on both sides")
-    default = pick_speed("int4")
     # each option's speed-up in one run: the step with it off over the step with it on (> 1: it pays)
-    for key, name in (("fuse_layer_ops", "layer_ops_fusion"), ("fuse_qkv_rope", "qkv_rope_fusion"),
-                      ("gemv_pdl", "gemv_pdl"), ("early_attention", "early_attention"),
-                      ("fused_attention_merge", "fused_attention_merge")):
-        ab = [r for r in speed_ok if r["method"] == "int4" and key in r.get("engine_options", {})]
+    for m, key, name in (("int4", "fuse_layer_ops", "layer_ops_fusion"), ("int4", "fuse_qkv_rope", "qkv_rope_fusion"),
+                         ("int4", "gemv_pdl", "gemv_pdl"), ("int4", "early_attention", "early_attention"),
+                         ("int4", "fused_attention_merge", "fused_attention_merge"),
+                         ("int8", "fuse_layer_ops", "layer_ops_fusion")):
+        default = pick_speed(m)
+        ab = [r for r in speed_ok if r["method"] == m and key in r.get("engine_options", {})]
         if not ab or default is None or default["timing"] != "engine_graph":
             continue
         without, with_ = (default, ab[0]) if ab[0]["engine_options"][key] else (ab[0], default)
-        record_figure(f"quant.int4_{name}_speedup", without["decode_ms"] / with_["decode_ms"], "x", rec,
-                      note=f"llama-3-8b int4, batch 1, engine graph replays in one run: {key}=False "
+        record_figure(f"quant.{m}_{name}_speedup", without["decode_ms"] / with_["decode_ms"], "x", rec,
+                      note=f"llama-3-8b {m}, batch 1, engine graph replays in one run: {key}=False "
                       f"{without['decode_ms']:.3f} ms over {key}=True {with_['decode_ms']:.3f} ms")
 else:
     wb_note = "embedded model linear layers, float32 scales, measured bytes held over the same weights in bf16"
