@@ -95,9 +95,13 @@ def launch_w8_xs(x, w: tuple, n: int, k: int, cfg: dict):
 def _xs8_candidates(n: int, k: int) -> list[dict]:
     """The stationary int8 GEMV (``w8xs``, untimed before this): labkit's tiles (``XS8_TILE``, and
     ``XS8_WHOLE_K_TILE`` where K <= 4096) and neighbours of them -- the int4 tiles' bytes per row block or twice
-    them, 2-4 warps -- each at the row steps labkit's rule picks and one either side."""
-    tiles = [dict(qm.XS8_TILE), dict(qm.XS8_TILE, BLOCK_N=4, BLOCK_K=1024), dict(qm.XS8_TILE, BLOCK_N=16),
-             dict(qm.XS8_TILE, BLOCK_N=16, num_warps=4)]
+    them, 1-4 warps, and the float32 path (``HALF_MATH`` 0) of labkit's tile -- each at the row steps labkit's rule
+    picks and one either side. One-warp programs have fewer threads per row to reduce across: sm_90 code at 2 x
+    2048 needs 3.3 loop instructions per weight, 8 x 512 on 2 warps 4.3 (``scripts/sass_report.py --kernel w8xs``)."""
+    tiles = [dict(qm.XS8_TILE), dict(qm.XS8_TILE, HALF_MATH=0), dict(qm.XS8_TILE, BLOCK_N=4, BLOCK_K=1024),
+             dict(qm.XS8_TILE, BLOCK_N=16), dict(qm.XS8_TILE, BLOCK_N=16, num_warps=4),
+             dict(qm.XS8_TILE, BLOCK_N=2, BLOCK_K=2048, num_warps=1),
+             dict(qm.XS8_TILE, BLOCK_N=2, BLOCK_K=1024, num_warps=1)]
     if k <= 4096:
         tiles += [dict(qm.XS8_WHOLE_K_TILE, BLOCK_K=k), dict(qm.XS8_WHOLE_K_TILE, BLOCK_N=4, BLOCK_K=k)]
     out = []
@@ -107,7 +111,8 @@ def _xs8_candidates(n: int, k: int) -> list[dict]:
             continue
         for steps in (base["ROW_STEPS"] // 2, base["ROW_STEPS"], base["ROW_STEPS"] * 2):
             if steps >= 1 and n % (base["BLOCK_N"] * steps) == 0:
-                out.append(dict(_launch_config(base), ROW_STEPS=steps))
+                out.append(dict(_launch_config(base), ROW_STEPS=steps, **({"HALF_MATH": 0} if "HALF_MATH" in t
+                                                                           else {})))
     return out
 
 

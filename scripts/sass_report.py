@@ -116,10 +116,11 @@ def report(fn, signature: dict, constexprs: dict, num_warps: int, weights_per_th
             "top_ops": sorted(ops.items(), key=lambda kv: -kv[1])[:8]}
 
 
-def xs_report(qm, group: int = 128, bits: int = 4) -> list[dict]:
+def xs_report(qm, group: int = 128, bits: int = 4, half: bool = True) -> list[dict]:
     """Registers, spills and loop instructions of the stationary GEMV -- int4 (``_w4_gemv_xs``) or, with ``bits=8``,
     int8 (``_w8_gemv_xs``) -- in ``XS_CASES``, with the tiles ``qm.xs_tile`` picks on 132 SMs (``split``:
-    ``XS_TILE`` / ``XS8_TILE``; ``whole``: ``XS_WHOLE_K_TILE`` / ``XS8_WHOLE_K_TILE``)."""
+    ``XS_TILE`` / ``XS8_TILE``; ``whole``: ``XS_WHOLE_K_TILE`` / ``XS8_WHOLE_K_TILE``); ``half``: packed float16
+    math (False: the float32 path)."""
     import torch
 
     qm.num_sms = lambda device: 132  # an H200's SMs: the row-step rule as on the GPU
@@ -131,12 +132,13 @@ def xs_report(qm, group: int = 128, bits: int = 4) -> list[dict]:
                           bits=bits)
         meta = {key: val for key, val in tile.items() if key != "num_warps"}
         meta.update({"PDL": False, "REDUCE": True, "SWIGLU": False, "NORM_CHUNKS": 0, "RESIDUAL": False,
-                     "ROPE_HALF": 0, **extra, **({"GROUP": group, "HALF_MATH": 1} if bits == 4 else {})})
+                     "ROPE_HALF": 0, "HALF_MATH": int(half), **extra, **({"GROUP": group} if bits == 4 else {})})
         sig = dict(sig0, **{key: "constexpr" for key in meta})
         per_thread = tile["BLOCK_N"] * tile["BLOCK_K"] // (32 * tile["num_warps"])  # weights a row block gives
         r = report(kernel, sig, meta, tile["num_warps"], per_thread)
-        rows.append({"case": name, "bits": bits, "N": n, "K": k, "tile": kind, **{key: tile[key] for key in
-                     ("BLOCK_N", "BLOCK_K", "ROW_STEPS", "num_warps")}, "registers": r["registers"],
+        rows.append({"case": name, "bits": bits, "half_math": half, "N": n, "K": k, "tile": kind,
+                     **{key: tile[key] for key in ("BLOCK_N", "BLOCK_K", "ROW_STEPS", "num_warps")},
+                     "registers": r["registers"],
                      "spill_bytes": r["spill_bytes"], "loop_instructions": r["loop_instructions"],
                      "per_weight": r["per_weight"]})
         print(f"xs int{bits} {name:22s} {kind:5s} {tile['BLOCK_N']}x{tile['BLOCK_K']} x{tile['ROW_STEPS']}, "
@@ -153,15 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="with --kernel xs / w8xs: folder for records/sass_xs.json / sass_w8xs.json")
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--prefetch", action="store_true", help="int4: loads issued a step ahead (PREFETCH)")
-    ap.add_argument("--float32", action="store_true", help="int4: the float32 path (float32 activations) "
-                    "instead of packed float16 math (16-bit activations)")
+    ap.add_argument("--float32", action="store_true", help="int4 / w8xs: the float32 path instead of packed "
+                    "float16 math")
     ap.add_argument("--weights", type=float, default=4096 * 14336, help="weights of the layer, for the issue time")
     args = ap.parse_args(argv)
     qm = _jit_kernels()
     for name, bits in (("xs", 4), ("w8xs", 8)):
         if name not in args.kernel:
             continue
-        rows = xs_report(qm, args.group, bits)
+        rows = xs_report(qm, args.group, bits, not args.float32)
         if args.out:
             from labkit.bench import write_record
 

@@ -211,7 +211,8 @@ def test_stationary_gemv_with_the_whole_of_k_in_one_program(monkeypatch, dtype):
 
 @pytest.mark.parametrize("tile", XS_TILES + [(2, 512, 2, 1, True)])  # the last: the whole of K in a program
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_w8a16_gemv_stationary_activations(monkeypatch, tile, dtype):
+@pytest.mark.parametrize("half", [True, False])  # packed float16 pairs (the default), or the float32 path
+def test_w8a16_gemv_stationary_activations(monkeypatch, tile, dtype, half):
     """The stationary int8 GEMV (``_w8_gemv_xs``) on one 16-bit row, over slices of K or all of it, each row's
     words read in place: within the tolerance of the reference (int8 weights of every value, -128 and 127 in one
     word), the same bits twice, every counter reset."""
@@ -219,7 +220,8 @@ def test_w8a16_gemv_stationary_activations(monkeypatch, tile, dtype):
 
     bn, bk, steps, prefetch, weights_first = tile
     monkeypatch.setattr(qm, "CPU_XS_TILE", dict(BLOCK_N=bn, BLOCK_K=bk, ROW_STEPS=steps, PREFETCH=prefetch,
-                                                WEIGHTS_FIRST=weights_first, num_warps=1))
+                                                WEIGHTS_FIRST=weights_first, num_warps=1,
+                                                **({} if half else {"HALF_MATH": 0})))
     monkeypatch.setattr(qm, "XS8_PLAIN", True)
     n, k = 2 * bn * steps, 512 if bk == 512 else 5 * bk
     launched = []
@@ -233,6 +235,25 @@ def test_w8a16_gemv_stationary_activations(monkeypatch, tile, dtype):
     assert relative_error(out, w8a16_matmul_ref(x.double(), *args)) < TOL[dtype]
     assert torch.equal(w8a16_matmul(x, *args), out)
     assert not qm._split_buffers(out.device, n)[1].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("magnitude", [1e-5, 1.0, 3e3])
+def test_w8a16_stationary_half_math_at_any_activation_scale(monkeypatch, dtype, magnitude):
+    """The packed float16 path scales each slice's activations by a power of two into [64, 128): no float16 lane
+    overflows at large activations (``|q x|`` up to 128 * 128, two a lane) and small ones keep their bits -- with
+    weights of +-127 and -128 and one activation far above the others."""
+    import labkit.kernels.quantized_matmul as qm
+
+    monkeypatch.setattr(qm, "CPU_XS_TILE", dict(BLOCK_N=8, BLOCK_K=128, PREFETCH=1, num_warps=1))
+    monkeypatch.setattr(qm, "XS8_PLAIN", True)
+    q, s = _int8(32, 256, seed=155)
+    q[:, ::3] = 127
+    q[:, 1::3] = -128
+    x = _x((1, 256), dtype, seed=156) * magnitude
+    x[0, 7] = 20 * magnitude
+    args = (q, (s / max(1.0, magnitude)).to(dtype))  # outputs within float16's range
+    assert relative_error(w8a16_matmul(x, *args), w8a16_matmul_ref(x.double(), *args)) < TOL[dtype]
 
 
 def test_bare_int8_products_keep_the_split_k_gemv_until_timed(monkeypatch):
