@@ -97,7 +97,7 @@ def _xs8_candidates(n: int, k: int) -> list[dict]:
     ``XS8_WHOLE_K_TILE`` where K <= 4096) and neighbours of them -- the int4 tiles' bytes per row block or twice
     them, 1-4 warps, and the float32 path (``HALF_MATH`` 0) of labkit's tile -- each at the row steps labkit's rule
     picks and one either side. One-warp programs have fewer threads per row to reduce across: sm_90 code at 2 x
-    2048 needs 3.3 loop instructions per weight, 8 x 512 on 2 warps 4.3 (``scripts/sass_report.py --kernel w8xs``)."""
+    2048 needs 2.9 loop instructions per weight, 8 x 512 on 2 warps 3.3 (``scripts/sass_report.py --kernel w8xs``)."""
     tiles = [dict(qm.XS8_TILE), dict(qm.XS8_TILE, HALF_MATH=0), dict(qm.XS8_TILE, BLOCK_N=4, BLOCK_K=1024),
              dict(qm.XS8_TILE, BLOCK_N=16), dict(qm.XS8_TILE, BLOCK_N=16, num_warps=4),
              dict(qm.XS8_TILE, BLOCK_N=2, BLOCK_K=2048, num_warps=1),

@@ -240,8 +240,8 @@ def test_w8a16_gemv_stationary_activations(monkeypatch, tile, dtype, half):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("magnitude", [1e-5, 1.0, 3e3])
 def test_w8a16_stationary_half_math_at_any_activation_scale(monkeypatch, dtype, magnitude):
-    """The packed float16 path scales each slice's activations by a power of two into [64, 128): no float16 lane
-    overflows at large activations (``|q x|`` up to 128 * 128, two a lane) and small ones keep their bits -- with
+    """The packed float16 path scales each slice's activations by a power of two into [32, 64): no float16 lane
+    overflows at large activations (``|q x|`` up to 128 * 64, four a lane) and small ones keep their bits -- with
     weights of +-127 and -128 and one activation far above the others."""
     import labkit.kernels.quantized_matmul as qm
 

@@ -339,19 +339,26 @@ def _word_dot(wd, xa, xb, xc, xd, ASM: tl.constexpr):
     return _w4_word_dot_emulated(wd, xa, xb, xc, xd)
 
 
-_W8_WORD_DOT = tl.constexpr("""{
-.reg .b32 m, c, u, t0, t1, acc;
+_W8_PAIR_DOT = tl.constexpr("""{
+.reg .b32 m, c, u, v, t0, t1, t2, t3, acc;
 .reg .b16 lo, hi;
 .reg .f32 flo, fhi;
 mov.b32 m, 0x64646464;
 mov.b32 c, 0x64806480;
 xor.b32 u, $1, 0x80808080;
+xor.b32 v, $2, 0x80808080;
 prmt.b32 t0, u, m, 0x4240;
 prmt.b32 t1, u, m, 0x4341;
+prmt.b32 t2, v, m, 0x4240;
+prmt.b32 t3, v, m, 0x4341;
 sub.f16x2 t0, t0, c;
 sub.f16x2 t1, t1, c;
-mul.f16x2 acc, t0, $2;
-fma.rn.f16x2 acc, t1, $3, acc;
+sub.f16x2 t2, t2, c;
+sub.f16x2 t3, t3, c;
+mul.f16x2 acc, t0, $3;
+fma.rn.f16x2 acc, t1, $4, acc;
+fma.rn.f16x2 acc, t2, $5, acc;
+fma.rn.f16x2 acc, t3, $6, acc;
 mov.b32 {lo, hi}, acc;
 cvt.f32.f16 flo, lo;
 cvt.f32.f16 fhi, hi;
@@ -360,25 +367,61 @@ add.f32 $0, flo, fhi;
 
 
 @triton.jit
-def _w8_word_dot(wd, x02, x13, ASM: tl.constexpr):
-    """``sum_i q_i x_i`` over the 4 int8 weights of each int32 word ``wd`` in packed float16 arithmetic: the XOR with
-    0x80808080 makes each byte ``q + 128``, one PRMT per pair lays bytes 0 and 2 (then 1 and 3) under the float16
-    exponent byte 0x64 -- the pair ``1152 + q`` -- and one HSUB2 makes ``q`` exact; HMUL2 and HFMA2 multiply by the
-    activation pairs ``x02 = (x0, x2)``, ``x13 = (x1, x3)`` (int32 words holding float16 pairs) and sum the four
-    products in two float16 lanes, added in float32: 10 instructions per 4 weights, against 13 on the float32 path
-    (``_byte_pair``). The caller scales the activations so that ``|x| < 128`` (no lane of two products ``|q x| <=
-    128 * 128`` can reach float16's 65504). ``ASM`` False: the same steps in Triton operations (the interpreter runs
-    no PTX), the multiply and the add of the HFMA2 rounded separately."""
+def _w8_pair_dot(wa, wb, a02, a13, b02, b13, ASM: tl.constexpr):
+    """``sum_i q_i x_i`` over the 8 int8 weights of two int32 words ``wa``, ``wb`` in packed float16 arithmetic:
+    the XOR with 0x80808080 makes each byte ``q + 128``, one PRMT per pair lays bytes 0 and 2 (then 1 and 3) under
+    the float16 exponent byte 0x64 -- the pair ``1152 + q`` -- and one HSUB2 makes ``q`` exact; HMUL2 and three
+    HFMA2 multiply by the activation pairs (``a02 = (x0, x2)`` of ``wa``'s bytes, ``a13``, ``b02``, ``b13``:
+    int32 words holding float16 pairs) and sum the eight products in two float16 lanes, added in float32: 17
+    instructions per 8 weights, against 26 on the float32 path. The caller scales the activations so that
+    ``|x| < 64`` (no lane of four products ``|q x| <= 128 * 64`` can reach float16's 65504). ``ASM`` False: the
+    same steps in Triton operations (the interpreter runs no PTX), each HFMA2's multiply and add rounded
+    separately."""
     if ASM:
-        return tl.inline_asm_elementwise(_W8_WORD_DOT, "=f,r,r,r", [wd, x02, x13], dtype=tl.float32, is_pure=True,
-                                         pack=1)
-    x0, x2 = _f16_halves(x02)
-    x1, x3 = _f16_halves(x13)
-    lo = _w8_byte(wd, 0) * x0
-    hi = _w8_byte(wd, 2) * x2
-    lo = (_w8_byte(wd, 1).to(tl.float32) * x1.to(tl.float32) + lo.to(tl.float32)).to(tl.float16)
-    hi = (_w8_byte(wd, 3).to(tl.float32) * x3.to(tl.float32) + hi.to(tl.float32)).to(tl.float16)
+        return tl.inline_asm_elementwise(_W8_PAIR_DOT, "=f,r,r,r,r,r,r", [wa, wb, a02, a13, b02, b13],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    x0, x2 = _f16_halves(a02)
+    x1, x3 = _f16_halves(a13)
+    lo = _w8_byte(wa, 0) * x0
+    hi = _w8_byte(wa, 2) * x2
+    lo = _f16_fma(_w8_byte(wa, 1), x1, lo)
+    hi = _f16_fma(_w8_byte(wa, 3), x3, hi)
+    x0, x2 = _f16_halves(b02)
+    x1, x3 = _f16_halves(b13)
+    lo = _f16_fma(_w8_byte(wb, 1), x1, _f16_fma(_w8_byte(wb, 0), x0, lo))
+    hi = _f16_fma(_w8_byte(wb, 3), x3, _f16_fma(_w8_byte(wb, 2), x2, hi))
     return lo.to(tl.float32) + hi.to(tl.float32)
+
+
+@triton.jit
+def _f16_fma(a, b, c):
+    """``a * b + c`` of float16 values, the product exact in float32, rounded to float16 at the end."""
+    return (a.to(tl.float32) * b.to(tl.float32) + c.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
+def _x_bytes(x4):
+    """The activations ``x4`` ``[words, 2, 2]`` (``k = 4w + 2a + b``) met by bytes 0, 1, 2, 3 of each word."""
+    ev, od = tl.split(x4)
+    x0, x2 = tl.split(ev)
+    x1, x3 = tl.split(od)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _x_byte_pairs(x4, up, ASM: tl.constexpr):
+    """``_x_bytes`` times ``up`` as the float16 pairs ``_w8_pair_dot`` takes: ``(x0, x2)`` and ``(x1, x3)``."""
+    x0, x1, x2, x3 = _x_bytes(x4)
+    return _half2(x0 * up, x2 * up, ASM), _half2(x1 * up, x3 * up, ASM)
+
+
+@triton.jit
+def _w8_word_fma(wd, x0, x1, x2, x3, lo_mask, hi_mask):
+    """``sum_i q_i x_i`` per int32 word of int8 weights on the float32 path: bytes read in place (``_byte_pair``),
+    one FFMA each."""
+    b0, b1 = _byte_pair(wd, lo_mask, hi_mask)
+    b2, b3 = _byte_pair(wd >> 16, lo_mask, hi_mask)
+    return b0 * x0[None, :] + b1 * x1[None, :] + b2 * x2[None, :] + b3 * x3[None, :]
 
 
 @triton.jit
@@ -726,22 +769,24 @@ def _w8_gemv_xs(x_ptr, w_ptr, s_ptr, lo_mask, hi_mask, out_ptr, ws_ptr, cnt_ptr,
     ``ROPE_HALF``), so an int8 decode step loses the same kernels an int4 one does. ``w_ptr``: the weights as int32
     words (bytes ``4w .. 4w + 3`` of a row, k = 4w + i at bits 8i); ``s_ptr`` ``[N]``; strides in words,
     ``stride_wk`` from one slice to the next. ``HALF_MATH`` 0: each byte read in place by ``_byte_pair`` (one LOP3,
-    one FADD and one FFMA per weight, float32 activations held by the program; sm_90: 4.8-5.1 loop instructions per
-    weight); 1 (PTX) or 2 (emulated): packed float16 pairs (``_w8_word_dot``), the slice's activations scaled by
-    one power of two into [64, 128). Each slice's partial sum is scaled by its row's scale before the slices are
-    summed."""
+    one FADD and one FFMA per weight, float32 activations held by the program; sm_90: 4.6-4.7 loop instructions per
+    weight); 1 (PTX) or 2 (emulated): packed float16 pairs (``_w8_pair_dot``: word p of the slice's first half with
+    word p of its second), the slice's activations scaled by one power of two into [32, 64). Each slice's partial
+    sum is scaled by its row's scale before the slices are summed."""
     WORDS: tl.constexpr = BLOCK_K // 4
     ROWS: tl.constexpr = BLOCK_N * ROW_STEPS
     pid_k, pid_n = tl.program_id(0), tl.program_id(1)
+    HALF_WORDS: tl.constexpr = WORDS // 2
     wl = tl.arange(0, WORDS)
     lrows = (pid_n * ROWS + tl.arange(0, BLOCK_N)).to(tl.int64)
     n64 = _rope_rows(pid_n * ROW_STEPS, BLOCK_N, ROPE_HALF) if ROPE_HALF > 0 else lrows
-    w_ptrs = w_ptr + pid_k.to(tl.int64) * stride_wk + n64[:, None] * stride_wn + wl[None, :]
+    # the slice's words in two halves, word p of the first meeting word p of the second in one packed dot
+    w_ptrs = w_ptr + pid_k.to(tl.int64) * stride_wk + n64[:, None] * stride_wn + tl.arange(0, HALF_WORDS)[None, :]
     s_ptrs = s_ptr + n64
     if PDL:  # the next launch may start now: its first weight loads overlap this kernel's tail
         tl.extra.cuda.gdc_launch_dependents()
     if PREFETCH and WEIGHTS_FIRST:  # the first block's loads in flight while the slice is prepared
-        nw, ns = tl.load(w_ptrs), tl.load(s_ptrs)
+        na, nb, ns = tl.load(w_ptrs), tl.load(w_ptrs + HALF_WORDS), tl.load(s_ptrs)
     if PDL:  # nothing the kernel ahead writes may be read or written before this
         tl.extra.cuda.gdc_wait()
     # [words, 2, 2]: k = 4w + 2a + b, so splitting b then a gives bytes 0 and 2, then 1 and 3 of each word
@@ -750,31 +795,34 @@ def _w8_gemv_xs(x_ptr, w_ptr, s_ptr, lo_mask, hi_mask, out_ptr, ws_ptr, cnt_ptr,
         x4 = _normed_activations(x_ptr, norm_w_ptr, k4, K, eps, BLOCK_K, NORM_CHUNKS)
     else:
         x4 = _slice_activations(x_ptr, k4, K, SWIGLU)
-    ev, od = tl.split(x4)
-    x0, x2 = tl.split(ev)
-    x1, x3 = tl.split(od)
-    if HALF_MATH:
-        up, down = _pow2_of(tl.max(tl.max(tl.max(tl.abs(x4), 2), 1), 0), 6)
-        x02, x13 = _half2(x0 * up, x2 * up, HALF_MATH == 1), _half2(x1 * up, x3 * up, HALF_MATH == 1)
+    xa, xb = tl.split(tl.permute(tl.reshape(x4, [2, HALF_WORDS, 2, 2]), (1, 2, 3, 0)))  # the two halves
+    if HALF_MATH:  # one power of two puts the slice's largest |x| in [32, 64): no float16 lane overflows
+        up, down = _pow2_of(tl.max(tl.max(tl.max(tl.abs(x4), 2), 1), 0), 5)
+        a02, a13 = _x_byte_pairs(xa, up, HALF_MATH == 1)
+        b02, b13 = _x_byte_pairs(xb, up, HALF_MATH == 1)
+    else:
+        a0, a1, a2, a3 = _x_bytes(xa)
+        b0, b1, b2, b3 = _x_bytes(xb)
     if PREFETCH and not WEIGHTS_FIRST:
-        nw, ns = tl.load(w_ptrs), tl.load(s_ptrs)
+        na, nb, ns = tl.load(w_ptrs), tl.load(w_ptrs + HALF_WORDS), tl.load(s_ptrs)
     for i in range(ROW_STEPS):
         step = _rope_step(pid_n * ROW_STEPS + i, BLOCK_N, ROPE_HALF) if ROPE_HALF > 0 else BLOCK_N  # rows to next
         if PREFETCH:  # this block's loads were issued a block ago; issue the next block's now
-            wd, s = nw, ns
+            wa, wb, s = na, nb, ns
             more = i + 1 < ROW_STEPS
-            nw = tl.load(w_ptrs + step * stride_wn, mask=more)
+            na = tl.load(w_ptrs + step * stride_wn, mask=more)
+            nb = tl.load(w_ptrs + step * stride_wn + HALF_WORDS, mask=more)
             ns = tl.load(s_ptrs + step, mask=more)
         else:
-            wd, s = tl.load(w_ptrs), tl.load(s_ptrs)
+            wa, wb, s = tl.load(w_ptrs), tl.load(w_ptrs + HALF_WORDS), tl.load(s_ptrs)
         w_ptrs += step * stride_wn
         s_ptrs += step
         if HALF_MATH:
-            part = tl.sum(_w8_word_dot(wd, x02[None, :], x13[None, :], HALF_MATH == 1), 1) * (down * s.to(tl.float32))
+            qx = _w8_pair_dot(wa, wb, a02[None, :], a13[None, :], b02[None, :], b13[None, :], HALF_MATH == 1)
+            part = tl.sum(qx, 1) * (down * s.to(tl.float32))
         else:
-            b0, b1 = _byte_pair(wd, lo_mask, hi_mask)
-            b2, b3 = _byte_pair(wd >> 16, lo_mask, hi_mask)
-            qx = b0 * x0[None, :] + b1 * x1[None, :] + b2 * x2[None, :] + b3 * x3[None, :]
+            qx = _w8_word_fma(wa, a0, a1, a2, a3, lo_mask, hi_mask) + _w8_word_fma(wb, b0, b1, b2, b3, lo_mask,
+                                                                                  hi_mask)
             part = tl.sum(qx, 1) * s.to(tl.float32)
         _xs_block_done(part, n64 + i * BLOCK_N, lrows + i * BLOCK_N, ws_ptr, res_ptr, out_ptr, N, SPLIT_P2,
                        RESIDUAL)
@@ -1040,7 +1088,8 @@ XS_WHOLE_K_TILE = dict(BLOCK_N=4, PREFETCH=1, WEIGHTS_FIRST=True, num_warps=4)  
 XS_WHOLE_K_MAX = 4096  # K
 XS_WHOLE_K_MAX_N = 8192
 # int8 (_w8_gemv_xs), not timed yet: the int4 tiles' bytes per row block (a weight is twice the bytes, so half
-# the rows); scripts/gemv_study.py --kinds w8xs times them against the split-K _w8_gemv
+# the rows); sm_90 loop 3.3-3.7 instructions per weight in packed float16 (results/cpu/records/sass_w8xs.json);
+# scripts/gemv_study.py --kinds w8xs times them (and 1-warp tiles: 2.9) against the split-K _w8_gemv
 XS8_TILE = dict(BLOCK_N=8, BLOCK_K=512, PREFETCH=1, WEIGHTS_FIRST=True, num_warps=2)
 XS8_WHOLE_K_TILE = dict(BLOCK_N=2, PREFETCH=1, WEIGHTS_FIRST=True, num_warps=4)  # BLOCK_K = K
 XS8_PLAIN = False  # whether a bare int8 product (nothing fused, no PDL) takes _w8_gemv_xs too
