@@ -27,10 +27,10 @@ def test_bench_main_writes_csv_record_and_plot(tmp_path):
 
 def test_headline_figures_from_gemv_rows():
     rows = bench_gemv(SIZES["ci"]["gemv"][0], torch.float16, DEVICE, iters=1)
-    assert {"dense", "w8_triton", "w4_triton"} <= {r["impl"] for r in rows}
+    assert {"dense", "w8_triton", "w8_triton_stationary", "w4_triton"} <= {r["impl"] for r in rows}
     assert all(r["rel_err"] is None or r["rel_err"] < 1e-2 for r in rows)
     figs = headline_figures(add_fractions(rows, {"copy_bytes_per_s": 1e10, "matmul_flops": 1e11}), "ci")
     assert set(figs) == set(BARS)
-    assert figs["kernels.w8_gemv_speedup_vs_bf16"] > 0
+    assert figs["kernels.w8_gemv_speedup_vs_bf16"] > 0 and figs["kernels.w8_stationary_gemv_speedup_vs_bf16"] > 0
     if DEVICE.type == "cpu":  # no bitsandbytes baseline off CUDA
         assert math.isnan(figs["kernels.w8_vs_bnb_int8"])

@@ -258,7 +258,8 @@ def test_w8a16_stationary_half_math_at_any_activation_scale(monkeypatch, dtype, 
 
 def test_bare_int8_products_keep_the_split_k_gemv_until_timed(monkeypatch):
     """Without ``XS8_PLAIN`` only a product with neighbours (or PDL) takes the stationary int8 GEMV; a bare one
-    keeps the autotuned split-K GEMV whose speed notebook 03 measured. Unaligned words never take it."""
+    keeps the autotuned split-K GEMV whose speed notebook 03 measured. Unaligned words never take it;
+    ``stationary=True`` / ``False`` asks for it or refuses it."""
     import labkit.kernels.quantized_matmul as qm
 
     monkeypatch.setattr(qm, "CPU_XS_TILE", dict(BLOCK_N=8, BLOCK_K=128, PREFETCH=1, num_warps=1))
@@ -275,6 +276,13 @@ def test_bare_int8_products_keep_the_split_k_gemv_until_timed(monkeypatch):
     q_odd.copy_(q)
     out = w8a16_matmul(x, q_odd, s.half(), residual=res)
     assert launched == [] and torch.equal(out, w8a16_matmul(x, q, s.half()) + res)
+    w8a16_matmul(x, q, s.half(), stationary=True)  # asked for: taken without neighbours
+    assert launched == [{}]
+    launched.clear()
+    w8a16_matmul(x, q, s.half(), residual=res, stationary=False)  # refused: the residual added after
+    assert launched == []
+    with pytest.raises(ValueError, match="stationary='yes'"):
+        w8a16_matmul(x, q, s.half(), stationary="yes")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

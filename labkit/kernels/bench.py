@@ -56,7 +56,9 @@ BARS = {"kernels.rmsnorm_bw_frac": ">= 0.90", "kernels.rmsnorm_speedup_vs_eager"
         "kernels.w8_gemv_speedup_vs_bf16": ">= 1.7", "kernels.w4_gemv_speedup_vs_bf16": ">= 2.5",
         "kernels.w8_vs_bnb_int8": ">= 3", "kernels.w4_vs_bnb_nf4": ">= 3",
         # no bar: the most the bitsandbytes ratios can reach, labkit's GEMV reading its bytes at copy bandwidth
-        "kernels.w8_vs_bnb_int8_at_copy_bw": None, "kernels.w4_vs_bnb_nf4_at_copy_bw": None}
+        "kernels.w8_vs_bnb_int8_at_copy_bw": None, "kernels.w4_vs_bnb_nf4_at_copy_bw": None,
+        # no bar: the stationary int8 GEMV (the engine's fused int8 layers) against bf16, beside the split-K one
+        "kernels.w8_stationary_gemv_speedup_vs_bf16": None}
 
 
 def _randn(*shape, dtype, device, seed=0, scale=1.0) -> torch.Tensor:
@@ -279,6 +281,8 @@ def bench_gemv(shape, dtype, device, iters=50, compile_=False, group_size=128, b
     sets = _weight_sets(n, k, dtype, device, group_size)
     fns = {"bf16" if dtype == torch.bfloat16 else "dense": lambda s: F.linear(x, s["w"]),
            "w8_triton": lambda s: w8a16_matmul(x, s["q8"], s["scale"]),
+           # the stationary int8 GEMV the engine's fused int8 layers use, beside the split-K one above
+           "w8_triton_stationary": lambda s: w8a16_matmul(x, s["q8"], s["scale"], stationary=True),
            "w4_triton": lambda s: w4a16_matmul(x, s["packed"], s["s4"], s["z4"], group_size),
            "w8_dequant_then_matmul": lambda s: F.linear(x, dequantize_int8(s["q8"], s["scale"], dtype)),
            "w4_dequant_then_matmul": lambda s: F.linear(x, dequantize_int4(s["packed"], s["s4"], s["z4"],
@@ -295,13 +299,16 @@ def bench_gemv(shape, dtype, device, iters=50, compile_=False, group_size=128, b
     act = (m * k + m * n) * x.element_size()
     w8_bytes, w4_bytes = n * k + 2 * n, n * k // 2 + 2 * 2 * n * k // group_size
     nbytes = {"bf16": 2 * n * k, "dense": n * k * x.element_size(), "w8_triton": w8_bytes,
+              "w8_triton_stationary": w8_bytes,
               "w4_triton": w4_bytes, "w8_triton_vs_bnb": w8_bytes, "w4_triton_vs_bnb": w4_bytes,
               "bnb_int8": n * k + 4 * n, "bnb_nf4": n * k // 2 + 4 * n * k // 64}
     # the kernels against the same quantised weights dequantised (their error, not the quantisation's)
     s0 = sets[0]
     w4_args = (s0["packed"], s0["s4"], s0["z4"], group_size)
-    errs = {"w8_triton": relative_error(w8a16_matmul(x, s0["q8"], s0["scale"]),
-                                        w8a16_matmul_ref(x.double(), s0["q8"], s0["scale"])),
+    w8_ref = w8a16_matmul_ref(x.double(), s0["q8"], s0["scale"])
+    errs = {"w8_triton": relative_error(w8a16_matmul(x, s0["q8"], s0["scale"]), w8_ref),
+            "w8_triton_stationary": relative_error(w8a16_matmul(x, s0["q8"], s0["scale"], stationary=True),
+                                                   w8_ref),
             "w4_triton": relative_error(w4a16_matmul(x, *w4_args), w4a16_matmul_ref(x.double(), *w4_args))}
     rows = [_row("gemv", name, shape, dtype, t, nbytes.get(name, n * k) + act, flops=2 * m * n * k,
                  err=errs.get(name)) for name, t in times.items()]
@@ -369,6 +376,7 @@ def headline_figures(rows: list[dict], profile: str) -> dict[str, float]:
     dense = "bf16" if profile == "gpu" else "dense"
     figs["kernels.w8_gemv_speedup_vs_bf16"] = ratio("gemv", dense, "w8_triton")
     figs["kernels.w4_gemv_speedup_vs_bf16"] = ratio("gemv", dense, "w4_triton")
+    figs["kernels.w8_stationary_gemv_speedup_vs_bf16"] = ratio("gemv", dense, "w8_triton_stationary")
     figs["kernels.w8_vs_bnb_int8"] = ratio("gemv", "bnb_int8", "w8_triton_vs_bnb")
     figs["kernels.w4_vs_bnb_nf4"] = ratio("gemv", "bnb_nf4", "w4_triton_vs_bnb")
     # bitsandbytes' time over the time labkit's GEMV would take at the copy ceiling (its bytes / bandwidth): a

@@ -1280,7 +1280,7 @@ def _gemm(x2: torch.Tensor, n: int, gemm, gemm_tuned, args: tuple, w_strides: tu
 
 def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, swiglu: bool = False,
                  norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
-                 residual: torch.Tensor | None = None, pdl: str = "") -> torch.Tensor:
+                 residual: torch.Tensor | None = None, pdl: str = "", stationary: bool | None = None) -> torch.Tensor:
     """``x @ (qweight * scale[:, None]).T`` with the int8 weights dequantised in registers.
 
     ``x`` ``[..., K]`` float16/bfloat16/float32 (bfloat16 with more than one row needs CUDA); ``qweight`` int8
@@ -1289,15 +1289,19 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, sw
     ``norm_weight``/``norm_eps``, ``residual`` and ``pdl``: a decoder layer's neighbours of the projection, as
     ``w4a16_matmul`` takes them; one 16-bit row with whole words does them inside the stationary int8 GEMV
     (``_w8_gemv_xs``), which a bare product takes only with ``XS8_PLAIN`` (until it is timed against the split-K
-    GEMV on a GPU).
+    GEMV on a GPU). ``stationary``: True takes the stationary GEMV wherever it applies, False never (neighbours
+    then run as separate kernels), None as just described.
     """
     w, s = _check_int8_weights(qweight, scale)
     n, k = w.shape
     check_tensor("x", x, FLOAT_DTYPES, device=qweight.device)
+    if stationary not in (None, True, False):
+        raise ValueError(f"stationary={stationary!r}; allowed: None, True, False")
     fusing = swiglu or norm_weight is not None or residual is not None or bool(pdl)
+    wanted = (fusing or XS8_PLAIN) if stationary is None else stationary
     return _with_neighbours(
         x, n, k, f"qweight {tuple(qweight.shape)}", swiglu, norm_weight, norm_eps, residual, pdl,
-        tile=lambda rows, norm: _stationary_tile8(rows, n, k, w, norm, fusing or XS8_PLAIN),
+        tile=lambda rows, norm: _stationary_tile8(rows, n, k, w, norm, wanted),
         launch=lambda rows, tile, **kw: w8_gemv_xs(rows, w.view(torch.int32), s, tile, **kw),
         product=lambda x_: _w8a16_matmul(x_, w, s))
 

@@ -183,6 +183,11 @@ display(att.round(3))
 # The int4 GEMV keeps its activations *stationary*: each program prepares one slice of 512 activations once and
 # walks down its rows with the next block's weights already in flight, instead of preparing the activations again
 # for every block of rows (records/gemv_study_xs_2748180.json: 10-20% faster at four of the five 8B shapes).
+# The int8 GEMV has a stationary version too (`w8_triton_stationary`, figure
+# `kernels.w8_stationary_gemv_speedup_vs_bf16`): what the engine's fused int8 layers run, since it takes in a
+# layer's norms and adds as the int4 one does. It multiplies in packed float16 as well: a byte permute lays two
+# int8 weights under a float16 exponent (1152 + q), one subtract makes them exact, and each instruction then
+# multiplies two weights. The row beside the split-K `w8_triton` says whether the bare int8 product should switch.
 #
 # What is left between the int4 GEMV and its bytes (results/h200/NOTES.md, third session of 2026-12-04): across
 # the 8B shapes its time is about 4 us fixed plus the bytes at ~3.2 TB/s. Half of the fixed part is the end of
