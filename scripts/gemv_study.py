@@ -126,7 +126,9 @@ def _xs_candidates(n: int, k: int, narrow: bool = False) -> list[dict]:
         base = qm.xs_tile(n, k, GROUP, torch.device("cuda"))
         if base is None:
             return []
-        steps = [s for s in (base["ROW_STEPS"] // 2, base["ROW_STEPS"], base["ROW_STEPS"] * 2)
+        # a quarter of the rule's row steps: ~4x its programs, 22-44 warps per SM, resident since the 2-D weight
+        # loads (68-80 registers under Triton 3.6, was 128: at most 16 warps per SM before)
+        steps = [s for s in (base["ROW_STEPS"] // 4, base["ROW_STEPS"] // 2, base["ROW_STEPS"], base["ROW_STEPS"] * 2)
                  if s >= 1 and n % (base["BLOCK_N"] * s) == 0]
         return [{"BLOCK_N": base["BLOCK_N"], "BLOCK_K": base["BLOCK_K"], "ROW_STEPS": st, "PREFETCH": 1,
                  "num_warps": base["num_warps"], "WEIGHTS_FIRST": wf} for st in steps for wf in (False, True)]

@@ -58,7 +58,7 @@ prepares the activations (float16 pairs, powers of two, sums, and a layout chang
 barrier) at every step of every row block; ncu found its L1/shared-memory pipe the busiest unit (72%) and half
 the issue slots idle. ``_w4_gemv_xs`` turns the loop around: each program owns one slice of 512 activations,
 prepares it once, and walks down 16-row blocks with the next block's loads in flight; the last slice of a row
-chunk to arrive sums the slices' partials. sm_90 loop: 2.7-2.8 instructions per weight, 56-72 registers, no
+chunk to arrive sums the slices' partials. sm_90 loop: 2.7-2.8 instructions per weight, 68-96 registers, no
 barrier. On the H200 (records/gemv_study_xs_2748180.json, graph replays, us): qkv 8.8 against the split-K
 kernel's best 10.1, gate_up 24.4 against 30.6, down 14.5 against 16.2, 14336 x 4096 14.2 against 15.6 (0.52 of
 bandwidth); only 4096 x 4096 is slower (7.2 against 6.5). Weights brought in by TMA descriptors, several steps
@@ -226,6 +226,15 @@ def _nibble(src, P: tl.constexpr):
     return bits.to(tl.float32, bitcast=True) - 8388608.0 / (1 << (4 * P))
 
 
+def _f16x2_products(first: int) -> str:
+    """PTX that ends the packed float16 dots: the float16 pairs ``t0 .. t3`` times the activation pairs in operands
+    ``$first .. $first + 3`` (HMUL2, three HFMA2: two lanes of four products), the lanes added in float32 into
+    ``$0``."""
+    return (f"mul.f16x2 acc, t0, ${first};\n" + "".join(f"fma.rn.f16x2 acc, t{i}, ${first + i}, acc;\n"
+                                                        for i in range(1, 4)) +
+            "mov.b32 {lo, hi}, acc;\ncvt.f32.f16 flo, lo;\ncvt.f32.f16 fhi, hi;\nadd.f32 $0, flo, fhi;\n}")
+
+
 _W4_WORD_DOT = tl.constexpr("""{
 .reg .b32 m, r16, n64, t0, t1, t2, t3, w8, acc;
 .reg .b16 lo, hi;
@@ -242,15 +251,7 @@ sub.f16x2 t0, t0, m;
 fma.rn.f16x2 t1, t1, r16, n64;
 sub.f16x2 t2, t2, m;
 fma.rn.f16x2 t3, t3, r16, n64;
-mul.f16x2 acc, t0, $2;
-fma.rn.f16x2 acc, t1, $3, acc;
-fma.rn.f16x2 acc, t2, $4, acc;
-fma.rn.f16x2 acc, t3, $5, acc;
-mov.b32 {lo, hi}, acc;
-cvt.f32.f16 flo, lo;
-cvt.f32.f16 fhi, hi;
-add.f32 $0, flo, fhi;
-}""")
+""" + _f16x2_products(2))
 
 
 @triton.jit
@@ -355,15 +356,7 @@ sub.f16x2 t0, t0, c;
 sub.f16x2 t1, t1, c;
 sub.f16x2 t2, t2, c;
 sub.f16x2 t3, t3, c;
-mul.f16x2 acc, t0, $3;
-fma.rn.f16x2 acc, t1, $4, acc;
-fma.rn.f16x2 acc, t2, $5, acc;
-fma.rn.f16x2 acc, t3, $6, acc;
-mov.b32 {lo, hi}, acc;
-cvt.f32.f16 flo, lo;
-cvt.f32.f16 fhi, hi;
-add.f32 $0, flo, fhi;
-}""")
+""" + _f16x2_products(3))
 
 
 @triton.jit
@@ -713,7 +706,8 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
     kw = pid_k * (BLOCK_G * WORDS) + wl
     lrows = (pid_n * ROWS + tl.arange(0, BLOCK_N)).to(tl.int64)  # the logical rows of this program's first block
     n64 = _rope_rows(pid_n * ROW_STEPS, BLOCK_N, ROPE_HALF) if ROPE_HALF > 0 else lrows  # and the weights' rows
-    p_ptrs = p_ptr + pid_k.to(tl.int64) * stride_pk + n64[:, None, None] * stride_pn + wl[None, :, :]
+    # the weights as 2-D rows of the slice's contiguous words, viewed as [rows, groups, words] only for the math
+    p_ptrs = p_ptr + pid_k.to(tl.int64) * stride_pk + n64[:, None] * stride_pn + tl.arange(0, BLOCK_G * WORDS)[None, :]
     s_ptrs = s_ptr + pid_k.to(tl.int64) * stride_sk + n64[:, None] * stride_sn + gl[None, :]
     z_ptrs = z_ptr + pid_k.to(tl.int64) * stride_zk + n64[:, None] * stride_zn + gl[None, :]
     if PDL:  # the next launch may start now: its first weight loads overlap this kernel's tail
@@ -746,6 +740,7 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
         p_ptrs += step * stride_pn
         s_ptrs += step * stride_sn
         z_ptrs += step * stride_zn
+        wd = tl.reshape(wd, [BLOCK_N, BLOCK_G, WORDS])
         q_x = tl.sum(_word_dot(wd, xa[None], xb[None], xc[None], xd[None], HALF_MATH == 1), 2) * down[None, :]
         part = tl.sum(s.to(tl.float32) * (q_x - z.to(tl.float32) * x_sum[None, :]), 1)
         _xs_block_done(part, n64 + i * BLOCK_N, lrows + i * BLOCK_N, ws_ptr, res_ptr, out_ptr, N, SPLIT_P2,
@@ -1079,10 +1074,17 @@ CPU_GEMM = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
 # or fewer (less in flight) were slower.
 # At 5885d9a (records/gemv_study_xs_tiles_5885d9a.json) 1-warp programs, 1024-2048 activations a slice and
 # whole-K programs of 1-2 warps lost; programs that own the whole of K = 4096 (4 rows a step, 4 warps: no partials,
-# no arrival counters) won. Every winner had 11-16 warps per SM: the whole grid resident at once (72 registers a
-# thread: 16 warps per SM at most), no second wave. With each GEMV after a kernel that writes its activations, as
-# in a decode step (gemv_study_xs_step_7b7213b.json), whole-K programs won where N <= 6144 (k/v 1024: 6.16 ->
-# 5.60 us, o 8.24 -> 7.96, qkv 9.83 -> 9.37), tied at 28672 and lost at 14336 (14.53 -> 15.13).
+# no arrival counters) won. Every winner had 11-16 warps per SM: the whole grid resident at once, no second wave.
+# The cap of 16 warps per SM was registers: 128 a thread (ncu on the H200: "Block Limit Registers 8", theoretical
+# occupancy 25%, logs/2026-12-04c_call2_ncu.log). Triton 3.6 (the H200 image's) laid the [rows, groups, words]
+# weight tile out with threads across rows, so each thread held the activation pairs of all 4 groups; Triton 3.9
+# (this repository's CPU pin, whose offline compiles said 72) spread threads across groups. Since the session of
+# 2026-12-05 the weights are loaded as 2-D rows and only viewed as [rows, groups, words] for the math: 68-80
+# registers under both (scripts/sass_report.py --kernel xs, results/cpu/records/sass_xs.json), up to ~28 warps
+# per SM -- grids with more warps per SM than 16 have not been timed yet.
+# With each GEMV after a kernel that writes its activations, as in a decode step (gemv_study_xs_step_7b7213b.json),
+# whole-K programs won where N <= 6144 (k/v 1024: 6.16 -> 5.60 us, o 8.24 -> 7.96, qkv 9.83 -> 9.37), tied at
+# 28672 and lost at 14336 (14.53 -> 15.13).
 XS_TILE = dict(BLOCK_N=16, BLOCK_K=512, PREFETCH=1, WEIGHTS_FIRST=True, num_warps=2)
 XS_WHOLE_K_TILE = dict(BLOCK_N=4, PREFETCH=1, WEIGHTS_FIRST=True, num_warps=4)  # BLOCK_K = K
 XS_WHOLE_K_MAX = 4096  # K
