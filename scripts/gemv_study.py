@@ -177,6 +177,9 @@ def _step_candidates(n: int, k: int) -> list[dict]:
         base = _launch_config(t)
         if base not in out:
             out += [base, dict(base, PDL=True)]
+            # and more programs: half and a quarter of the rule's row steps (more warps per SM than the 16 that
+            # 128 registers allowed before the 2-D weight loads)
+            out += [dict(base, ROW_STEPS=base["ROW_STEPS"] // d) for d in (2, 4) if base["ROW_STEPS"] // d >= 1]
     return out
 
 
