@@ -9,6 +9,13 @@ that floor is instruction-bound; below it, a slow measured time points at latenc
 SM), not at the arithmetic.
 
     python scripts/sass_report.py [--kernel w8 w4 xs w8xs] [--group 128] [--out DIR]
+
+Compile with the Triton the GPU runs: the H200 image has Triton 3.6, and its layouts differ from 3.9's (this
+repository's CPU pin) -- the int4 stationary GEMV's 3-D weight load took 128 registers under 3.6 and 72 under 3.9
+until its weights were loaded as 2-D rows. A venv for it (CPU torch, no GPU needed):
+
+    python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install torch==2.13.0 triton==3.6.0 transformers==5.24.0 tqdm
+    /tmp/t36/bin/python scripts/sass_report.py --kernel xs w8xs --out results/cpu
 """
 
 from __future__ import annotations
