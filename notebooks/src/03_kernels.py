@@ -183,6 +183,13 @@ display(att.round(3))
 # The int4 GEMV keeps its activations *stationary*: each program prepares one slice of 512 activations once and
 # walks down its rows with the next block's weights already in flight, instead of preparing the activations again
 # for every block of rows (records/gemv_study_xs_2748180.json: 10-20% faster at four of the five 8B shapes).
+# Registers decide how many warps an SM can hold, and they depend on the compiler, not only on the code: with the
+# weights loaded as a 3-D `[rows, groups, words]` tile, the H200 image's Triton 3.6 put threads across rows, so
+# each thread held the activations of every group -- 128 registers, 16 warps per SM at most (ncu: "Block Limit
+# Registers 8", results/h200/logs/2026-12-04c_call2_ncu.log) -- where Triton 3.9 compiled the same source to 72.
+# Loading the weights as 2-D rows and viewing them as 3-D only for the math gives 68-96 under both
+# (results/cpu/records/sass_xs.json, `scripts/sass_report.py`). Check register counts with the compiler the GPU runs.
+#
 # The int8 GEMV has a stationary version too (`w8_triton_stationary`, figure
 # `kernels.w8_stationary_gemv_speedup_vs_bf16`): what the engine's fused int8 layers run, since it takes in a
 # layer's norms and adds as the int4 one does. It multiplies in packed float16 as well: a byte permute lays two
