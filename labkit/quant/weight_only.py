@@ -106,7 +106,8 @@ _FUSED: dict[str, object] = {}
 
 
 def fused_kernel(name: str):
-    """``w8a16_matmul`` or ``w4a16_matmul`` from ``labkit.kernels.quantized_matmul``, or None if absent."""
+    """A kernel of ``labkit.kernels.quantized_matmul`` by name (``w8a16_matmul``, ``w4a16_qkv_rope_cache``, ...), or
+    None if absent."""
     if name not in _FUSED:
         try:
             from labkit.kernels import quantized_matmul
@@ -141,7 +142,8 @@ class _QuantizedLinear(nn.Module):
     called on ``(x, *self._weights())``, and ``fused_forward`` (the projection with a decoder layer's neighbours).
     Subclasses set ``in_features``, ``out_features``, ``bias`` and ``backend``."""
 
-    _KERNEL = ""
+    _KERNEL = ""  # the product's kernel in labkit.kernels.quantized_matmul
+    _QKV_ROPE_KERNEL = ""  # the merged q/k/v projection's, with RoPE and the cache write
 
     def _weights(self) -> tuple:
         raise NotImplementedError
@@ -206,7 +208,7 @@ class _QuantizedLinear(nn.Module):
         batch 1). Returns ``(q_rot, k_rot)``; needs the fused kernels (``uses_kernels``)."""
         if self.bias is not None:
             raise ValueError("qkv_rope_cache needs a bias-free layer (a merged q/k/v projection)")
-        fn = _use_fused("triton", x, self._KERNEL.replace("matmul", "qkv_rope_cache"))
+        fn = _use_fused("triton", x, self._QKV_ROPE_KERNEL)
         opts = dict(norm_weight=norm.weight, norm_eps=norm.variance_epsilon) if norm is not None else {}
         return fn(x, *self._weights(), num_heads, cos, sin, k_cache, v_cache, slot_mapping, pdl=pdl, **opts)
 
@@ -239,7 +241,7 @@ class Int8Linear(_QuantizedLinear):
         """The weight ``[N, K]`` this layer computes with."""
         return dequantize_int8(self.qweight, self.scale, dtype)
 
-    _KERNEL = "w8a16_matmul"
+    _KERNEL, _QKV_ROPE_KERNEL = "w8a16_matmul", "w8a16_qkv_rope_cache"
 
     def _weights(self) -> tuple:
         return self.qweight, self.scale
@@ -283,7 +285,7 @@ class Int4Linear(_QuantizedLinear):
         """The weight ``[N, K]`` this layer computes with."""
         return dequantize_int4(self.packed, self.scales, self.zeros, self.group_size, dtype)
 
-    _KERNEL = "w4a16_matmul"
+    _KERNEL, _QKV_ROPE_KERNEL = "w4a16_matmul", "w4a16_qkv_rope_cache"
 
     def _weights(self) -> tuple:
         return self.packed, self.scales, self.zeros, self.group_size
