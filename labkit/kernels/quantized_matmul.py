@@ -642,10 +642,13 @@ def _xs_block_done(part, rows, lrows, ws_ptr, res_ptr, out_ptr, N, SPLIT_P2: tl.
 @triton.jit
 def _xs_reduce(ws_ptr, cnt_ptr, res_ptr, out_ptr, N, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, n_rot_rows,
                n_k_rows, n_slots, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SPLIT_P2: tl.constexpr,
-               RED_ROWS: tl.constexpr, RESIDUAL: tl.constexpr, ROPE_HALF: tl.constexpr):
-    """Count this program's arrival at its row chunk (``program_id(1)``, ``ROWS`` rows); the last slice to arrive
-    sums every slice's partials in slice order, ``RED_ROWS`` rows at a time, stores them (``_output_rows``, or
-    ``_rope_cache_rows`` with ``ROPE_HALF``) and resets the chunk's counter."""
+               RED_ROWS: tl.constexpr, RESIDUAL: tl.constexpr, ROPE_HALF: tl.constexpr, REDUCE: tl.constexpr):
+    """Where K is split (``SPLIT_P2 > 1``): count this program's arrival at its row chunk (``program_id(1)``,
+    ``ROWS`` rows); the last slice to arrive sums every slice's partials in slice order, ``RED_ROWS`` rows at a
+    time, stores them (``_output_rows``, or ``_rope_cache_rows`` with ``ROPE_HALF``) and resets the chunk's
+    counter. ``REDUCE`` False (a timing experiment): the partials are left unsummed."""
+    if SPLIT_P2 == 1 or not REDUCE:
+        return
     pid_n = tl.program_id(1)
     tl.debug_barrier()  # all of this program's partials are written before its arrival is counted
     if tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel") == tl.num_programs(0) - 1:
@@ -745,10 +748,8 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
         part = tl.sum(s.to(tl.float32) * (q_x - z.to(tl.float32) * x_sum[None, :]), 1)
         _xs_block_done(part, n64 + i * BLOCK_N, lrows + i * BLOCK_N, ws_ptr, res_ptr, out_ptr, N, SPLIT_P2,
                        RESIDUAL)
-    if SPLIT_P2 == 1 or not REDUCE:  # (not REDUCE: a timing experiment, the partials are left unsummed)
-        return
     _xs_reduce(ws_ptr, cnt_ptr, res_ptr, out_ptr, N, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, n_rot_rows,
-               n_k_rows, n_slots, BLOCK_N, ROWS, SPLIT_P2, RED_ROWS, RESIDUAL, ROPE_HALF)
+               n_k_rows, n_slots, BLOCK_N, ROWS, SPLIT_P2, RED_ROWS, RESIDUAL, ROPE_HALF, REDUCE)
 
 
 @triton.jit
@@ -821,10 +822,8 @@ def _w8_gemv_xs(x_ptr, w_ptr, s_ptr, lo_mask, hi_mask, out_ptr, ws_ptr, cnt_ptr,
             part = tl.sum(qx, 1) * s.to(tl.float32)
         _xs_block_done(part, n64 + i * BLOCK_N, lrows + i * BLOCK_N, ws_ptr, res_ptr, out_ptr, N, SPLIT_P2,
                        RESIDUAL)
-    if SPLIT_P2 == 1 or not REDUCE:  # (not REDUCE: a timing experiment, the partials are left unsummed)
-        return
     _xs_reduce(ws_ptr, cnt_ptr, res_ptr, out_ptr, N, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, n_rot_rows,
-               n_k_rows, n_slots, BLOCK_N, ROWS, SPLIT_P2, RED_ROWS, RESIDUAL, ROPE_HALF)
+               n_k_rows, n_slots, BLOCK_N, ROWS, SPLIT_P2, RED_ROWS, RESIDUAL, ROPE_HALF, REDUCE)
 
 
 @triton.jit
