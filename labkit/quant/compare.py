@@ -170,7 +170,7 @@ def speed_rows(model: nn.Module, methods=("int8", "int4", "fp8", "bnb-int8", "bn
     GEMV each, RoPE and the cache write in one kernel, paged decode attention; a CUDA-graph replay on CUDA), where
     a layer costs a dozen kernels instead of HF's ~25, so the step is closer to its weight bytes. bitsandbytes
     rows are refused there (its layers are not capturable). ``engine_options`` go to its ``ModelRunner`` (for an
-    A/B in one run: ``{"fuse_layer_ops": False}`` keeps int4 layers' norms and residual adds in kernels of their
+    A/B in one run: ``{"fuse_layer_ops": False}`` keeps int8/int4 layers' norms and residual adds in kernels of their
     own) and are kept in each row.
     """
     if runner not in ("hf", "engine"):
