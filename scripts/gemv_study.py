@@ -333,6 +333,8 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"),
                          "num_warps": 4}]
             elif kind == "w8xs":
                 todo = _xs8_candidates(n, k)
+            elif kind == "w8" and baseline_only:  # the autotuner's pick only (the wrapper), as a step runs it
+                todo = [None]
             elif kind == "w4xs" and experiments == "step":
                 todo = _step_candidates(n, k)
             elif kind == "w4xs" and experiments == "fused":
@@ -438,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
                     default=("bf16", "w8", "w4"))
     ap.add_argument("--baseline-only", action="store_true",
                     help="int4: time only the split-K kernel's best configs and, for w4xs, labkit's tile around "
-                         "its row-step rule")
+                         "its row-step rule; int8 (w8): only the autotuner's pick")
     ap.add_argument("--experiments", nargs="?", const="pdl", choices=("pdl", "tiles", "step", "fused"),
                     help="w4xs: labkit's tile with programmatic dependent launch and without its reduction (pdl), "
                          "or other slices, warps and whole-K programs, all with PDL (tiles), or the split and whole-K "
