@@ -210,7 +210,7 @@ def test_fused_merge_on_the_gpu_in_a_cuda_graph():
     from labkit.kernels.common import arrival_counters
 
     lens = [1, 100, 4096, 2000, 17, 513]
-    q, k, v, tables, ctx = _case(6, 32, 8, 128, 16, lens, 1400, torch.bfloat16, seed=13, device="cuda")
+    q, k, v, tables, ctx = _case(6, 32, 8, 128, 16, lens, 1600, torch.bfloat16, seed=13, device="cuda")
     for pdl in ("", "release", "overlap"):
         merged = paged_attention(q, k, v, tables, ctx, num_splits=33, pdl=pdl)
         fused = paged_attention(q, k, v, tables, ctx, num_splits=33, pdl=pdl, fused_merge=True)

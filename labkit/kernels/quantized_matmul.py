@@ -1095,7 +1095,11 @@ XS8_TILE = dict(BLOCK_N=8, BLOCK_K=512, PREFETCH=1, WEIGHTS_FIRST=True, num_warp
 XS8_WHOLE_K_TILE = dict(BLOCK_N=2, PREFETCH=1, WEIGHTS_FIRST=True, num_warps=4)  # BLOCK_K = K
 XS8_PLAIN = False  # whether a bare int8 product (nothing fused, no PDL) takes _w8_gemv_xs too
 CPU_XS_TILE = dict(BLOCK_N=8, BLOCK_K=128, PREFETCH=1, num_warps=1)  # tests set ROW_STEPS and others
-XS_WARPS_PER_SM = 11
+XS_WARPS_PER_SM = 11  # whole-K programs
+# programs on slices of K: 22 since the 2-D weight loads let more warps fit. Each GEMV after a kernel that writes
+# its activations, H200 (records/gemv_study_step_e38a902.json), half the row steps of the old rule (11):
+# gate_up 25.89 -> 22.93 us, down 16.32 -> 13.96, 14336 x 4096 15.82 -> 13.80; a quarter: slower again
+XS_SPLIT_WARPS_PER_SM = 22
 XS_MAX_SLICES = 256
 XS_REDUCE_TILE = 4096  # float32 partials per reduction tile of the last program (64 registers a thread)
 
@@ -1133,8 +1137,9 @@ def xs_tile(n: int, k: int, group: int, device: torch.device, tile: dict | None 
     """The stationary-activation int4 GEMV's launch parameters for ``[N, K]`` weights, or None where its whole
     tiles do not fit (the split-K ``_w4_gemv`` takes those). ``tile``: ``BLOCK_N``, ``BLOCK_K`` (raised to the
     group), ``PREFETCH``, ``num_warps`` and optionally ``ROW_STEPS`` (a power of two); without it, the most row
-    blocks per program that still give every SM ``XS_WARPS_PER_SM`` warps. Default tile: under the interpreter
-    ``CPU_XS_TILE``; on CUDA ``XS_WHOLE_K_TILE`` where ``K <= XS_WHOLE_K_MAX`` is a power-of-two number of groups
+    blocks per program that still give every SM ``XS_WARPS_PER_SM`` warps (``XS_SPLIT_WARPS_PER_SM`` where K is
+    split). Default tile: under the interpreter ``CPU_XS_TILE``; on CUDA ``XS_WHOLE_K_TILE`` where ``K <=
+    XS_WHOLE_K_MAX`` is a power-of-two number of groups
     and ``N <= XS_WHOLE_K_MAX_N`` whole steps of it, else ``XS_TILE``; also ``XS_TILE`` with ``norm`` (the RMSNorm
     in the prologue), where a whole-K program holds its row's statistic beside the row (96 registers on sm_90,
     against 72, results/cpu/records/sass_xs.json: fewer warps per SM; qkv 10.6 us against 9.5 split,
@@ -1155,7 +1160,8 @@ def xs_tile(n: int, k: int, group: int, device: torch.device, tile: dict | None 
                          f"{'groups' if bits == 4 else 'words'}")
     if n % bn or k % bk or k // bk > XS_MAX_SLICES:
         return None
-    slices, target = k // bk, XS_WARPS_PER_SM * num_sms(device)
+    slices = k // bk
+    target = (XS_WARPS_PER_SM if slices == 1 else XS_SPLIT_WARPS_PER_SM) * num_sms(device)
     steps = tile.get("ROW_STEPS") or max([s for s in (1, 2, 4, 8, 16, 32) if n % (bn * s) == 0 and
                                           slices * (n // (bn * s)) * tile["num_warps"] >= target] or [1])
     if steps < 1 or steps & (steps - 1):
