@@ -113,11 +113,10 @@ def test_quantised_projections_merge(tiny_model, prompts, method):
     cache = nan_cache(qmodel, num_blocks=24, block_size=4)
     runner = ModelRunner(qmodel, cache, kernels="triton")
     assert runner.merged and type(runner.w_qkv[0]) is {"int8": Int8Linear, "int4": Int4Linear}[method]
-    # int4 folds its neighbours by default, int8 when asked (its stationary GEMV is untimed on a GPU); float32:
-    # the separate kernels, inside fused_forward
-    assert runner.fused_layer_ops == (method == "int4")
-    assert ModelRunner(qmodel, nan_cache(qmodel, num_blocks=24, block_size=4), kernels="triton",
-                       fuse_layer_ops=True).fused_layer_ops
+    # both fold their neighbours by default (float32: the separate kernels, inside fused_forward); False keeps them out
+    assert runner.fused_layer_ops
+    assert not ModelRunner(qmodel, nan_cache(qmodel, num_blocks=24, block_size=4), kernels="triton",
+                           fuse_layer_ops=False).fused_layer_ops
     for (a, _), (b, _) in zip(run_steps(runner, cache, short), ref):
         assert relative_error(a, b) <= 1e-5
 
@@ -338,8 +337,8 @@ def test_bad_arguments(tiny_model):
             ModelRunner(model, cache, cuda_graphs=True)
     with pytest.raises(ValueError, match="does not match the model"):
         ModelRunner(model, PagedKVCache(8, 2, 32, 4, 4))
-    with pytest.raises(ValueError, match="fuse_layer_ops='yes'; allowed"):
-        ModelRunner(model, cache, fuse_layer_ops="yes")
+    with pytest.raises(ValueError, match="fuse_layer_ops='auto'; allowed: True, False"):
+        ModelRunner(model, cache, fuse_layer_ops="auto")
     runner = ModelRunner(model, cache, kernels="torch", max_model_len=8)
     cache.allocate("long", list(range(3, 15)))
     with pytest.raises(ValueError, match="more than max_model_len=8"):

@@ -8,7 +8,7 @@ RoPE -> write k, v at ``slot_mapping`` (one kernel for both on the Triton path w
 attention (an all-decode step: ``paged_attention`` over the block tables, flash-decoding for long contexts; a step
 with prefill chunks: ``paged_prefill_attention``, every row causally over its sequence's cached tokens, decode rows
 included, in one launch) -> o projection -> add residual + RMSNorm -> SwiGLU MLP (gate and up merged,
-``silu_and_mul``). With int4 weights (int8 with ``fuse_layer_ops=True``) each RMSNorm, residual add and SwiGLU runs
+``silu_and_mul``). With int8 or int4 weights each RMSNorm, residual add and SwiGLU runs
 inside the projection next to it (``Int4Linear`` / ``Int8Linear.fused_forward``: at decode batch 1 inside the GEMVs).
 Logits are computed for each sequence's last token only (``logits_indices``).
 
@@ -30,11 +30,7 @@ import torch
 
 from labkit.kvcache.attention import dequantised_blocks, paged_prefill_attention_ref
 from labkit.kvcache.paged import PagedKVCache
-from labkit.quant.weight_only import Int4Linear, concat_linears
-
-# the layers whose neighbours fold into their GEMVs by default (fuse_layer_ops="auto"). int8 layers take the same
-# path with fuse_layer_ops=True; not by default until its stationary GEMV is timed on a GPU (notebook 04's int8 A/B)
-AUTO_FUSED = (Int4Linear,)
+from labkit.quant.weight_only import concat_linears
 
 KERNELS = ("auto", "torch", "triton")
 
@@ -96,8 +92,8 @@ class ModelRunner:
     * ``max_model_len``: longest sequence (sets the graphs' block-table width); default the model's maximum
     * ``fuse_layer_ops``: where every merged projection is labkit's int8 or int4 layer, fold each RMSNorm into
       the projection after it and each residual add into the one before it (``fused_forward``): at decode batch 1
-      the GEMVs do them, two kernels fewer per layer. ``"auto"`` (default): for the kinds in ``AUTO_FUSED`` (int4;
-      int8's path is not timed on the H200 yet), True: for int8 too, False: never
+      the GEMVs do them, two kernels fewer per layer (default True; the H200's 8B step with int4 2.308 -> 2.057 ms,
+      with int8 2.801 -> 2.681 ms, results/h200/records/04_quantization.json)
     * ``fuse_qkv_rope`` (with ``fuse_layer_ops``): RoPE and the k/v cache write in the q/k/v GEMV's store too
       (``w4a16_qkv_rope_cache`` / ``w8a16_qkv_rope_cache``): one kernel fewer per layer (the H200's 8B int4
       step 2.374 -> 2.313 ms, results/h200/records/04_quantization_1c63a29.json)
@@ -117,7 +113,7 @@ class ModelRunner:
     def __init__(self, model, cache: PagedKVCache, kernels: str = "auto", cuda_graphs: bool | str = "auto",
                  max_num_seqs: int = 256, max_model_len: int | None = None,
                  graph_batch_sizes: Sequence[int] | None = None, merge_weights: bool = True,
-                 graph_token_sizes: Sequence[int] = (), fuse_layer_ops: bool | str = "auto", fuse_qkv_rope: bool = True,
+                 graph_token_sizes: Sequence[int] = (), fuse_layer_ops: bool = True, fuse_qkv_rope: bool = True,
                  gemv_pdl: bool = True, early_attention: bool = False, fused_attention_merge: bool = False):
         self._check_model(model, cache)
         if kernels not in KERNELS:
@@ -136,9 +132,9 @@ class ModelRunner:
         self._dequantise = cache.fmt.quantised or cache.fmt.storage_dtype != self.dtype
         self._rope_tables()
         self.merged = self._merge_projections() if (self.use_triton and merge_weights) else False
-        if fuse_layer_ops not in ("auto", True, False):
-            raise ValueError(f"fuse_layer_ops={fuse_layer_ops!r}; allowed: 'auto', True, False")
-        self.fused_layer_ops = bool(fuse_layer_ops) and self.merged and self._fusable(fuse_layer_ops == "auto")
+        if fuse_layer_ops not in (True, False):
+            raise ValueError(f"fuse_layer_ops={fuse_layer_ops!r}; allowed: True, False")
+        self.fused_layer_ops = bool(fuse_layer_ops) and self.merged and self._fusable()
         self.fuse_qkv_rope = fuse_qkv_rope and self.fused_layer_ops
         self.gemv_pdl = gemv_pdl and self.fused_layer_ops
         self.early_attention = early_attention and self.gemv_pdl
@@ -191,14 +187,12 @@ class ModelRunner:
         self.w_gate_up = [concat_linears([ly.mlp.gate_proj, ly.mlp.up_proj]) for ly in self.layers]
         return all(w is not None for w in self.w_qkv + self.w_gate_up)
 
-    def _fusable(self, auto: bool) -> bool:
-        """Whether every projection can take in its neighbours (``fused_forward``: labkit's int8/int4 layers; with
-        ``auto``, only ``AUTO_FUSED`` ones) and every norm is an RMSNorm with ``weight`` and ``variance_epsilon``."""
+    def _fusable(self) -> bool:
+        """Whether every projection can take in its neighbours (``fused_forward``: labkit's int8/int4 layers) and every
+        norm is an RMSNorm with ``weight`` and ``variance_epsilon``."""
         projections = [p for i, ly in enumerate(self.layers)
                        for p in (self.w_qkv[i], ly.self_attn.o_proj, self.w_gate_up[i], ly.mlp.down_proj)]
         norms = [n for ly in self.layers for n in (ly.input_layernorm, ly.post_attention_layernorm)]
-        if auto and not all(isinstance(p, AUTO_FUSED) for p in projections):
-            return False
         return all(hasattr(p, "fused_forward") for p in projections) and \
             all(hasattr(n, "weight") and hasattr(n, "variance_epsilon") for n in norms)
 

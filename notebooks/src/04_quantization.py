@@ -173,9 +173,7 @@ display(pd.DataFrame(gen_rows))
 # each layer's neighbours into its GEMVs (`fused_forward`, on the stationary GEMVs): the RMSNorms run in the
 # prologues of the q/k/v and gate/up GEMVs, the residual adds in the stores of the o and down GEMVs, SwiGLU as the
 # down GEMV prepares its activations, RoPE and the k/v cache write as the q/k/v GEMV stores its rows -- four GEMVs
-# and attention per layer. (For int8 this path is new and not the default until timed: the int8 row is the step
-# with separate kernels around the split-K GEMV, and one more pass times it with `fuse_layer_ops=True`, the
-# stationary int8 GEMV taking in the same neighbours.)
+# and attention per layer (int8 on its own stationary GEMV, packed float16 math over the bytes).
 # More passes time the int4 engine step with the norms and adds in kernels of their own
 # (`fuse_layer_ops=False`), with RoPE and the cache write in a kernel of their own (`fuse_qkv_rope=False`), and
 # with every GEMV launched plainly (`gemv_pdl=False`; by default every GEMV but the first is a programmatic
@@ -183,7 +181,8 @@ display(pd.DataFrame(gen_rows))
 # before waiting for it), with decode attention a dependent launch too (`early_attention=True`: it loads its
 # first tile of K and V, all but the newest token's rows, while the q/k/v GEMV ahead finishes), and with no merge
 # kernel after decode attention (`fused_attention_merge=True`: the last of a KV head's context ranges to finish
-# merges them, counted with an atomic as the split GEMVs reduce): A/Bs in one run.
+# merges them, counted with an atomic as the split GEMVs reduce), and the int8 step with separate kernels
+# around the split-K int8 GEMV (`fuse_layer_ops=False`): A/Bs in one run.
 # The figures quote the third pass where it ran.
 # On the CPU profiles this section times the embedded model instead: there the quantised layers dequantise on
 # every call (no fused kernel), so they are *slower*: the speed-up is a property of the fused GPU kernels.
@@ -207,7 +206,7 @@ if PROFILE == "gpu":
         print(f"engine pass failed: {type(e).__name__}: {e}")
     ab_options = ({"fuse_layer_ops": False}, {"fuse_qkv_rope": False}, {"gemv_pdl": False}, {"early_attention": True},
                   {"fused_attention_merge": True})
-    ab_passes = [("int4", opts) for opts in ab_options] + [("int8", {"fuse_layer_ops": True})]
+    ab_passes = [("int4", opts) for opts in ab_options] + [("int8", {"fuse_layer_ops": False})]
     for method, opts in ab_passes:  # A/B passes: one option flipped against the default, in this run
         try:
             speed += speed_rows(big, methods=(method,), context_len=SIZES["context"], iters=SIZES["decode_iters"],
