@@ -183,6 +183,21 @@ def _step_candidates(n: int, k: int) -> list[dict]:
     return out
 
 
+def _pair_candidates(n: int, k: int) -> list[dict]:
+    """The split tile and (where K <= 4096) the whole-K tile at the rule's row steps and half of them, each with
+    and without ``PAIR_WORDS`` (two words' products in the same float16 lanes: 2.72 -> 2.42 loop instructions
+    per weight on sm_90, results/cpu/records/sass_xs_pair_words.json), after a kernel that writes the activations:
+    for ``--experiments pairs``."""
+    tiles = [qm.xs_tile(n, k, GROUP, torch.device("cuda"), qm.XS_TILE),
+             qm.xs_tile(n, k, GROUP, torch.device("cuda"), dict(qm.XS_WHOLE_K_TILE, BLOCK_K=k)) if k <= 4096 else None]
+    out = []
+    for t in filter(None, tiles):
+        base = _launch_config(t)
+        for steps in {base["ROW_STEPS"], max(1, base["ROW_STEPS"] // 2)}:
+            out += [dict(base, ROW_STEPS=steps, PAIR_WORDS=pair) for pair in (False, True)]
+    return out
+
+
 def _fused_candidates(n: int, k: int) -> list[dict]:
     """The split tile and (where K <= 4096) the whole-K tile, each plain, with the RMSNorm in its prologue and with
     the residual add in its store: for ``--experiments fused``,
@@ -337,6 +352,8 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"),
                 todo = [None]
             elif kind == "w4xs" and experiments == "step":
                 todo = _step_candidates(n, k)
+            elif kind == "w4xs" and experiments == "pairs":
+                todo = _pair_candidates(n, k)
             elif kind == "w4xs" and experiments == "fused":
                 todo = _fused_candidates(n, k)
             elif kind == "w4xs" and experiments == "tiles":
@@ -353,7 +370,8 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"),
                 try:
                     got = launch(sets[0]).float()
                     err = ((got - ref).norm() / ref.norm()).item()
-                    if experiments in ("step", "fused"):  # a kernel that writes the activations before every GEMV
+                    # a kernel that writes the activations before every GEMV
+                    if experiments in ("step", "fused", "pairs"):
                         src = xk.clone()
                         t = graph_us(lambda w, f=launch, a=src, b=xk: (torch.mul(a, 1.0, out=b), f(w)), sets)
                     else:
@@ -441,11 +459,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-only", action="store_true",
                     help="int4: time only the split-K kernel's best configs and, for w4xs, labkit's tile around "
                          "its row-step rule; int8 (w8): only the autotuner's pick")
-    ap.add_argument("--experiments", nargs="?", const="pdl", choices=("pdl", "tiles", "step", "fused"),
+    ap.add_argument("--experiments", nargs="?", const="pdl", choices=("pdl", "tiles", "step", "fused", "pairs"),
                     help="w4xs: labkit's tile with programmatic dependent launch and without its reduction (pdl), "
                          "or other slices, warps and whole-K programs, all with PDL (tiles), or the split and whole-K "
                          "tiles with and without PDL, each GEMV after a kernel that writes its activations (step), "
-                         "or those tiles plain, with the RMSNorm inside and with the residual add inside (fused)")
+                         "or those tiles plain, with the RMSNorm inside and with the residual add inside (fused), "
+                         "or at the rule's and half its row steps with and without PAIR_WORDS (pairs)")
     ap.add_argument("--best", help="a gemv_study.json: launch each shape's best candidate (for ncu)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -8,7 +8,7 @@ weights / 33.4e12`` is the time the kernel needs for issue alone; compare it wit
 that floor is instruction-bound; below it, a slow measured time points at latency (too few bytes in flight per
 SM), not at the arithmetic.
 
-    python scripts/sass_report.py [--kernel w8 w4 xs w8xs] [--group 128] [--out DIR]
+    python scripts/sass_report.py [--kernel w8 w4 xs w8xs] [--group 128] [--pair-words] [--out DIR]
 
 Compile with the Triton the GPU runs: the H200 image has Triton 3.6, and its layouts differ from 3.9's (this
 repository's CPU pin) -- the int4 stationary GEMV's 3-D weight load took 128 registers under 3.6 and 72 under 3.9
@@ -123,11 +123,11 @@ def report(fn, signature: dict, constexprs: dict, num_warps: int, weights_per_th
             "top_ops": sorted(ops.items(), key=lambda kv: -kv[1])[:8]}
 
 
-def xs_report(qm, group: int = 128, bits: int = 4, half: bool = True) -> list[dict]:
+def xs_report(qm, group: int = 128, bits: int = 4, half: bool = True, pair_words: bool = False) -> list[dict]:
     """Registers, spills and loop instructions of the stationary GEMV -- int4 (``_w4_gemv_xs``) or, with ``bits=8``,
     int8 (``_w8_gemv_xs``) -- in ``XS_CASES``, with the tiles ``qm.xs_tile`` picks on 132 SMs (``split``:
     ``XS_TILE`` / ``XS8_TILE``; ``whole``: ``XS_WHOLE_K_TILE`` / ``XS8_WHOLE_K_TILE``); ``half``: packed float16
-    math (False: the float32 path)."""
+    math (False: the float32 path); ``pair_words`` (int4): two words' products in the same float16 lanes."""
     import torch
 
     qm.num_sms = lambda device: 132  # an H200's SMs: the row-step rule as on the GPU
@@ -139,11 +139,13 @@ def xs_report(qm, group: int = 128, bits: int = 4, half: bool = True) -> list[di
                           bits=bits)
         meta = {key: val for key, val in tile.items() if key != "num_warps"}
         meta.update({"PDL": False, "REDUCE": True, "SWIGLU": False, "NORM_CHUNKS": 0, "RESIDUAL": False,
-                     "ROPE_HALF": 0, "HALF_MATH": int(half), **extra, **({"GROUP": group} if bits == 4 else {})})
+                     "ROPE_HALF": 0, "HALF_MATH": int(half), **extra,
+                     **({"GROUP": group, "PAIR_WORDS": pair_words} if bits == 4 else {})})
         sig = dict(sig0, **{key: "constexpr" for key in meta})
         per_thread = tile["BLOCK_N"] * tile["BLOCK_K"] // (32 * tile["num_warps"])  # weights a row block gives
         r = report(kernel, sig, meta, tile["num_warps"], per_thread)
-        rows.append({"case": name, "bits": bits, "half_math": half, "N": n, "K": k, "tile": kind,
+        rows.append({"case": name, "bits": bits, "half_math": half, "pair_words": pair_words and bits == 4,
+                     "N": n, "K": k, "tile": kind,
                      **{key: tile[key] for key in ("BLOCK_N", "BLOCK_K", "ROW_STEPS", "num_warps")},
                      "registers": r["registers"],
                      "spill_bytes": r["spill_bytes"], "loop_instructions": r["loop_instructions"],
@@ -164,18 +166,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefetch", action="store_true", help="int4: loads issued a step ahead (PREFETCH)")
     ap.add_argument("--float32", action="store_true", help="int4 / w8xs: the float32 path instead of packed "
                     "float16 math")
+    ap.add_argument("--pair-words", action="store_true", help="xs: PAIR_WORDS, two words' products in the same "
+                    "float16 lanes (records/sass_xs_pair_words.json)")
     ap.add_argument("--weights", type=float, default=4096 * 14336, help="weights of the layer, for the issue time")
     args = ap.parse_args(argv)
     qm = _jit_kernels()
     for name, bits in (("xs", 4), ("w8xs", 8)):
         if name not in args.kernel:
             continue
-        rows = xs_report(qm, args.group, bits, not args.float32)
+        pair = args.pair_words and bits == 4
+        rows = xs_report(qm, args.group, bits, not args.float32, pair)
         if args.out:
             from labkit.bench import write_record
 
-            print("wrote", write_record(f"sass_{name}", {"target": "sm_90", "triton": triton.__version__,
-                                                         "rows": rows}, out_dir=args.out))
+            record = {"target": "sm_90", "triton": triton.__version__, "rows": rows}
+            print("wrote", write_record(f"sass_{name}" + ("_pair_words" if pair else ""), record, out_dir=args.out))
     for name in (k for k in args.kernel if k in ("w8", "w4")):
         tiles = qm.W8_TILES if name == "w8" else qm.W4_TILES
         for bn, bk, warps in tiles:

@@ -193,6 +193,34 @@ def test_w4a16_gemv_stationary_activations(monkeypatch, tile, group, dtype):
     assert not counters.any()  # every row chunk's last slice reset its counter
 
 
+@pytest.mark.parametrize("group", [16, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_w4a16_stationary_word_pairs(monkeypatch, group, dtype):
+    """``PAIR_WORDS`` (two words' sixteen products in the same float16 lanes): within the tolerance of the
+    reference, also where every lane is at its bound -- nibbles of 15 against activations of one sign, each
+    group's largest scaled to just under 512, eight products a lane -- and refused for groups of one word."""
+    import labkit.kernels.quantized_matmul as qm
+
+    monkeypatch.setattr(qm, "CPU_XS_TILE", dict(BLOCK_N=8, BLOCK_K=128, ROW_STEPS=2, PREFETCH=1, num_warps=1,
+                                                PAIR_WORDS=True))
+    for name in ("XS_TILE", "XS_WHOLE_K_TILE"):  # on CUDA (the PTX)
+        monkeypatch.setattr(qm, name, dict(getattr(qm, name), PAIR_WORDS=True))
+    launched = []
+    monkeypatch.setattr(qm, "w4_gemv_xs", lambda *a, f=qm.w4_gemv_xs: launched.append(a[-1]) or f(*a))
+    packed, scales, zeros = _int4(32, 384, group, seed=60)
+    x = _x((1, 384), dtype, seed=61)
+    args = (packed, scales.to(dtype), zeros.to(dtype), group)
+    assert relative_error(w4a16_matmul(x, *args), w4a16_matmul_ref(x.double(), *args)) < TOL[dtype]
+    packed[:8] = 0xFF  # q = 15 everywhere in the first row block
+    x = x.abs() * 3e3 + 1
+    args = (packed, scales.to(dtype) / 3e3, zeros.to(dtype), group)
+    out = w4a16_matmul(x, *args)
+    assert out.isfinite().all() and relative_error(out, w4a16_matmul_ref(x.double(), *args)) < TOL[dtype]
+    assert len(launched) == 2 and all(t["PAIR_WORDS"] for t in launched)
+    with pytest.raises(ValueError, match="PAIR_WORDS needs groups of two int32 words or more"):
+        qm.w4_gemv_xs(x, packed.view(torch.int32), scales.to(dtype), zeros.to(dtype), 8, qm.CPU_XS_TILE)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_stationary_gemv_with_the_whole_of_k_in_one_program(monkeypatch, dtype):
     """One slice (``BLOCK_K == K``): each program stores its rows itself, no partials, no counters."""

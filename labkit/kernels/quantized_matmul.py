@@ -226,32 +226,50 @@ def _nibble(src, P: tl.constexpr):
     return bits.to(tl.float32, bitcast=True) - 8388608.0 / (1 << (4 * P))
 
 
+def _f16x2_fmas(first: int, more: bool = False) -> str:
+    """PTX: the float16 pairs ``t0 .. t3`` times the activation pairs in operands ``$first .. $first + 3`` into the
+    two float16 lanes of ``acc`` (HMUL2 and three HFMA2; ``more``: four HFMA2 onto the lanes already there)."""
+    head = "" if more else f"mul.f16x2 acc, t0, ${first};\n"
+    return head + "".join(f"fma.rn.f16x2 acc, t{i}, ${first + i}, acc;\n" for i in range(int(not more), 4))
+
+
+_F16X2_SUM = "mov.b32 {lo, hi}, acc;\ncvt.f32.f16 flo, lo;\ncvt.f32.f16 fhi, hi;\nadd.f32 $0, flo, fhi;\n}"
+
+
 def _f16x2_products(first: int) -> str:
-    """PTX that ends the packed float16 dots: the float16 pairs ``t0 .. t3`` times the activation pairs in operands
-    ``$first .. $first + 3`` (HMUL2, three HFMA2: two lanes of four products), the lanes added in float32 into
+    """PTX that ends the packed float16 dots: ``_f16x2_fmas(first)``, then the lanes added in float32 into
     ``$0``."""
-    return (f"mul.f16x2 acc, t0, ${first};\n" + "".join(f"fma.rn.f16x2 acc, t{i}, ${first + i}, acc;\n"
-                                                        for i in range(1, 4)) +
-            "mov.b32 {lo, hi}, acc;\ncvt.f32.f16 flo, lo;\ncvt.f32.f16 fhi, hi;\nadd.f32 $0, flo, fhi;\n}")
+    return _f16x2_fmas(first) + _F16X2_SUM
 
 
-_W4_WORD_DOT = tl.constexpr("""{
-.reg .b32 m, r16, n64, t0, t1, t2, t3, w8, acc;
-.reg .b16 lo, hi;
-.reg .f32 flo, fhi;
-mov.b32 m, 0x64006400;
-mov.b32 r16, 0x2C002C00;
-mov.b32 n64, 0xD400D400;
-lop3.b32 t0, $1, 0x000F000F, m, 0xEA;
-lop3.b32 t1, $1, 0x00F000F0, m, 0xEA;
-shr.u32 w8, $1, 8;
+def _w4_nibbles(src: int) -> str:
+    """PTX that reads the 8 nibbles of the int32 word in operand ``$src`` as the exact float16 pairs ``t0 .. t3``
+    (``_w4_word_dot``'s LOP3s, SHR, HSUB2s and HFMA2s)."""
+    return f"""lop3.b32 t0, ${src}, 0x000F000F, m, 0xEA;
+lop3.b32 t1, ${src}, 0x00F000F0, m, 0xEA;
+shr.u32 w8, ${src}, 8;
 lop3.b32 t2, w8, 0x000F000F, m, 0xEA;
 lop3.b32 t3, w8, 0x00F000F0, m, 0xEA;
 sub.f16x2 t0, t0, m;
 fma.rn.f16x2 t1, t1, r16, n64;
 sub.f16x2 t2, t2, m;
 fma.rn.f16x2 t3, t3, r16, n64;
-""" + _f16x2_products(2))
+"""
+
+
+_W4_DOT_HEAD = """{
+.reg .b32 m, r16, n64, t0, t1, t2, t3, w8, acc;
+.reg .b16 lo, hi;
+.reg .f32 flo, fhi;
+mov.b32 m, 0x64006400;
+mov.b32 r16, 0x2C002C00;
+mov.b32 n64, 0xD400D400;
+"""
+_W4_WORD_DOT = tl.constexpr(_W4_DOT_HEAD + _w4_nibbles(1) + _f16x2_products(2))
+# two words into the same float16 lanes: the second word's products go on in the first's accumulator, so one
+# conversion to float32 and one float32 add per 16 weights instead of per 8
+_W4_PAIR_DOT = tl.constexpr(_W4_DOT_HEAD + _w4_nibbles(1) + _f16x2_fmas(3) + _w4_nibbles(2) +
+                            _f16x2_fmas(7, more=True) + _F16X2_SUM)
 
 
 @triton.jit
@@ -265,8 +283,14 @@ def _f16_halves(v):
 def _w4_word_dot_emulated(wd, xa, xb, xc, xd):
     """``_w4_word_dot`` in Triton operations (for the CPU interpreter, which runs no PTX): the same float16
     values, nibble order and pairing, with the multiply and the add of each HFMA2 rounded separately."""
-    acc_lo = tl.zeros(wd.shape, tl.float16)
-    acc_hi = tl.zeros(wd.shape, tl.float16)
+    acc_lo, acc_hi = _w4_word_lanes(wd, xa, xb, xc, xd, tl.zeros(wd.shape, tl.float16), tl.zeros(wd.shape, tl.float16))
+    return acc_lo.to(tl.float32) + acc_hi.to(tl.float32)
+
+
+@triton.jit
+def _w4_word_lanes(wd, xa, xb, xc, xd, acc_lo, acc_hi):
+    """The two float16 lanes of ``_w4_word_dot_emulated`` with the word's eight products added to ``acc_lo``,
+    ``acc_hi`` (nibbles 0-3 into the low lane, 4-7 into the high one)."""
     for i in tl.static_range(4):
         src = wd if i < 2 else wd >> 8
         mask = 0x000F000F if i % 2 == 0 else 0x00F000F0
@@ -275,7 +299,7 @@ def _w4_word_dot_emulated(wd, xa, xb, xc, xd):
         div = 1.0 if i % 2 == 0 else 16.0
         acc_lo += ((t_lo - 1024.0) / div).to(tl.float16) * x_lo
         acc_hi += ((t_hi - 1024.0) / div).to(tl.float16) * x_hi
-    return acc_lo.to(tl.float32) + acc_hi.to(tl.float32)
+    return acc_lo, acc_hi
 
 
 @triton.jit
@@ -338,6 +362,27 @@ def _word_dot(wd, xa, xb, xc, xd, ASM: tl.constexpr):
     if ASM:
         return _w4_word_dot(wd, xa, xb, xc, xd)
     return _w4_word_dot_emulated(wd, xa, xb, xc, xd)
+
+
+@triton.jit
+def _w4_pair_dot(we, wo, xa, xb, xc, xd, ya, yb, yc, yd, ASM: tl.constexpr):
+    """``_w4_word_dot`` of word ``we`` (activation pairs ``xa .. xd``) plus that of word ``wo`` (``ya .. yd``), the
+    sixteen products summed in the same two float16 lanes before the one float32 add: 30 instructions per 16
+    weights against 34. Each lane then holds eight products ``|q x| < 15 * 512``, below float16's 65504. ``ASM``
+    False: ``_w4_word_dot_emulated``'s steps over both words."""
+    if ASM:
+        return tl.inline_asm_elementwise(_W4_PAIR_DOT, "=f,r,r,r,r,r,r,r,r,r,r",
+                                         [we, wo, xa, xb, xc, xd, ya, yb, yc, yd], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    lo, hi = _w4_word_lanes(we, xa, xb, xc, xd, tl.zeros(we.shape, tl.float16), tl.zeros(we.shape, tl.float16))
+    lo, hi = _w4_word_lanes(wo, ya, yb, yc, yd, lo, hi)
+    return lo.to(tl.float32) + hi.to(tl.float32)
+
+
+@triton.jit
+def _even_odd_words(v, ROWS: tl.constexpr, WORDS: tl.constexpr):
+    """``v`` ``[ROWS, WORDS]`` as its even words and its odd words, each ``[ROWS, WORDS // 2]``."""
+    return tl.split(tl.reshape(v, [ROWS, WORDS // 2, 2]))
 
 
 _W8_PAIR_DOT = tl.constexpr("""{
@@ -673,7 +718,8 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
                 BLOCK_K: tl.constexpr, ROW_STEPS: tl.constexpr, PREFETCH: tl.constexpr, SPLIT_P2: tl.constexpr,
                 RED_ROWS: tl.constexpr, HALF_MATH: tl.constexpr, WEIGHTS_FIRST: tl.constexpr = False,
                 PDL: tl.constexpr = False, REDUCE: tl.constexpr = True, SWIGLU: tl.constexpr = False,
-                NORM_CHUNKS: tl.constexpr = 0, RESIDUAL: tl.constexpr = False, ROPE_HALF: tl.constexpr = 0):
+                NORM_CHUNKS: tl.constexpr = 0, RESIDUAL: tl.constexpr = False, ROPE_HALF: tl.constexpr = 0,
+                PAIR_WORDS: tl.constexpr = False):
     """The int4 GEMV with the activations *stationary* (16-bit activations, whole tiles: ``N`` a multiple of
     ``BLOCK_N * ROW_STEPS``, ``K`` of ``BLOCK_K``, power-of-two groups that divide ``BLOCK_K``).
 
@@ -699,7 +745,8 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
     ``PDL`` (``pdl_meta``): the next launch released at the start and, where this one is launched as a
     programmatic dependent launch, the first loads issued before waiting for the kernel ahead. Experiment of
     scripts/gemv_study.py: ``REDUCE=False`` (the partials left unsummed: wrong output, for the time the reduction
-    costs)."""
+    costs); ``PAIR_WORDS`` (groups of 16 weights or more): two words' products share float16 lanes
+    (``_w4_pair_dot``), one float32 conversion and add per 16 weights."""
     BLOCK_G: tl.constexpr = BLOCK_K // GROUP
     WORDS: tl.constexpr = GROUP // 8
     ROWS: tl.constexpr = BLOCK_N * ROW_STEPS
@@ -728,6 +775,11 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
     x_sum = tl.sum((x0 + x1) + (x2 + x3) + (x4 + x5) + (x6 + x7), 1)
     up, down = _pow2_scales(x8)
     xa, xb, xc, xd = _x_half2(x0, x1, x2, x3, x4, x5, x6, x7, up[:, None], HALF_MATH == 1)
+    if PAIR_WORDS:  # words 2j and 2j + 1 of a group share float16 lanes
+        xa, ya = _even_odd_words(xa, BLOCK_G, WORDS)
+        xb, yb = _even_odd_words(xb, BLOCK_G, WORDS)
+        xc, yc = _even_odd_words(xc, BLOCK_G, WORDS)
+        xd, yd = _even_odd_words(xd, BLOCK_G, WORDS)
     if PREFETCH and not WEIGHTS_FIRST:
         nw, ns, nz = tl.load(p_ptrs), tl.load(s_ptrs), tl.load(z_ptrs)
     for i in range(ROW_STEPS):
@@ -743,8 +795,14 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
         p_ptrs += step * stride_pn
         s_ptrs += step * stride_sn
         z_ptrs += step * stride_zn
-        wd = tl.reshape(wd, [BLOCK_N, BLOCK_G, WORDS])
-        q_x = tl.sum(_word_dot(wd, xa[None], xb[None], xc[None], xd[None], HALF_MATH == 1), 2) * down[None, :]
+        if PAIR_WORDS:
+            we, wo = tl.split(tl.reshape(wd, [BLOCK_N, BLOCK_G, WORDS // 2, 2]))
+            dots = _w4_pair_dot(we, wo, xa[None], xb[None], xc[None], xd[None], ya[None], yb[None], yc[None],
+                                yd[None], HALF_MATH == 1)
+        else:
+            dots = _word_dot(tl.reshape(wd, [BLOCK_N, BLOCK_G, WORDS]), xa[None], xb[None], xc[None], xd[None],
+                             HALF_MATH == 1)
+        q_x = tl.sum(dots, 2) * down[None, :]
         part = tl.sum(s.to(tl.float32) * (q_x - z.to(tl.float32) * x_sum[None, :]), 1)
         _xs_block_done(part, n64 + i * BLOCK_N, lrows + i * BLOCK_N, ws_ptr, res_ptr, out_ptr, N, SPLIT_P2,
                        RESIDUAL)
@@ -1196,6 +1254,8 @@ def w4_gemv_xs(x2: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.
     ``w4a16_qkv_rope_cache``): ``cos``, ``sin`` (the token's rows, at least ``head_dim / 2`` values), ``slot``
     (int ``[1]``), ``k_cache``, ``v_cache`` and ``num_heads``. ``pdl``: see ``pdl_meta``. Returns ``[1, N]``."""
     bk = tile["BLOCK_K"]
+    if tile.get("PAIR_WORDS") and group < 16:
+        raise ValueError(f"PAIR_WORDS needs groups of two int32 words or more (group_size >= 16), got {group}")
     # (slice, row) strides: the kernel also reads weights stored slice after slice (gemv_study_xs_sm_492b4c7)
     strides = (bk // 8, words.stride(0), bk // group, s.stride(0), bk // group, z.stride(0))
     return _xs_launch(_w4_gemv_xs, x2, words.shape[0], (words, s, z), strides, tile, swiglu, norm, residual, rope,
