@@ -166,14 +166,19 @@ def _xs_experiments(n: int, k: int) -> list[dict]:
     return out
 
 
+def _split_and_whole_tiles(n: int, k: int) -> list[dict]:
+    """labkit's split tile and, where K <= 4096, its whole-K tile at ``[N, K]`` (those that fit)."""
+    tiles = [qm.xs_tile(n, k, GROUP, torch.device("cuda"), qm.XS_TILE),
+             qm.xs_tile(n, k, GROUP, torch.device("cuda"), dict(qm.XS_WHOLE_K_TILE, BLOCK_K=k)) if k <= 4096 else None]
+    return [t for t in tiles if t is not None]
+
+
 def _step_candidates(n: int, k: int) -> list[dict]:
     """The split tile and (where K <= 4096) the whole-K tile, each launched plainly and with PDL: for
     ``--experiments step``, where every GEMV follows a small kernel that writes its activations, as in a decode
     step (an RMSNorm before qkv and gate_up, attention before o, SwiGLU before down)."""
-    tiles = [qm.xs_tile(n, k, GROUP, torch.device("cuda"), qm.XS_TILE),
-             qm.xs_tile(n, k, GROUP, torch.device("cuda"), dict(qm.XS_WHOLE_K_TILE, BLOCK_K=k)) if k <= 4096 else None]
     out = []
-    for t in filter(None, tiles):
+    for t in _split_and_whole_tiles(n, k):
         base = _launch_config(t)
         if base not in out:
             out += [base, dict(base, PDL=True)]
@@ -188,12 +193,10 @@ def _pair_candidates(n: int, k: int) -> list[dict]:
     and without ``PAIR_WORDS`` (two words' products in the same float16 lanes: 2.72 -> 2.42 loop instructions
     per weight on sm_90, results/cpu/records/sass_xs_pair_words.json), after a kernel that writes the activations:
     for ``--experiments pairs``."""
-    tiles = [qm.xs_tile(n, k, GROUP, torch.device("cuda"), qm.XS_TILE),
-             qm.xs_tile(n, k, GROUP, torch.device("cuda"), dict(qm.XS_WHOLE_K_TILE, BLOCK_K=k)) if k <= 4096 else None]
     out = []
-    for t in filter(None, tiles):
+    for t in _split_and_whole_tiles(n, k):
         base = _launch_config(t)
-        for steps in {base["ROW_STEPS"], max(1, base["ROW_STEPS"] // 2)}:
+        for steps in dict.fromkeys((base["ROW_STEPS"], max(1, base["ROW_STEPS"] // 2))):
             out += [dict(base, ROW_STEPS=steps, PAIR_WORDS=pair) for pair in (False, True)]
     return out
 
@@ -203,9 +206,7 @@ def _fused_candidates(n: int, k: int) -> list[dict]:
     the residual add in its store: for ``--experiments fused``,
     each GEMV after a kernel that writes its activations, as in a decode step (``rel_err`` is against the plain
     product)."""
-    tiles = [qm.xs_tile(n, k, GROUP, torch.device("cuda"), qm.XS_TILE),
-             qm.xs_tile(n, k, GROUP, torch.device("cuda"), dict(qm.XS_WHOLE_K_TILE, BLOCK_K=k)) if k <= 4096 else None]
-    return [dict(_launch_config(t), **fuse) for t in filter(None, tiles)
+    return [dict(_launch_config(t), **fuse) for t in _split_and_whole_tiles(n, k)
             for fuse in ({}, {"FUSE": "norm"}, {"FUSE": "residual"})]
 
 

@@ -8,8 +8,8 @@ RoPE -> write k, v at ``slot_mapping`` (one kernel for both on the Triton path w
 attention (an all-decode step: ``paged_attention`` over the block tables, flash-decoding for long contexts; a step
 with prefill chunks: ``paged_prefill_attention``, every row causally over its sequence's cached tokens, decode rows
 included, in one launch) -> o projection -> add residual + RMSNorm -> SwiGLU MLP (gate and up merged,
-``silu_and_mul``). With int8 or int4 weights each RMSNorm, residual add and SwiGLU runs
-inside the projection next to it (``Int4Linear`` / ``Int8Linear.fused_forward``: at decode batch 1 inside the GEMVs).
+``silu_and_mul``). With int8 or int4 weights each RMSNorm, residual add and SwiGLU runs inside the projection next
+to it (``Int8Linear`` / ``Int4Linear.fused_forward``: at decode batch 1 inside the GEMVs).
 Logits are computed for each sequence's last token only (``logits_indices``).
 
 ``kernels='torch'`` (the CPU default) calls the model's own modules and the torch references of
