@@ -201,6 +201,25 @@ def _pair_candidates(n: int, k: int) -> list[dict]:
     return out
 
 
+def _pair_tile_candidates(n: int, k: int) -> list[dict]:
+    """Split tiles around labkit's, all with ``PAIR_WORDS`` (fewer instructions per weight may move the best tile
+    or warps per SM): 8-32 rows a block, 512-1024 activations a slice, 1-4 warps, at the row steps that give 12-32
+    warps per SM of 132 (registers allow ~28), each after a kernel that writes the activations: for
+    ``--experiments pairtiles``."""
+    tiles = [(16, 512, 2), (16, 512, 4), (8, 512, 1), (8, 512, 2), (32, 512, 2), (32, 512, 4), (16, 1024, 2),
+             (16, 1024, 4), (8, 1024, 2)]
+    out = []
+    for bn, bk, w in tiles:
+        if k % bk:
+            continue
+        for steps in (1, 2, 4, 8, 16):
+            per_sm = (k // bk) * (n // (bn * steps)) * w / 132
+            if n % (bn * steps) == 0 and 12 <= per_sm <= 32:
+                out.append({"BLOCK_N": bn, "BLOCK_K": bk, "ROW_STEPS": steps, "PREFETCH": 1, "WEIGHTS_FIRST": True,
+                            "num_warps": w, "PAIR_WORDS": True})
+    return out
+
+
 def _fused_candidates(n: int, k: int) -> list[dict]:
     """The split tile and (where K <= 4096) the whole-K tile, each plain, with the RMSNorm in its prologue and with
     the residual add in its store: for ``--experiments fused``,
@@ -355,6 +374,8 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"),
                 todo = _step_candidates(n, k)
             elif kind == "w4xs" and experiments == "pairs":
                 todo = _pair_candidates(n, k)
+            elif kind == "w4xs" and experiments == "pairtiles":
+                todo = _pair_tile_candidates(n, k)
             elif kind == "w4xs" and experiments == "fused":
                 todo = _fused_candidates(n, k)
             elif kind == "w4xs" and experiments == "tiles":
@@ -372,7 +393,7 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"),
                     got = launch(sets[0]).float()
                     err = ((got - ref).norm() / ref.norm()).item()
                     # a kernel that writes the activations before every GEMV
-                    if experiments in ("step", "fused", "pairs"):
+                    if experiments in ("step", "fused", "pairs", "pairtiles"):
                         src = xk.clone()
                         t = graph_us(lambda w, f=launch, a=src, b=xk: (torch.mul(a, 1.0, out=b), f(w)), sets)
                     else:
@@ -460,12 +481,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-only", action="store_true",
                     help="int4: time only the split-K kernel's best configs and, for w4xs, labkit's tile around "
                          "its row-step rule; int8 (w8): only the autotuner's pick")
-    ap.add_argument("--experiments", nargs="?", const="pdl", choices=("pdl", "tiles", "step", "fused", "pairs"),
+    ap.add_argument("--experiments", nargs="?", const="pdl", choices=("pdl", "tiles", "step", "fused", "pairs",
+                                                                        "pairtiles"),
                     help="w4xs: labkit's tile with programmatic dependent launch and without its reduction (pdl), "
                          "or other slices, warps and whole-K programs, all with PDL (tiles), or the split and whole-K "
                          "tiles with and without PDL, each GEMV after a kernel that writes its activations (step), "
                          "or those tiles plain, with the RMSNorm inside and with the residual add inside (fused), "
-                         "or at the rule's and half its row steps with and without PAIR_WORDS (pairs)")
+                         "or at the rule's and half its row steps with and without PAIR_WORDS (pairs), or split "
+                         "tiles of other rows, slices and warps, all with PAIR_WORDS (pairtiles)")
     ap.add_argument("--best", help="a gemv_study.json: launch each shape's best candidate (for ncu)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -493,6 +493,10 @@ def test_stationary_tile_picks_the_measured_row_steps(monkeypatch):
         # with the RMSNorm in the prologue: always the split tile (a whole-K program holds the statistic too)
         normed = qm.xs_tile(n, k, 128, torch.device("cuda"), norm=True)
         assert normed["BLOCK_K"] == 512 and normed["ROW_STEPS"] == steps
+        # words paired by default (records/gemv_study_pairs_f65fe09.json), except in groups of one word
+        assert cuda["PAIR_WORDS"] and normed["PAIR_WORDS"]
+        assert not qm.xs_tile(n, k, 8, torch.device("cuda"))["PAIR_WORDS"]
+    assert "PAIR_WORDS" not in qm.xs_tile(4096, 4096, 4, torch.device("cuda"), bits=8)
     assert qm.xs_tile(4100, 4096, 128, torch.device("cpu"), qm.XS_TILE) is None  # no whole row blocks
     with pytest.raises(ValueError, match="ROW_STEPS=3"):
         qm.xs_tile(4096, 4096, 128, torch.device("cpu"), dict(qm.XS_TILE, ROW_STEPS=3))

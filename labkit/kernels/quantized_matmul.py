@@ -1142,8 +1142,12 @@ CPU_GEMM = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
 # With each GEMV after a kernel that writes its activations, as in a decode step (gemv_study_xs_step_7b7213b.json),
 # whole-K programs won where N <= 6144 (k/v 1024: 6.16 -> 5.60 us, o 8.24 -> 7.96, qkv 9.83 -> 9.37), tied at
 # 28672 and lost at 14336 (14.53 -> 15.13).
-XS_TILE = dict(BLOCK_N=16, BLOCK_K=512, PREFETCH=1, WEIGHTS_FIRST=True, num_warps=2)
-XS_WHOLE_K_TILE = dict(BLOCK_N=4, PREFETCH=1, WEIGHTS_FIRST=True, num_warps=4)  # BLOCK_K = K
+# PAIR_WORDS (two words' products in the same float16 lanes, 2.72 -> 2.42 loop instructions per weight): at
+# every shape's rule row steps no slower, each GEMV after a kernel that writes its activations
+# (records/gemv_study_pairs_f65fe09.json): 14336 x 4096 13.11 -> 12.98 us, gate_up 22.97 -> 22.24, o whole-K
+# 7.91 -> 7.37; dropped for groups of 8 (one word), where it cannot apply
+XS_TILE = dict(BLOCK_N=16, BLOCK_K=512, PREFETCH=1, WEIGHTS_FIRST=True, num_warps=2, PAIR_WORDS=True)
+XS_WHOLE_K_TILE = dict(BLOCK_N=4, PREFETCH=1, WEIGHTS_FIRST=True, num_warps=4, PAIR_WORDS=True)  # BLOCK_K = K
 XS_WHOLE_K_MAX = 4096  # K
 XS_WHOLE_K_MAX_N = 8192
 # int8 (_w8_gemv_xs), not timed yet: the int4 tiles' bytes per row block (a weight is twice the bytes, so half
@@ -1201,7 +1205,8 @@ def xs_tile(n: int, k: int, group: int, device: torch.device, tile: dict | None 
     and ``N <= XS_WHOLE_K_MAX_N`` whole steps of it, else ``XS_TILE``; also ``XS_TILE`` with ``norm`` (the RMSNorm
     in the prologue), where a whole-K program holds its row's statistic beside the row (96 registers on sm_90,
     against 72, results/cpu/records/sass_xs.json: fewer warps per SM; qkv 10.6 us against 9.5 split,
-    gemv_study_fused_ed2d5a7). ``bits=8``: the int8 kernel's tiles (``XS8_TILE``, ``XS8_WHOLE_K_TILE``), where
+    gemv_study_fused_ed2d5a7); the default tiles pair words (``PAIR_WORDS``) where groups hold two or more.
+    ``bits=8``: the int8 kernel's tiles (``XS8_TILE``, ``XS8_WHOLE_K_TILE``), where
     ``group`` is ignored and a slice is whole int32 words of weights."""
     if bits not in (4, 8):
         raise ValueError(f"bits={bits!r}; allowed: 4, 8")
@@ -1211,6 +1216,8 @@ def xs_tile(n: int, k: int, group: int, device: torch.device, tile: dict | None 
         whole = not norm and (k <= XS_WHOLE_K_MAX and k % unit == 0 and (k // unit) & (k // unit - 1) == 0
                  and n <= XS_WHOLE_K_MAX_N and n % whole_tile["BLOCK_N"] == 0)
         tile = dict(whole_tile, BLOCK_K=k) if whole else split_tile
+        if bits == 4 and group < 16:  # one word a group: no second word to pair
+            tile = dict(tile, PAIR_WORDS=False)
     tile = dict(tile or CPU_XS_TILE)
     bn, bk = tile["BLOCK_N"], max(tile["BLOCK_K"], unit)
     if (bk // unit) & (bk // unit - 1) or bk % unit:
