@@ -144,7 +144,8 @@ def _xs_candidates(n: int, k: int, narrow: bool = False) -> list[dict]:
 
 def _launch_config(tile: dict) -> dict:
     """An ``xs_tile`` result reduced to the keys a candidate names (the rest ``xs_tile`` derives again)."""
-    return {key: tile[key] for key in ("BLOCK_N", "BLOCK_K", "ROW_STEPS", "PREFETCH", "WEIGHTS_FIRST", "num_warps")}
+    return {key: tile[key] for key in ("BLOCK_N", "BLOCK_K", "ROW_STEPS", "PREFETCH", "WEIGHTS_FIRST", "num_warps",
+                                       "PAIR_WORDS") if key in tile}
 
 
 def _xs_experiments(n: int, k: int) -> list[dict]:
@@ -199,6 +200,17 @@ def _pair_candidates(n: int, k: int) -> list[dict]:
         for steps in dict.fromkeys((base["ROW_STEPS"], max(1, base["ROW_STEPS"] // 2))):
             out += [dict(base, ROW_STEPS=steps, PAIR_WORDS=pair) for pair in (False, True)]
     return out
+
+
+def _tagged_candidates(n: int, k: int) -> list[dict]:
+    """labkit's split tile with the counted reduction (its default), with ``TAGGED`` (the last slice of each row
+    chunk waits for its peers' partials: no fence, no counter, one memory round trip instead of three) and with
+    no reduction at all (``REDUCE`` False: wrong sums, the floor any reduction can reach); then the whole-K tile
+    where K <= 4096 (no reduction to make). Each after a kernel that writes the activations: for
+    ``--experiments tagged``."""
+    tiles = _split_and_whole_tiles(n, k)
+    split = _launch_config(tiles[0])
+    return [split, dict(split, TAGGED=True), dict(split, REDUCE=False)] + [_launch_config(t) for t in tiles[1:]]
 
 
 def _pair_tile_candidates(n: int, k: int) -> list[dict]:
@@ -374,6 +386,8 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"),
                 todo = _step_candidates(n, k)
             elif kind == "w4xs" and experiments == "pairs":
                 todo = _pair_candidates(n, k)
+            elif kind == "w4xs" and experiments == "tagged":
+                todo = _tagged_candidates(n, k)
             elif kind == "w4xs" and experiments == "pairtiles":
                 todo = _pair_tile_candidates(n, k)
             elif kind == "w4xs" and experiments == "fused":
@@ -393,7 +407,7 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"),
                     got = launch(sets[0]).float()
                     err = ((got - ref).norm() / ref.norm()).item()
                     # a kernel that writes the activations before every GEMV
-                    if experiments in ("step", "fused", "pairs", "pairtiles"):
+                    if experiments in ("step", "fused", "pairs", "pairtiles", "tagged"):
                         src = xk.clone()
                         t = graph_us(lambda w, f=launch, a=src, b=xk: (torch.mul(a, 1.0, out=b), f(w)), sets)
                     else:
@@ -482,13 +496,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="int4: time only the split-K kernel's best configs and, for w4xs, labkit's tile around "
                          "its row-step rule; int8 (w8): only the autotuner's pick")
     ap.add_argument("--experiments", nargs="?", const="pdl", choices=("pdl", "tiles", "step", "fused", "pairs",
-                                                                        "pairtiles"),
+                                                                        "pairtiles", "tagged"),
                     help="w4xs: labkit's tile with programmatic dependent launch and without its reduction (pdl), "
                          "or other slices, warps and whole-K programs, all with PDL (tiles), or the split and whole-K "
                          "tiles with and without PDL, each GEMV after a kernel that writes its activations (step), "
                          "or those tiles plain, with the RMSNorm inside and with the residual add inside (fused), "
                          "or at the rule's and half its row steps with and without PAIR_WORDS (pairs), or split "
-                         "tiles of other rows, slices and warps, all with PAIR_WORDS (pairtiles)")
+                         "tiles of other rows, slices and warps, all with PAIR_WORDS (pairtiles), or the split tile "
+                         "with its counted reduction, the TAGGED one and none (tagged)")
     ap.add_argument("--best", help="a gemv_study.json: launch each shape's best candidate (for ncu)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

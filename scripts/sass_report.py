@@ -81,16 +81,18 @@ def _tool(name: str) -> str:
 
 
 def _loop(sass: str) -> list[str]:
-    """The instructions of the largest loop (a backward branch and what it jumps over)."""
+    """The instructions of the weight loop: of the loops (a backward branch and what it jumps over), the one with
+    the most multiplies (HFMA2, HMUL2, FFMA, FMUL), not a reduction's wait loop that may be longer."""
     ins = [(int(m.group(1), 16), m.group(2)) for m in map(_INSTR.match, sass.splitlines()) if m]
-    best: tuple[int, int] | None = None
-    for addr, text in ins:
-        m = re.search(r"BRA.*0x([0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr:
-            span = (int(m.group(1), 16), addr)
-            if best is None or span[1] - span[0] > best[1] - best[0]:
-                best = span
-    return [t for a, t in ins if best and best[0] <= a <= best[1]]
+    spans = [(int(m.group(1), 16), addr) for addr, text in ins
+             if (m := re.search(r"BRA.*0x([0-9a-f]+)", text)) and int(m.group(1), 16) < addr]
+
+    def body(span):
+        return [t for a, t in ins if span[0] <= a <= span[1]]
+
+    def multiplies(span):
+        return sum(_opcode(t) in ("HFMA2", "HMUL2", "FFMA", "FMUL") for t in body(span))
+    return body(max(spans, key=lambda sp: (multiplies(sp), sp[1] - sp[0]))) if spans else []
 
 
 def _opcode(text: str) -> str:
@@ -98,7 +100,8 @@ def _opcode(text: str) -> str:
     return (words[1] if words[0].startswith("@") else words[0]).split(".")[0]
 
 
-def report(fn, signature: dict, constexprs: dict, num_warps: int, weights_per_thread: int) -> dict:
+def report(fn, signature: dict, constexprs: dict, num_warps: int, weights_per_thread: int,
+           sass_to: str | None = None) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -113,6 +116,9 @@ def report(fn, signature: dict, constexprs: dict, num_warps: int, weights_per_th
     usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True)
     sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
     os.unlink(f.name)
+    if sass_to:
+        Path(sass_to).parent.mkdir(parents=True, exist_ok=True)
+        Path(sass_to).write_text(sass)
     res = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", usage.stdout))
     body = _loop(sass)
     ops: dict[str, int] = {}
@@ -123,11 +129,14 @@ def report(fn, signature: dict, constexprs: dict, num_warps: int, weights_per_th
             "top_ops": sorted(ops.items(), key=lambda kv: -kv[1])[:8]}
 
 
-def xs_report(qm, group: int = 128, bits: int = 4, half: bool = True, pair_words: bool = False) -> list[dict]:
+def xs_report(qm, group: int = 128, bits: int = 4, half: bool = True, pair_words: bool = False,
+              tagged: bool = False, sass_to: str | None = None) -> list[dict]:
     """Registers, spills and loop instructions of the stationary GEMV -- int4 (``_w4_gemv_xs``) or, with ``bits=8``,
     int8 (``_w8_gemv_xs``) -- in ``XS_CASES``, with the tiles ``qm.xs_tile`` picks on 132 SMs (``split``:
     ``XS_TILE`` / ``XS8_TILE``; ``whole``: ``XS_WHOLE_K_TILE`` / ``XS8_WHOLE_K_TILE``); ``half``: packed float16
-    math (False: the float32 path); ``pair_words`` (int4): two words' products in the same float16 lanes."""
+    math (False: the float32 path); ``pair_words`` (int4): two words' products in the same float16 lanes;
+    ``tagged``: the ``TAGGED`` reduction (no fence or counter); ``sass_to``: a folder for
+    each case's whole SASS."""
     import torch
 
     qm.num_sms = lambda device: 132  # an H200's SMs: the row-step rule as on the GPU
@@ -135,7 +144,8 @@ def xs_report(qm, group: int = 128, bits: int = 4, half: bool = True, pair_words
     kernel, sig0 = (qm._w4_gemv_xs, XS_SIG) if bits == 4 else (qm._w8_gemv_xs, XS8_SIG)
     rows = []
     for name, n, k, kind, extra in XS_CASES:
-        tile = qm.xs_tile(n, k, group, torch.device("cuda"), split if kind == "split" else dict(whole, BLOCK_K=k),
+        tile = qm.xs_tile(n, k, group, torch.device("cuda"), dict(split if kind == "split" else
+                                                                    dict(whole, BLOCK_K=k), TAGGED=tagged),
                           bits=bits)
         meta = {key: val for key, val in tile.items() if key != "num_warps"}
         meta.update({"PDL": False, "REDUCE": True, "SWIGLU": False, "NORM_CHUNKS": 0, "RESIDUAL": False,
@@ -143,7 +153,8 @@ def xs_report(qm, group: int = 128, bits: int = 4, half: bool = True, pair_words
                      **({"GROUP": group, "PAIR_WORDS": pair_words} if bits == 4 else {})})
         sig = dict(sig0, **{key: "constexpr" for key in meta})
         per_thread = tile["BLOCK_N"] * tile["BLOCK_K"] // (32 * tile["num_warps"])  # weights a row block gives
-        r = report(kernel, sig, meta, tile["num_warps"], per_thread)
+        r = report(kernel, sig, meta, tile["num_warps"], per_thread, sass_to=sass_to and f"{sass_to}/{bits}_"
+                   f"{name.replace(' ', '_')}_{kind}.sass")
         rows.append({"case": name, "bits": bits, "half_math": half, "pair_words": pair_words and bits == 4,
                      "N": n, "K": k, "tile": kind,
                      **{key: tile[key] for key in ("BLOCK_N", "BLOCK_K", "ROW_STEPS", "num_warps")},
@@ -168,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
                     "float16 math")
     ap.add_argument("--pair-words", action="store_true", help="xs: PAIR_WORDS, two words' products in the same "
                     "float16 lanes (records/sass_xs_pair_words.json)")
+    ap.add_argument("--tagged", action="store_true", help="xs / w8xs: the TAGGED reduction "
+                    "(records/sass_xs_tagged.json)")
+    ap.add_argument("--sass", help="xs / w8xs: a folder for each case's whole SASS")
     ap.add_argument("--weights", type=float, default=4096 * 14336, help="weights of the layer, for the issue time")
     args = ap.parse_args(argv)
     qm = _jit_kernels()
@@ -175,12 +189,13 @@ def main(argv: list[str] | None = None) -> int:
         if name not in args.kernel:
             continue
         pair = args.pair_words and bits == 4
-        rows = xs_report(qm, args.group, bits, not args.float32, pair)
+        rows = xs_report(qm, args.group, bits, not args.float32, pair, args.tagged, args.sass)
         if args.out:
             from labkit.bench import write_record
 
             record = {"target": "sm_90", "triton": triton.__version__, "rows": rows}
-            print("wrote", write_record(f"sass_{name}" + ("_pair_words" if pair else ""), record, out_dir=args.out))
+            suffix = ("_pair_words" if pair else "") + ("_tagged" if args.tagged else "")
+            print("wrote", write_record(f"sass_{name}{suffix}", record, out_dir=args.out))
     for name in (k for k in args.kernel if k in ("w8", "w4")):
         tiles = qm.W8_TILES if name == "w8" else qm.W4_TILES
         for bn, bk, warps in tiles:

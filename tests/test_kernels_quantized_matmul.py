@@ -804,3 +804,43 @@ def test_dependent_launches_wait_for_what_they_read(monkeypatch):
         torch.cuda.synchronize()
         for i, args in enumerate(layers):
             assert relative_error(outs[i + 1], w4a16_matmul_ref(outs[i].double(), *args)) < 2e-2, i
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fuse", ["plain", "residual", "swiglu"])
+def test_stationary_gemv_tagged_reduction(monkeypatch, fmt, fuse):
+    """``TAGGED`` (each row chunk's last slice waits for its peers' partials, no fence or counter): the same bits
+    as the counted reduction -- both add the slices in slice order -- over irregular slice counts (5 and 3, padded
+    to 8 and 4) and reduction tiles smaller than a chunk, twice in a row (the first launch must leave its
+    workspace empty again), the workspace all empty afterwards, and a NaN activation giving NaN rows, not a
+    reducer waiting forever."""
+    import labkit.kernels.quantized_matmul as qm
+
+    n, k = 48, 640 if fmt == "int4" else 384  # 5 slices of 128 (int4), 3 of 128 (int8)
+    base = dict(BLOCK_N=8, BLOCK_K=128, ROW_STEPS=2, PREFETCH=1, num_warps=1)
+    monkeypatch.setattr(qm, "XS_REDUCE_TILE", 32)  # RED_ROWS below the 16 rows of a chunk
+    kx = 2 * k if fuse == "swiglu" else k
+    x = _x((1, kx), torch.float16, seed=70)
+    residual = _x((1, n), torch.float16, seed=71) if fuse == "residual" else None
+    if fmt == "int4":
+        packed, scales, zeros = _int4(n, k, 64, seed=72)
+        weights, group, bits = (packed.view(torch.int32), scales.half(), zeros.half()), 64, 4
+    else:
+        q = torch.randint(-127, 128, (n, k), generator=torch.Generator().manual_seed(73), dtype=torch.int8)
+        scale = (torch.rand(n, generator=torch.Generator().manual_seed(74)) * 0.01 + 1e-3).half()
+        weights, group, bits = (q.to(DEVICE).view(torch.int32), scale.to(DEVICE)), 4, 8
+
+    def launch(tile, x=x):
+        f = qm.w4_gemv_xs if fmt == "int4" else qm.w8_gemv_xs
+        return f(x, *weights, *((group,) if fmt == "int4" else ()), tile, swiglu=fuse == "swiglu",
+                 residual=residual)
+    tile = qm.xs_tile(n, k, group, torch.device(DEVICE), base, bits=bits)
+    tagged = qm.xs_tile(n, k, group, torch.device(DEVICE), dict(base, TAGGED=True), bits=bits)
+    assert tile["SPLIT_P2"] > k // 128 and tagged["RED_ROWS"] == tile["RED_ROWS"] < 16
+    counted = launch(tile)
+    for _ in range(2):
+        assert torch.equal(launch(tagged), counted)
+        assert (qm._empty_partials(counted.device, n * (k // 128)).view(torch.int32) == -1).all()
+    x_nan = x.clone()
+    x_nan[0, 130] = float("nan")
+    assert torch.equal(launch(tagged, x_nan).isnan(), launch(tile, x_nan).isnan())

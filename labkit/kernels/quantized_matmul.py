@@ -674,12 +674,26 @@ def _rope_cache_rows(total, g0, out_ptr, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_
     tl.store(vc_ptr + base + row1 + HALF - n_rot_rows, hi, mask=is_v)
 
 
+_EMPTY = tl.constexpr(-1)  # int32 bits of a workspace word no partial has landed in (a NaN arithmetic never makes)
+
+
 @triton.jit
-def _xs_block_done(part, rows, lrows, ws_ptr, res_ptr, out_ptr, N, SPLIT_P2: tl.constexpr, RESIDUAL: tl.constexpr):
+def _landed(part):
+    """float32 partials with the one bit pattern reserved for empty words (-1, a NaN) made the canonical NaN."""
+    bits = part.to(tl.int32, bitcast=True)
+    return tl.where(bits == _EMPTY, 0x7FFFFFFF, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _xs_block_done(part, rows, lrows, ws_ptr, res_ptr, out_ptr, N, SPLIT_P2: tl.constexpr, RESIDUAL: tl.constexpr,
+                   TAGGED: tl.constexpr = False):
     """A stationary program's float32 sums for one row block: the output rows ``rows`` where the program owns
-    the whole of K (``SPLIT_P2 == 1``), else its slice's partials at the logical rows ``lrows`` of the workspace."""
+    the whole of K (``SPLIT_P2 == 1``), else its slice's partials at the logical rows ``lrows`` of the workspace
+    (``TAGGED``: never the empty word, ``_landed``)."""
     if SPLIT_P2 == 1:
         _output_rows(part, rows, res_ptr, out_ptr, RESIDUAL)
+    elif TAGGED:
+        tl.store(ws_ptr + tl.program_id(0) * N + lrows, _landed(part))
     else:
         tl.store(ws_ptr + tl.program_id(0) * N + lrows, part)
 
@@ -687,28 +701,68 @@ def _xs_block_done(part, rows, lrows, ws_ptr, res_ptr, out_ptr, N, SPLIT_P2: tl.
 @triton.jit
 def _xs_reduce(ws_ptr, cnt_ptr, res_ptr, out_ptr, N, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, n_rot_rows,
                n_k_rows, n_slots, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SPLIT_P2: tl.constexpr,
-               RED_ROWS: tl.constexpr, RESIDUAL: tl.constexpr, ROPE_HALF: tl.constexpr, REDUCE: tl.constexpr):
+               RED_ROWS: tl.constexpr, RESIDUAL: tl.constexpr, ROPE_HALF: tl.constexpr, REDUCE: tl.constexpr,
+               TAGGED: tl.constexpr = False):
     """Where K is split (``SPLIT_P2 > 1``): count this program's arrival at its row chunk (``program_id(1)``,
     ``ROWS`` rows); the last slice to arrive sums every slice's partials in slice order, ``RED_ROWS`` rows at a
     time, stores them (``_output_rows``, or ``_rope_cache_rows`` with ``ROPE_HALF``) and resets the chunk's
-    counter. ``REDUCE`` False (a timing experiment): the partials are left unsummed."""
+    counter. That is three memory round trips one after another at the end of the kernel: the fence that makes
+    the partials visible, the counter, the partials' loads. ``TAGGED`` (an experiment): no fence, no counter --
+    the workspace words start empty (bits -1, a NaN no arithmetic makes), each slice's partials land in one
+    4-byte store each, and the chunk's last slice (the last of its programs to be scheduled, so the others are
+    already running: it cannot wait on a program that has no SM) waits until no word of the chunk is empty, sums
+    and empties them again: one round trip, as CUTLASS's stream-K fix-up waits on its peers' flags. ``REDUCE``
+    False (a timing experiment): the partials are left unsummed."""
     if SPLIT_P2 == 1 or not REDUCE:
         return
     pid_n = tl.program_id(1)
-    tl.debug_barrier()  # all of this program's partials are written before its arrival is counted
-    if tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+    tl.debug_barrier()  # all of this program's partials are written before its arrival is counted / they are read
+    if TAGGED:
+        if tl.program_id(0) == tl.num_programs(0) - 1:
+            _xs_sum_tagged(ws_ptr, res_ptr, out_ptr, N, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, n_rot_rows,
+                           n_k_rows, n_slots, BLOCK_N, ROWS, SPLIT_P2, RED_ROWS, RESIDUAL, ROPE_HALF)
+    elif tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel") == tl.num_programs(0) - 1:
         sl = tl.arange(0, SPLIT_P2)
         for r0 in range(0, ROWS, RED_ROWS):  # slices summed in a fixed order: the same bits whoever came last
             rows = pid_n * ROWS + r0 + tl.arange(0, RED_ROWS)
             parts = tl.load(ws_ptr + sl[:, None] * N + rows[None, :], mask=(sl < tl.num_programs(0))[:, None],
                             other=0.0, cache_modifier=".cg")
-            if ROPE_HALF > 0:
-                _rope_cache_rows(tl.sum(parts, 0), (pid_n * ROWS + r0) // BLOCK_N, out_ptr, cos_ptr, sin_ptr,
-                                 slot_ptr, kc_ptr, vc_ptr, n_rot_rows, n_k_rows, n_slots, RED_ROWS, BLOCK_N,
-                                 ROPE_HALF)
-            else:
-                _output_rows(tl.sum(parts, 0), rows, res_ptr, out_ptr, RESIDUAL)
+            _xs_chunk_rows(tl.sum(parts, 0), rows, pid_n * ROWS + r0, res_ptr, out_ptr, cos_ptr, sin_ptr, slot_ptr,
+                           kc_ptr, vc_ptr, n_rot_rows, n_k_rows, n_slots, BLOCK_N, RED_ROWS, RESIDUAL, ROPE_HALF)
         tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
+
+
+@triton.jit
+def _xs_chunk_rows(total, rows, r0, res_ptr, out_ptr, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, n_rot_rows,
+                   n_k_rows, n_slots, BLOCK_N: tl.constexpr, RED_ROWS: tl.constexpr, RESIDUAL: tl.constexpr,
+                   ROPE_HALF: tl.constexpr):
+    """Store ``RED_ROWS`` summed rows from logical row ``r0``: ``_output_rows``, or ``_rope_cache_rows``."""
+    if ROPE_HALF > 0:
+        _rope_cache_rows(total, r0 // BLOCK_N, out_ptr, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, n_rot_rows,
+                         n_k_rows, n_slots, RED_ROWS, BLOCK_N, ROPE_HALF)
+    else:
+        _output_rows(total, rows, res_ptr, out_ptr, RESIDUAL)
+
+
+@triton.jit
+def _xs_sum_tagged(ws_ptr, res_ptr, out_ptr, N, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, n_rot_rows, n_k_rows,
+                   n_slots, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SPLIT_P2: tl.constexpr,
+                   RED_ROWS: tl.constexpr, RESIDUAL: tl.constexpr, ROPE_HALF: tl.constexpr):
+    """The ``TAGGED`` reduction of row chunk ``program_id(1)``: wait until every slice's word of each row has
+    landed (volatile loads: read again from L2, never from a copy), sum in slice order, empty the words (the
+    workspace is all empty between launches) and store the rows."""
+    pid_n = tl.program_id(1)
+    sl = tl.arange(0, SPLIT_P2)
+    ok = (sl < tl.num_programs(0))[:, None]
+    for r0 in range(0, ROWS, RED_ROWS):
+        rows = pid_n * ROWS + r0 + tl.arange(0, RED_ROWS)
+        ptrs = ws_ptr + sl[:, None] * N + rows[None, :]
+        parts = tl.load(ptrs, mask=ok, other=0.0, volatile=True)
+        while tl.min(tl.min(parts.to(tl.int32, bitcast=True), 1), 0) == _EMPTY:  # a slice still on its way
+            parts = tl.load(ptrs, mask=ok, other=0.0, volatile=True)
+        tl.store(ptrs, tl.full(parts.shape, _EMPTY, tl.int32).to(tl.float32, bitcast=True), mask=ok)
+        _xs_chunk_rows(tl.sum(parts, 0), rows, pid_n * ROWS + r0, res_ptr, out_ptr, cos_ptr, sin_ptr, slot_ptr,
+                       kc_ptr, vc_ptr, n_rot_rows, n_k_rows, n_slots, BLOCK_N, RED_ROWS, RESIDUAL, ROPE_HALF)
 
 
 @triton.jit
@@ -719,7 +773,7 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
                 RED_ROWS: tl.constexpr, HALF_MATH: tl.constexpr, WEIGHTS_FIRST: tl.constexpr = False,
                 PDL: tl.constexpr = False, REDUCE: tl.constexpr = True, SWIGLU: tl.constexpr = False,
                 NORM_CHUNKS: tl.constexpr = 0, RESIDUAL: tl.constexpr = False, ROPE_HALF: tl.constexpr = 0,
-                PAIR_WORDS: tl.constexpr = False):
+                PAIR_WORDS: tl.constexpr = False, TAGGED: tl.constexpr = False):
     """The int4 GEMV with the activations *stationary* (16-bit activations, whole tiles: ``N`` a multiple of
     ``BLOCK_N * ROW_STEPS``, ``K`` of ``BLOCK_K``, power-of-two groups that divide ``BLOCK_K``).
 
@@ -746,7 +800,8 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
     programmatic dependent launch, the first loads issued before waiting for the kernel ahead. Experiment of
     scripts/gemv_study.py: ``REDUCE=False`` (the partials left unsummed: wrong output, for the time the reduction
     costs); ``PAIR_WORDS`` (groups of 16 weights or more): two words' products share float16 lanes
-    (``_w4_pair_dot``), one float32 conversion and add per 16 weights."""
+    (``_w4_pair_dot``), one float32 conversion and add per 16 weights; ``TAGGED``: the reduction of
+    ``_xs_reduce`` without fence or counter (the workspace from ``_empty_partials``)."""
     BLOCK_G: tl.constexpr = BLOCK_K // GROUP
     WORDS: tl.constexpr = GROUP // 8
     ROWS: tl.constexpr = BLOCK_N * ROW_STEPS
@@ -805,9 +860,9 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
         q_x = tl.sum(dots, 2) * down[None, :]
         part = tl.sum(s.to(tl.float32) * (q_x - z.to(tl.float32) * x_sum[None, :]), 1)
         _xs_block_done(part, n64 + i * BLOCK_N, lrows + i * BLOCK_N, ws_ptr, res_ptr, out_ptr, N, SPLIT_P2,
-                       RESIDUAL)
+                       RESIDUAL, TAGGED)
     _xs_reduce(ws_ptr, cnt_ptr, res_ptr, out_ptr, N, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, n_rot_rows,
-               n_k_rows, n_slots, BLOCK_N, ROWS, SPLIT_P2, RED_ROWS, RESIDUAL, ROPE_HALF, REDUCE)
+               n_k_rows, n_slots, BLOCK_N, ROWS, SPLIT_P2, RED_ROWS, RESIDUAL, ROPE_HALF, REDUCE, TAGGED)
 
 
 @triton.jit
@@ -817,7 +872,7 @@ def _w8_gemv_xs(x_ptr, w_ptr, s_ptr, lo_mask, hi_mask, out_ptr, ws_ptr, cnt_ptr,
                 SPLIT_P2: tl.constexpr, RED_ROWS: tl.constexpr, WEIGHTS_FIRST: tl.constexpr = False,
                 PDL: tl.constexpr = False, REDUCE: tl.constexpr = True, SWIGLU: tl.constexpr = False,
                 NORM_CHUNKS: tl.constexpr = 0, RESIDUAL: tl.constexpr = False, ROPE_HALF: tl.constexpr = 0,
-                HALF_MATH: tl.constexpr = 0):
+                HALF_MATH: tl.constexpr = 0, TAGGED: tl.constexpr = False):
     """``_w4_gemv_xs`` for int8 weights with a per-row scale: the same grid, slices, prefetch, programmatic
     dependent launch, cross-slice reduction and neighbours (``SWIGLU``, ``NORM_CHUNKS``, ``RESIDUAL``,
     ``ROPE_HALF``), so an int8 decode step loses the same kernels an int4 one does. ``w_ptr``: the weights as int32
@@ -879,9 +934,9 @@ def _w8_gemv_xs(x_ptr, w_ptr, s_ptr, lo_mask, hi_mask, out_ptr, ws_ptr, cnt_ptr,
                                                                                   hi_mask)
             part = tl.sum(qx, 1) * s.to(tl.float32)
         _xs_block_done(part, n64 + i * BLOCK_N, lrows + i * BLOCK_N, ws_ptr, res_ptr, out_ptr, N, SPLIT_P2,
-                       RESIDUAL)
+                       RESIDUAL, TAGGED)
     _xs_reduce(ws_ptr, cnt_ptr, res_ptr, out_ptr, N, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, n_rot_rows,
-               n_k_rows, n_slots, BLOCK_N, ROWS, SPLIT_P2, RED_ROWS, RESIDUAL, ROPE_HALF, REDUCE)
+               n_k_rows, n_slots, BLOCK_N, ROWS, SPLIT_P2, RED_ROWS, RESIDUAL, ROPE_HALF, REDUCE, TAGGED)
 
 
 @triton.jit
@@ -1166,6 +1221,7 @@ XS_MAX_SLICES = 256
 XS_REDUCE_TILE = 4096  # float32 partials per reduction tile of the last program (64 registers a thread)
 
 _SPLIT_BUFFERS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+_EMPTY_PARTIALS: dict[str, torch.Tensor] = {}
 _RETIRED_BUFFERS: list = []  # outgrown workspaces stay allocated: a captured CUDA graph may still point at them
 
 
@@ -1192,6 +1248,23 @@ def _split_buffers(device: torch.device, n: int, splits: int = MAX_SPLIT_K) -> t
                 torch.zeros(size, dtype=torch.int32, device=device))
         _SPLIT_BUFFERS[key] = bufs
     return bufs
+
+
+def _empty_partials(device: torch.device, size: int) -> torch.Tensor:
+    """The workspace of the ``TAGGED`` reduction on ``device``: float32 words, at least ``size``, all empty (bits
+    -1) between launches (each launch's reducers empty what they read). Grown like ``_split_buffers``, outside
+    capture."""
+    key = str(device)
+    words = _EMPTY_PARTIALS.get(key)
+    if words is None or words.numel() < size:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"the tagged GEMV workspace of {size} words does not exist yet and cannot be "
+                               "allocated during CUDA-graph capture; call the layer once before capturing (warm-up)")
+        if words is not None:
+            _RETIRED_BUFFERS.append(words)
+        words = torch.full((next_pow2(size),), -1, dtype=torch.int32, device=device).view(torch.float32)
+        _EMPTY_PARTIALS[key] = words
+    return words
 
 
 def xs_tile(n: int, k: int, group: int, device: torch.device, tile: dict | None = None,
@@ -1253,8 +1326,9 @@ def w4_gemv_xs(x2: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.
                tile: dict, swiglu: bool = False, norm: tuple[torch.Tensor, float] | None = None,
                residual: torch.Tensor | None = None, rope: dict | None = None, pdl: str = "") -> torch.Tensor:
     """Launch ``_w4_gemv_xs`` on one row ``x2`` ``[1, K]`` (float16/bfloat16) and int4 weights as int32 words
-    ``[N, K // 8]`` with scales and zeros ``[N, K // group]``; ``tile`` from ``xs_tile`` (``PDL``, an experiment of
-    scripts/gemv_study.py: launched as a programmatic dependent launch, sm_90 and later). ``swiglu``: ``x2`` is
+    ``[N, K // 8]`` with scales and zeros ``[N, K // group]``; ``tile`` from ``xs_tile`` (experiments of
+    scripts/gemv_study.py: ``PDL``, launched as a programmatic dependent launch, sm_90 and later; ``TAGGED``, the
+    slices summed by the last of each row chunk, waiting on tagged partials: ``_xs_reduce``). ``swiglu``: ``x2`` is
     ``[1, 2K]``, ``[gate | up]``, and the GEMV multiplies ``silu(gate) * up``. ``norm``: ``(weight [K], eps)``,
     the GEMV multiplies ``rms_norm(x2)``. ``residual`` ``[1, N]`` (contiguous, ``x2``'s dtype): added to the
     output. ``rope`` (a merged q/k/v projection on a split tile whose row blocks fit its heads: see
@@ -1292,6 +1366,8 @@ def _xs_launch(kernel, x2: torch.Tensor, n: int, weights: tuple, strides: tuple,
     out = torch.empty(1, n, dtype=x2.dtype, device=x2.device)
     slices, rows = k // tile["BLOCK_K"], tile["BLOCK_N"] * tile["ROW_STEPS"]
     ws, cnt = _split_buffers(x2.device, n, slices)
+    if tile.get("TAGGED") and slices > 1:
+        ws = _empty_partials(x2.device, n * slices)
     meta = {key: val for key, val in tile.items() if key != "num_warps"}
     meta.update(pdl_meta(pdl, x2.device, tile))
     nw, eps = norm if norm is not None else (x2, 0.0)
