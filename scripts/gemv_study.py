@@ -213,6 +213,21 @@ def _tagged_candidates(n: int, k: int) -> list[dict]:
     return [split, dict(split, TAGGED=True), dict(split, REDUCE=False)] + [_launch_config(t) for t in tiles[1:]]
 
 
+def _stage_candidates(n: int, k: int) -> list[dict]:
+    """labkit's split and whole-K tiles as they are (the next row block's loads in registers), then with the
+    loads left to Triton's pipeliner (``PREFETCH`` 0, ``LOOP_STAGES`` 2-4: up to three blocks in flight through
+    shared memory, fewer registers), at the rule's row steps and twice them: for ``--experiments stages``, each
+    after a kernel that writes the activations."""
+    out = []
+    for t in _split_and_whole_tiles(n, k):
+        base = _launch_config(t)
+        out.append(base)
+        for steps in (base["ROW_STEPS"], 2 * base["ROW_STEPS"]):
+            if n % (base["BLOCK_N"] * steps) == 0:
+                out += [dict(base, ROW_STEPS=steps, PREFETCH=0, LOOP_STAGES=st) for st in (2, 3, 4)]
+    return out
+
+
 def _pair_tile_candidates(n: int, k: int) -> list[dict]:
     """Split tiles around labkit's, all with ``PAIR_WORDS`` (fewer instructions per weight may move the best tile
     or warps per SM): 8-32 rows a block, 512-1024 activations a slice, 1-4 warps, at the row steps that give 12-32
@@ -386,6 +401,8 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"),
                 todo = _step_candidates(n, k)
             elif kind == "w4xs" and experiments == "pairs":
                 todo = _pair_candidates(n, k)
+            elif kind == "w4xs" and experiments == "stages":
+                todo = _stage_candidates(n, k)
             elif kind == "w4xs" and experiments == "tagged":
                 todo = _tagged_candidates(n, k)
             elif kind == "w4xs" and experiments == "pairtiles":
@@ -407,7 +424,7 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"),
                     got = launch(sets[0]).float()
                     err = ((got - ref).norm() / ref.norm()).item()
                     # a kernel that writes the activations before every GEMV
-                    if experiments in ("step", "fused", "pairs", "pairtiles", "tagged"):
+                    if experiments in ("step", "fused", "pairs", "pairtiles", "tagged", "stages"):
                         src = xk.clone()
                         t = graph_us(lambda w, f=launch, a=src, b=xk: (torch.mul(a, 1.0, out=b), f(w)), sets)
                     else:
@@ -496,14 +513,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="int4: time only the split-K kernel's best configs and, for w4xs, labkit's tile around "
                          "its row-step rule; int8 (w8): only the autotuner's pick")
     ap.add_argument("--experiments", nargs="?", const="pdl", choices=("pdl", "tiles", "step", "fused", "pairs",
-                                                                        "pairtiles", "tagged"),
+                                                                        "pairtiles", "tagged", "stages"),
                     help="w4xs: labkit's tile with programmatic dependent launch and without its reduction (pdl), "
                          "or other slices, warps and whole-K programs, all with PDL (tiles), or the split and whole-K "
                          "tiles with and without PDL, each GEMV after a kernel that writes its activations (step), "
                          "or those tiles plain, with the RMSNorm inside and with the residual add inside (fused), "
                          "or at the rule's and half its row steps with and without PAIR_WORDS (pairs), or split "
                          "tiles of other rows, slices and warps, all with PAIR_WORDS (pairtiles), or the split tile "
-                         "with its counted reduction, the TAGGED one and none (tagged)")
+                         "with its counted reduction, the TAGGED one and none (tagged), or the tiles with their "
+                         "loads pipelined through shared memory, LOOP_STAGES 2-4 (stages)")
     ap.add_argument("--best", help="a gemv_study.json: launch each shape's best candidate (for ncu)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

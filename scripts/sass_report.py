@@ -130,13 +130,13 @@ def report(fn, signature: dict, constexprs: dict, num_warps: int, weights_per_th
 
 
 def xs_report(qm, group: int = 128, bits: int = 4, half: bool = True, pair_words: bool = False,
-              tagged: bool = False, sass_to: str | None = None) -> list[dict]:
+              tagged: bool = False, sass_to: str | None = None, loop_stages: int = 1) -> list[dict]:
     """Registers, spills and loop instructions of the stationary GEMV -- int4 (``_w4_gemv_xs``) or, with ``bits=8``,
     int8 (``_w8_gemv_xs``) -- in ``XS_CASES``, with the tiles ``qm.xs_tile`` picks on 132 SMs (``split``:
     ``XS_TILE`` / ``XS8_TILE``; ``whole``: ``XS_WHOLE_K_TILE`` / ``XS8_WHOLE_K_TILE``); ``half``: packed float16
     math (False: the float32 path); ``pair_words`` (int4): two words' products in the same float16 lanes;
     ``tagged``: the ``TAGGED`` reduction (no fence or counter); ``sass_to``: a folder for
-    each case's whole SASS."""
+    each case's whole SASS; ``loop_stages`` > 1 (int4): the row blocks' loads left to Triton's pipeliner."""
     import torch
 
     qm.num_sms = lambda device: 132  # an H200's SMs: the row-step rule as on the GPU
@@ -150,7 +150,8 @@ def xs_report(qm, group: int = 128, bits: int = 4, half: bool = True, pair_words
         meta = {key: val for key, val in tile.items() if key != "num_warps"}
         meta.update({"PDL": False, "REDUCE": True, "SWIGLU": False, "NORM_CHUNKS": 0, "RESIDUAL": False,
                      "ROPE_HALF": 0, "HALF_MATH": int(half), **extra,
-                     **({"GROUP": group, "PAIR_WORDS": pair_words} if bits == 4 else {})})
+                     **({"GROUP": group, "PAIR_WORDS": pair_words} if bits == 4 else {}),
+                     **({"PREFETCH": 0, "LOOP_STAGES": loop_stages} if bits == 4 and loop_stages > 1 else {})})
         sig = dict(sig0, **{key: "constexpr" for key in meta})
         per_thread = tile["BLOCK_N"] * tile["BLOCK_K"] // (32 * tile["num_warps"])  # weights a row block gives
         r = report(kernel, sig, meta, tile["num_warps"], per_thread, sass_to=sass_to and f"{sass_to}/{bits}_"
@@ -181,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                     "float16 lanes (records/sass_xs_pair_words.json)")
     ap.add_argument("--tagged", action="store_true", help="xs / w8xs: the TAGGED reduction "
                     "(records/sass_xs_tagged.json)")
+    ap.add_argument("--loop-stages", type=int, default=1, help="xs: PREFETCH 0 and LOOP_STAGES N, the loads "
+                    "pipelined through shared memory (records/sass_xs_..._stagesN.json)")
     ap.add_argument("--sass", help="xs / w8xs: a folder for each case's whole SASS")
     ap.add_argument("--weights", type=float, default=4096 * 14336, help="weights of the layer, for the issue time")
     args = ap.parse_args(argv)
@@ -189,12 +192,14 @@ def main(argv: list[str] | None = None) -> int:
         if name not in args.kernel:
             continue
         pair = args.pair_words and bits == 4
-        rows = xs_report(qm, args.group, bits, not args.float32, pair, args.tagged, args.sass)
+        stages = args.loop_stages if bits == 4 else 1
+        rows = xs_report(qm, args.group, bits, not args.float32, pair, args.tagged, args.sass, stages)
         if args.out:
             from labkit.bench import write_record
 
             record = {"target": "sm_90", "triton": triton.__version__, "rows": rows}
-            suffix = ("_pair_words" if pair else "") + ("_tagged" if args.tagged else "")
+            suffix = (("_pair_words" if pair else "") + ("_tagged" if args.tagged else "")
+                      + (f"_stages{stages}" if stages > 1 else ""))
             print("wrote", write_record(f"sass_{name}{suffix}", record, out_dir=args.out))
     for name in (k for k in args.kernel if k in ("w8", "w4")):
         tiles = qm.W8_TILES if name == "w8" else qm.W4_TILES

@@ -844,3 +844,21 @@ def test_stationary_gemv_tagged_reduction(monkeypatch, fmt, fuse):
     x_nan = x.clone()
     x_nan[0, 130] = float("nan")
     assert torch.equal(launch(tagged, x_nan).isnan(), launch(tile, x_nan).isnan())
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_w4a16_stationary_pipelined_loads(stages):
+    """``LOOP_STAGES`` (the row blocks' loads left to Triton's pipeliner, through shared memory on a GPU): the
+    same bits as the default's loads a block ahead in registers, over 5 slices and 4 row steps."""
+    import labkit.kernels.quantized_matmul as qm
+
+    n, k = 128, 640
+    packed, scales, zeros = _int4(n, k, 64, seed=80)
+    x = _x((1, k), torch.float16, seed=81)
+    weights = (packed.view(torch.int32), scales.half(), zeros.half(), 64)
+    base = dict(BLOCK_N=16, BLOCK_K=128, ROW_STEPS=4, PREFETCH=1, num_warps=1)
+    want = qm.w4_gemv_xs(x, *weights, qm.xs_tile(n, k, 64, torch.device(DEVICE), base))
+    tile = qm.xs_tile(n, k, 64, torch.device(DEVICE), dict(base, PREFETCH=0, LOOP_STAGES=stages))
+    assert torch.equal(qm.w4_gemv_xs(x, *weights, tile), want)
+    assert relative_error(want, w4a16_matmul_ref(x.double(), packed, scales.half(), zeros.half(), 64)) < TOL[
+        torch.float16]

@@ -773,7 +773,7 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
                 RED_ROWS: tl.constexpr, HALF_MATH: tl.constexpr, WEIGHTS_FIRST: tl.constexpr = False,
                 PDL: tl.constexpr = False, REDUCE: tl.constexpr = True, SWIGLU: tl.constexpr = False,
                 NORM_CHUNKS: tl.constexpr = 0, RESIDUAL: tl.constexpr = False, ROPE_HALF: tl.constexpr = 0,
-                PAIR_WORDS: tl.constexpr = False, TAGGED: tl.constexpr = False):
+                PAIR_WORDS: tl.constexpr = False, TAGGED: tl.constexpr = False, LOOP_STAGES: tl.constexpr = 1):
     """The int4 GEMV with the activations *stationary* (16-bit activations, whole tiles: ``N`` a multiple of
     ``BLOCK_N * ROW_STEPS``, ``K`` of ``BLOCK_K``, power-of-two groups that divide ``BLOCK_K``).
 
@@ -801,7 +801,9 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
     scripts/gemv_study.py: ``REDUCE=False`` (the partials left unsummed: wrong output, for the time the reduction
     costs); ``PAIR_WORDS`` (groups of 16 weights or more): two words' products share float16 lanes
     (``_w4_pair_dot``), one float32 conversion and add per 16 weights; ``TAGGED``: the reduction of
-    ``_xs_reduce`` without fence or counter (the workspace from ``_empty_partials``)."""
+    ``_xs_reduce`` without fence or counter (the workspace from ``_empty_partials``); ``LOOP_STAGES`` > 1 with
+    ``PREFETCH`` 0: Triton's pipeliner takes the row blocks' loads, ``LOOP_STAGES - 1`` blocks in flight through
+    shared memory (cp.async) instead of one in registers (sm_90 under Triton 3.6: 65-67 registers against 72)."""
     BLOCK_G: tl.constexpr = BLOCK_K // GROUP
     WORDS: tl.constexpr = GROUP // 8
     ROWS: tl.constexpr = BLOCK_N * ROW_STEPS
@@ -837,7 +839,7 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
         xd, yd = _even_odd_words(xd, BLOCK_G, WORDS)
     if PREFETCH and not WEIGHTS_FIRST:
         nw, ns, nz = tl.load(p_ptrs), tl.load(s_ptrs), tl.load(z_ptrs)
-    for i in range(ROW_STEPS):
+    for i in tl.range(0, ROW_STEPS, num_stages=LOOP_STAGES):
         step = _rope_step(pid_n * ROW_STEPS + i, BLOCK_N, ROPE_HALF) if ROPE_HALF > 0 else BLOCK_N  # rows to next
         if PREFETCH:  # this block's loads were issued a block ago; issue the next block's now
             wd, s, z = nw, ns, nz
