@@ -9,6 +9,11 @@ same rotation, and an empty Triton kernel (what one graph node costs before any 
     python scripts/gemv_study.py --out /tmp/h200            # sweep: records/gemv_study.json
     python scripts/gemv_study.py --best /tmp/h200/records/gemv_study.json   # each shape's best, once (for ncu)
     python scripts/gemv_study.py --kinds w8 w8xs --experiments step --out /tmp/h200   # int8: split-K vs stationary
+    python scripts/gemv_study.py --kinds read w4xs --baseline-only --out /tmp/h200   # int4 against a bare read
+
+``read`` times a kernel that only reads as many bytes as the int4 weights (and XORs them, so nothing is
+optimised away): the floor a kernel of that size reaches on this machine, launch and tail included, which the
+copy bandwidth of a large buffer overstates.
 
 Prints, per shape and kernel, the best candidate and the autotuner's pick, in us and as a fraction of the copy
 bandwidth measured in the same run.
@@ -52,6 +57,31 @@ MAXNREG = (64, 96)  # register caps for the int4 kernels (ncu: ~128 registers, 4
 @triton.jit
 def _empty(out_ptr):
     tl.store(out_ptr + tl.program_id(0), 0)
+
+
+@triton.jit
+def _stream_read(src_ptr, out_ptr, n_words, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """Read ``ITERS`` blocks of ``BLOCK`` int32 words, contiguous per program, and store their XOR: the bytes of
+    a GEMV with none of its work, the floor a kernel of that size reaches here."""
+    base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
+    acc = tl.zeros([BLOCK], tl.int32)
+    for i in tl.static_range(ITERS):
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        acc ^= tl.load(src_ptr + offs, mask=offs < n_words, other=0)
+    tl.store(out_ptr + tl.program_id(0), tl.xor_sum(acc, 0))
+
+
+def _read_candidates(n: int, k: int) -> list[dict]:
+    """``_stream_read`` over the int4 weights' bytes: 2-8 KB a step, 2-8 warps, 1-8 steps a program (all of a
+    program's loads in flight at once: the loop is unrolled)."""
+    return [{"BLOCK": b, "ITERS": it, "num_warps": w} for b, w in ((512, 2), (1024, 4), (2048, 8))
+            for it in (1, 2, 4, 8)]
+
+
+def _xor_all(words: torch.Tensor) -> int:
+    import numpy as np
+
+    return int(np.bitwise_xor.reduce(words.cpu().numpy()))
 
 
 _FUSED_INPUTS: dict = {}
@@ -285,6 +315,9 @@ def _weights(kind: str, n: int, k: int, copies: int, dev) -> list[tuple]:
         if kind in ("w8", "w8xs"):
             q = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=dev)
             out.append((q, torch.rand(n, device=dev, dtype=torch.bfloat16) * 0.01 + 1e-3))
+        elif kind == "read":
+            out.append((torch.randint(-2**31, 2**31 - 1, (_nbytes(kind, n, k) // 4,), dtype=torch.int32,
+                                      device=dev),))
         elif kind in ("w4", "w4xs"):
             p = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev)
             s = torch.rand(n, k // GROUP, device=dev, dtype=torch.bfloat16) * 0.01 + 1e-3
@@ -296,7 +329,7 @@ def _weights(kind: str, n: int, k: int, copies: int, dev) -> list[tuple]:
 
 def _nbytes(kind: str, n: int, k: int) -> int:
     w4 = n * k // 2 + 4 * n * k // GROUP
-    return {"w8": n * k + 2 * n, "w8xs": n * k + 2 * n, "w4": w4, "w4xs": w4, "bf16": 2 * n * k}[kind]
+    return {"w8": n * k + 2 * n, "w8xs": n * k + 2 * n, "w4": w4, "w4xs": w4, "read": w4, "bf16": 2 * n * k}[kind]
 
 
 def _launcher(kind: str, x, ws, n: int, k: int, cfg: dict | None):
@@ -308,6 +341,12 @@ def _launcher(kind: str, x, ws, n: int, k: int, cfg: dict | None):
         return lambda w: F.linear(x, w[0])
     if kind == "w4xs":
         return lambda w: launch_w4_xs(x, w, n, k, cfg)
+    if kind == "read":
+        words = ws[0][0].numel()
+        programs = triton.cdiv(words, cfg["BLOCK"] * cfg["ITERS"])
+        sums = torch.empty(programs, device=x.device, dtype=torch.int32)
+        return lambda w: (_stream_read[(programs,)](w[0], sums, words, BLOCK=cfg["BLOCK"], ITERS=cfg["ITERS"],
+                                                    num_warps=cfg["num_warps"]), sums)[1]
     if kind == "w8xs":
         return lambda w: launch_w8_xs(x, w, n, k, cfg)
     if cfg is None:
@@ -387,7 +426,7 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"),
             nbytes = _nbytes(kind, n, k)
             sets = _weights(kind, n, k, _copies(nbytes), dev)
             qm._split_buffers(dev, n)
-            ref = F.linear(xk.float(), _dequant(kind, sets[0], n, k))
+            ref = None if kind == "read" else F.linear(xk.float(), _dequant(kind, sets[0], n, k))
             if kind == "w4" and baseline_only:  # the in-register kernel's best at these shapes (e66a969's sweep)
                 todo = [{"BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": sp, "LOAD_STAGES": 1, "PREFETCH": False,
                          "num_warps": 2} for sp in (1, 4)] + [
@@ -395,6 +434,8 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"),
                          "num_warps": 4}]
             elif kind == "w8xs":
                 todo = _xs8_candidates(n, k)
+            elif kind == "read":
+                todo = _read_candidates(n, k)
             elif kind == "w8" and baseline_only:  # the autotuner's pick only (the wrapper), as a step runs it
                 todo = [None]
             elif kind == "w4xs" and experiments == "step":
@@ -421,8 +462,11 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"),
             for cfg in tqdm(todo, desc=f"{name} {kind}", mininterval=5):
                 launch = _launcher(kind, xk, sets, n, k, cfg)
                 try:
-                    got = launch(sets[0]).float()
-                    err = ((got - ref).norm() / ref.norm()).item()
+                    if kind == "read":  # every word read: the programs' XORs give the whole buffer's
+                        err = float(_xor_all(launch(sets[0])) != _xor_all(sets[0][0]))
+                    else:
+                        got = launch(sets[0]).float()
+                        err = ((got - ref).norm() / ref.norm()).item()
                     # a kernel that writes the activations before every GEMV
                     if experiments in ("step", "fused", "pairs", "pairtiles", "tagged", "stages"):
                         src = xk.clone()
@@ -507,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="folder for records/gemv_study.json")
     ap.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), default=tuple(SHAPES)[:5])
-    ap.add_argument("--kinds", nargs="+", choices=("bf16", "w8", "w4", "w4xs", "w8xs"),
+    ap.add_argument("--kinds", nargs="+", choices=("bf16", "w8", "w4", "w4xs", "w8xs", "read"),
                     default=("bf16", "w8", "w4"))
     ap.add_argument("--baseline-only", action="store_true",
                     help="int4: time only the split-K kernel's best configs and, for w4xs, labkit's tile around "
