@@ -180,6 +180,9 @@ display(att.round(3))
 # `results/h200/NOTES.md`): instruction issue -- each weight must become a float, be multiplied and be added,
 # so int8 decodes bytes in place with one logic op and int4 turns nibble pairs into float16 pairs and
 # multiplies them two at a time -- and latency, where too few warps fit on an SM to keep enough loads in flight.
+# Which one binds is an experiment, not a guess: keeping two words' products in the same float16 lanes before
+# converting to float32 (`PAIR_WORDS`, on by default) cut the int4 loop's instructions by 11% and the GEMV's time
+# at 4096 -> 14336 by 1% (records/gemv_study_pairs_f65fe09.json): at that size latency binds, not issue.
 # The int4 GEMV keeps its activations *stationary*: each program prepares one slice of 512 activations once and
 # walks down its rows with the next block's weights already in flight, instead of preparing the activations again
 # for every block of rows (records/gemv_study_xs_2748180.json: 10-20% faster at four of the five 8B shapes).
