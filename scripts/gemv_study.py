@@ -246,15 +246,19 @@ def _tagged_candidates(n: int, k: int) -> list[dict]:
 def _stage_candidates(n: int, k: int) -> list[dict]:
     """labkit's split and whole-K tiles as they are (the next row block's loads in registers), then with the
     loads left to Triton's pipeliner (``PREFETCH`` 0, ``LOOP_STAGES`` 2-4: up to three blocks in flight through
-    shared memory, fewer registers), at the rule's row steps and twice them: for ``--experiments stages``, each
-    after a kernel that writes the activations."""
+    shared memory, fewer registers), at half, once and twice the rule's row steps; and the whole-K tile with the
+    RMSNorm inside, as it is and at 3 stages (96 registers -> 64 on sm_90, which may let qkv take it): for
+    ``--experiments stages``, each after a kernel that writes the activations."""
     out = []
     for t in _split_and_whole_tiles(n, k):
         base = _launch_config(t)
         out.append(base)
-        for steps in (base["ROW_STEPS"], 2 * base["ROW_STEPS"]):
+        rs = base["ROW_STEPS"]
+        for steps in dict.fromkeys((max(1, rs // 2), rs, 2 * rs)):
             if n % (base["BLOCK_N"] * steps) == 0:
                 out += [dict(base, ROW_STEPS=steps, PREFETCH=0, LOOP_STAGES=st) for st in (2, 3, 4)]
+        if base["BLOCK_K"] == k:
+            out += [dict(base, FUSE="norm"), dict(base, FUSE="norm", PREFETCH=0, LOOP_STAGES=3)]
     return out
 
 

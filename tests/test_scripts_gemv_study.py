@@ -32,4 +32,7 @@ def test_experiment_candidates(monkeypatch):
     stages = gemv_study._stage_candidates(4096, 14336)  # K > 4096: the split tile only
     assert stages[0].get("LOOP_STAGES") is None and {c["LOOP_STAGES"] for c in stages[1:]} == {2, 3, 4}
     assert all(c["PREFETCH"] == 0 for c in stages[1:])
+    assert {c["ROW_STEPS"] for c in stages[1:]} == {2, 4, 8}  # half, once and twice the rule's 4
+    whole = [c for c in gemv_study._stage_candidates(6144, 4096) if c["BLOCK_K"] == 4096]
+    assert [c.get("FUSE") for c in whole[-2:]] == ["norm", "norm"] and whole[-1]["LOOP_STAGES"] == 3
     assert all(c["PAIR_WORDS"] for c in tagged + stages)
