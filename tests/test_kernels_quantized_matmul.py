@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from labkit.evaluate import relative_error
-from labkit.kernels.quantized_matmul import w4a16_matmul, w4a16_matmul_ref, w8a16_matmul, w8a16_matmul_ref
+from labkit.kernels.quantized_matmul import _any_empty, w4a16_matmul, w4a16_matmul_ref, w8a16_matmul, w8a16_matmul_ref
 from labkit.quant.packing import pack_int4
 
 # the weights are exactly representable; what remains is the activations' dtype and accumulation order
@@ -862,3 +862,26 @@ def test_w4a16_stationary_pipelined_loads(stages):
     assert torch.equal(qm.w4_gemv_xs(x, *weights, tile), want)
     assert relative_error(want, w4a16_matmul_ref(x.double(), packed, scales.half(), zeros.half(), 64)) < TOL[
         torch.float16]
+
+
+import triton  # noqa: E402  (labkit, imported above, has routed it to the interpreter on a CPU-only host)
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _any_empty_probe(src_ptr, out_ptr, R: tl.constexpr, C: tl.constexpr):
+    parts = tl.load(src_ptr + tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :])
+    tl.store(out_ptr, _any_empty(parts).to(tl.int32))
+
+
+def test_tagged_reduction_sees_an_empty_word_among_negative_partials():
+    """The ``TAGGED`` reducer's wait condition: an empty word (bits -1) is found in a block whose landed partials
+    include negative floats (whose int32 bits are below -1), and a block of landed words is not empty. (The
+    interpreter runs every peer before the reducer, so the GEMV tests never see a word still on its way.)"""
+    words = torch.tensor([[-2.0, 3.0, -0.5, 1.0], [7.0, -9.0, 0.0, float("nan")]])
+    out = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    _any_empty_probe[(1,)](words.to(DEVICE), out, R=2, C=4)
+    assert out.item() == 0
+    words.view(torch.int32)[1, 2] = -1
+    _any_empty_probe[(1,)](words.to(DEVICE), out, R=2, C=4)
+    assert out.item() == 1

@@ -685,6 +685,14 @@ def _landed(part):
 
 
 @triton.jit
+def _any_empty(parts):
+    """Whether any word of the 2-D block ``parts`` is empty: its bits -1 are the largest unsigned 32-bit value,
+    which ``_landed`` keeps every partial from being (as a signed int32, -1 is not the least of a block whose
+    negative floats have their sign bit set)."""
+    return tl.max(tl.max(parts.to(tl.uint32, bitcast=True), 1), 0) == 0xFFFFFFFF
+
+
+@triton.jit
 def _xs_block_done(part, rows, lrows, ws_ptr, res_ptr, out_ptr, N, SPLIT_P2: tl.constexpr, RESIDUAL: tl.constexpr,
                    TAGGED: tl.constexpr = False):
     """A stationary program's float32 sums for one row block: the output rows ``rows`` where the program owns
@@ -758,7 +766,7 @@ def _xs_sum_tagged(ws_ptr, res_ptr, out_ptr, N, cos_ptr, sin_ptr, slot_ptr, kc_p
         rows = pid_n * ROWS + r0 + tl.arange(0, RED_ROWS)
         ptrs = ws_ptr + sl[:, None] * N + rows[None, :]
         parts = tl.load(ptrs, mask=ok, other=0.0, volatile=True)
-        while tl.min(tl.min(parts.to(tl.int32, bitcast=True), 1), 0) == _EMPTY:  # a slice still on its way
+        while _any_empty(parts):  # a slice's partials still on their way
             parts = tl.load(ptrs, mask=ok, other=0.0, volatile=True)
         tl.store(ptrs, tl.full(parts.shape, _EMPTY, tl.int32).to(tl.float32, bitcast=True), mask=ok)
         _xs_chunk_rows(tl.sum(parts, 0), rows, pid_n * ROWS + r0, res_ptr, out_ptr, cos_ptr, sin_ptr, slot_ptr,
