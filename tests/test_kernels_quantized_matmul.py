@@ -841,6 +841,8 @@ def test_stationary_gemv_tagged_reduction(monkeypatch, fmt, fuse):
     for _ in range(2):
         assert torch.equal(launch(tagged), counted)
         assert (qm._empty_partials(counted.device, n * (k // 128)).view(torch.int32) == -1).all()
+    with pytest.raises(ValueError, match="TAGGED needs REDUCE"):
+        launch(dict(tagged, REDUCE=False))
     x_nan = x.clone()
     x_nan[0, 130] = float("nan")
     assert torch.equal(launch(tagged, x_nan).isnan(), launch(tile, x_nan).isnan())

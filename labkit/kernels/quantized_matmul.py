@@ -1377,6 +1377,8 @@ def _xs_launch(kernel, x2: torch.Tensor, n: int, weights: tuple, strides: tuple,
     slices, rows = k // tile["BLOCK_K"], tile["BLOCK_N"] * tile["ROW_STEPS"]
     ws, cnt = _split_buffers(x2.device, n, slices)
     if tile.get("TAGGED") and slices > 1:
+        if tile.get("REDUCE") is False:  # its words would stay landed, and the next launch would sum them
+            raise ValueError("TAGGED needs REDUCE: the reducers are what empty the workspace for the next launch")
         ws = _empty_partials(x2.device, n * slices)
     meta = {key: val for key, val in tile.items() if key != "num_warps"}
     meta.update(pdl_meta(pdl, x2.device, tile))
