@@ -39,6 +39,7 @@ from labkit.bench import write_record  # noqa: E402
 from labkit.hardware import measure_copy_bandwidth  # noqa: E402
 from labkit.kernels import quantized_matmul as qm  # noqa: E402
 from labkit.kernels.common import cold_l2_bench, graph_replay_ms  # noqa: E402
+from labkit.kernels.stream_read import stream_read, stream_read_ref  # noqa: E402
 
 # (N, K) of the 8B decode step's linears: the engine merges q/k/v and gate/up; Hugging Face's model does not
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
@@ -59,29 +60,11 @@ def _empty(out_ptr):
     tl.store(out_ptr + tl.program_id(0), 0)
 
 
-@triton.jit
-def _stream_read(src_ptr, out_ptr, n_words, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    """Read ``ITERS`` blocks of ``BLOCK`` int32 words, contiguous per program, and store their XOR: the bytes of
-    a GEMV with none of its work, the floor a kernel of that size reaches here."""
-    base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
-    acc = tl.zeros([BLOCK], tl.int32)
-    for i in tl.static_range(ITERS):
-        offs = base + i * BLOCK + tl.arange(0, BLOCK)
-        acc ^= tl.load(src_ptr + offs, mask=offs < n_words, other=0)
-    tl.store(out_ptr + tl.program_id(0), tl.xor_sum(acc, 0))
-
-
 def _read_candidates(n: int, k: int) -> list[dict]:
-    """``_stream_read`` over the int4 weights' bytes: 2-8 KB a step, 2-8 warps, 1-8 steps a program (all of a
+    """``stream_read`` over the int4 weights' bytes: 2-8 KB a step, 2-8 warps, 1-8 steps a program (all of a
     program's loads in flight at once: the loop is unrolled)."""
     return [{"BLOCK": b, "ITERS": it, "num_warps": w} for b, w in ((512, 2), (1024, 4), (2048, 8))
             for it in (1, 2, 4, 8)]
-
-
-def _xor_all(words: torch.Tensor) -> int:
-    import numpy as np
-
-    return int(np.bitwise_xor.reduce(words.cpu().numpy()))
 
 
 _FUSED_INPUTS: dict = {}
@@ -349,8 +332,7 @@ def _launcher(kind: str, x, ws, n: int, k: int, cfg: dict | None):
         words = ws[0][0].numel()
         programs = triton.cdiv(words, cfg["BLOCK"] * cfg["ITERS"])
         sums = torch.empty(programs, device=x.device, dtype=torch.int32)
-        return lambda w: (_stream_read[(programs,)](w[0], sums, words, BLOCK=cfg["BLOCK"], ITERS=cfg["ITERS"],
-                                                    num_warps=cfg["num_warps"]), sums)[1]
+        return lambda w: stream_read(w[0], cfg["BLOCK"], cfg["ITERS"], cfg["num_warps"], out=sums)
     if kind == "w8xs":
         return lambda w: launch_w8_xs(x, w, n, k, cfg)
     if cfg is None:
@@ -467,7 +449,7 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"),
                 launch = _launcher(kind, xk, sets, n, k, cfg)
                 try:
                     if kind == "read":  # every word read: the programs' XORs give the whole buffer's
-                        err = float(_xor_all(launch(sets[0])) != _xor_all(sets[0][0]))
+                        err = float(stream_read_ref(launch(sets[0])) != stream_read_ref(sets[0][0]))
                     else:
                         got = launch(sets[0]).float()
                         err = ((got - ref).norm() / ref.norm()).item()

@@ -19,7 +19,7 @@ def test_stream_read_xors_every_word(cfg):
     assert sets[0][0].numel() * 4 == gemv_study._nbytes("w4", 40, 384)
     launch = gemv_study._launcher("read", torch.zeros(1, 384), sets, 40, 384, cfg)
     for (words,) in sets:
-        assert gemv_study._xor_all(launch((words,))) == gemv_study._xor_all(words)
+        assert gemv_study.stream_read_ref(launch((words,))) == gemv_study.stream_read_ref(words)
 
 
 def test_experiment_candidates(monkeypatch):

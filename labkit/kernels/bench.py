@@ -31,6 +31,7 @@ from labkit.kernels.rms_norm import rms_norm
 from labkit.kernels.rope import apply_rope
 from labkit.kernels.silu_and_mul import silu_and_mul
 from labkit.kernels.softmax import softmax
+from labkit.kernels.stream_read import READ_TILES, stream_read, stream_read_ref
 
 KERNELS = ("rmsnorm", "swiglu", "rope", "softmax", "flash", "paged", "gemv")
 # (shape tuples per kernel): rmsnorm/softmax (rows, cols); swiglu (rows, d); rope (tokens, heads, kv_heads,
@@ -58,7 +59,11 @@ BARS = {"kernels.rmsnorm_bw_frac": ">= 0.90", "kernels.rmsnorm_speedup_vs_eager"
         # no bar: the most the bitsandbytes ratios can reach, labkit's GEMV reading its bytes at copy bandwidth
         "kernels.w8_vs_bnb_int8_at_copy_bw": None, "kernels.w4_vs_bnb_nf4_at_copy_bw": None,
         # no bar: the stationary int8 GEMV (the engine's fused int8 layers) against bf16, beside the split-K one
-        "kernels.w8_stationary_gemv_speedup_vs_bf16": None}
+        "kernels.w8_stationary_gemv_speedup_vs_bf16": None,
+        # no bar: against a kernel that only reads the same bytes (stream_read: launch, latency and tail
+        # included), the int4 GEMV's time as a fraction, and the bitsandbytes ratios a GEMV that fast would reach
+        "kernels.w4_gemv_frac_of_read_floor": None, "kernels.w8_vs_bnb_int8_at_read_floor": None,
+        "kernels.w4_vs_bnb_nf4_at_read_floor": None}
 
 
 def _randn(*shape, dtype, device, seed=0, scale=1.0) -> torch.Tensor:
@@ -250,8 +255,16 @@ def _gemv_weights(n: int, k: int, dtype, device, seed: int, group_size: int) -> 
     s4 = ((hi - lo) / 15).clamp(min=1e-8)
     z4 = -lo / s4
     q4 = (wg / s4[..., None] + z4[..., None]).round().clamp(0, 15).view(n, k)
+    w8_words, w4_words = (math.ceil(b / 4) for b in _quantised_bytes(n, k, group_size, w.element_size()))
     return {"w": w, "q8": q8, "scale": scale, "packed": pack_int4(q4.to(torch.uint8)), "s4": s4.to(dtype),
-            "z4": z4.to(dtype)}
+            "z4": z4.to(dtype),  # and as many bytes as each format's weights, for a kernel that only reads
+            "w8_words": torch.randint(-2**31, 2**31 - 1, (w8_words,), dtype=torch.int32, device=device),
+            "w4_words": torch.randint(-2**31, 2**31 - 1, (w4_words,), dtype=torch.int32, device=device)}
+
+
+def _quantised_bytes(n: int, k: int, group_size: int, itemsize: int = 2) -> tuple[int, int]:
+    """Bytes of ``[n, k]`` weights in int8 (per-row scales) and int4 (group-wise scales and zeros)."""
+    return n * k + itemsize * n, n * k // 2 + 2 * itemsize * n * k // group_size
 
 
 def _weight_sets(n: int, k: int, dtype, device, group_size: int) -> list[dict]:
@@ -288,6 +301,7 @@ def bench_gemv(shape, dtype, device, iters=50, compile_=False, group_size=128, b
            "w4_dequant_then_matmul": lambda s: F.linear(x, dequantize_int4(s["packed"], s["s4"], s["z4"],
                                                                              group_size, dtype))}
     times = _time_all({name: _cycling(f, sets) for name, f in fns.items()}, device, iters, cuda_graph=True)
+    times.update(_read_floors(sets, device, iters))
     layers = [_bnb_linears(s["w"]) for s in sets] if bnb and device.type == "cuda" else []
     if layers and layers[0]:
         # bitsandbytes beside our kernels, timed together the same way (graph replays if bnb captures,
@@ -297,8 +311,9 @@ def bench_gemv(shape, dtype, device, iters=50, compile_=False, group_size=128, b
                      "w4_triton_vs_bnb": _cycling(fns["w4_triton"], sets)})
         times.update(_time_all(pair, device, iters, cuda_graph=True))
     act = (m * k + m * n) * x.element_size()
-    w8_bytes, w4_bytes = n * k + 2 * n, n * k // 2 + 2 * 2 * n * k // group_size
+    w8_bytes, w4_bytes = _quantised_bytes(n, k, group_size, x.element_size())
     nbytes = {"bf16": 2 * n * k, "dense": n * k * x.element_size(), "w8_triton": w8_bytes,
+              "w8_bytes_read": 4 * sets[0]["w8_words"].numel(), "w4_bytes_read": 4 * sets[0]["w4_words"].numel(),
               "w8_triton_stationary": w8_bytes,
               "w4_triton": w4_bytes, "w8_triton_vs_bnb": w8_bytes, "w4_triton_vs_bnb": w4_bytes,
               "bnb_int8": n * k + 4 * n, "bnb_nf4": n * k // 2 + 4 * n * k // 64}
@@ -315,6 +330,24 @@ def bench_gemv(shape, dtype, device, iters=50, compile_=False, group_size=128, b
     for r in rows:
         r["weight_sets"] = len(sets)
     return rows
+
+
+def _read_floors(sets: list, device, iters: int) -> dict[str, Timing]:
+    """``w8_bytes_read`` / ``w4_bytes_read``: ``stream_read`` over as many bytes as each format's weights, cycling
+    through the sets like the GEMVs, the fastest of ``READ_TILES`` (each checked to have read every word; under
+    the interpreter only the largest, whose few programs keep the check quick: its time is Python's anyway)."""
+    out = {}
+    shapes = READ_TILES if device.type == "cuda" else READ_TILES[-1:]
+    for fmt in ("w8", "w4"):
+        key = f"{fmt}_words"
+        for tile in shapes:
+            words = sets[0][key]
+            if stream_read_ref(stream_read(words, *tile)) != stream_read_ref(words):
+                raise RuntimeError(f"stream_read{tile} did not read every word")
+        tiles = {tile: _cycling(lambda s, t=tile, key=key: stream_read(s[key], *t), sets) for tile in shapes}
+        out[f"{fmt}_bytes_read"] = min(_time_all(tiles, device, iters, cuda_graph=True).values(),
+                                       key=lambda t: t.median_s)
+    return out
 
 
 BENCHES = {"rmsnorm": bench_rmsnorm, "swiglu": bench_swiglu, "rope": bench_rope, "softmax": bench_softmax,
@@ -383,6 +416,10 @@ def headline_figures(rows: list[dict], profile: str) -> dict[str, float]:
     # ratio above this needs a GEMV faster than the bandwidth it must read its weights at
     figs["kernels.w8_vs_bnb_int8_at_copy_bw"] = figs["kernels.w8_vs_bnb_int8"] / frac("gemv", "w8_triton_vs_bnb")
     figs["kernels.w4_vs_bnb_nf4_at_copy_bw"] = figs["kernels.w4_vs_bnb_nf4"] / frac("gemv", "w4_triton_vs_bnb")
+    # and at the time a kernel that only reads those bytes takes here, launch and tail included
+    figs["kernels.w4_gemv_frac_of_read_floor"] = ratio("gemv", "w4_bytes_read", "w4_triton")
+    figs["kernels.w8_vs_bnb_int8_at_read_floor"] = ratio("gemv", "bnb_int8", "w8_bytes_read")
+    figs["kernels.w4_vs_bnb_nf4_at_read_floor"] = ratio("gemv", "bnb_nf4", "w4_bytes_read")
     return figs
 
 

@@ -215,6 +215,13 @@ display(att.round(3))
 # floor (labkit's bytes over the copy bandwidth measured above): the ratio labkit's GEMV would reach if it read
 # its weights at the copy rate. Where that is below a bar, the bar cannot be met by a faster kernel, only by a
 # slower baseline.
+#
+# The copy rate is measured on a large buffer, and a kernel of a few tens of megabytes pays more than its bytes:
+# the launch, the first loads' latency before the stream fills, the tail where the last programs run alone. The
+# rows `w4_bytes_read` and `w8_bytes_read` time a kernel that only reads as many bytes as each format's weights
+# (`labkit.kernels.stream_read`, the fastest of three shapes, cycling through weight sets like the GEMVs): the
+# floor for any kernel of that size on this machine. `kernels.w4_gemv_frac_of_read_floor` is how close the int4
+# GEMV comes to it, and the `*_at_read_floor` figures are the bitsandbytes ratios a GEMV that fast would reach.
 
 # %%
 gemv = table[table.kernel == "gemv"][["impl", "shape", "median_us", "gb_s", "frac_of_ceiling", "rel_err",
