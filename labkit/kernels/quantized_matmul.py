@@ -103,6 +103,7 @@ from labkit.kernels.common import (
     check_pdl,
     check_tensor,
     cold_l2_bench,
+    kernel_workspace,
     next_pow2,
     num_sms,
     pdl_launch,
@@ -1231,7 +1232,6 @@ XS_MAX_SLICES = 256
 XS_REDUCE_TILE = 4096  # float32 partials per reduction tile of the last program (64 registers a thread)
 
 _SPLIT_BUFFERS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-_EMPTY_PARTIALS: dict[str, torch.Tensor] = {}
 _RETIRED_BUFFERS: list = []  # outgrown workspaces stay allocated: a captured CUDA graph may still point at them
 
 
@@ -1262,19 +1262,8 @@ def _split_buffers(device: torch.device, n: int, splits: int = MAX_SPLIT_K) -> t
 
 def _empty_partials(device: torch.device, size: int) -> torch.Tensor:
     """The workspace of the ``TAGGED`` reduction on ``device``: float32 words, at least ``size``, all empty (bits
-    -1) between launches (each launch's reducers empty what they read). Grown like ``_split_buffers``, outside
-    capture."""
-    key = str(device)
-    words = _EMPTY_PARTIALS.get(key)
-    if words is None or words.numel() < size:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"the tagged GEMV workspace of {size} words does not exist yet and cannot be "
-                               "allocated during CUDA-graph capture; call the layer once before capturing (warm-up)")
-        if words is not None:
-            _RETIRED_BUFFERS.append(words)
-        words = torch.full((next_pow2(size),), -1, dtype=torch.int32, device=device).view(torch.float32)
-        _EMPTY_PARTIALS[key] = words
-    return words
+    -1) between launches (each launch's reducers empty what they read); see ``kernel_workspace``."""
+    return kernel_workspace("tagged GEMV partials", size, device, fill=-1).view(torch.float32)
 
 
 def xs_tile(n: int, k: int, group: int, device: torch.device, tile: dict | None = None,
