@@ -218,12 +218,13 @@ def _pair_candidates(n: int, k: int) -> list[dict]:
 def _tagged_candidates(n: int, k: int) -> list[dict]:
     """labkit's split tile with the counted reduction (its default), with ``TAGGED`` (the last slice of each row
     chunk waits for its peers' partials: no fence, no counter, one memory round trip instead of three) and with
-    no reduction at all (``REDUCE`` False: wrong sums, the floor any reduction can reach); then the whole-K tile
-    where K <= 4096 (no reduction to make). Each after a kernel that writes the activations: for
-    ``--experiments tagged``."""
+    no reduction at all (``REDUCE`` False: wrong sums, the floor any reduction can reach), and ``TAGGED`` with the
+    loads pipelined (``LOOP_STAGES`` 3, the ``stages`` experiment's middle); then the whole-K tile where K <= 4096
+    (no reduction to make). Each after a kernel that writes the activations: for ``--experiments tagged``."""
     tiles = _split_and_whole_tiles(n, k)
     split = _launch_config(tiles[0])
-    return [split, dict(split, TAGGED=True), dict(split, REDUCE=False)] + [_launch_config(t) for t in tiles[1:]]
+    return [split, dict(split, TAGGED=True), dict(split, REDUCE=False),
+            dict(split, TAGGED=True, PREFETCH=0, LOOP_STAGES=3)] + [_launch_config(t) for t in tiles[1:]]
 
 
 def _stage_candidates(n: int, k: int) -> list[dict]:

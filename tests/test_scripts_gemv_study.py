@@ -23,12 +23,13 @@ def test_stream_read_xors_every_word(cfg):
 
 
 def test_experiment_candidates(monkeypatch):
-    """``tagged``: the split tile counted, tagged and unreduced, then the whole-K tile; ``stages``: pipelined loads
+    """``tagged``: the split tile counted, tagged, unreduced and tagged with pipelined loads, then the whole-K
+    tile; ``stages``: pipelined loads
     (PREFETCH 0) at 2-4 stages; every candidate keeps the default tile's PAIR_WORDS."""
     monkeypatch.setattr(gemv_study.qm, "num_sms", lambda device: 132)
     tagged = gemv_study._tagged_candidates(14336, 4096)
-    assert [c.get("TAGGED", False) for c in tagged] == [False, True, False, False]
-    assert tagged[2]["REDUCE"] is False and tagged[3]["BLOCK_K"] == 4096
+    assert [c.get("TAGGED", False) for c in tagged] == [False, True, False, True, False]
+    assert tagged[2]["REDUCE"] is False and tagged[3]["LOOP_STAGES"] == 3 and tagged[4]["BLOCK_K"] == 4096
     stages = gemv_study._stage_candidates(4096, 14336)  # K > 4096: the split tile only
     assert stages[0].get("LOOP_STAGES") is None and {c["LOOP_STAGES"] for c in stages[1:]} == {2, 3, 4}
     assert all(c["PREFETCH"] == 0 for c in stages[1:])
