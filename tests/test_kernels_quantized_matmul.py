@@ -394,17 +394,19 @@ def _qkv_rope(fmt, n, k, dtype, seed, group=64, scale=1.0):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("norm", [False, True])
-def test_qkv_rope_and_cache_inside_the_gemv(monkeypatch, fmt, norm):
+@pytest.mark.parametrize("norm,tagged", [(False, False), (True, False), (True, True)])
+def test_qkv_rope_and_cache_inside_the_gemv(monkeypatch, fmt, norm, tagged):
     """``w4a16_qkv_rope_cache`` / ``w8a16_qkv_rope_cache``: one float16 row on the split stationary tile walks
     each head's rows in rotary pairs and its last programs rotate q and k and write k and v to the paged caches --
     the same bits as the product then ``apply_rope_and_cache`` (4 q heads, 2 kv heads of 16 dims: two row blocks
     a head). A slot of -1 leaves the caches alone; more rows take the separate kernels; a wrong head count is
-    refused."""
+    refused. ``tagged``: both GEMVs end in the ``TAGGED`` reduction."""
     import labkit.kernels.quantized_matmul as qm
+    from labkit.kernels import common
     from labkit.kernels.rope import apply_rope_and_cache
 
-    monkeypatch.setattr(qm, "CPU_XS_TILE", dict(BLOCK_N=8, BLOCK_K=128, PREFETCH=1, num_warps=1))
+    monkeypatch.setattr(qm, "CPU_XS_TILE", dict(BLOCK_N=8, BLOCK_K=128, PREFETCH=1, num_warps=1, TAGGED=tagged))
+    monkeypatch.setattr(common, "_WORKSPACES", {})  # fresh, to see which ones this test makes
     monkeypatch.setattr(qm, "XS8_PLAIN", True)  # the bare int8 product on the same kernel: comparable bits
     fused = _spy(monkeypatch, LAUNCHER[fmt])
     heads, kv_heads, d, k, dt = 4, 2, 16, 256, torch.float16
@@ -431,6 +433,7 @@ def test_qkv_rope_and_cache_inside_the_gemv(monkeypatch, fmt, norm):
         assert torch.equal(q, ref[0]) and torch.equal(kr, ref[1]), (rows, slot)
         assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1]), (rows, slot)
         assert (caches[0][0] == 7.0).all() == (slot < 0)
+    assert (("tagged GEMV partials", str(x.device)) in common._WORKSPACES) == tagged  # the path taken
     with pytest.raises(ValueError, match="num_heads=3"):
         qkv_rope_cache(x, *args, 3, cos[:3], sin[:3], *caches[0], slots)
     with pytest.raises(ValueError, match="scale"):  # one row, as the fused path takes it: the weights checked
