@@ -419,6 +419,9 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"),
                          "num_warps": 2} for sp in (1, 4)] + [
                         {"BLOCK_N": 8, "BLOCK_K": 2048, "SPLIT_K": 1, "LOAD_STAGES": 1, "PREFETCH": False,
                          "num_warps": 4}]
+            elif kind == "w8xs" and experiments == "tagged":  # labkit's int8 split tile, counted and TAGGED
+                base8 = dict(qm.XS8_TILE)
+                todo = [base8, dict(base8, TAGGED=True), dict(base8, REDUCE=False)]
             elif kind == "w8xs":
                 todo = _xs8_candidates(n, k)
             elif kind == "read":
@@ -551,7 +554,8 @@ def main(argv: list[str] | None = None) -> int:
                          "or those tiles plain, with the RMSNorm inside and with the residual add inside (fused), "
                          "or at the rule's and half its row steps with and without PAIR_WORDS (pairs), or split "
                          "tiles of other rows, slices and warps, all with PAIR_WORDS (pairtiles), or the split tile "
-                         "with its counted reduction, the TAGGED one and none (tagged), or the tiles with their "
+                         "with its counted reduction, the TAGGED one and none (tagged; w8xs: the int8 split tile the "
+                         "same way), or the tiles with their "
                          "loads pipelined through shared memory, LOOP_STAGES 2-4 (stages)")
     ap.add_argument("--best", help="a gemv_study.json: launch each shape's best candidate (for ncu)")
     args = ap.parse_args(argv)
