@@ -292,6 +292,18 @@ def _tile_candidates(n: int, k: int) -> list[dict]:
     return out
 
 
+def _tagged8_candidates() -> list[dict]:
+    """labkit's int8 split tile counted, ``TAGGED`` and unreduced: for ``--kinds w8xs --experiments tagged``."""
+    return [dict(qm.XS8_TILE), dict(qm.XS8_TILE, TAGGED=True), dict(qm.XS8_TILE, REDUCE=False)]
+
+
+# w4xs candidates of each --experiments value, and those timed after a kernel that writes their activations
+XS_EXPERIMENTS = {"pdl": _xs_experiments, "tiles": _tile_candidates, "step": _step_candidates,
+                  "fused": _fused_candidates, "pairs": _pair_candidates, "pairtiles": _pair_tile_candidates,
+                  "tagged": _tagged_candidates, "stages": _stage_candidates}
+AFTER_A_WRITER = ("step", "fused", "pairs", "pairtiles", "tagged", "stages")
+
+
 def _copies(nbytes: int) -> int:
     return max(2, min(64, math.ceil(ROTATE_BYTES / nbytes)))
 
@@ -419,31 +431,16 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"),
                          "num_warps": 2} for sp in (1, 4)] + [
                         {"BLOCK_N": 8, "BLOCK_K": 2048, "SPLIT_K": 1, "LOAD_STAGES": 1, "PREFETCH": False,
                          "num_warps": 4}]
-            elif kind == "w8xs" and experiments == "tagged":  # labkit's int8 split tile, counted and TAGGED
-                base8 = dict(qm.XS8_TILE)
-                todo = [base8, dict(base8, TAGGED=True), dict(base8, REDUCE=False)]
+            elif kind == "w8xs" and experiments == "tagged":
+                todo = _tagged8_candidates()
             elif kind == "w8xs":
                 todo = _xs8_candidates(n, k)
             elif kind == "read":
                 todo = _read_candidates(n, k)
             elif kind == "w8" and baseline_only:  # the autotuner's pick only (the wrapper), as a step runs it
                 todo = [None]
-            elif kind == "w4xs" and experiments == "step":
-                todo = _step_candidates(n, k)
-            elif kind == "w4xs" and experiments == "pairs":
-                todo = _pair_candidates(n, k)
-            elif kind == "w4xs" and experiments == "stages":
-                todo = _stage_candidates(n, k)
-            elif kind == "w4xs" and experiments == "tagged":
-                todo = _tagged_candidates(n, k)
-            elif kind == "w4xs" and experiments == "pairtiles":
-                todo = _pair_tile_candidates(n, k)
-            elif kind == "w4xs" and experiments == "fused":
-                todo = _fused_candidates(n, k)
-            elif kind == "w4xs" and experiments == "tiles":
-                todo = _tile_candidates(n, k)
             elif kind == "w4xs" and experiments:
-                todo = _xs_experiments(n, k)
+                todo = XS_EXPERIMENTS[experiments](n, k)
             elif kind == "w4xs":
                 todo = _xs_candidates(n, k, narrow=baseline_only)
             else:
@@ -458,7 +455,7 @@ def sweep(shapes: dict, dev, out: str | None = None, kinds=("bf16", "w8", "w4"),
                         got = launch(sets[0]).float()
                         err = ((got - ref).norm() / ref.norm()).item()
                     # a kernel that writes the activations before every GEMV
-                    if experiments in ("step", "fused", "pairs", "pairtiles", "tagged", "stages"):
+                    if experiments in AFTER_A_WRITER:
                         src = xk.clone()
                         t = graph_us(lambda w, f=launch, a=src, b=xk: (torch.mul(a, 1.0, out=b), f(w)), sets)
                     else:
@@ -546,8 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-only", action="store_true",
                     help="int4: time only the split-K kernel's best configs and, for w4xs, labkit's tile around "
                          "its row-step rule; int8 (w8): only the autotuner's pick")
-    ap.add_argument("--experiments", nargs="?", const="pdl", choices=("pdl", "tiles", "step", "fused", "pairs",
-                                                                        "pairtiles", "tagged", "stages"),
+    ap.add_argument("--experiments", nargs="?", const="pdl", choices=tuple(XS_EXPERIMENTS),
                     help="w4xs: labkit's tile with programmatic dependent launch and without its reduction (pdl), "
                          "or other slices, warps and whole-K programs, all with PDL (tiles), or the split and whole-K "
                          "tiles with and without PDL, each GEMV after a kernel that writes its activations (step), "

@@ -340,8 +340,8 @@ def _read_floors(sets: list, device, iters: int) -> dict[str, Timing]:
     shapes = READ_TILES if device.type == "cuda" else READ_TILES[-1:]
     for fmt in ("w8", "w4"):
         key = f"{fmt}_words"
+        words = sets[0][key]
         for tile in shapes:
-            words = sets[0][key]
             if stream_read_ref(stream_read(words, *tile)) != stream_read_ref(words):
                 raise RuntimeError(f"stream_read{tile} did not read every word")
         tiles = {tile: _cycling(lambda s, t=tile, key=key: stream_read(s[key], *t), sets) for tile in shapes}
