@@ -103,7 +103,8 @@ def measure_matmul_flops(device: torch.device | str | None = None, n: int | None
 
 
 def measure_ceilings(device: torch.device | str | None = None, iters: int = 20) -> dict:
-    """Measured copy bandwidth and bf16 (fp32 on the CPU) matmul rate of the device, with its name."""
+    """Measured copy bandwidth and bf16 (fp32 on the CPU) matmul rate of the device, with its name (and the
+    datasheet's peak bandwidth beside them, None where there is no datasheet row)."""
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()
     mm_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -114,8 +115,19 @@ def measure_ceilings(device: torch.device | str | None = None, iters: int = 20) 
         "matmul_dtype": str(mm_dtype).replace("torch.", ""),
     }
     out["ridge_flop_per_byte"] = out["matmul_flops"] / out["copy_bytes_per_s"]
+    out["datasheet_bytes_per_s"] = datasheet_bandwidth(dev)
     out["measure_s"] = time.perf_counter() - t0
     return out
+
+
+def datasheet_bandwidth(device: torch.device | str | None = None) -> float | None:
+    """The vendor's peak memory bandwidth (bytes/s) of the device, or None without a datasheet row (the CPU,
+    an unlisted GPU): no kernel reads faster, so it bounds every bandwidth-limited ratio from above."""
+    try:
+        hw = detect(device)
+    except ValueError:
+        return None
+    return hw.mem_bandwidth if hw.source == "datasheet" else None
 
 
 def measured_hardware(ceilings: dict, base: Hardware | None = None) -> Hardware:

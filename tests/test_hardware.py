@@ -20,3 +20,18 @@ def test_measure_ceilings_on_this_machine():
 def test_unknown_hardware():
     with pytest.raises(ValueError, match="hardware='tpu' is unknown; allowed"):
         get_hardware("tpu")
+
+
+def test_datasheet_bandwidth_of_known_and_unknown_parts(monkeypatch):
+    import labkit.hardware as hw
+
+    assert hw.datasheet_bandwidth("cpu") is None  # the CPU row is nominal, not a datasheet
+    monkeypatch.setattr(hw, "device_name", lambda device=None: "NVIDIA H200")
+    assert hw.datasheet_bandwidth() == 4.8e12
+    monkeypatch.setattr(hw, "device_name", lambda device=None: "NVIDIA B200")
+    assert hw.datasheet_bandwidth() is None
+
+
+def test_measure_ceilings_carries_the_datasheet_bandwidth():
+    c = measure_ceilings("cpu", iters=2)
+    assert "datasheet_bytes_per_s" in c and c["datasheet_bytes_per_s"] is None

@@ -4,6 +4,7 @@ import csv
 import json
 import math
 
+import pytest
 import torch
 
 from labkit.hardware import device_name
@@ -47,3 +48,22 @@ def test_gemv_rows_hold_the_read_floors():
     assert figs["kernels.w4_gemv_frac_of_read_floor"] > 0
     if DEVICE.type == "cpu":
         assert math.isnan(figs["kernels.w4_vs_bnb_nf4_at_read_floor"])
+
+
+def test_bitsandbytes_bound_at_the_datasheet_bandwidth():
+    """bitsandbytes' time over labkit's bytes at the vendor's peak: the ratio no kernel on the part can pass."""
+    shape = "x".join(map(str, SIZES["gpu"]["gemv"][0]))
+    # labkit's int8 GEMV moves 1 GB in 500 us, its int4 GEMV 0.5 GB in 250 us; bitsandbytes takes 1000 us each
+    rows = [dict(kernel="gemv", impl="bnb_int8", shape=shape, median_us=1000.0, gb_s=1.0 / 1000e-6),
+            dict(kernel="gemv", impl="w8_triton_vs_bnb", shape=shape, median_us=500.0, gb_s=1.0 / 500e-6),
+            dict(kernel="gemv", impl="bnb_nf4", shape=shape, median_us=1000.0, gb_s=0.5 / 1000e-6),
+            dict(kernel="gemv", impl="w4_triton_vs_bnb", shape=shape, median_us=250.0, gb_s=0.5 / 250e-6)]
+    ceilings = {"copy_bytes_per_s": 4e12, "matmul_flops": 1e15, "datasheet_bytes_per_s": 5e12}
+    figs = headline_figures(add_fractions([dict(r) for r in rows], ceilings), "gpu")
+    # 1 GB at 5 TB/s takes 200 us: 1000 / 200; 0.5 GB takes 100 us: 1000 / 100
+    assert figs["kernels.w8_vs_bnb_int8_at_datasheet_bw"] == pytest.approx(5.0)
+    assert figs["kernels.w4_vs_bnb_nf4_at_datasheet_bw"] == pytest.approx(10.0)
+    assert figs["kernels.w8_vs_bnb_int8_at_copy_bw"] == pytest.approx(4.0)
+    measured_only = {"copy_bytes_per_s": 4e12, "matmul_flops": 1e15}
+    no_sheet = headline_figures(add_fractions([dict(r) for r in rows], measured_only), "gpu")
+    assert math.isnan(no_sheet["kernels.w8_vs_bnb_int8_at_datasheet_bw"])

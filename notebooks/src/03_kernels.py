@@ -214,7 +214,10 @@ display(att.round(3))
 # `kernels.w8_vs_bnb_int8_at_copy_bw` and `kernels.w4_vs_bnb_nf4_at_copy_bw` divide bitsandbytes' time by that
 # floor (labkit's bytes over the copy bandwidth measured above): the ratio labkit's GEMV would reach if it read
 # its weights at the copy rate. Where that is below a bar, the bar cannot be met by a faster kernel, only by a
-# slower baseline.
+# slower baseline. The copy rate is a measurement, and a read-only stream can beat it a little; the vendor's
+# peak cannot be beaten (4.8 TB/s on the H200's datasheet), so `kernels.w8_vs_bnb_int8_at_datasheet_bw` and
+# `kernels.w4_vs_bnb_nf4_at_datasheet_bw`, the same ratios at that peak, are hard ceilings: a bar above one is
+# out of reach of any kernel on this part (empty where `labkit.hardware` has no datasheet row for the device).
 #
 # The copy rate is measured on a large buffer, and a kernel of a few tens of megabytes pays more than its bytes:
 # the launch, the first loads' latency before the stream fills, the tail where the last programs run alone. The
