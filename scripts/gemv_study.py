@@ -39,7 +39,7 @@ from labkit.bench import write_record  # noqa: E402
 from labkit.hardware import measure_copy_bandwidth  # noqa: E402
 from labkit.kernels import quantized_matmul as qm  # noqa: E402
 from labkit.kernels.common import cold_l2_bench, graph_replay_ms  # noqa: E402
-from labkit.kernels.stream_read import stream_read, stream_read_ref  # noqa: E402
+from labkit.kernels.stream_read import READ_TILES, stream_read, stream_read_ref  # noqa: E402
 
 # (N, K) of the 8B decode step's linears: the engine merges q/k/v and gate/up; Hugging Face's model does not
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
@@ -61,10 +61,9 @@ def _empty(out_ptr):
 
 
 def _read_candidates(n: int, k: int) -> list[dict]:
-    """``stream_read`` over the int4 weights' bytes: 2-8 KB a step, 2-8 warps, 1-8 steps a program (all of a
-    program's loads in flight at once: the loop is unrolled)."""
-    return [{"BLOCK": b, "ITERS": it, "num_warps": w} for b, w in ((512, 2), (1024, 4), (2048, 8))
-            for it in (1, 2, 4, 8)]
+    """``stream_read`` over the int4 weights' bytes: the blocks and warps of its ``READ_TILES`` (2-8 KB a step),
+    1-8 steps a program (all of a program's loads in flight at once: the loop is unrolled)."""
+    return [{"BLOCK": b, "ITERS": it, "num_warps": w} for b, _, w in READ_TILES for it in (1, 2, 4, 8)]
 
 
 _FUSED_INPUTS: dict = {}
@@ -551,8 +550,8 @@ def main(argv: list[str] | None = None) -> int:
                          "or at the rule's and half its row steps with and without PAIR_WORDS (pairs), or split "
                          "tiles of other rows, slices and warps, all with PAIR_WORDS (pairtiles), or the split tile "
                          "with its counted reduction, the TAGGED one and none (tagged; w8xs: the int8 split tile the "
-                         "same way), or the tiles with their "
-                         "loads pipelined through shared memory, LOOP_STAGES 2-4 (stages)")
+                         "same way), or the tiles with their loads pipelined through shared memory, LOOP_STAGES 2-4 "
+                         "(stages)")
     ap.add_argument("--best", help="a gemv_study.json: launch each shape's best candidate (for ncu)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -24,8 +24,8 @@ def test_stream_read_xors_every_word(cfg):
 
 def test_experiment_candidates(monkeypatch):
     """``tagged``: the split tile counted, tagged, unreduced and tagged with pipelined loads, then the whole-K
-    tile; ``stages``: pipelined loads
-    (PREFETCH 0) at 2-4 stages; every candidate keeps the default tile's PAIR_WORDS."""
+    tile; ``stages``: pipelined loads (PREFETCH 0) at 2-4 stages; every candidate keeps the default tile's
+    PAIR_WORDS."""
     monkeypatch.setattr(gemv_study.qm, "num_sms", lambda device: 132)
     tagged = gemv_study._tagged_candidates(14336, 4096)
     assert [c.get("TAGGED", False) for c in tagged] == [False, True, False, True, False]

@@ -810,10 +810,10 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
     (groups of 16 weights or more; on in the default tiles): two words' products share float16 lanes
     (``_w4_pair_dot``), one float32 conversion and add per 16 weights. Experiments of scripts/gemv_study.py:
     ``REDUCE=False`` (the partials left unsummed: wrong output, for the time the reduction costs); ``TAGGED``: the
-    reduction of
-    ``_xs_reduce`` without fence or counter (the workspace from ``_empty_partials``); ``LOOP_STAGES`` > 1 with
-    ``PREFETCH`` 0: Triton's pipeliner takes the row blocks' loads, ``LOOP_STAGES - 1`` blocks in flight through
-    shared memory (cp.async) instead of one in registers (sm_90 under Triton 3.6: 65-67 registers against 72)."""
+    reduction of ``_xs_reduce`` without fence or counter (the workspace from ``_empty_partials``); ``LOOP_STAGES``
+    > 1 with ``PREFETCH`` 0: Triton's pipeliner takes the row blocks' loads, ``LOOP_STAGES - 1`` blocks in flight
+    through shared memory (cp.async) instead of one in registers (sm_90 under Triton 3.6: 65-67 registers against
+    72)."""
     BLOCK_G: tl.constexpr = BLOCK_K // GROUP
     WORDS: tl.constexpr = GROUP // 8
     ROWS: tl.constexpr = BLOCK_N * ROW_STEPS
