@@ -6,6 +6,7 @@
     python -m labkit readme                           # regenerate the README's results table
     python -m labkit build-notebooks [--check]        # notebooks/src/*.py -> notebooks/*.ipynb
     python -m labkit bench kernels|serve [ARGS...]    # the kernel and serving benchmarks
+    python -m labkit claims [--write]                 # check every notebook claim against results/summary.json
 """
 
 from __future__ import annotations
@@ -63,6 +64,16 @@ def _bench(args) -> int:
     return importlib.import_module(BENCHES[args.what]).main(args.rest)
 
 
+def _claims(args) -> int:
+    from labkit.claims import check_all, report, write_figures
+
+    verdicts = check_all()
+    print(report(verdicts))
+    if args.write:
+        print(f"wrote {write_figures(verdicts)}")
+    return 0 if all(v.holds is True for v in verdicts) else 1
+
+
 def _build(args) -> int:
     from labkit.workbook import build_notebooks
 
@@ -93,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     be.add_argument("what", help="kernels or serve")
     be.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of that benchmark (see its --help)")
     be.set_defaults(fn=_bench)
+    cl = sub.add_parser("claims", help="check every notebook claim against results/summary.json; exit 1 if one fails")
+    cl.add_argument("--write", action="store_true", help="also record workbook.claims_checked / claims_false")
+    cl.set_defaults(fn=_claims)
     b = sub.add_parser("build-notebooks", help="build notebooks/*.ipynb from notebooks/src/*.py")
     b.add_argument("--check", action="store_true", help="only report notebooks out of date; exit 1 if any")
     b.set_defaults(fn=_build)
