@@ -31,9 +31,18 @@ def _ceilings(args) -> int:
     return 0
 
 
-def _run(args) -> int:
-    from labkit.workbook import run_workbook
+class UsageError(Exception):
+    """Bad command-line input: printed as an argparse error (exit 2), without a traceback."""
 
+
+def _run(args) -> int:
+    from labkit.workbook import list_notebooks, resolve_profile, run_workbook
+
+    try:  # refuse bad arguments before anything runs
+        resolve_profile(args.profile)
+        list_notebooks(args.only)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     return run_workbook(profile=args.profile, only=args.only, out=args.out, timeout=args.cell_timeout)
 
 
@@ -83,12 +92,16 @@ def _build(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from labkit import __version__
+
     ap = argparse.ArgumentParser(prog="python -m labkit", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=f"labkit {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="execute the notebooks with papermill")
-    r.add_argument("--profile", default="auto", help="auto, ci, cpu or gpu")
-    r.add_argument("--only", nargs="*", default=None, help="notebook numbers or names, e.g. 00 01")
+    r.add_argument("--profile", default="auto", choices=("auto", "ci", "cpu", "gpu"),
+                   help="auto (gpu with CUDA, else cpu), ci, cpu or gpu")
+    r.add_argument("--only", nargs="+", default=None, metavar="NN", help="notebook numbers or names, e.g. 00 01")
     r.add_argument("--out", default="out/workbook", help="folder for executed notebooks, records, summary")
     r.add_argument("--cell-timeout", type=int, default=1800, help="seconds one cell may run")
     r.set_defaults(fn=_run)
@@ -111,7 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--check", action="store_true", help="only report notebooks out of date; exit 1 if any")
     b.set_defaults(fn=_build)
     args = ap.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except UsageError as e:
+        ap.error(str(e))
 
 
 if __name__ == "__main__":

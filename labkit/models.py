@@ -71,8 +71,12 @@ def torch_dtype(dtype: str | torch.dtype | None, default: torch.dtype = torch.fl
 class ModelSpec:
     """The shape of a decoder-only transformer and the arithmetic derived from it.
 
-    ``mlp`` is ``"swiglu"`` (gate, up, down: three matrices, Llama) or ``"gelu"`` (up, down: two, GPT-3).
-    Counts exclude biases and position embeddings' effect on FLOPs; norms are counted in parameters.
+    ``mlp`` is ``"swiglu"`` (a gated MLP: gate, up, down, three matrices; Llama, Mistral, Qwen, Gemma, Phi-3) or
+    ``"gelu"`` (up, down: two, GPT-3). Family features that add parameters: ``qkv_bias`` / ``o_bias`` /
+    ``mlp_bias`` (biases of those projections; Qwen2 has q/k/v biases), ``qk_norm`` (an RMSNorm of ``head_dim``
+    on queries and keys per layer, Qwen3), ``norm_bias`` (LayerNorm with a bias, GPT-2/3) and
+    ``learned_positions`` (a ``max_position x hidden`` position table, GPT-2/3). ``num_params`` counts every
+    parameter; ``matmul_params`` only the weight matrices a token multiplies; FLOPs count matmuls only.
     """
 
     name: str
@@ -88,14 +92,34 @@ class ModelSpec:
     max_position: int = 8192
     rope_theta: float = 500000.0
     rms_norm_eps: float = 1e-5
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    norm_bias: bool = False
+    learned_positions: bool = False
 
     def __post_init__(self) -> None:
-        if self.head_dim is None:
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                  "max_position"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{f}={v!r} must be a positive integer")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(f"hidden_size={self.hidden_size} is not a multiple of num_heads={self.num_heads}; "
+                                 f"give head_dim explicitly")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim < 1:
+            raise ValueError(f"head_dim={self.head_dim!r} must be a positive integer")
         if self.mlp not in ("swiglu", "gelu"):
             raise ValueError(f"mlp={self.mlp!r}: allowed 'swiglu' or 'gelu'")
+        if not (isinstance(self.rope_theta, (int, float)) and math.isfinite(self.rope_theta) and self.rope_theta >= 0):
+            raise ValueError(f"rope_theta={self.rope_theta!r} must be a finite number >= 0 (0: no RoPE)")
+        if not (isinstance(self.rms_norm_eps, (int, float)) and 0 < self.rms_norm_eps < 1):
+            raise ValueError(f"rms_norm_eps={self.rms_norm_eps!r} must be in (0, 1)")
 
     # --- parameter counts -------------------------------------------------------------------------------------
     @property
@@ -108,17 +132,32 @@ class ModelSpec:
 
     @property
     def attn_params_per_layer(self) -> int:
-        """Q, K, V and O projection weights of one layer."""
+        """Q, K, V and O projection weights of one layer (matmul weights only; see ``attn_extra_params``)."""
         return self.hidden_size * (2 * self.q_dim + 2 * self.kv_dim)
 
     @property
     def mlp_params_per_layer(self) -> int:
-        n_mats = 3 if self.mlp == "swiglu" else 2
-        return n_mats * self.hidden_size * self.intermediate_size
+        """The MLP's weight matrices of one layer (matmul weights only)."""
+        return self._mlp_mats * self.hidden_size * self.intermediate_size
+
+    @property
+    def _mlp_mats(self) -> int:
+        return 3 if self.mlp == "swiglu" else 2
+
+    @property
+    def attn_extra_params(self) -> int:
+        """Biases of q/k/v and o, and the q/k norms, of one layer."""
+        return (self.qkv_bias * (self.q_dim + 2 * self.kv_dim) + self.o_bias * self.hidden_size
+                + self.qk_norm * 2 * self.head_dim)
+
+    @property
+    def mlp_extra_params(self) -> int:
+        """Biases of the MLP's projections of one layer."""
+        return self.mlp_bias * ((self._mlp_mats - 1) * self.intermediate_size + self.hidden_size)
 
     @property
     def norm_params_per_layer(self) -> int:
-        return 2 * self.hidden_size
+        return 2 * self.hidden_size * (1 + self.norm_bias)
 
     @property
     def embedding_params(self) -> int:
@@ -130,13 +169,15 @@ class ModelSpec:
 
     @property
     def layer_params(self) -> int:
-        return self.attn_params_per_layer + self.mlp_params_per_layer + self.norm_params_per_layer
+        return (self.attn_params_per_layer + self.mlp_params_per_layer + self.norm_params_per_layer
+                + self.attn_extra_params + self.mlp_extra_params)
 
     @property
     def num_params(self) -> int:
-        """All weights: embeddings, layers, final norm and (untied) LM head."""
-        return (self.embedding_params + self.num_layers * self.layer_params + self.hidden_size
-                + self.lm_head_params)
+        """Every parameter: embeddings (and a learned position table), layers, final norm and (untied) LM head;
+        equal to ``sum(p.numel())`` of the Hugging Face model (tied weights once)."""
+        return (self.embedding_params + self.learned_positions * self.max_position * self.hidden_size
+                + self.num_layers * self.layer_params + self.hidden_size * (1 + self.norm_bias) + self.lm_head_params)
 
     @property
     def matmul_params(self) -> int:
@@ -182,22 +223,35 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, config, name: str | None = None) -> ModelSpec:
-        """Build from a Hugging Face ``LlamaConfig``-like or ``GPT2Config`` object."""
-        if getattr(config, "model_type", "") == "gpt2":
+        """Build from a Hugging Face config: the Llama family (Llama 1-3, Mistral, Qwen2, Qwen3, Gemma, Phi-3 and
+        others with the same fields) or ``GPT2Config``. Biases and q/k norms are read per family."""
+        mt = getattr(config, "model_type", "")
+        if mt == "gpt2":
             return cls(name=name or "gpt2-like", vocab_size=config.vocab_size, hidden_size=config.n_embd,
                        num_layers=config.n_layer, num_heads=config.n_head, num_kv_heads=config.n_head,
                        intermediate_size=config.n_inner or 4 * config.n_embd, mlp="gelu", tie_embeddings=True,
-                       max_position=config.n_positions, rope_theta=0.0, rms_norm_eps=config.layer_norm_epsilon)
+                       max_position=config.n_positions, rope_theta=0.0, rms_norm_eps=config.layer_norm_epsilon,
+                       qkv_bias=True, o_bias=True, mlp_bias=True, norm_bias=True, learned_positions=True)
+        needed = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+        missing = [f for f in needed if getattr(config, f, None) is None]
+        if missing:
+            raise ValueError(f"config of model_type={mt!r} lacks {missing}: not a decoder this ModelSpec describes "
+                             f"(Llama-family or GPT-2 configs)")
         rope = getattr(config, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        return cls(name=name or getattr(config, "_name_or_path", "") or config.model_type,
+        attn_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = True if mt == "qwen2" else attn_bias  # Qwen2 always has q/k/v biases and no o bias
+        return cls(name=name or getattr(config, "_name_or_path", "") or mt,
                    vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                    num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
-                   num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+                   num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
                    intermediate_size=config.intermediate_size,
                    head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-                   tie_embeddings=bool(config.tie_word_embeddings), max_position=config.max_position_embeddings,
-                   rope_theta=float(theta), rms_norm_eps=config.rms_norm_eps)
+                   tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+                   max_position=config.max_position_embeddings,
+                   rope_theta=float(theta), rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-5)),
+                   qkv_bias=qkv_bias, o_bias=attn_bias and mt != "qwen2",
+                   mlp_bias=bool(getattr(config, "mlp_bias", False)), qk_norm=mt in ("qwen3", "qwen3_moe"))
 
     def to_hf_config(self):
         """A Hugging Face config for this shape (``LlamaConfig``, or ``GPT2Config`` for the GELU MLP)."""

@@ -95,3 +95,55 @@ def test_bad_inputs(call, match):
     with pytest.raises(ValueError, match=match):
         call()
 
+
+
+def _family_configs():
+    from transformers import GemmaConfig, GPT2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+
+    small = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)
+    return {
+        "llama3": LlamaConfig(**small, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 32}),
+        "llama2-mha": LlamaConfig(**dict(small, num_key_value_heads=4)),
+        "llama-bias": LlamaConfig(**small, attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
+        "mistral-window": MistralConfig(**small, sliding_window=16),
+        "qwen2": Qwen2Config(**small),
+        "qwen3": Qwen3Config(**small, head_dim=16),
+        "gemma": GemmaConfig(**small, head_dim=16),
+        "phi3": Phi3Config(**small, pad_token_id=0),
+        "gpt2": GPT2Config(vocab_size=97, n_embd=48, n_layer=2, n_head=4, n_positions=64),
+    }
+
+
+@pytest.mark.parametrize("family", list(_family_configs()))
+def test_spec_counts_every_parameter_of_each_family(family):
+    from transformers import AutoModelForCausalLM
+
+    config = _family_configs()[family]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    spec = ModelSpec.from_config(config)
+    assert spec.num_params == count_parameters(model), family
+    linears = sum(m.weight.numel() for n, m in model.named_modules()
+                  if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")
+    assert spec.matmul_params == linears  # the LM head is a Linear, tied to the embedding table or not
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_heads=0), "num_heads=0 must be a positive integer"),
+    (dict(hidden_size=-64), "hidden_size=-64 must be a positive integer"),
+    (dict(vocab_size=10.5), "vocab_size=10.5 must be a positive integer"),
+    (dict(num_layers=True), "num_layers=True must be a positive integer"),
+    (dict(hidden_size=65), "not a multiple of num_heads"),
+    (dict(head_dim=0), "head_dim=0"),
+    (dict(rope_theta=float("nan")), "rope_theta=nan"),
+    (dict(rms_norm_eps=0), "rms_norm_eps=0"),
+    (dict(mlp="relu"), "mlp='relu'"),
+])
+def test_spec_refuses_bad_shapes(kwargs, match):
+    base = dict(name="x", vocab_size=10, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+                intermediate_size=128)
+    with pytest.raises(ValueError, match=match):
+        ModelSpec(**{**base, **kwargs})
