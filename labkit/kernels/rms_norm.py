@@ -16,7 +16,7 @@ many bytes as the row of ``x`` it normalises; sm_90 code has 2 16-byte loads of 
 (first, so it is in flight with ``x``), and 16-32 KB of ``x`` is in flight per program. 0.90 needs 69.8 us. ``out``
 may be stored with streaming stores (``STORE_CACHE=".cs"``: this kernel never reads it back, so its lines need not
 stay in L2): 0.5-2% faster than plain stores for the plain form, 2-3% slower for the fused one
-(scripts/rmsnorm_study.py, records/rmsnorm_study_*.json). With one row, 8 warps and streaming stores, notebook 03
+(research/rmsnorm_study.py, records/rmsnorm_study_*.json). With one row, 8 warps and streaming stores, notebook 03
 timed 65.95 us (0.958 of copy bandwidth) and the study's harnesses 66.4-67.0 us beside 65.6 for a copy of the same
 bytes, in the same process (its per-config sweep, run first, timed the same kernel at 69.2 and the copy at 64.7;
 why the kernel ran 3-4% slower there is not established). On CUDA, from ``TUNE_MIN_ROWS`` rows up, rows per program

@@ -138,7 +138,7 @@ def check_tuning(tuning) -> QuantTuning:
 class SplitKCandidates:
     """What the split-K GEMVs' autotuners try: tiles ``(block_n, block_k, warps)`` x ``splits`` x ``load_stages``
     (int4 also plain loads prefetched a step ahead), a split only while the grid stays under ``max_ctas_per_sm``
-    programs per SM. Compiled for sm_90 (scripts/sass_report.py): no spills, 3.8-4.1 loop instructions per int8
+    programs per SM. Compiled for sm_90 (research/sass_report.py): no spills, 3.8-4.1 loop instructions per int8
     weight, 4.1-4.6 per int4 weight. A register cap of 96 for int4 gave 1-7% at 4 of 5 8B shapes but cost the
     notebooks ~50-60 s more autotuning each (records/gemv_study_maxnreg_prep_e66a969.json): none is tried."""
 
