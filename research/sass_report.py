@@ -33,7 +33,9 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-import labkit  # noqa: F401  (before triton: routes it to its interpreter on a CPU host; _jit_kernels turns that off)
+if __name__ == "__main__":  # compiled, not interpreted: triton imported before labkit can route it to the interpreter
+    os.environ.pop("TRITON_INTERPRET", None)
+import triton  # noqa: E402
 
 H200_LANE_INSTR_PER_S = 132 * 4 * 32 * 1.98e9
 W8_SIG = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
@@ -81,8 +83,6 @@ def _jit_kernels():
 
 
 def _tool(name: str) -> str:
-    import triton
-
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
@@ -108,7 +108,6 @@ def _opcode(text: str) -> str:
 
 def report(fn, signature: dict, constexprs: dict, num_warps: int, weights_per_thread: int,
            sass_to: str | None = None) -> dict:
-    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -179,8 +178,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sass", help="xs / w8xs: a folder for each case's whole SASS")
     ap.add_argument("--weights", type=float, default=4096 * 14336, help="weights of the layer, for the issue time")
     args = ap.parse_args(argv)
-    import triton
-
     splitk, stationary = _jit_kernels()
     for name, bits in (("xs", 4), ("w8xs", 8)):
         if name not in args.kernel:
