@@ -61,7 +61,7 @@ def _readme(args) -> int:
     return 0
 
 
-BENCHES = {"kernels": "labkit.kernels.bench", "serve": "labkit.engine.bench"}
+BENCHES = {"kernels": "labkit.experiments.kernels.bench", "serve": "labkit.engine.bench"}
 
 
 def _bench(args) -> int:

@@ -129,20 +129,19 @@ def test_int4_layers_take_in_their_norms_and_residual_adds(tiny_model, prompts, 
     single-sequence decode steps give the same greedy tokens as the separate kernels, logits within float16
     rounding; the prompt's step (rows > 1) takes the separate kernels on both."""
     import labkit.kernels.paged_attention as pa
-    import labkit.kernels.quantized_matmul as qm
+    import labkit.kernels.quantized_matmul.matmul as qmm
     from labkit.quant import quantize
 
     inside, modes = [], []
 
-    def record(*a, f=qm.w4_gemv_xs, **kw):
+    def record(*a, f=qmm.w4_gemv_xs, **kw):
         inside.append(sorted(key for key in kw if key != "pdl"))
         modes.append(kw.get("pdl", ""))
         return f(*a, **kw)
 
-    monkeypatch.setattr(qm, "w4_gemv_xs", record)
-    # wide tiles and two layers keep the interpreter's time down; two slices of K, as RoPE in the store needs
-    monkeypatch.setattr(qm, "CPU_XS_TILE", dict(BLOCK_N=64, BLOCK_K=128, PREFETCH=1, num_warps=1, ROW_STEPS=1))
+    monkeypatch.setattr(qmm, "w4_gemv_xs", record)
     qmodel = quantize(tiny_model[0], "int4", backend="triton").half()  # the kernels on the CPU too
+    _wide_tiles(qmodel)
     qmodel.model.layers = qmodel.model.layers[:2]
     qmodel.config.num_hidden_layers = 2
     layers = len(qmodel.model.layers)
@@ -162,29 +161,16 @@ def test_int4_layers_take_in_their_norms_and_residual_adds(tiny_model, prompts, 
     with_pdl = decode_logits(qmodel, prompts[1][:4], 3, True)
     assert modes == ["release"] + ["overlap"] * 7 + ["release"] + ["overlap"] * 7 + ["release"] + ["overlap"] * 7
     assert all(torch.equal(a, b) for a, b in zip(with_pdl, with_rope))
-    # early_attention: decode attention loads its first K/V tile early and the newest token's rows after waiting
+    # decode attention releases the launch after it (the o GEMV) and is a plain launch itself
     attention_modes = []
 
     def attention(*a, f=pa.paged_attention, **kw):
-        attention_modes.append((kw.get("pdl", ""), kw.get("fused_merge", False)))
-        splits.append(pa.auto_num_splits(a[0].shape[0], a[1].shape[2], a[3].shape[1] * a[1].shape[1],
-                                         a[0].device))
+        attention_modes.append(kw.get("pdl", ""))
         return f(*a, **kw)
 
-    splits = []
     monkeypatch.setattr(pa, "paged_attention", attention)
-    early = decode_logits(qmodel, prompts[1][:4], 3, True, early_attention=True)
-    assert attention_modes == [("overlap", False)] * 3 * layers
-    assert all(torch.equal(a, b) for a, b in zip(early, with_rope))
-    # fused_attention_merge: the last of attention's ranges to finish merges them (no merge kernel), same bits.
-    # Ranges of >= 2 tokens, so that these short contexts are split (a merge to fuse) at all
-    monkeypatch.setattr(pa, "MIN_SPLIT_TOKENS", 2)
-    attention_modes.clear()
-    split = decode_logits(qmodel, prompts[1][:4], 3, True)
-    merged_in_place = decode_logits(qmodel, prompts[1][:4], 3, True, fused_attention_merge=True)
-    assert attention_modes == [("release", False)] * 3 * layers + [("release", True)] * 3 * layers
-    assert min(splits[-3 * layers:]) > 1
-    assert all(torch.equal(a, b) for a, b in zip(merged_in_place, split))
+    decode_logits(qmodel, prompts[1][:4], 3, True)
+    assert attention_modes == ["release"] * 3 * layers
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the fused GEMVs")
@@ -192,18 +178,18 @@ def test_int8_layers_take_in_their_neighbours(tiny_model, prompts, monkeypatch):
     """float16 int8 layers at decode batch 1 take the stationary int8 GEMV with what the int4 ones take in: the
     RMSNorms, residual adds, SwiGLU, and RoPE with the cache write in the q/k/v GEMV. The greedy tokens of the
     separate kernels, logits within float16 rounding."""
-    import labkit.kernels.quantized_matmul as qm
+    import labkit.kernels.quantized_matmul.matmul as qmm
     from labkit.quant import quantize
 
     inside = []
 
-    def record(*a, f=qm.w8_gemv_xs, **kw):
+    def record(*a, f=qmm.w8_gemv_xs, **kw):
         inside.append(sorted(key for key in kw if key != "pdl"))
         return f(*a, **kw)
 
-    monkeypatch.setattr(qm, "w8_gemv_xs", record)
-    monkeypatch.setattr(qm, "CPU_XS_TILE", dict(BLOCK_N=64, BLOCK_K=128, PREFETCH=1, num_warps=1, ROW_STEPS=1))
+    monkeypatch.setattr(qmm, "w8_gemv_xs", record)
     qmodel = quantize(tiny_model[0], "int8", backend="triton").half()
+    _wide_tiles(qmodel)
     qmodel.model.layers = qmodel.model.layers[:2]
     qmodel.config.num_hidden_layers = 2
     fused, separate = (decode_logits(qmodel, prompts[1][:4], 3, fuse) for fuse in (True, False))
@@ -211,6 +197,21 @@ def test_int8_layers_take_in_their_neighbours(tiny_model, prompts, monkeypatch):
     assert inside.count(["residual"]) == 3 * 2 and inside.count(["residual", "swiglu"]) == 3 * 2
     for a, b in zip(fused, separate):
         assert a.argmax() == b.argmax() and relative_error(a, b) < 2e-2
+
+
+def _wide_tiles(qmodel) -> None:
+    """Wide stationary tiles for ``qmodel``'s quantised layers (tuning data the layers pass to their kernels): they
+    keep the interpreter's time down; two slices of K, as RoPE in the store needs."""
+    from dataclasses import replace
+
+    from labkit.kernels.quantized_matmul import INTERPRETER, StationaryRule, StationaryTile
+    from labkit.quant.weight_only import Int4Linear, Int8Linear
+
+    rule = StationaryRule(split=StationaryTile(64, 128, num_warps=1, row_steps=1))
+    tuning = replace(INTERPRETER, w4_stationary=rule, w8_stationary=rule)
+    for m in qmodel.modules():
+        if isinstance(m, (Int4Linear, Int8Linear)):
+            m.tuning = tuning
 
 
 def decode_logits(model, prompt, steps: int, fuse: bool, feed: list[int] | None = None,
@@ -264,27 +265,19 @@ FEED_8B = list(range(1000, 17000, 1000))
 @pytest.mark.gpu
 def test_gemv_pdl_gives_the_bits_of_plain_launches_on_the_gpu(prompts):
     """``gemv_pdl=True`` (every int4 GEMV but the first a programmatic dependent launch; attention releases the o
-    GEMV) run first on a fresh model, then with ``early_attention`` (attention a dependent launch too), then with
-    ``fused_attention_merge`` (attention's last range merges), then plain launches: the same logits, bit for bit,
-    with decode attention in one pass and split (its merge kernel a dependent launch too), and the separate
-    kernels' within bf16 rounding; every arrival counter (split GEMVs, attention's merge) back at zero."""
-    import labkit.kernels.quantized_matmul as qm
-    from labkit.kernels.common import arrival_counters
+    GEMV) run first on a fresh model, then plain launches: the same logits, bit for bit, with decode attention in
+    one pass and split (its merge kernel a dependent launch too), and the separate kernels' within bf16 rounding;
+    every arrival counter of the split GEMVs back at zero."""
+    from labkit.kernels.quantized_matmul import splitk
 
     qmodel = _8b_layers()
     for max_len in (64, 1024):
-        with_pdl, early, fused_merge, plain, separate = (
-            decode_logits(qmodel, prompts[0], 16, fuse, FEED_8B, max_num_seqs=1, max_model_len=max_len, gemv_pdl=pdl,
-                          early_attention=early, fused_attention_merge=merge)
-            for fuse, pdl, early, merge in ((True, True, False, False), (True, True, True, False),
-                                            (True, True, False, True), (True, False, False, False),
-                                            (False, False, False, False)))
-        _, counters = qm._split_buffers(qmodel.lm_head.weight.device, 1)
+        with_pdl, plain, separate = (
+            decode_logits(qmodel, prompts[0], 16, fuse, FEED_8B, max_num_seqs=1, max_model_len=max_len, gemv_pdl=pdl)
+            for fuse, pdl in ((True, True), (True, False), (False, False)))
+        _, counters = splitk._split_buffers(qmodel.lm_head.weight.device, 1)
         assert not counters.any(), f"counters left set: {counters.nonzero().flatten()[:8]}"
-        assert not arrival_counters("paged_attention", 1, counters.device).any()
         assert all(torch.equal(a, b) for a, b in zip(with_pdl, plain)), max_len
-        assert all(torch.equal(a, b) for a, b in zip(early, plain)), ("early_attention", max_len)
-        assert all(torch.equal(a, b) for a, b in zip(fused_merge, plain)), ("fused_attention_merge", max_len)
         errors = [relative_error(a, b) for a, b in zip(with_pdl, separate)]
         assert max(errors) < 2e-2, (max_len, errors)
 

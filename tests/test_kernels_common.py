@@ -1,32 +1,29 @@
-"""Helpers shared by the kernels: arrival counters that persist between launches."""
+"""Helpers shared by the kernels: argument checks, launch options, sizes."""
 
+import pytest
 import torch
 
-from labkit.kernels.common import arrival_counters
+from labkit.kernels.common import check_pdl, check_tensor, next_pow2, pdl_launch
 
 
-def test_arrival_counters_are_zeroed_grown_and_kept_per_owner():
-    """One zeroed int32 buffer per (owner, device), reused while it is large enough, replaced by a larger zeroed
-    one when a call needs more (the old one kept alive: a captured CUDA graph may still point at it), and never
-    shared between owners."""
-    cpu = torch.device("cpu")
-    first = arrival_counters("test_owner", 10, cpu)
-    assert first.dtype == torch.int32 and first.numel() >= 10 and not first.any()
-    first[3] = 7  # as a launch cut short would leave it: the same buffer comes back, not a fresh one
-    assert arrival_counters("test_owner", first.numel(), cpu) is first
-    grown = arrival_counters("test_owner", first.numel() + 1, cpu)
-    assert grown is not first and grown.numel() > first.numel() and not grown.any()
-    assert arrival_counters("test_other_owner", 10, cpu) is not grown
+def test_pdl_modes_are_checked_and_plain_where_unsupported():
+    check_pdl("overlap")
+    with pytest.raises(ValueError, match="pdl='later' is unknown; allowed"):
+        check_pdl("later")
+    with pytest.raises(ValueError, match="pdl='overlap' is unknown; allowed: \\('', 'release'\\)"):
+        check_pdl("overlap", ("", "release"))
+    # no programmatic dependent launch under the interpreter (or before sm_90): every mode launches plainly
+    assert pdl_launch("overlap", torch.device("cpu")) == {"PDL": False}
 
 
-def test_kernel_workspace_holds_its_fill_when_made_or_grown():
-    """A workspace made full of ``fill`` (the TAGGED GEMV reduction's empty words are -1), grown to another
-    buffer of ``fill``; the counters of an owner are not its other workspaces."""
-    from labkit.kernels.common import kernel_workspace
+def test_check_tensor_names_the_argument():
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        check_tensor("x", [1.0])
+    with pytest.raises(ValueError, match="x has dtype int64; allowed: float32"):
+        check_tensor("x", torch.zeros(2, dtype=torch.int64), (torch.float32,))
+    with pytest.raises(ValueError, match="w must have 2 dimensions"):
+        check_tensor("w", torch.zeros(3), dim=2)
 
-    cpu = torch.device("cpu")
-    first = kernel_workspace("test_fill", 300, cpu, fill=-1)
-    assert first.numel() >= 300 and (first == -1).all()
-    grown = kernel_workspace("test_fill", first.numel() + 1, cpu, fill=-1)
-    assert grown is not first and (grown == -1).all()
-    assert arrival_counters("test_fill", 10, cpu) is not grown
+
+def test_next_pow2():
+    assert [next_pow2(n) for n in (1, 2, 3, 17, 64)] == [1, 2, 4, 32, 64]

@@ -44,16 +44,17 @@ def test_rms_norm_fused_residual(dtype):
 
 
 @pytest.mark.parametrize("rows_per_program", [2, 4])
-def test_rms_norm_several_rows_per_program(monkeypatch, rows_per_program):
-    import labkit.kernels.rms_norm as rn
-
-    monkeypatch.setattr(rn, "CPU_ROWS", rows_per_program)  # 37 rows: the last program is part-empty
+def test_rms_norm_several_rows_per_program(rows_per_program):
+    # 37 rows: the last program is part-empty
     x, r = _randn(37, 100, dtype=torch.float16, seed=20), _randn(37, 100, dtype=torch.float16, seed=21)
     w = _randn(100, dtype=torch.float16, seed=22)
-    assert relative_error(rms_norm(x, w, 1e-5), rms_norm_ref(x.double(), w.double(), 1e-5)) < 1e-2
-    out, res_out = rms_norm(x, w, 1e-5, residual=r)
+    out = rms_norm(x, w, 1e-5, rows_per_program=rows_per_program)
+    assert relative_error(out, rms_norm_ref(x.double(), w.double(), 1e-5)) < 1e-2
+    out, res_out = rms_norm(x, w, 1e-5, residual=r, rows_per_program=rows_per_program)
     ref_out, ref_res = rms_norm_ref(x, w, 1e-5, residual=r)
     assert torch.equal(res_out, ref_res) and relative_error(out, ref_out) < 1e-2
+    with pytest.raises(ValueError, match="rows_per_program=3"):
+        rms_norm(x, w, 1e-5, rows_per_program=3)
 
 
 def test_rms_norm_prune_keeps_registers_bounded():

@@ -76,6 +76,9 @@ def test_scale_and_auto_splits():
     assert auto_num_splits(1, 1, 600, torch.device("cpu")) == 16        # short contexts split too
     assert auto_num_splits(1, 1, 100, torch.device("cpu")) == 6         # ranges of >= 16 tokens
     assert auto_num_splits(1, 1, 31, torch.device("cpu")) == 1
+    assert auto_num_splits(1, 1, 100, torch.device("cpu"), min_split_tokens=64) == 1  # the policy before 16
+    with pytest.raises(ValueError, match="min_split_tokens=0"):
+        auto_num_splits(1, 1, 100, torch.device("cpu"), min_split_tokens=0)
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
@@ -106,6 +109,8 @@ def test_bad_inputs():
         paged_attention(q, k, v, tables, ctx, num_splits=0)
     with pytest.raises(ValueError, match="pdl='wait' is unknown; allowed"):
         paged_attention(q, k, v, tables, ctx, pdl="wait")
+    with pytest.raises(ValueError, match="pdl='overlap' is unknown; allowed"):  # never a dependent launch itself
+        paged_attention(q, k, v, tables, ctx, pdl="overlap")
 
 
 def test_releasing_the_next_launch_changes_nothing():
@@ -115,18 +120,6 @@ def test_releasing_the_next_launch_changes_nothing():
     for splits in (1, 3):
         plain = paged_attention(q, k, v, tables, ctx, num_splits=splits)
         assert torch.equal(paged_attention(q, k, v, tables, ctx, num_splits=splits, pdl="release"), plain)
-
-
-@pytest.mark.parametrize("kv_dtype", [None, "int8"])
-def test_early_first_tile_gives_the_bits_of_a_plain_call(kv_dtype):
-    """``pdl="overlap"``: the first tile loaded early but for the newest token's row, which is read later and put
-    in its place (in the first tile, a later one, or another range's): the same bits as a plain call, split or
-    not, one-token contexts included."""
-    q, k, v, tables, ctx = _case(3, 4, 2, 16, 16, [1, 33, 70], 20, torch.float32, seed=9)
-    k, v, scales = _quantised_kv(k, v, kv_dtype)
-    for splits in (1, 2, 3):
-        plain = paged_attention(q, k, v, tables, ctx, num_splits=splits, **scales)
-        assert torch.equal(paged_attention(q, k, v, tables, ctx, num_splits=splits, pdl="overlap", **scales), plain)
 
 
 def test_short_ranges_get_one_tile_each():
@@ -142,47 +135,23 @@ def test_short_ranges_get_one_tile_each():
 
 
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
-def test_fused_merge_gives_the_bits_of_the_merge_kernel(kv_dtype):
-    """``fused_merge``: the last range of each (sequence, KV head) to finish merges them -- the same bits as the
-    merge kernel, with PDL modes, one-token contexts (ranges with no token) and more ranges than tokens; every
-    arrival counter is back at zero after each call, so the next call counts from zero."""
-    from labkit.kernels.common import arrival_counters
-    q, k, v, tables, ctx = _case(3, 6, 2, 16, 8, [1, 33, 70], 30, torch.float32, seed=11)
-    k, v, scales = _quantised_kv(k, v, kv_dtype)
-    queries = (q, q.flip(0))  # calls alternate, so partials a wrong merge might read are the other query's
-    for splits, pdl in ((2, ""), (3, "release"), (5, "overlap"), (16, "")):
-        merged = [paged_attention(x, k, v, tables, ctx, num_splits=splits, pdl=pdl, **scales) for x in queries]
-        for i in (0, 1, 0, 1):
-            fused = paged_attention(queries[i], k, v, tables, ctx, num_splits=splits, pdl=pdl, fused_merge=True,
-                                    **scales)
-            assert torch.equal(fused, merged[i]), (splits, pdl)
-            assert not arrival_counters("paged_attention", 1, q.device).any()
-
-
-@pytest.mark.parametrize("kv_dtype", [None, "int8"])
-def test_ranges_of_one_tile_give_the_bits_of_the_loop(kv_dtype, monkeypatch):
+def test_ranges_of_one_tile(kv_dtype):
     """Where every range of the table fits one tile, the split kernel reads the block table without waiting for
-    the context length (``ONE_TILE``): the same bits as its general loop, empty ranges and one-token contexts
-    included, with the merge kernel and fused."""
+    the context length (``ONE_TILE``): the reference's output and the single-pass kernel's, empty ranges and
+    one-token contexts included."""
     import labkit.kernels.paged_attention as pa
+
     q, k, v, tables, ctx = _case(3, 6, 2, 16, 8, [1, 33, 70], 30, torch.float32, seed=15)  # an 80-token table
     k, v, scales = _quantised_kv(k, v, kv_dtype)
+    one = paged_attention(q, k, v, tables, ctx, num_splits=1, **scales)
     for splits in (3, 5, 16):
-        assert pa._one_tile(True, "", 80, splits, pa.CPU_BLOCK_N)
-        for fused in (False, True):
-            one_tile = paged_attention(q, k, v, tables, ctx, num_splits=splits, fused_merge=fused, **scales)
-            monkeypatch.setattr(pa, "ONE_TILE_RANGES", False)
-            loop = paged_attention(q, k, v, tables, ctx, num_splits=splits, fused_merge=fused, **scales)
-            monkeypatch.setattr(pa, "ONE_TILE_RANGES", True)
-            assert torch.equal(one_tile, loop), (splits, fused)
-    assert not pa._one_tile(True, "", 80, 2, pa.CPU_BLOCK_N)  # 40-token ranges: two tiles each
-    assert not pa._one_tile(True, "overlap", 80, 3, pa.CPU_BLOCK_N)  # the early first tile has its own loads
-
-
-def test_fused_merge_of_one_range_is_the_single_pass_kernel():
-    q, k, v, tables, ctx = _case(2, 4, 2, 16, 16, [40, 17], 10, torch.float32, seed=12)
-    one = paged_attention(q, k, v, tables, ctx, num_splits=1)
-    assert torch.equal(paged_attention(q, k, v, tables, ctx, num_splits=1, fused_merge=True), one)
+        assert pa._one_tile(True, 80, splits, pa.CPU_BLOCK_N)
+        out = paged_attention(q, k, v, tables, ctx, num_splits=splits, **scales)
+        assert relative_error(out, one) < 1e-6, splits
+        if not kv_dtype:
+            assert relative_error(out, paged_attention_ref(q.double(), k.double(), v.double(), tables, ctx)) < 1e-5
+    assert not pa._one_tile(True, 80, 2, pa.CPU_BLOCK_N)  # 40-token ranges: two tiles each
+    assert not pa._one_tile(False, 80, 1, pa.CPU_BLOCK_N)  # one pass: no ranges
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's bfloat16 refusal")
@@ -204,34 +173,28 @@ def test_paged_attention_gpu(dtype, num_splits):
 
 
 @pytest.mark.gpu
-def test_fused_merge_on_the_gpu_in_a_cuda_graph():
-    """Many programs arrive at once on the GPU: the fused merge gives the merge kernel's bits, eagerly and in
-    graph replays, and leaves every counter at zero."""
-    from labkit.kernels.common import arrival_counters
-
+def test_split_attention_replays_in_a_cuda_graph():
+    """Many ranges at once on the GPU, with the merge kernel a dependent launch (``pdl="release"``) or not: graph
+    replays give the eager call's bits."""
     lens = [1, 100, 4096, 2000, 17, 513]
     q, k, v, tables, ctx = _case(6, 32, 8, 128, 16, lens, 1600, torch.bfloat16, seed=13, device="cuda")
-    for pdl in ("", "release", "overlap"):
-        merged = paged_attention(q, k, v, tables, ctx, num_splits=33, pdl=pdl)
-        fused = paged_attention(q, k, v, tables, ctx, num_splits=33, pdl=pdl, fused_merge=True)
-        assert torch.equal(fused, merged), pdl
+    for pdl in ("", "release"):
+        eager = paged_attention(q, k, v, tables, ctx, num_splits=33, pdl=pdl)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = paged_attention(q, k, v, tables, ctx, num_splits=33, pdl=pdl, fused_merge=True)
+            out = paged_attention(q, k, v, tables, ctx, num_splits=33, pdl=pdl)
         for _ in range(3):
             out.zero_()
             graph.replay()
             torch.cuda.synchronize()
-            assert torch.equal(out, merged), pdl
-        assert not arrival_counters("paged_attention", 1, q.device).any()
+            assert torch.equal(out, eager), pdl
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("ctx", [513, 2049])
 def test_short_range_tiles_on_the_gpu(ctx):
     """A decode step's shape at batch 1 (a table as wide as the context): ranges of at most 64 tokens take
-    ``short_range_tile`` (16- and 64-token tiles here); the reference's output, and the same bits with the merge
-    fused."""
+    ``short_range_tile`` (16- and 64-token tiles here): the reference's output."""
     from labkit.kernels.paged_attention import auto_num_splits, short_range_tile
 
     width = -(-ctx // 16)
@@ -241,4 +204,3 @@ def test_short_range_tiles_on_the_gpu(ctx):
     assert short_range_tile(width * 16, splits) is not None
     out = paged_attention(q, k, v, tables, lens)
     assert relative_error(out, paged_attention_ref(q, k, v, tables, lens)) < TOL[torch.bfloat16]
-    assert torch.equal(paged_attention(q, k, v, tables, lens, fused_merge=True), out)

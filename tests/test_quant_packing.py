@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from labkit.quant.packing import dequantize_int4, dequantize_int8, pack_int4, unpack_int4
+from labkit.kernels.quantized_matmul.packing import dequantize_int4, dequantize_int8, pack_int4, unpack_int4
 
 
 @settings(max_examples=25, deadline=None)
@@ -51,3 +51,11 @@ def test_dequantize_rejects_bad_shapes():
         unpack_int4(packed.int())
     with pytest.raises(ValueError, match="int8"):
         dequantize_int8(torch.zeros(3, 4), torch.ones(3))
+
+
+def test_the_quantisers_read_the_kernels_formats():
+    """The formats live beside the kernels that read them; ``labkit.quant.packing`` re-exports the same functions."""
+    import labkit.quant.packing as qp
+
+    assert (qp.pack_int4, qp.unpack_int4, qp.dequantize_int4, qp.dequantize_int8) == (
+        pack_int4, unpack_int4, dequantize_int4, dequantize_int8)

@@ -101,20 +101,14 @@ class ModelRunner:
       launches (the next layer's q/k/v after down, gate/up after o, down after gate/up, and o after attention,
       which releases it as it starts), so each GEMV's first weight loads overlap the kernels ahead of it: the
       H200's 8B int4 step 2.325 -> 2.225 ms (results/h200/records/04_quantization.json), with the plain
-      launches' bits (scripts/pdl_check.py, results/h200/records/pdl_check_47e547d.json)
-    * ``early_attention`` (with ``gemv_pdl``): decode attention is a programmatic dependent launch too, loading
-      its first tile of K and V (all but the newest token's rows) while the q/k/v GEMV ahead of it finishes
-      (``paged_attention(pdl="overlap")``). Off: it gained nothing on the H200 (2.225 -> 2.230 ms, the same record)
-    * ``fused_attention_merge`` (Triton decode attention split into ranges): no merge kernel; the last range of
-      each (sequence, KV head) to finish merges the ranges (``paged_attention(fused_merge=True)``): one launch
-      fewer per layer. Off until notebook 04's A/B pass has timed it on the H200
+      launches' bits (research/pdl_check.py, results/h200/records/pdl_check_47e547d.json)
     """
 
     def __init__(self, model, cache: PagedKVCache, kernels: str = "auto", cuda_graphs: bool | str = "auto",
                  max_num_seqs: int = 256, max_model_len: int | None = None,
                  graph_batch_sizes: Sequence[int] | None = None, merge_weights: bool = True,
                  graph_token_sizes: Sequence[int] = (), fuse_layer_ops: bool = True, fuse_qkv_rope: bool = True,
-                 gemv_pdl: bool = True, early_attention: bool = False, fused_attention_merge: bool = False):
+                 gemv_pdl: bool = True):
         self._check_model(model, cache)
         if kernels not in KERNELS:
             raise ValueError(f"kernels={kernels!r} is unknown; allowed: {KERNELS}")
@@ -137,8 +131,6 @@ class ModelRunner:
         self.fused_layer_ops = bool(fuse_layer_ops) and self.merged and self._fusable()
         self.fuse_qkv_rope = fuse_qkv_rope and self.fused_layer_ops
         self.gemv_pdl = gemv_pdl and self.fused_layer_ops
-        self.early_attention = early_attention and self.gemv_pdl
-        self.fused_attention_merge = fused_attention_merge and self.use_triton
         self.scratch_block: int | None = None  # padding rows of captured steps write here (cuda_graph.py)
         self.graphs = None
         self.last_step_replayed = False  # whether the last ``execute`` replayed a graph
@@ -349,9 +341,9 @@ class ModelRunner:
         """RMSNorm, the q/k/v GEMV, RoPE, the cache write and attention of a quantised layer: ``[T, heads * D]``.
         With ``fuse_qkv_rope`` (and an unquantised cache) RoPE and the cache write run in the GEMV's store
         (``qkv_rope_cache``) at batch 1. ``pdl``: the GEMV's launch mode; decode attention then releases
-        the launch after it as it starts (``early_attention``: and is a dependent launch itself)."""
+        the launch after it as it starts."""
         qkv_layer, norm = self.w_qkv[i], layer.input_layernorm
-        attn_pdl = ("overlap" if self.early_attention else "release") if pdl else ""
+        attn_pdl = "release" if pdl else ""
         if self.fuse_qkv_rope and not self._dequantise and qkv_layer.uses_kernels(stream):  # merged: no bias
             q, k = qkv_layer.qkv_rope_cache(stream, self.num_heads, cos, sin, self.cache.k_caches[i],
                                             self.cache.v_caches[i], inp.slot_mapping, norm=norm, pdl=pdl)
@@ -457,8 +449,7 @@ class ModelRunner:
         if self.use_triton:
             from labkit.kernels.paged_attention import paged_attention
 
-            return paged_attention(q, k_cache, v_cache, tables, ctx, scale=self.scale, pdl=pdl,
-                                   fused_merge=self.fused_attention_merge)
+            return paged_attention(q, k_cache, v_cache, tables, ctx, scale=self.scale, pdl=pdl)
         return paged_decode_attention_torch(q, k_cache, v_cache, tables, ctx, self.scale)
 
 

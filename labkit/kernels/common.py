@@ -110,35 +110,6 @@ def num_sms(device: torch.device) -> int:
     return 4
 
 
-_WORKSPACES: dict[tuple[str, str], torch.Tensor] = {}
-_RETIRED_WORKSPACES: list[torch.Tensor] = []  # outgrown: a captured CUDA graph may still point at them
-
-
-def kernel_workspace(owner: str, n: int, device: torch.device, fill: int = 0) -> torch.Tensor:
-    """int32 ``[n']``, ``n' >= n``, holding ``fill`` between launches: state that ``owner``'s kernels on
-    ``device`` leave as they found it (arrival counters their last program resets, partials their reducers
-    empty). One buffer per (owner, device), so two launches of one owner must not run concurrently on two
-    streams of a device. Made (or grown) on the first call that needs it: make that call before CUDA-graph
-    capture (the warm-up); an outgrown buffer stays allocated, since graphs captured earlier still use it."""
-    key = (owner, str(device))
-    buf = _WORKSPACES.get(key)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"{owner}'s workspace of {n} words does not exist yet and cannot be allocated during "
-                               "CUDA-graph capture; make the same call once before capturing (warm-up)")
-        if buf is not None:
-            _RETIRED_WORKSPACES.append(buf)
-        buf = _WORKSPACES[key] = torch.full((next_pow2(max(n, 256)),), fill, dtype=torch.int32, device=device)
-    return buf
-
-
-def arrival_counters(owner: str, n: int, device: torch.device) -> torch.Tensor:
-    """int32 ``[n']``, ``n' >= n``, zero between launches: the arrival counters of ``owner``'s kernels on
-    ``device`` (a kernel whose last program to finish resets the counter it counted on); see
-    ``kernel_workspace``."""
-    return kernel_workspace(f"{owner} counters", n, device)
-
-
 _FLUSH: dict[str, torch.Tensor] = {}
 
 

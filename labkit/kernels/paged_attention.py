@@ -19,7 +19,6 @@ import triton.language as tl
 
 from labkit.kernels.common import (
     FLOAT_DTYPES,
-    arrival_counters,
     check_pdl,
     check_tensor,
     next_pow2,
@@ -60,9 +59,10 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 # gathering ``BLOCK_N`` tokens per step through the block table. Long contexts at small batch leave most SMs
 # idle with one program per (sequence, KV head); the split-context path (flash-decoding) cuts each context
 # into ``num_splits`` ranges processed in parallel, each writing an un-normalised partial output with its row
-# maximum and sum, and a second small kernel merges them (the online-softmax rescaling, across programs) -- or,
-# with ``fused_merge``, the last range of a (sequence, KV head) to finish merges its heads itself (an atomic
-# arrival counter, as the split-K GEMVs of quantized_matmul.py reduce), which saves a launch per layer.
+# maximum and sum, and a second small kernel merges them (the online-softmax rescaling, across programs). (Folding
+# the merge into the split kernel -- the last range of a (sequence, KV head) to finish merges it, counted by an
+# atomic -- made the 8B int4 engine step slower on the H200, 2.057 -> 2.332 ms, results/h200/records/
+# 04_quantization.json; it was removed.)
 # Each sequence's ranges are cut from its own context length, on the device: a CUDA-graph step's block tables
 # are max_model_len wide whatever the sequences hold, so ranges cut from the table width would leave a
 # 531-token context in one range of a 512-per-range split of 8,192 (on the H200: 20 us per layer for 2 MB).
@@ -71,7 +71,8 @@ LOG2E = 1.4426950408889634
 QUANT_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
 # Ranges of at least one 16-token block: at batch 1 short contexts want many short ranges, each program one small
 # tile (H200, int4 8B engine step at 513 tokens: 8 ranges of >= 64 tokens 2.193/2.219 ms, 33 of >= 16
-# 2.130/2.158 ms, records/attention_splits_4aec4fc.json); the 4-programs-per-SM target binds at larger batches
+# 2.130/2.158 ms, records/attention_splits_4aec4fc.json); the 4-programs-per-SM target binds at larger batches.
+# The default of ``auto_num_splits``' ``min_split_tokens``.
 MIN_SPLIT_TOKENS = 16
 
 
@@ -119,23 +120,17 @@ def _attend_tile(q, k, v, t_ok, blk, in_blk, kv_head_off, m_i, l_i, acc, k_scale
 
 @triton.jit
 def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_acc_ptr,
-                       part_ml_ptr, cnt_ptr, k_scale_ptr, v_scale_ptr, qk_scale, group, n_heads, n_splits,
+                       part_ml_ptr, k_scale_ptr, v_scale_ptr, qk_scale, group, n_heads, n_splits,
                        stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                        stride_sb, stride_st, stride_sh, stride_bt, stride_os, stride_oh, CTX_BUCKET, table_len,
                        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                        KV_QUANT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
-                       EARLY: tl.constexpr = False, MERGE: tl.constexpr = 0, BLOCK_SPLITS: tl.constexpr = 1,
                        ONE_TILE: tl.constexpr = False):
-    """``MERGE`` (with ``SPLIT``; ``group``, or 0): the last of a (sequence, KV head)'s ranges to write its
-    partials merges them for the head's ``MERGE`` query heads, counting arrivals in
-    ``cnt_ptr[seq * kv_heads + kv_head]`` (zero before the launch, zero again after it).
-    ``ONE_TILE`` (with ``SPLIT``, not ``EARLY``; the host knows every range of a ``table_len``-token table fits one
-    tile): range ``split`` is tokens ``split * BLOCK_N ...`` whatever the context, so its block-table entries are
-    read alongside the context length, not after it -- one memory round trip fewer before K and V.
-    ``EARLY`` (``pdl="overlap"``): the first tile of K and V is loaded before waiting for the kernel ahead, all but
-    the newest token's rows (the ones the kernel ahead writes: the q/k/v projection with the cache write), and the
-    newest token's row is read after the wait and put in its place in whichever tile holds it."""
+    """One program per (sequence, KV head, context range). ``ONE_TILE`` (with ``SPLIT``; the host knows every
+    range of a ``table_len``-token table fits one tile): range ``split`` is tokens ``split * BLOCK_N ...`` whatever
+    the context, so its block-table entries are read alongside the context length, not after it -- one memory round
+    trip fewer before K and V (sm_90 at BLOCK_N 16: 72 registers against 163 for the general loop)."""
     if PDL:  # the launch after this one may start now (see ``paged_attention``'s ``pdl``)
         tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0).to(tl.int64)
@@ -152,23 +147,6 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, 
     d_ok = offs_d < HEAD_DIM
     offs_n = tl.arange(0, BLOCK_N)
     kv_head_off = kvh.to(tl.int64)
-    newest = ctx - 1
-    if EARLY:  # the first tile's older tokens, written by earlier steps, while the kernel ahead still runs
-        tok = start + offs_n
-        old = (tok < end) & (tok != newest)
-        blk, in_blk = _block_slots(block_tables_ptr, seq * stride_bt, tok, old, BLOCK_SIZE)
-        early_mask = old[:, None] & d_ok[None, :]
-        k_first = _kv_tile(k_ptr, blk, in_blk, kv_head_off, stride_kb, stride_kt, stride_kh, offs_d, early_mask)
-        v_first = _kv_tile(v_ptr, blk, in_blk, kv_head_off, stride_vb, stride_vt, stride_vh, offs_d, early_mask)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        has_new = (newest >= start) & (newest < end)  # this program's range holds the newest token
-        nblk, nin = _block_slots(block_tables_ptr, seq * stride_bt, newest, has_new, BLOCK_SIZE)
-        new_ok = offs_d < tl.where(has_new, HEAD_DIM, 0)  # (d_ok & has_new: the interpreter's bool & fails)
-        k_new = tl.load(k_ptr + nblk * stride_kb + nin * stride_kt + kv_head_off * stride_kh + offs_d,
-                        mask=new_ok, other=0.0)
-        v_new = tl.load(v_ptr + nblk * stride_vb + nin * stride_vt + kv_head_off * stride_vh + offs_d,
-                        mask=new_ok, other=0.0)
     q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)
     m_i = tl.full([BLOCK_G], -float("inf"), tl.float32)
@@ -191,18 +169,10 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, 
             t_ok = tok < end
             blk, in_blk = _block_slots(block_tables_ptr, seq * stride_bt, tok, t_ok, BLOCK_SIZE)
             ld_mask = t_ok[:, None] & d_ok[None, :]
-            if EARLY:  # the first tile is in registers already (but for its newest row)
-                ld_mask = (tok < tl.where(t0 == start, 0, end))[:, None] & d_ok[None, :]
             k = _kv_tile(k_ptr, blk, in_blk, kv_head_off, stride_kb, stride_kt, stride_kh, offs_d, ld_mask)
             # V's loads go out with K's, not after the scores: a short range (a decode step's few tiles) waits
             # for one memory round trip instead of two
             v = _kv_tile(v_ptr, blk, in_blk, kv_head_off, stride_vb, stride_vt, stride_vh, offs_d, ld_mask)
-            if EARLY:
-                k = tl.where(t0 == start, k_first, k)
-                v = tl.where(t0 == start, v_first, v)
-                is_new = (tok == newest)[:, None]
-                k = tl.where(is_new, k_new[None, :], k)
-                v = tl.where(is_new, v_new[None, :], v)
             m_i, l_i, acc = _attend_tile(q, k, v, t_ok, blk, in_blk, kv_head_off, m_i, l_i, acc, k_scale_ptr,
                                          v_scale_ptr, stride_sb, stride_st, stride_sh, qk_scale, KV_QUANT,
                                          PRECISION)
@@ -213,14 +183,6 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, 
                  mask=h_ok[:, None] & d_ok[None, :])
         tl.store(part_ml_ptr + row * 2, m_i, mask=h_ok)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=h_ok)
-        if MERGE > 0:
-            tl.debug_barrier()  # all of this program's partials are written before its arrival is counted
-            cnt = cnt_ptr + seq * tl.num_programs(1) + kvh
-            if tl.atomic_add(cnt, 1, sem="acq_rel") == n_splits - 1:  # release ours, acquire the others'
-                for i in tl.static_range(MERGE):  # a head's loads go out together; the heads in turn (sm_90)
-                    _merge_head(part_acc_ptr, part_ml_ptr, out_ptr, seq, kvh * MERGE + i, n_heads, n_splits,
-                                stride_os, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_SPLITS)
-                tl.atomic_xchg(cnt, 0)  # ready for the next launch
     else:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # an empty context gives zeros, not NaN
         tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
@@ -286,26 +248,25 @@ def short_range_tile(max_context: int, num_splits: int) -> dict | None:
 
 _paged_attn_tuned = triton.autotune(configs=_configs(),
                                     key=["CTX_BUCKET", "n_splits", "BLOCK_SIZE", "HEAD_DIM", "BLOCK_G",
-                                         "SPLIT", "KV_QUANT", "MERGE"],
+                                         "SPLIT", "KV_QUANT"],
                                     )(_paged_attn_kernel)
 CPU_BLOCK_N = 32
 
 
-ONE_TILE_RANGES = True  # False: ranges of one tile walk the general loop (for A/B timing, scripts/attention_splits.py)
+def _one_tile(split: bool, max_context: int, num_splits: int, block_n: int) -> bool:
+    """Whether the split kernel takes its ``ONE_TILE`` path: every range of the table fits a tile."""
+    return split and -(-max_context // num_splits) <= block_n
 
 
-def _one_tile(split: bool, pdl: str, max_context: int, num_splits: int, block_n: int) -> bool:
-    """Whether the split kernel may take its ``ONE_TILE`` path: every range of the table fits a tile (and the
-    early first tile of ``pdl="overlap"``, which has its own loads, is off)."""
-    return ONE_TILE_RANGES and split and pdl != "overlap" and -(-max_context // num_splits) <= block_n
-
-
-def auto_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Context splits so that about four programs per SM are in flight, each range at least
-    ``MIN_SPLIT_TOKENS`` of ``max_context`` long (the ranges themselves are cut per sequence on the device)."""
+def auto_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device,
+                    min_split_tokens: int = MIN_SPLIT_TOKENS) -> int:
+    """Context splits so that about four programs per SM are in flight, each range at least ``min_split_tokens`` of
+    ``max_context`` long (the ranges themselves are cut per sequence on the device)."""
+    if not isinstance(min_split_tokens, int) or min_split_tokens < 1:
+        raise ValueError(f"min_split_tokens={min_split_tokens!r} must be a positive int")
     programs = num_seqs * num_kv_heads
     want = -(-4 * num_sms(device) // programs)
-    return max(1, min(want, max_context // MIN_SPLIT_TOKENS, 64))
+    return max(1, min(want, max_context // min_split_tokens, 64))
 
 
 def check_pools_fit_q(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -347,36 +308,34 @@ def _check_paged_args(q, k_cache, v_cache, block_tables, context_lens, k_scale, 
         raise ValueError("q, k_cache, v_cache and block_tables need a contiguous last dimension")
 
 
+PDL_MODES = ("", "release")  # decode attention releases the launch after it; it is never a dependent launch itself
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, scale: float | None = None, num_splits: int | None = None,
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                    pdl: str = "", config: dict | None = None, fused_merge: bool = False) -> torch.Tensor:
+                    pdl: str = "", config: dict | None = None) -> torch.Tensor:
     """Decode attention over the paged layout above, in Triton (``paged_attention_ref`` is the reference).
 
     ``q`` ``[num_seqs, num_heads, head_dim]``; caches ``[num_blocks, block_size, num_kv_heads, head_dim]`` of
     ``q``'s dtype (float16, bfloat16 on CUDA, float32); ``block_tables`` int32 ``[num_seqs, max_blocks]``;
     ``context_lens`` int32 ``[num_seqs]``, each in ``1 ... max_blocks * block_size`` (not checked on the
     device, so the call stays capturable in a CUDA graph). ``num_splits``: context ranges per sequence,
-    merged by a second kernel (flash-decoding); ``None`` picks from the SM count, ``1`` is the single-pass
-    kernel. Quantised caches (``labkit.kvcache.quant``): int8 or float8_e4m3fn caches with float32
+    merged by a second kernel (flash-decoding); ``None`` picks from the SM count (``auto_num_splits``), ``1`` is the
+    single-pass kernel. Quantised caches (``labkit.kvcache.quant``): int8 or float8_e4m3fn caches with float32
     ``k_scale``/``v_scale`` ``[num_blocks, block_size, num_kv_heads]`` (``x = q * scale`` per token and head),
     dequantised in registers, so the kernel reads 1 byte per element instead of 2. ``pdl="release"`` (sm_90):
     the launch after this call may start as soon as this one does (a programmatic dependent launch, such as an
     int4 GEMV's ``pdl="overlap"``, then issues its first weight loads while attention runs); the merge kernel is
-    then a programmatic dependent launch itself, waiting for the partials before it reads them. ``pdl="overlap"``:
-    that, and this call is itself a programmatic dependent launch that loads its first tile of K and V before
-    waiting for the kernel ahead. That kernel may write ``q`` and each sequence's *newest* token (position
-    ``context_lens - 1``: the q/k/v projection that writes the cache) and nothing else this call reads; the newest
-    token's rows are read after the wait.
-    ``fused_merge`` (with ``num_splits > 1``): no merge kernel; the last range of each (sequence, KV head) to
-    finish merges the ranges' partials (an arrival counter per pair, ``common.arrival_counters``: one such
-    call at a time per device, the first one outside CUDA-graph capture). The same bits as the merge kernel.
-    ``config`` (CUDA; experiments, scripts/attention_splits.py): ``BLOCK_N``, ``num_warps`` and ``num_stages`` of
-    the split kernel instead of the default (``short_range_tile`` for ranges of one tile, else the autotuner's).
+    then a programmatic dependent launch itself, waiting for the partials before it reads them. (Decode attention
+    as a dependent launch too, its first K/V tile loaded before waiting, gained nothing on the H200: the 8B int4
+    engine step took 2.073 ms with it, 2.057 without, results/h200/records/04_quantization.json; it was removed.)
+    ``config`` (CUDA; tuning data, e.g. research/attention_splits.py): ``BLOCK_N``, ``num_warps`` and ``num_stages``
+    of the split kernel instead of the default (``short_range_tile`` for ranges of one tile, else the autotuner's).
     Returns ``[num_seqs, num_heads, head_dim]`` in ``q``'s dtype.
     """
     _check_paged_args(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
-    check_pdl(pdl)
+    check_pdl(pdl, PDL_MODES)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -390,36 +349,32 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_seqs == 0:
         return out
     split = num_splits > 1
-    fused_merge = bool(fused_merge) and split
     if split:
         f32 = dict(dtype=torch.float32, device=q.device)
         part_acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, **f32)
         part_ml = torch.empty(num_seqs, num_heads, num_splits, 2, **f32)
     else:
         part_acc = part_ml = out  # never written: SPLIT=False
-    cnt = arrival_counters("paged_attention", num_seqs * num_kv_heads, q.device) if fused_merge else context_lens
     quant = k_scale is not None
     k_s, v_s = (k_scale, v_scale) if quant else (out, out)  # never read without KV_QUANT
-    args = (q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, cnt, k_s, v_s, scale * LOG2E,
+    args = (q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, k_s, v_s, scale * LOG2E,
             group, num_heads, num_splits, q.stride(0), q.stride(1), *k_cache.stride()[:3],
             *v_cache.stride()[:3], *(k_scale.stride() if quant else (0, 0, 0)), block_tables.stride(0),
             out.stride(0), out.stride(1), next_pow2(max_context), max_context)
     meta = dict(BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
-                BLOCK_G=max(16, next_pow2(group)), SPLIT=split, KV_QUANT=quant, MERGE=group if fused_merge else 0,
-                BLOCK_SPLITS=next_pow2(num_splits),
+                BLOCK_G=max(16, next_pow2(group)), SPLIT=split, KV_QUANT=quant,
                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32")  # fp32 stays exact
     grid = (num_seqs, num_kv_heads, num_splits)
     launch = pdl_launch(pdl, q.device)
-    meta["EARLY"] = pdl == "overlap"  # the interpreter runs the early loads too, with nothing ahead to wait for
     if q.device.type == "cuda":
         config = config or (short_range_tile(max_context, num_splits) if split else None)
     else:
         config = {"BLOCK_N": CPU_BLOCK_N}  # the interpreter's one tile
     # with no tile yet (the autotuner picks one per launch) the general loop, which any tile runs
-    meta["ONE_TILE"] = config is not None and _one_tile(split, pdl, max_context, num_splits, config["BLOCK_N"])
+    meta["ONE_TILE"] = config is not None and _one_tile(split, max_context, num_splits, config["BLOCK_N"])
     kernel = _paged_attn_tuned if config is None else _paged_attn_kernel
     kernel[grid](*args, **meta, **launch, **(config or {}))
-    if split and not fused_merge:  # the merge: a dependent launch of a split kernel that releases it
+    if split:  # the merge: a dependent launch of a split kernel that releases it
         _paged_attn_reduce[(num_seqs, num_heads)](part_acc, part_ml, out, num_heads, num_splits,
                                                  out.stride(0), out.stride(1), HEAD_DIM=head_dim,
                                                  BLOCK_D=next_pow2(head_dim),

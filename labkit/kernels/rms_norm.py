@@ -16,7 +16,7 @@ many bytes as the row of ``x`` it normalises; sm_90 code has 2 16-byte loads of 
 (first, so it is in flight with ``x``), and 16-32 KB of ``x`` is in flight per program. 0.90 needs 69.8 us. ``out``
 may be stored with streaming stores (``STORE_CACHE=".cs"``: this kernel never reads it back, so its lines need not
 stay in L2): 0.5-2% faster than plain stores for the plain form, 2-3% slower for the fused one
-(scripts/rmsnorm_study.py, records/rmsnorm_study_*.json). With one row, 8 warps and streaming stores, notebook 03
+(research/rmsnorm_study.py, records/rmsnorm_study_*.json). With one row, 8 warps and streaming stores, notebook 03
 timed 65.95 us (0.958 of copy bandwidth) and the study's harnesses 66.4-67.0 us beside 65.6 for a copy of the same
 bytes, in the same process (its per-config sweep, run first, timed the same kernel at 69.2 and the copy at 64.7;
 why the kernel ran 3-4% slower there is not established). On CUDA, from ``TUNE_MIN_ROWS`` rows up, rows per program
@@ -45,7 +45,6 @@ from labkit.kernels.common import FLOAT_DTYPES, check_same_shape, check_tensor, 
 
 MAX_COLS = 65536  # whole rows held in registers in one pass
 TUNE_MIN_ROWS = 1024  # CUDA calls with at least this many rows autotune rows-per-program and warps
-CPU_ROWS = 1  # rows per program under the interpreter (tests try others)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
@@ -117,29 +116,35 @@ _rms_norm_tuned = triton.autotune(_CONFIGS, key=["n_cols", "ROWS_KEY", "HAS_RESI
                                   prune_configs_by={"early_config_prune": _prune})(_rms_norm_kernel)
 
 
-def _launch(x2, r2, w, out, res_out, eps, has_residual: bool) -> None:
+def _launch(x2, r2, w, out, res_out, eps, has_residual: bool, rows_per_program: int | None) -> None:
     n_rows, n_cols = x2.shape
     if not n_rows:
         return
     block = next_pow2(n_cols)
     args = (x2, r2, w, out, res_out, n_rows, n_cols, x2.stride(0), r2.stride(0) if has_residual else 0,
             out.stride(0), res_out.stride(0) if has_residual else 0, eps, min(next_pow2(n_rows), 1 << 20))
-    if x2.device.type == "cuda" and n_rows >= TUNE_MIN_ROWS:
+    if rows_per_program is None and x2.device.type == "cuda" and n_rows >= TUNE_MIN_ROWS:
         _rms_norm_tuned[_grid(n_rows)](*args, HAS_RESIDUAL=has_residual, BLOCK=block)
         return
-    rows = 1 if x2.device.type == "cuda" else CPU_ROWS
+    rows = rows_per_program or 1
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](*args, HAS_RESIDUAL=has_residual, BLOCK=block, ROWS=rows,
                                                    num_warps=_num_warps(block))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None,
+             rows_per_program: int | None = None):
     """RMSNorm over the last dimension of ``x`` ``[..., hidden]`` with ``weight`` ``[hidden]``.
 
     Without ``residual`` returns ``out`` (shape and dtype of ``x``). With ``residual`` (same shape and dtype
     as ``x``) returns ``(out, residual_out)`` where ``residual_out = x + residual`` and
     ``out = rms_norm(residual_out)``.
     dtypes: float32, float16, bfloat16; the weight may be any of them (the output takes ``x``'s dtype).
+    ``rows_per_program`` (a power of two): the one-pass kernel with that many rows a program, warps by the row
+    length; None: one row a program, or on CUDA from ``TUNE_MIN_ROWS`` rows up the autotuner's pick.
     """
+    if rows_per_program is not None and (not isinstance(rows_per_program, int) or rows_per_program < 1
+                                         or rows_per_program & (rows_per_program - 1)):
+        raise ValueError(f"rows_per_program={rows_per_program!r} must be a power of two or None")
     check_tensor("x", x, FLOAT_DTYPES)
     check_tensor("weight", weight, FLOAT_DTYPES, dim=1, device=x.device)
     if x.dim() == 0 or weight.shape[0] != x.shape[-1]:
@@ -157,9 +162,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual:
     out = torch.empty_like(x2)
     w = weight.contiguous()
     if residual is None:
-        _launch(x2, x2, w, out, out, eps, False)
+        _launch(x2, x2, w, out, out, eps, False, rows_per_program)
         return out.view(x.shape)
     r2 = rows_view(residual, "residual")
     res_out = torch.empty_like(x2)
-    _launch(x2, r2, w, out, res_out, eps, True)
+    _launch(x2, r2, w, out, res_out, eps, True, rows_per_program)
     return out.view(x.shape), res_out.view(x.shape)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.quant.packing import dequantize_int4, dequantize_int8, pack_int4
+from labkit.kernels.quantized_matmul.packing import dequantize_int4, dequantize_int8, pack_int4
 
 INT8_QMAX = 127
 INT4_QMAX = 15
@@ -140,10 +140,16 @@ def _check_backend(backend: str) -> str:
 class _QuantizedLinear(nn.Module):
     """What labkit's quantised linears share: the fused kernel ``_KERNEL`` of ``labkit.kernels.quantized_matmul``
     called on ``(x, *self._weights())``, and ``fused_forward`` (the projection with a decoder layer's neighbours).
-    Subclasses set ``in_features``, ``out_features``, ``bias`` and ``backend``."""
+    Subclasses set ``in_features``, ``out_features``, ``bias`` and ``backend``. ``tuning``: the kernels' launch
+    parameters (``labkit.kernels.quantized_matmul.QuantTuning``), None for the device's table."""
 
     _KERNEL = ""  # the product's kernel in labkit.kernels.quantized_matmul
     _QKV_ROPE_KERNEL = ""  # the merged q/k/v projection's, with RoPE and the cache write
+    tuning = None
+
+    def _tuned(self) -> dict:
+        """The kernels' ``tuning`` argument, where this layer has one."""
+        return {} if self.tuning is None else {"tuning": self.tuning}
 
     def _weights(self) -> tuple:
         raise NotImplementedError
@@ -152,7 +158,7 @@ class _QuantizedLinear(nn.Module):
         fn = _use_fused(self.backend, x, self._KERNEL)
         if fn is None:
             return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        return self._out(fn(x.reshape(-1, self.in_features), *self._weights()), x.shape[:-1])
+        return self._out(fn(x.reshape(-1, self.in_features), *self._weights(), **self._tuned()), x.shape[:-1])
 
     def _out(self, y: torch.Tensor, lead: torch.Size) -> torch.Tensor:
         """The fused kernel's rows ``y`` ``[M, N]`` as ``[*lead, N]``, plus the bias."""
@@ -190,7 +196,7 @@ class _QuantizedLinear(nn.Module):
                 x = F.silu(gate) * up
             y = self(norm(x) if norm is not None else x)
             return y if residual is None else residual + y
-        opts = {"swiglu": swiglu, **({"pdl": pdl} if pdl else {})}
+        opts = {"swiglu": swiglu, **({"pdl": pdl} if pdl else {}), **self._tuned()}
         if norm is not None:
             opts.update(norm_weight=norm.weight, norm_eps=norm.variance_epsilon)
         inside = residual is not None and self.bias is None  # the bias comes between the product and the add
@@ -210,6 +216,7 @@ class _QuantizedLinear(nn.Module):
             raise ValueError("qkv_rope_cache needs a bias-free layer (a merged q/k/v projection)")
         fn = _use_fused("triton", x, self._QKV_ROPE_KERNEL)
         opts = dict(norm_weight=norm.weight, norm_eps=norm.variance_epsilon) if norm is not None else {}
+        opts.update(self._tuned())
         return fn(x, *self._weights(), num_heads, cos, sin, k_cache, v_cache, slot_mapping, pdl=pdl, **opts)
 
 
@@ -336,6 +343,7 @@ def concat_linears(linears: list[nn.Module]) -> nn.Module | None:
     else:
         extra = (first.group_size,) if kind is Int4Linear else ()
         merged = kind(*cat, *extra, backend=first.backend)
+        merged.tuning = first.tuning
     for n in names:
         _repoint(linears, n, getattr(merged, n))
     return merged

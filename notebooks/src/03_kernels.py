@@ -31,10 +31,11 @@ import torch
 import labkit  # noqa: F401  (sets TRITON_INTERPRET on a CPU-only host before triton is imported)
 from labkit.bench import record_figure, write_record
 from labkit.evaluate import relative_error
+from labkit.experiments.kernels import bench as kb
+from labkit.experiments.kernels.study import (FUSION_BYTES, decode_steps, kv_quant_attention, matmul_rates,
+                                             operator_costs)
 from labkit.hardware import measure_ceilings
-from labkit.kernels import bench as kb
 from labkit.kernels.patch import patch_model, patch_summary, unpatch
-from labkit.kernels.study import FUSION_BYTES, decode_steps, kv_quant_attention, matmul_rates, operator_costs
 from labkit.models import load_model, random_model
 
 torch.manual_seed(seed)
@@ -176,12 +177,12 @@ display(att.round(3))
 # cycles through several copies of its weights (`weight_sets`), as a decode step reads each layer's weights
 # once: 31 MB of int4 would otherwise stay in the H200's 50 MB L2 between replays and time the cache, not HBM.
 #
-# Bytes are only the floor. The GEMVs hit two other limits on the way (`scripts/gemv_study.py` and ncu, in
+# Bytes are only the floor. The GEMVs hit two other limits on the way (`research/gemv_study.py` and ncu, in
 # `results/h200/NOTES.md`): instruction issue -- each weight must become a float, be multiplied and be added,
 # so int8 decodes bytes in place with one logic op and int4 turns nibble pairs into float16 pairs and
 # multiplies them two at a time -- and latency, where too few warps fit on an SM to keep enough loads in flight.
 # Which one binds is an experiment, not a guess: keeping two words' products in the same float16 lanes before
-# converting to float32 (`PAIR_WORDS`, on by default) cut the int4 loop's instructions by 11% and the GEMV's time
+# converting to float32 (word pairs, on by default) cut the int4 loop's instructions by 11% and the GEMV's time
 # at 4096 -> 14336 by 1% (records/gemv_study_pairs_f65fe09.json): at that size latency binds, not issue.
 # The int4 GEMV keeps its activations *stationary*: each program prepares one slice of 512 activations once and
 # walks down its rows with the next block's weights already in flight, instead of preparing the activations again
@@ -191,7 +192,7 @@ display(att.round(3))
 # each thread held the activations of every group -- 128 registers, 16 warps per SM at most (ncu: "Block Limit
 # Registers 8", results/h200/logs/2026-12-04c_call2_ncu.log) -- where Triton 3.9 compiled the same source to 72.
 # Loading the weights as 2-D rows and viewing them as 3-D only for the math gives 68-96 under both
-# (results/cpu/records/sass_xs.json, `scripts/sass_report.py`). Check register counts with the compiler the GPU runs.
+# (results/cpu/records/sass_xs.json, `research/sass_report.py`). Check register counts with the compiler the GPU runs.
 #
 # The int8 GEMV has a stationary version too (`w8_triton_stationary`, figure
 # `kernels.w8_stationary_gemv_speedup_vs_bf16`): what the engine's fused int8 layers run, since it takes in a
@@ -222,9 +223,10 @@ display(att.round(3))
 # The copy rate is measured on a large buffer, and a kernel of a few tens of megabytes pays more than its bytes:
 # the launch, the first loads' latency before the stream fills, the tail where the last programs run alone. The
 # rows `w4_bytes_read` and `w8_bytes_read` time a kernel that only reads as many bytes as each format's weights
-# (`labkit.kernels.stream_read`, the fastest of three shapes, cycling through weight sets like the GEMVs): the
-# floor for any kernel of that size on this machine. `kernels.w4_gemv_frac_of_read_floor` is how close the int4
-# GEMV comes to it, and the `*_at_read_floor` figures are the bitsandbytes ratios a GEMV that fast would reach.
+# (`labkit.experiments.kernels.stream_read`, the fastest of three shapes, cycling through weight sets like the
+# GEMVs): the floor for any kernel of that size on this machine. `kernels.w4_gemv_frac_of_read_floor` is how close
+# the int4 GEMV comes to it, and the `*_at_read_floor` figures are the bitsandbytes ratios a GEMV that fast would
+# reach.
 
 # %%
 gemv = table[table.kernel == "gemv"][["impl", "shape", "median_us", "gb_s", "frac_of_ceiling", "rel_err",

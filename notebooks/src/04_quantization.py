@@ -178,11 +178,10 @@ display(pd.DataFrame(gen_rows))
 # (`fuse_layer_ops=False`), with RoPE and the cache write in a kernel of their own (`fuse_qkv_rope=False`), and
 # with every GEMV launched plainly (`gemv_pdl=False`; by default every GEMV but the first is a programmatic
 # dependent launch, whose programs start while the kernel ahead finishes and issue their first weight loads
-# before waiting for it), with decode attention a dependent launch too (`early_attention=True`: it loads its
-# first tile of K and V, all but the newest token's rows, while the q/k/v GEMV ahead finishes), and with no merge
-# kernel after decode attention (`fused_attention_merge=True`: the last of a KV head's context ranges to finish
-# merges them, counted with an atomic as the split GEMVs reduce), and the int8 step with separate kernels
-# around the split-K int8 GEMV (`fuse_layer_ops=False`): A/Bs in one run.
+# before waiting for it), and the int8 step with separate kernels around the split-K int8 GEMV
+# (`fuse_layer_ops=False`): A/Bs in one run. (Two more options lost their A/B and left labkit: decode attention as
+# a dependent launch, 2.073 ms against 2.057, and its merge folded into the split kernel, 2.332 ms;
+# results/h200/records/04_quantization.json.)
 # The figures quote the third pass where it ran.
 # On the CPU profiles this section times the embedded model instead: there the quantised layers dequantise on
 # every call (no fused kernel), so they are *slower*: the speed-up is a property of the fused GPU kernels.
@@ -204,8 +203,7 @@ if PROFILE == "gpu":
                             iters=SIZES["decode_iters"], runner="engine", bandwidth=bandwidth, breakdown=16)
     except Exception as e:
         print(f"engine pass failed: {type(e).__name__}: {e}")
-    ab_options = ({"fuse_layer_ops": False}, {"fuse_qkv_rope": False}, {"gemv_pdl": False}, {"early_attention": True},
-                  {"fused_attention_merge": True})
+    ab_options = ({"fuse_layer_ops": False}, {"fuse_qkv_rope": False}, {"gemv_pdl": False})
     ab_passes = [("int4", opts) for opts in ab_options] + [("int8", {"fuse_layer_ops": False})]
     for method, opts in ab_passes:  # A/B passes: one option flipped against the default, in this run
         try:
@@ -422,8 +420,7 @@ if PROFILE == "gpu":
                           f"static-cache forward with labkit's Triton norms/SiLU/attention on both sides")
     # each option's speed-up in one run: the step with it off over the step with it on (> 1: it pays)
     for m, key, name in (("int4", "fuse_layer_ops", "layer_ops_fusion"), ("int4", "fuse_qkv_rope", "qkv_rope_fusion"),
-                         ("int4", "gemv_pdl", "gemv_pdl"), ("int4", "early_attention", "early_attention"),
-                         ("int4", "fused_attention_merge", "fused_attention_merge"),
+                         ("int4", "gemv_pdl", "gemv_pdl"),
                          ("int8", "fuse_layer_ops", "layer_ops_fusion")):
         default = pick_speed(m)
         ab = [r for r in speed_ok if r["method"] == m and key in r.get("engine_options", {})]

@@ -24,7 +24,7 @@ Each engine's tokens (every step's argmax) are recorded too.
 Per variant and engine: every step's relative error against the separate kernels, whether the PDL engine's logits
 equal the plain engine's bit for bit, and whether the split GEMVs' arrival counters were all zero after each engine.
 
-    python scripts/pdl_check.py --out /tmp/h200          # records/pdl_check.json
+    python research/pdl_check.py --out /tmp/h200          # records/pdl_check.json
 
 Found (results/h200/records/pdl_check_*.json): PDL and plain engines equal bit for bit in every variant; the
 failing tests' 1.4 was greedy feeding on random weights (``test_prompt_greedy``: the plain engine's 7th token
@@ -39,8 +39,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 VARIANTS = {
     "pdl_first": (["pdl", "plain", "separate"], {}),
@@ -62,16 +60,16 @@ PROMPT, STEPS = 27, 16
 
 
 def _patch(variant: str) -> None:
-    """The variant's change to labkit, made before anything runs."""
+    """The variant's change to labkit, made before anything runs (this child process only)."""
     import labkit.kernels.paged_attention as pa
-    import labkit.kernels.quantized_matmul as qm
+    from labkit.kernels.quantized_matmul import stationary
 
     if variant == "pdl_first_no_release":
         plain = pa.paged_attention
         pa.paged_attention = lambda *a, pdl="", **kw: plain(*a, **kw)
-    if variant == "pdl_first_compiled_only":
-        meta = qm.pdl_meta
-        qm.pdl_meta = lambda *a, **kw: {key: val for key, val in meta(*a, **kw).items() if key != "launch_pdl"}
+    if variant == "pdl_first_compiled_only":  # the stationary GEMVs' launch options without launch_pdl
+        launch = stationary.pdl_launch
+        stationary.pdl_launch = lambda *a: {key: val for key, val in launch(*a).items() if key != "launch_pdl"}
         plain = pa.paged_attention
         pa.paged_attention = lambda *a, pdl="", **kw: plain(*a, **kw)
 
@@ -106,7 +104,7 @@ def _child(variant: str, path: str, preset: str, device_name: str) -> None:
 
     from labkit.data import sample_prompts
     from labkit.evaluate import relative_error
-    from labkit.kernels import quantized_matmul as qm
+    from labkit.kernels.quantized_matmul import splitk
     from labkit.models import load_model, random_model
     from labkit.quant import quantize
 
@@ -144,7 +142,7 @@ def _child(variant: str, path: str, preset: str, device_name: str) -> None:
             runs[name] = _logits(model, tokens, max_len, {**ENGINES[name], **graphs}, nan, greedy)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            cnt = qm._split_buffers(device, 1)[1]
+            cnt = splitk._split_buffers(device, 1)[1]
             counters[name] = cnt.nonzero().flatten()[:16].tolist()
             cnt.zero_()  # the next engine starts from clean counters whatever this one left
         result[max_len] = {

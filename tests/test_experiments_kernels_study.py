@@ -2,7 +2,7 @@
 
 import torch
 
-from labkit.kernels.study import FUSION_BYTES, kv_quant_attention, matmul_rates, operator_costs
+from labkit.experiments.kernels.study import FUSION_BYTES, kv_quant_attention, matmul_rates, operator_costs
 
 
 def test_operator_costs_bounds():

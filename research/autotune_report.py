@@ -3,23 +3,20 @@
 The autotuner keeps only its winner; this prints and records all of them (``Autotuner.configs_timings``), so that
 the next change to a kernel's tiles starts from what each candidate measured rather than from a guess.
 
-    python scripts/autotune_report.py --out results/h200
+    python research/autotune_report.py --out results/h200
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from labkit.bench import write_record  # noqa: E402
-from labkit.kernels import quantized_matmul as qm  # noqa: E402
-from labkit.kernels import rms_norm as rn  # noqa: E402
-from labkit.quant.weight_only import quantize_int4, quantize_int8  # noqa: E402
+from labkit.bench import write_record
+from labkit.kernels import rms_norm as rn
+from labkit.kernels.quantized_matmul import splitk, w8a16_matmul
+from labkit.quant.weight_only import quantize_int4, quantize_int8
 
 SHAPES = ((4096, 14336), (14336, 4096), (4096, 4096), (4096, 6144), (4096, 28672))
 
@@ -46,11 +43,13 @@ def main(argv: list[str] | None = None) -> int:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         q, s = quantize_int8(w)
-        qm.w8a16_matmul(x, q, s)
-        out.append({"kernel": "w8_gemv", "N": n, "K": k, "candidates": _timings(qm._w8_gemv_tuned)})
+        w8a16_matmul(x, q, s)  # a bare int8 product: the autotuned split-K GEMV
+        out.append({"kernel": "w8_gemv", "N": n, "K": k, "candidates": _timings(splitk._w8_gemv_tuned)})
         p, sc, z = quantize_int4(w, 128)
-        qm.w4a16_matmul(x, p, sc, z, 128)
-        out.append({"kernel": "w4_gemv", "N": n, "K": k, "candidates": _timings(qm._w4_gemv_tuned)})
+        # the split-K int4 GEMV itself (the public w4a16_matmul takes the stationary one at these shapes)
+        splitk.splitk_gemv(x, n, 4, (p.view(torch.int32), sc, z), (k // 8, k // 128, k // 128, 0x4F000000),
+                           {"GROUP": 128, "HALF_MATH": 1}, None)
+        out.append({"kernel": "w4_gemv", "N": n, "K": k, "candidates": _timings(splitk._w4_gemv_tuned)})
         for r in out[-2:]:
             best = r["candidates"][0]
             print(f"{r['kernel']} {k}->{n}: best {best['us']:.2f} us {best['config']}; "

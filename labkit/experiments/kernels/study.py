@@ -93,7 +93,7 @@ def kv_quant_attention(seqs: int, heads: int, kv_heads: int, head_dim: int, cont
     """One layer's paged decode attention with the cache in bf16, int8 read by the kernel, and int8
     dequantised to bf16 before a bf16 kernel. Rows carry time, cache bytes and the error against bf16."""
     from labkit.evaluate import relative_error
-    from labkit.kernels.bench import _paged_inputs
+    from labkit.experiments.kernels.cases import _paged_inputs
     from labkit.kernels.paged_attention import paged_attention
     from labkit.kvcache.quant import dequantize_kv, kv_format, quantize_kv
 

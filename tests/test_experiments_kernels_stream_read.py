@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from labkit.kernels.stream_read import READ_TILES, stream_read, stream_read_ref
+from labkit.experiments.kernels.stream_read import READ_TILES, stream_read, stream_read_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from labkit.experiments.kernels.bench import BARS, SIZES, add_fractions, bench_gemv, headline_figures, main
 from labkit.hardware import device_name
-from labkit.kernels.bench import BARS, SIZES, add_fractions, bench_gemv, headline_figures, main
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DEVICE_NAME = device_name(DEVICE)

@@ -6,23 +6,21 @@ fused residual, next to ``out.copy_(x)`` on the same tensors (the same bytes, no
 timed persistent configs -- a few programs per SM striding over the rows, with and without the next block's
 loads pipelined: 74-90 us against 69.8 for the best plain one; records/rmsnorm_study.json.)
 
-    python scripts/rmsnorm_study.py --out /tmp/h200        # records/rmsnorm_study.json
+    python research/rmsnorm_study.py --out /tmp/h200        # records/rmsnorm_study.json
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+import triton
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from gemv_study import copy_bandwidth, graph_us  # noqa: E402
-
-from labkit.bench import write_record  # noqa: E402
-from labkit.kernels import rms_norm as rn  # noqa: E402
+from labkit.bench import write_record
+from labkit.hardware import measure_copy_bandwidth
+from labkit.kernels import rms_norm as rn
+from labkit.kernels.common import graph_replay_ms
 
 # beyond the autotuner's candidates (which include streaming stores since ded9987's run): 32 warps
 EXTRA_CONFIGS = [triton.Config({"ROWS": r}, num_warps=32) for r in (2, 8)]
@@ -30,6 +28,24 @@ EXTRA_CONFIGS = [triton.Config({"ROWS": r}, num_warps=32) for r in (2, 8)]
 
 def _median(t: list[float]) -> float:
     return sorted(t)[len(t) // 2]
+
+
+def graph_us(launch, sets: list, reps: int = 10) -> list[float]:
+    """Per-launch microseconds of ``launch(w)`` over ``sets`` inside one CUDA graph (>= 32 launches), one sample per
+    replay (as research/gemv_study.py times the GEMVs)."""
+    per = max(1, -(-32 // len(sets)))
+    return [ms * 1e3 / len(sets) for ms in graph_replay_ms(lambda: [launch(w) for w in sets], per, reps)]
+
+
+def copy_bandwidth(dev) -> float:
+    """The notebooks' ceiling (``labkit.hardware.measure_copy_bandwidth``) after ~0.3 s of copies (an idle GPU starts
+    at low clocks)."""
+    a = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    for _ in range(300):
+        b.copy_(a)
+    del a, b
+    return measure_copy_bandwidth(dev)
 
 
 def autotuner_picks(rows: int, cols: int, dev, trials: int = 2) -> list[dict]:
