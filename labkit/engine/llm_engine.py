@@ -9,9 +9,9 @@ The serving clock. ``clock='virtual'`` (the default): each step is timed for rea
 synchronised by the sampled tokens reaching the host) and the clock advances by exactly that; while the engine is
 idle the clock jumps to the next arrival instead of sleeping. The queueing is therefore that of a real server
 whose steps take what they took, without waiting through idle gaps (which at low load would be most of a run)
-and without the noise of a shared machine's sleeps; it is also how ``hf_baseline`` replays HF ``generate``, so
-the two compare on one footing. ``clock='real'`` sleeps until arrivals and stamps tokens with ``perf_counter``:
-the honest end-to-end mode for a dedicated machine.
+and without the noise of a shared machine's sleeps; it is also how ``labkit.experiments.baseline`` replays HF
+``generate``, so the two compare on one footing. ``clock='real'`` sleeps until arrivals and stamps tokens with
+``perf_counter``: the honest end-to-end mode for a dedicated machine.
 """
 
 from __future__ import annotations

@@ -222,7 +222,7 @@ def _engine_rows(model, method, batch_size, context_len, iters, bandwidth, base_
                  options: dict | None = None) -> list[dict]:
     """One row: labkit's ``ModelRunner`` decode step over a paged cache (``engine.experiments.runner_step``)."""
     from labkit.bench import time_fn
-    from labkit.engine.experiments import runner_step
+    from labkit.experiments.batching import runner_step
 
     if method.startswith("bnb"):
         return [{"method": method, "timing": "engine", "status": "bitsandbytes layers are not CUDA-graph "
