@@ -17,8 +17,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from labkit.quant.methods import HEAD_METHODS, METHODS, quantize, target_linears
-from labkit.quant.metrics import (
+from labkit.experiments.quantization.metrics import (
     decode_step_bytes,
     decode_step_time,
     heldout_perplexity,
@@ -26,6 +25,7 @@ from labkit.quant.metrics import (
     linear_weight_bytes,
     peak_memory,
 )
+from labkit.quant import HEAD_METHODS, METHODS, quantize, target_linears
 
 BASELINE = "base"
 
