@@ -22,7 +22,8 @@ plus the largest of these moments:
 Other architectures (GPT-3's GELU MLP) are counted with the same enumeration, the MLP's terms adjusted: for them
 the numbers are predictions, checked here only on the Llama family.
 
-``labkit.finetune.measure`` measures the same peak on the CPU and the GPU; the tests and notebook 07 compare them.
+``labkit.experiments.finetuning`` measures the same peak on the CPU and the GPU; the tests and notebook 07 compare
+them.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from labkit.finetune.compare import (
+from labkit.experiments.finetuning import (
     describe,
     fresh,
     memory_row,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from labkit.finetune.measure import live_tensor_bytes, peak_memory
+from labkit.experiments.finetuning import live_tensor_bytes, peak_memory
 
 MB = 2**20
 
