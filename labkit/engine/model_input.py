@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from labkit.kvcache.paged import PagedKVCache
+from labkit.kvcache import PagedKVCache
 
 
 @dataclass

@@ -29,9 +29,8 @@ import torch
 
 from labkit.engine.cuda_graph import StepGraphs, default_graph_batch_sizes
 from labkit.engine.model_input import ModelInput, collect_step, input_views, pack_step
-from labkit.kvcache.attention import dequantised_blocks, paged_decode_attention_ref, paged_prefill_attention_ref
-from labkit.kvcache.paged import PagedKVCache
-from labkit.quant.weight_only import concat_linears
+from labkit.kvcache import PagedKVCache, dequantised_blocks, paged_decode_attention_ref, paged_prefill_attention_ref
+from labkit.quant import concat_linears
 
 KERNELS = ("auto", "torch", "triton")
 
