@@ -13,7 +13,7 @@ from labkit.experiments.finetuning import (
     speed_row,
     step_flops_per_token,
 )
-from labkit.finetune.memory_model import TrainSetup
+from labkit.finetune import TrainSetup
 from labkit.models import PRESETS, ModelSpec, random_model
 
 SMALL = ModelSpec(name="small", vocab_size=301, hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from labkit.experiments.finetuning import live_tensor_bytes, measure_step_memory
-from labkit.finetune.memory_model import (
+from labkit.finetune import (
     TrainSetup,
     activation_bytes,
     inference_memory,

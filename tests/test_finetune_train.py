@@ -8,8 +8,8 @@ import torch
 
 from labkit.evaluate import perplexity, relative_error
 from labkit.experiments.finetuning import measure_step_memory
+from labkit.finetune import TrainSetup, training_memory
 from labkit.finetune.lora import trainable_parameters
-from labkit.finetune.memory_model import TrainSetup, training_memory
 from labkit.finetune.train import (
     finetune,
     heldout_loss,

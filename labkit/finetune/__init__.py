@@ -1,8 +1,9 @@
 """Fine-tuning instead of inference: the memory of training, LoRA / QLoRA, and a short training loop.
 
-* ``memory_model``: weights, gradients, optimizer state and activations of a training step for a ``ModelSpec``
-  (full / LoRA / QLoRA, fp32 / bf16 autocast, checkpointing, 8-bit Adam, ZeRO and tensor-parallel sharding),
-  against inference's weights and KV cache.
+* ``memory_model``: the memory of a training step for a ``ModelSpec`` at its peak (full / LoRA / QLoRA, fp32 / bf16
+  autocast, checkpointing, 8-bit Adam, ZeRO and tensor-parallel sharding), against inference's weights and KV
+  cache; its terms: ``state`` (``TrainSetup``, parameter inventory, weights, gradients, optimizer state) and
+  ``activations`` (what autograd saves, op by op).
 * ``lora``: a LoRA layer over ``nn.Linear`` or bitsandbytes NF4 ``Linear4bit`` (QLoRA), applied to a Llama model.
 * ``train``: the loop (mixed precision, activation checkpointing, AdamW / 8-bit AdamW) and the held-out loss.
 
@@ -14,6 +15,7 @@ What notebook 07 measures with these (method against method, the memory model ag
     print(training_memory("llama-3-8b", setup).peak)      # bytes at the peak of a step, predicted
 """
 
+from labkit.finetune.activations import activation_bytes, autocast_weight_copies, layer_activation_bytes
 from labkit.finetune.lora import (
     LLAMA_LINEARS,
     LoRALinear,
@@ -23,16 +25,14 @@ from labkit.finetune.lora import (
     quantize_nf4,
     trainable_parameters,
 )
-from labkit.finetune.memory_model import (
-    MemoryBreakdown,
+from labkit.finetune.memory_model import MemoryBreakdown, inference_memory, training_memory
+from labkit.finetune.state import (
     ParamTensor,
     TrainSetup,
-    activation_bytes,
-    inference_memory,
     nf4_bytes,
     optimizer_bytes,
     param_inventory,
-    training_memory,
+    trainable_tensors,
     weight_bytes,
 )
 from labkit.finetune.train import (
@@ -50,6 +50,7 @@ from labkit.finetune.train import (
 
 __all__ = ["LLAMA_LINEARS", "LoRALinear", "apply_lora", "count_trainable", "merge_lora", "quantize_nf4",
            "trainable_parameters", "MemoryBreakdown", "ParamTensor", "TrainSetup", "activation_bytes",
+           "autocast_weight_copies", "layer_activation_bytes", "trainable_tensors",
            "inference_memory", "nf4_bytes", "optimizer_bytes", "param_inventory", "training_memory", "weight_bytes",
            "FinetuneResult", "enable_checkpointing", "finetune", "heldout_loss", "heldout_windows", "make_optimizer",
            "prepare_model", "train_step", "training_batches", "warmup_cosine"]

@@ -1,5 +1,5 @@
 """A short fine-tuning loop on the embedded model: full, LoRA or QLoRA; fp32 or bf16 autocast; activation
-checkpointing; AdamW, 8-bit AdamW (bitsandbytes) or SGD. The ``TrainSetup`` of ``memory_model`` says which.
+checkpointing; AdamW, 8-bit AdamW (bitsandbytes) or SGD. The ``TrainSetup`` (``state.py``) says which.
 
 The data is a task split of the corpus (``task_train``: the C-API pages, unseen in pre-training), cut into random
 windows; the held-out loss is measured on ``task_heldout`` (and on ``heldout``, the general docs, to see what
@@ -19,7 +19,7 @@ import torch.utils.checkpoint
 
 from labkit.bench import Timing
 from labkit.finetune.lora import LLAMA_LINEARS, apply_lora, quantize_nf4, trainable_parameters
-from labkit.finetune.memory_model import TrainSetup
+from labkit.finetune.state import TrainSetup
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
