@@ -5,7 +5,7 @@
     python -m labkit merge OUT_DIR RECORD_ROOT        # figures.json of a run -> results/summary.json
     python -m labkit readme                           # regenerate the README's results table
     python -m labkit build-notebooks [--check]        # notebooks/src/*.py -> notebooks/*.ipynb
-    python -m labkit bench kernels|serve [ARGS...]    # the kernel and serving benchmarks
+    python -m labkit bench kernels|serve|decode [ARGS...]  # the kernel, serving and decode benchmarks
     python -m labkit claims [--write]                 # check every notebook claim against results/summary.json
 """
 
@@ -61,7 +61,9 @@ def _readme(args) -> int:
     return 0
 
 
-BENCHES = {"kernels": "labkit.experiments.kernels.bench", "serve": "labkit.engine.bench"}
+BENCHES = {"kernels": "labkit.experiments.kernels.bench", "serve": "labkit.experiments.batching.cli",
+           "decode": "labkit.experiments.batching.cli"}
+SUBCOMMANDS = ("serve", "decode")  # their module's own parser takes the benchmark's name first
 
 
 def _bench(args) -> int:
@@ -70,7 +72,8 @@ def _bench(args) -> int:
     if args.what not in BENCHES:
         print(f"bench {args.what!r} is unknown; allowed: {sorted(BENCHES)}", file=sys.stderr)
         return 2
-    return importlib.import_module(BENCHES[args.what]).main(args.rest)
+    rest = [args.what, *args.rest] if args.what in SUBCOMMANDS else args.rest
+    return importlib.import_module(BENCHES[args.what]).main(rest)
 
 
 def _claims(args) -> int:
@@ -113,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("record_root")
     m.set_defaults(fn=_merge)
     sub.add_parser("readme", help="regenerate the README results table").set_defaults(fn=_readme)
-    be = sub.add_parser("bench", help="benchmarks: kernels (Triton vs torch) or serve (the engine)")
-    be.add_argument("what", help="kernels or serve")
+    be = sub.add_parser("bench", help="benchmarks: kernels (Triton vs torch), serve or decode (the engine)")
+    be.add_argument("what", help="kernels, serve or decode")
     be.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of that benchmark (see its --help)")
     be.set_defaults(fn=_bench)
     cl = sub.add_parser("claims", help="check every notebook claim against results/summary.json; exit 1 if one fails")

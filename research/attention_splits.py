@@ -102,7 +102,7 @@ def engine_step(device, preset: str) -> list[dict]:
     import torch
 
     from labkit.bench import time_fn
-    from labkit.engine.experiments import runner_step
+    from labkit.experiments.batching import runner_step
     from labkit.models import random_model
     from labkit.quant import quantize
 

@@ -3,7 +3,7 @@
 The planner (``labkit.plan``) is calibrated and validated against these: every configuration of a model that fits
 on one GPU. ``--runner engine`` (the default) times labkit's serving engine, the software the planner's layouts
 would run: its ``ModelRunner`` on the paged cache with the Triton kernels, decode steps replayed from a CUDA graph
-per batch, prefill as one eager forward (``labkit.engine.experiments.runner_step``). ``--runner hf`` times the
+per batch, prefill as one eager forward (``labkit.experiments.batching.runner_step``). ``--runner hf`` times the
 Hugging Face model instead: decode as CUDA-graph replays over its ``StaticCache`` (``labkit.decode_step``), prefill
 as one eager forward. Writes ``records/step_sweep.json`` under ``--out`` with every raw timing and the roofline
 prediction of each step, after each weight precision (a run stopped early keeps what it measured).
@@ -44,7 +44,7 @@ def build(preset: str, weights: str):
 
 
 def _engine_time(model, phase: str, batch: int, ctx: int, iters: int):
-    from labkit.engine.experiments import runner_step
+    from labkit.experiments.batching import runner_step
 
     step, runner = runner_step(model, phase, batch, ctx)
     t = time_fn(step, warmup=2, iters=iters)

@@ -296,9 +296,9 @@ def test_host_graphs_replay_mixed_steps(tiny_model, monkeypatch):
 def test_engine_on_host_graphs_equals_hf_generate(tiny_model, monkeypatch):
     """The continuous engine with both kinds of graphs (stand-ins, Triton through the interpreter): prompts cut
     into chunks that share steps with decodes, every step replayed, greedy tokens equal to HF ``generate``'s."""
-    from labkit.engine.experiments import hf_greedy
     from labkit.engine.llm_engine import LLMEngine
     from labkit.engine.sampling import SamplingParams
+    from labkit.experiments.batching import hf_greedy
 
     model = tiny_model[0]
     g = torch.Generator().manual_seed(2)
@@ -360,7 +360,7 @@ def test_host_graphs_catch_host_values(tiny_model, monkeypatch):
 def test_check_graph_replays_passes_and_catches_a_kept_output_buffer(tiny_model, monkeypatch):
     """Notebook 05's gate before timing graphs, on the stand-in: all rows ok; with ``run`` handing back the graph's
     output buffer (the bug the H200 found), kept logits of earlier steps fail; the very last step's still pass."""
-    from labkit.engine.experiments import check_graph_replays
+    from labkit.experiments.batching import check_graph_replays
 
     model = tiny_model[0]
     runner = host_graph_runner(model, nan_cache(model, num_blocks=20, block_size=16), monkeypatch, max_model_len=64)
@@ -468,7 +468,7 @@ def test_cuda_mixed_graph_replay_equals_eager():
 @pytest.mark.gpu
 def test_check_graph_replays_on_cuda():
     """Notebook 05's gate on a real CUDA graph: every replayed step equals the eager forward of its input."""
-    from labkit.engine.experiments import check_graph_replays
+    from labkit.experiments.batching import check_graph_replays
     from labkit.models import load_model
 
     rows = check_graph_replays(load_model(device="cuda")[0], label="embedded fp32")

@@ -51,6 +51,8 @@ CONFIGS = {
     # 14 blocks of 4 = 56 slots for 7 requests of up to 49 tokens: preemption by recompute
     "continuous_preempting": dict(scheduler="continuous", num_blocks=14, block_size=4, max_num_seqs=8,
                                   max_num_batched_tokens=32),
+    "continuous_swapping": dict(scheduler="continuous", num_blocks=14, block_size=4, max_num_seqs=8,
+                                max_num_batched_tokens=32, preemption_mode="swap"),
     "continuous_prefix_cache": dict(scheduler="continuous", enable_prefix_caching=True, block_size=4, max_num_seqs=2,
                                     max_num_batched_tokens=24),
 }
@@ -65,8 +67,10 @@ def test_greedy_equals_hf_generate(tiny_model, cases, name):
     assert [o.output_token_ids for o in outs] == refs
     assert all(o.finish_reason == "length" for o in outs)
     stats = engine.result().stats
-    if name == "continuous_preempting":
+    if name in ("continuous_preempting", "continuous_swapping"):
         assert stats["preemptions"] > 0 and any(o.num_preemptions for o in outs)
+    if name == "continuous_swapping":
+        assert stats["swapped_out_blocks"] > 0 and stats["recomputed_tokens"] == 0
     if name == "continuous_prefix_cache":
         assert stats["prefix_hit_tokens"] >= 24
     if name == "continuous_chunked":
@@ -150,7 +154,7 @@ def test_greedy_equals_hf_on_cuda_with_graphs_and_triton(cases):
 
     model = load_model(device="cuda")[0]
     prompts, refs = cases
-    for name in ("fifo", "continuous_chunked", "continuous_preempting"):
+    for name in ("fifo", "continuous_chunked", "continuous_preempting", "continuous_swapping"):
         engine = make_engine(model, **CONFIGS[name])
         assert engine.runner.use_triton and engine.runner.graph_batch_sizes
         outs = engine.generate(prompts, GREEDY, progress=False)

@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from labkit.data import sample_prompts
-from labkit.engine.model_runner import ModelRunner, paged_decode_attention_torch
+from labkit.engine.model_runner import ModelRunner
 from labkit.evaluate import relative_error
-from labkit.kernels.paged_attention import paged_attention_ref
 from labkit.kvcache import PagedKVCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -49,23 +48,6 @@ def run_steps(runner, cache, prompts):
     logits = runner.execute([0, 1, 2], [1, 1, len(prompts[2])], 2)
     out.append((logits, [prompts[0] + nxt[:1], prompts[1] + nxt[1:], prompts[2]]))
     return out
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batched_torch_decode_attention_matches_reference(dtype):
-    g = torch.Generator().manual_seed(7)
-    num_blocks, bs, kvh, d, heads = 23, 5, 3, 24, 6
-    k = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
-    v = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
-    k[0], v[0] = float("nan"), float("nan")  # a block no sequence uses: never read
-    q = torch.randn(4, heads, d, generator=g).to(dtype)
-    ctx = torch.tensor([1, 13, 5, 22], dtype=torch.int32)
-    tables = (torch.randperm(num_blocks - 1, generator=g)[:20] + 1).view(4, 5).int()
-    tables[0, 1:] = 0  # padding entries past a sequence's blocks
-    out = torch.full_like(q, float("nan"))
-    out[:] = paged_decode_attention_torch(q, k, v, tables, ctx, 0.3)
-    ref = paged_attention_ref(q, k, v, tables, ctx, scale=0.3)
-    assert relative_error(out.float(), ref.float()) <= (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 def test_chunked_and_mixed_steps_match_hf_forward(tiny_model, prompts):
@@ -330,6 +312,8 @@ def test_bad_arguments(tiny_model):
             ModelRunner(model, cache, cuda_graphs=True)
     with pytest.raises(ValueError, match="does not match the model"):
         ModelRunner(model, PagedKVCache(8, 2, 32, 4, 4))
+    with pytest.raises(TypeError, match="Llama-family"):
+        ModelRunner(torch.nn.Linear(2, 2), cache)
     with pytest.raises(ValueError, match="fuse_layer_ops='auto'; allowed: True, False"):
         ModelRunner(model, cache, fuse_layer_ops="auto")
     runner = ModelRunner(model, cache, kernels="torch", max_model_len=8)
@@ -338,3 +322,61 @@ def test_bad_arguments(tiny_model):
         runner.prepare(["long"], [12], 0, width=runner.max_blocks)
     with pytest.raises(ValueError, match="reserve slots first"):
         runner.prepare(["long"], [13], 0)
+    with pytest.raises(ValueError, match="at least one sequence"):
+        runner.prepare([], [], 0)
+
+
+def greedy_steps(runner, cache, seq_ids, first_logits, n):
+    """Greedy continuation of prefilled sequences: ``n`` tokens each (the first from ``first_logits``), one decode
+    step per token."""
+    out = [[t] for t in first_logits.argmax(-1).tolist()]
+    for _ in range(n - 1):
+        for sid, o in zip(seq_ids, out):
+            cache.append_slots(sid, o[-1:])
+        logits = runner.execute(seq_ids, [1] * len(seq_ids), len(seq_ids))
+        for o, t in zip(out, logits.argmax(-1).tolist()):
+            o.append(t)
+    return out
+
+
+def test_fork_copy_on_write_keeps_both_branches_exact(tiny_model, prompts):
+    """A forked sequence shares every block; the first append to the shared, partly filled last block copies it,
+    and both branches continue exactly as HF ``generate`` does from their own tokens."""
+    model, _ = tiny_model
+    p = prompts[0]  # 27 tokens: the last block of 8 is partly filled and shared after the fork
+    cache = nan_cache(model, num_blocks=20, block_size=8)
+    runner = ModelRunner(model, cache, kernels="torch")
+    cache.allocate("parent", p)
+    first = runner.execute(["parent"], [len(p)], 0)[0]
+    cache.fork("parent", "child")
+    a, b = int(first.argmax()), int(first.topk(2).indices[1])  # the child continues with the runner-up instead
+    cache.append_slots("parent", [a])
+    cache.append_slots("child", [b])
+    logits = runner.execute(["parent", "child"], [1, 1], 2)
+    assert cache.seq("parent").block_table[-1] != cache.seq("child").block_table[-1]
+    outs = greedy_steps(runner, cache, ["parent", "child"], logits, 10)
+    hf = model.generate(torch.tensor([p + [a], p + [b]]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)[:, len(p) + 1:].tolist()
+    assert outs == hf
+    cache.check_invariants()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_cuda_quantised_cache_kernels_match_the_torch_path(tiny_model, prompts, kv_dtype):
+    """int8/fp8 pools go to the Triton kernels with their scales; the torch path dequantises first."""
+    model = tiny_model[0].to("cuda")
+    try:
+        logits = {}
+        for kernels in ("torch", "triton"):
+            cache = PagedKVCache.for_model(model, num_blocks=40, block_size=16, kv_dtype=kv_dtype)
+            runner = ModelRunner(model, cache, kernels=kernels, cuda_graphs=False, merge_weights=False)
+            for i, p in enumerate(prompts):
+                cache.allocate(i, p)
+            first = runner.execute([0, 1, 2], [len(p) for p in prompts], 0)
+            for i, t in enumerate(first.argmax(-1).tolist()):
+                cache.append_slots(i, [t])
+            logits[kernels] = runner.execute([0, 1, 2], [1, 1, 1], 3)
+        assert relative_error(logits["triton"], logits["torch"]) <= 1e-4
+    finally:
+        model.to("cpu")

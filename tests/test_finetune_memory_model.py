@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from labkit.finetune.measure import live_tensor_bytes
-from labkit.finetune.memory_model import (
+from labkit.experiments.finetuning import live_tensor_bytes, measure_step_memory
+from labkit.finetune import (
     TrainSetup,
     activation_bytes,
     inference_memory,
@@ -15,7 +15,7 @@ from labkit.finetune.memory_model import (
     param_inventory,
     training_memory,
 )
-from labkit.finetune.train import measure_step_memory, prepare_model
+from labkit.finetune.train import prepare_model
 from labkit.models import PRESETS, TINY, ModelSpec, random_model
 
 BAR = 0.15  # the bar on finetune.memory_model_rel_err

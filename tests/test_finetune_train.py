@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from labkit.evaluate import perplexity, relative_error
+from labkit.experiments.finetuning import measure_step_memory
+from labkit.finetune import TrainSetup, training_memory
 from labkit.finetune.lora import trainable_parameters
-from labkit.finetune.memory_model import TrainSetup, training_memory
 from labkit.finetune.train import (
     finetune,
     heldout_loss,
     heldout_windows,
     make_optimizer,
-    measure_step_memory,
     prepare_model,
     train_step,
     training_batches,
@@ -146,7 +146,7 @@ def test_bad_input():
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["full", "lora", "qlora"])
 def test_gpu_memory_model_matches_cuda_allocator(tiny_model, method):
-    from labkit.finetune.compare import recipe
+    from labkit.experiments.finetuning import recipe
 
     model = copy.deepcopy(tiny_model[0]).to("cuda")
     setup = recipe(method, batch_size=4, seq_len=256, device="cuda")
@@ -160,7 +160,7 @@ def test_gpu_memory_model_matches_cuda_allocator(tiny_model, method):
 
 @pytest.mark.gpu
 def test_gpu_qlora_learns(tiny_model):
-    from labkit.finetune.compare import recipe
+    from labkit.experiments.finetuning import recipe
 
     model = copy.deepcopy(tiny_model[0]).to("cuda")
     setup = recipe("qlora", batch_size=4, seq_len=64, device="cuda")

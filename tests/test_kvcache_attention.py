@@ -5,11 +5,13 @@ import pytest
 import torch
 
 from labkit.evaluate import relative_error
+from labkit.kernels.paged_attention import paged_attention_ref
 from labkit.kvcache import PagedKVCache
 from labkit.kvcache.attention import (
     _triton_paged_attention,
     decode_attention,
     dequantised_blocks,
+    paged_decode_attention_ref,
     paged_prefill_attention_ref,
 )
 from labkit.kvcache.quant import dequantize_kv, quantize_kv
@@ -128,3 +130,20 @@ def test_quantised_decode_with_scales_matches_dequantise_first(kv_dtype):
         assert relative_error(tri, ref) <= 1e-5
     with pytest.raises(ValueError, match="k_scale and v_scale must be given together"):
         decode_attention(q, cache.k_caches[0], cache.v_caches[0], tables, lens, k_scale=scales["k_scale"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_decode_reference_matches_the_kernels_loop_reference(dtype):
+    g = torch.Generator().manual_seed(7)
+    num_blocks, bs, kvh, d, heads = 23, 5, 3, 24, 6
+    k = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
+    v = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
+    k[0], v[0] = float("nan"), float("nan")  # a block no sequence uses: never read
+    q = torch.randn(4, heads, d, generator=g).to(dtype)
+    ctx = torch.tensor([1, 13, 5, 22], dtype=torch.int32)
+    tables = (torch.randperm(num_blocks - 1, generator=g)[:20] + 1).view(4, 5).int()
+    tables[0, 1:] = 0  # padding entries past a sequence's blocks
+    out = torch.full_like(q, float("nan"))
+    out[:] = paged_decode_attention_ref(q, k, v, tables, ctx, 0.3)
+    ref = paged_attention_ref(q, k, v, tables, ctx, scale=0.3)
+    assert relative_error(out.float(), ref.float()) <= (1e-5 if dtype == torch.float32 else 1e-2)

@@ -4,10 +4,9 @@ the embedded model (its reference equals labkit.evaluate.perplexity), and the la
 import pytest
 import torch
 
-from labkit.evaluate import perplexity, relative_error
+from labkit.evaluate import relative_error
 from labkit.kvcache import PagedKVCache, kv_format
 from labkit.kvcache.quant import dequantize_kv, quantize_kv
-from labkit.kvcache.quant_eval import attention_latency, kv_format_accuracy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -56,48 +55,6 @@ def test_quantised_cache_reads_back_dequantised(name):
     k2, v2 = cache.gather("a", 1)
     assert relative_error(k2, k) <= 4e-2 and relative_error(v2, v) <= 4e-2
     assert torch.equal(k2, dequantize_kv(*quantize_kv(k, cache.fmt), torch.float32))
-
-
-def test_accuracy_evaluation_on_the_embedded_model():
-    from labkit.data import split_tokens
-    from labkit.models import load_model
-
-    model, tok = load_model()
-    ids = split_tokens("heldout", tok, max_tokens=3 * 96 + 1)
-    res = kv_format_accuracy(model, ids, ("fp32", "int8", "fp8"), seq_len=96, batch_size=2, block_size=16)
-    want = perplexity(model, ids, seq_len=96)
-    assert res["reference"]["ppl"] == pytest.approx(want, rel=1e-5)
-    assert res["reference"]["logit_rel_err"] == 0.0 and res["reference"]["scored_tokens"] == 3 * 96
-    assert res["fp32"]["logit_rel_err"] == 0.0
-    assert res["int8"]["logit_rel_err"] <= 2e-2 and res["int8"]["top1_agree"] >= 0.95
-    assert abs(res["int8"]["ppl"] / want - 1) <= 0.01
-    assert res["fp8"]["logit_rel_err"] <= 1e-1
-    assert res["int8"]["bytes_per_token"] < res["reference"]["bytes_per_token"] / 3
-    with pytest.raises(ValueError, match="fewer than one window"):
-        kv_format_accuracy(model, ids[:10], seq_len=96)
-
-
-@pytest.mark.parametrize("name", ["bf16", "int8"])
-def test_attention_latency_runs(name):
-    timing, nbytes = attention_latency(name, num_seqs=2, context_len=40, num_heads=4, num_kv_heads=2, head_dim=16,
-                                       block_size=8, dtype=torch.float32, iters=2)
-    assert len(timing.samples_s) == 2 and nbytes == 2 * 40 * kv_format(name).bytes_per_token(1, 2, 16)
-
-
-def test_spread_windows_cover_the_stream():
-    import math
-
-    from labkit.models import load_model
-
-    model, _ = load_model()
-    ids = torch.randint(0, 8000, (10 * 32 + 1,), generator=torch.Generator().manual_seed(5))
-    first = kv_format_accuracy(model, ids, (), seq_len=32, max_windows=2, batch_size=2)
-    spread = kv_format_accuracy(model, ids, (), seq_len=32, max_windows=2, batch_size=2, spread=True)
-    assert first["reference"]["ppl"] == pytest.approx(perplexity(model, ids[:65], seq_len=32), rel=1e-5)
-    # two of ten windows evenly spread: windows 0 and 5
-    w0, w5 = perplexity(model, ids[0:33], seq_len=32), perplexity(model, ids[160:193], seq_len=32)
-    assert spread["reference"]["ppl"] == pytest.approx(math.sqrt(w0 * w5), rel=1e-5)
-    assert spread["reference"]["scored_tokens"] == 64
 
 
 @pytest.mark.gpu

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
+from labkit.experiments import parallelism as ex
 from labkit.parallel import comm, launch
-from labkit.parallel import experiments as ex
 
 
 def test_bus_factors_follow_nccl_tests():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from labkit.parallel import experiments as ex
+from labkit.experiments import parallelism as ex
 from labkit.parallel import launch
 from labkit.parallel.dtensor_plan import check_dtensor_tp_size, llama_tp_plan
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from labkit.experiments import parallelism as ex
 from labkit.parallel import RankError, launch
-from labkit.parallel import experiments as ex
 from labkit.parallel.launch import check_backend, resolve_fn
 
 pytestmark = pytest.mark.distributed
@@ -53,9 +53,9 @@ def test_nccl_without_cuda_is_a_clear_error():
 
 
 def test_resolve_fn():
-    assert resolve_fn("labkit.parallel.experiments:hello") is ex.hello
+    assert resolve_fn("labkit.experiments.parallelism:hello") is ex.hello
     with pytest.raises(ValueError, match="module:function"):
-        resolve_fn("labkit.parallel.experiments.hello")
+        resolve_fn("labkit.experiments.parallelism.hello")
 
 
 @pytest.mark.gpu
@@ -72,7 +72,7 @@ def test_the_same_function_runs_under_torchrun():
     from labkit.models import REPO_ROOT
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "labkit.parallel.launch", "labkit.parallel.experiments:hello", "--backend", "gloo"]
+           "labkit.parallel.launch", "labkit.experiments.parallelism:hello", "--backend", "gloo"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "'sum': 3.0" in proc.stdout and "'world_size': 2" in proc.stdout

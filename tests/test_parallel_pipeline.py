@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from labkit.evaluate import relative_error
+from labkit.experiments.parallelism import pp_check
 from labkit.parallel import launch
 from labkit.parallel.pipeline import StageKVCache, build_stage, causal_mask, head_cost_layers, partition_layers
-from labkit.parallel.pp_experiments import pp_check
 
 TOL = 1e-5
 

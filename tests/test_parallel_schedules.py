@@ -3,8 +3,8 @@ memory) measured on 2 gloo ranks. No speed is asserted: timings only have to be 
 
 import pytest
 
+from labkit.experiments.parallelism import pp_bubble
 from labkit.parallel import launch
-from labkit.parallel.pp_experiments import pp_bubble
 from labkit.parallel.schedules import ScheduleStats, bubble_formula, train_step
 
 

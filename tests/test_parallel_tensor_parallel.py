@@ -7,8 +7,8 @@ gradients of sharded weights equal the matching slices of the unsharded gradient
 import pytest
 import torch
 
+from labkit.experiments import parallelism as ex
 from labkit.models import PRESETS
-from labkit.parallel import experiments as ex
 from labkit.parallel import launch
 from labkit.parallel.tensor_parallel import allowed_tp_sizes, check_tp_size, head_rows
 

@@ -1,1 +1,41 @@
-"""The serving engine: requests, schedulers (FIFO, static, continuous), workloads and metrics."""
+"""The serving engine: requests in, tokens out, over one model and one paged KV cache.
+
+* ``LLMEngine`` (llm_engine.py): ``generate`` (offline), ``add_request`` + ``step`` or ``serve`` (online);
+  ``EngineConfig`` holds its settings (vLLM's names)
+* schedulers (scheduler.py): FIFO, static batches, continuous batching with chunked prefill and preemption by
+  recompute or swap
+* ``ModelRunner`` (model_runner.py): the model over a flat token batch on the paged cache, Triton kernels on CUDA,
+  steps replayed from CUDA graphs (cuda_graph.py); ``ModelInput`` (model_input.py) is one step's inputs
+* ``SamplingParams`` / ``Sampler`` (sampling.py), requests and outputs (sequence.py), workloads (workload.py) and
+  serving metrics (metrics.py)
+
+    from labkit.engine import LLMEngine, SamplingParams
+    engine = LLMEngine(model, tokenizer, max_num_seqs=64)
+    outs = engine.generate(["def fib(n):"], SamplingParams(max_tokens=32))
+"""
+
+from labkit.engine.cuda_graph import StepGraphs, default_graph_batch_sizes, default_graph_token_sizes
+from labkit.engine.llm_engine import CLOCKS, EngineConfig, EngineStats, LLMEngine, ServeResult
+from labkit.engine.metrics import SLO, RequestMetrics, percentile, summarize
+from labkit.engine.model_input import ModelInput
+from labkit.engine.model_runner import KERNELS, ModelRunner
+from labkit.engine.sampling import Sampler, SamplingParams
+from labkit.engine.scheduler import (
+    PREEMPTION_MODES,
+    SCHEDULERS,
+    ContinuousBatchingScheduler,
+    FIFOScheduler,
+    ScheduledBatch,
+    Scheduler,
+    StaticBatchScheduler,
+    make_scheduler,
+)
+from labkit.engine.sequence import FinishReason, Request, RequestOutput, Sequence, SequenceStatus, TokenOutput
+from labkit.engine.workload import LengthDist, RequestSpec, at_rate, make_workload
+
+__all__ = ["LLMEngine", "EngineConfig", "EngineStats", "ServeResult", "CLOCKS", "SamplingParams", "Sampler",
+           "Request", "RequestOutput", "TokenOutput", "Sequence", "SequenceStatus", "FinishReason", "Scheduler",
+           "FIFOScheduler", "StaticBatchScheduler", "ContinuousBatchingScheduler", "ScheduledBatch", "make_scheduler",
+           "SCHEDULERS", "PREEMPTION_MODES", "ModelRunner", "ModelInput", "KERNELS", "StepGraphs",
+           "default_graph_batch_sizes", "default_graph_token_sizes", "RequestMetrics", "SLO", "percentile",
+           "summarize", "LengthDist", "RequestSpec", "make_workload", "at_rate"]

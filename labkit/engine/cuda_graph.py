@@ -41,7 +41,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from labkit.engine.model_runner import ModelInput, ModelRunner
+from labkit.engine.model_input import ModelInput
 
 
 def default_graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -71,10 +71,11 @@ class GraphKey:
 
 
 class StepGraphs:
-    """Captured steps of ``runner``: an all-decode step per batch size in ``batch_sizes`` and a step of each token
-    count in ``token_sizes`` (any mix of prefill chunks and decodes; needs the runner's Triton path)."""
+    """Captured steps of ``runner`` (the ``ModelRunner`` that builds this object; a capture uses its ``forward``,
+    ``_to_device``, ``cache`` and sizes): an all-decode step per batch size in ``batch_sizes`` and a step of each
+    token count in ``token_sizes`` (any mix of prefill chunks and decodes; needs the runner's Triton path)."""
 
-    def __init__(self, runner: ModelRunner, batch_sizes: Sequence[int], token_sizes: Sequence[int] = ()):
+    def __init__(self, runner, batch_sizes: Sequence[int], token_sizes: Sequence[int] = ()):
         self._check_device(runner)
         sizes, tokens = sorted(set(batch_sizes)), sorted(set(token_sizes))
         for name, vals in (("graph_batch_sizes", sizes), ("graph_token_sizes", tokens)):
@@ -110,7 +111,7 @@ class StepGraphs:
 
     # --- the CUDA calls (the tests replace these with a host stand-in) ---------------------------------------
     @staticmethod
-    def _check_device(runner: ModelRunner) -> None:
+    def _check_device(runner) -> None:
         if runner.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device; this runner is on the CPU")
 
@@ -153,7 +154,7 @@ class StepGraphs:
         return None
 
     def run_packed(self, longs: np.ndarray, ints: np.ndarray, key: GraphKey, num_seqs: int) -> torch.Tensor:
-        """Copy a step packed on the host in the layout of the static buffers (``ModelRunner._pack`` at
+        """Copy a step packed on the host in the layout of the static buffers (``model_input.pack_step`` at
         ``static_shape`` and ``max_blocks``: two host-to-device copies feed every field) and replay ``key``;
         returns a new tensor: the logits of the first ``num_seqs`` rows ``[num_seqs, vocab]`` (the graph's own
         output buffer is overwritten by the next replay of any bucket)."""

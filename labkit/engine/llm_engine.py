@@ -9,9 +9,9 @@ The serving clock. ``clock='virtual'`` (the default): each step is timed for rea
 synchronised by the sampled tokens reaching the host) and the clock advances by exactly that; while the engine is
 idle the clock jumps to the next arrival instead of sleeping. The queueing is therefore that of a real server
 whose steps take what they took, without waiting through idle gaps (which at low load would be most of a run)
-and without the noise of a shared machine's sleeps; it is also how ``hf_baseline`` replays HF ``generate``, so
-the two compare on one footing. ``clock='real'`` sleeps until arrivals and stamps tokens with ``perf_counter``:
-the honest end-to-end mode for a dedicated machine.
+and without the noise of a shared machine's sleeps; it is also how ``labkit.experiments.baseline`` replays HF
+``generate``, so the two compare on one footing. ``clock='real'`` sleeps until arrivals and stamps tokens with
+``perf_counter``: the honest end-to-end mode for a dedicated machine.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from labkit.engine.cuda_graph import default_graph_batch_sizes, default_graph_to
 from labkit.engine.metrics import RequestMetrics
 from labkit.engine.model_runner import KERNELS, ModelRunner, uses_triton
 from labkit.engine.sampling import Sampler, SamplingParams, token_seed
-from labkit.engine.scheduler import SCHEDULERS, make_scheduler
+from labkit.engine.scheduler import PREEMPTION_MODES, SCHEDULERS, make_scheduler
 from labkit.engine.sequence import Request, RequestOutput, TokenOutput
 from labkit.engine.sequence import Sequence as Seq
 from labkit.engine.workload import RequestSpec
@@ -53,6 +53,9 @@ class EngineConfig:
       the captured all-decode batches (default ``default_graph_batch_sizes``); ``graph_token_sizes``: the
       captured steps with prefill chunks, by token count (default: ``default_graph_token_sizes`` of the token
       budget for the continuous scheduler on the Triton path, none otherwise)
+    * ``preemption_mode``: 'recompute' or 'swap' (continuous: what happens to the youngest sequence when blocks run
+      out; see ``labkit.engine.scheduler``); ``swap_space``: GiB of CPU memory for swapped blocks (vLLM's name and
+      default), at most the device cache's size, allocated only with ``preemption_mode='swap'``
     * ``seed``: seeds requests that bring none (``SamplingParams.seed``)
     """
 
@@ -72,6 +75,8 @@ class EngineConfig:
     cuda_graphs: bool | str = "auto"
     graph_batch_sizes: tuple[int, ...] | None = None
     graph_token_sizes: tuple[int, ...] | None = None
+    preemption_mode: str = "recompute"
+    swap_space: float = 4.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -81,6 +86,10 @@ class EngineConfig:
             raise ValueError(f"kernels={self.kernels!r} is unknown; allowed: {KERNELS}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode={self.preemption_mode!r} is unknown; allowed: {PREEMPTION_MODES}")
+        if not self.swap_space > 0:
+            raise ValueError(f"swap_space={self.swap_space!r} GiB must be > 0")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks={self.num_blocks} must be >= 2 (or None to size the cache)")
 
@@ -175,7 +184,8 @@ class LLMEngine:
         self.scheduler = make_scheduler(cfg.scheduler, self.cache, max_num_seqs=cfg.max_num_seqs,
                                         max_num_batched_tokens=cfg.max_num_batched_tokens,
                                         chunked_prefill=cfg.chunked_prefill, static_batch_size=cfg.static_batch_size,
-                                        max_model_len=self.max_model_len, min_admit=cfg.min_admit)
+                                        max_model_len=self.max_model_len, min_admit=cfg.min_admit,
+                                        preemption_mode=cfg.preemption_mode, num_cpu_blocks=self._num_cpu_blocks())
         self.sampler = Sampler()
         eos = getattr(model.config, "eos_token_id", None)
         self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
@@ -192,6 +202,17 @@ class LLMEngine:
         if cfg.scheduler != "continuous" or not uses_triton(cfg.kernels, self.device):
             return ()
         return tuple(default_graph_token_sizes(cfg.max_num_batched_tokens))
+
+    def _num_cpu_blocks(self) -> int | None:
+        """Blocks of the swap space: ``swap_space`` GiB, at most as many as the device cache holds (``None``
+        without swapping: no swap space is allocated)."""
+        if self.config.preemption_mode != "swap":
+            return None
+        n = min(self.cache.num_blocks, int(self.config.swap_space * (1 << 30)) // self.cache.bytes_per_block)
+        if n < 1:
+            raise ValueError(f"swap_space={self.config.swap_space} GiB holds no KV block of "
+                             f"{self.cache.bytes_per_block} bytes; give it more")
+        return n
 
     def _num_blocks(self, model) -> int:
         cfg = self.config
@@ -212,6 +233,7 @@ class LLMEngine:
             raise RuntimeError("requests are still running; finish them before reset")
         self.clock = VirtualClock() if clock == "virtual" else RealClock()
         self.stats = EngineStats()
+        self.scheduler.reset_stats()
         self.seqs = {}
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -23,14 +23,14 @@ to the largest captured token count when ``graph_token_sizes`` are given (``labk
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from labkit.kvcache.attention import dequantised_blocks, paged_prefill_attention_ref
-from labkit.kvcache.paged import PagedKVCache
-from labkit.quant.weight_only import concat_linears
+from labkit.engine.cuda_graph import StepGraphs, default_graph_batch_sizes
+from labkit.engine.model_input import ModelInput, collect_step, input_views, pack_step
+from labkit.kvcache import PagedKVCache, dequantised_blocks, paged_decode_attention_ref, paged_prefill_attention_ref
+from labkit.quant import concat_linears
 
 KERNELS = ("auto", "torch", "triton")
 
@@ -38,39 +38,6 @@ KERNELS = ("auto", "torch", "triton")
 def uses_triton(kernels: str, device: torch.device) -> bool:
     """Whether ``kernels`` ('auto', 'torch', 'triton') runs labkit's Triton kernels on ``device``."""
     return kernels == "triton" or (kernels == "auto" and device.type == "cuda")
-
-
-@dataclass
-class ModelInput:
-    """Inputs of one forward. Device tensors: ``input_ids``, ``positions``, ``slot_mapping`` (int64
-    ``[num_tokens]``), ``block_tables`` (int32 ``[num_seqs, width]``), ``context_lens`` (int32 ``[num_seqs]``,
-    tokens cached after this step), ``query_start_loc`` (int32 ``[num_seqs + 1]``, sequence ``s`` owns token rows
-    ``query_start_loc[s]:query_start_loc[s + 1]``) and ``logits_indices`` (int32 ``[num_seqs]``, each sequence's
-    last row). Host lists: ``query_lens`` and ``context_lens_host`` per sequence, ``tables_host`` (each sequence's
-    block table); ``num_decode`` leading sequences have one token each. Padding (a captured step's) adds token
-    rows past the last sequence's and sequences of no tokens."""
-
-    seq_ids: list[Hashable]
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    context_lens: torch.Tensor
-    query_start_loc: torch.Tensor
-    logits_indices: torch.Tensor
-    query_lens: list[int]
-    context_lens_host: list[int]
-    tables_host: list[list[int]]
-    num_decode: int
-    buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # the flat int64 and int32 tensors of the fields
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.query_lens)
-
-    @property
-    def is_decode(self) -> bool:
-        return self.num_decode == self.num_seqs
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -135,8 +102,6 @@ class ModelRunner:
         self.graphs = None
         self.last_step_replayed = False  # whether the last ``execute`` replayed a graph
         if self._want_graphs(cuda_graphs):
-            from labkit.engine.cuda_graph import StepGraphs, default_graph_batch_sizes
-
             self.graphs = StepGraphs(self, graph_batch_sizes or default_graph_batch_sizes(max_num_seqs),
                                      graph_token_sizes)
 
@@ -212,53 +177,16 @@ class ModelRunner:
         return self._to_device(list(seq_ids), *step, list(num_tokens), num_decode, pad_to, width, pad_tokens)
 
     def _collect(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> tuple[list, ...]:
-        """Host lists of a step: token ids, positions and slots of every token; each sequence's context length
-        after the step and its block table."""
-        if not seq_ids or len(seq_ids) != len(num_tokens):
-            raise ValueError(f"need one num_tokens per sequence and at least one sequence, got {len(seq_ids)} "
-                             f"sequences and {len(num_tokens)} counts")
-        ids, pos, slots, ctx, tables = [], [], [], [], []
-        for sid, n in zip(seq_ids, num_tokens):
-            seq = self.cache.seq(sid)
-            start, end = seq.num_computed, seq.num_computed + n
-            if not start < end <= seq.num_tokens:
-                raise ValueError(f"sequence {sid!r}: {n} tokens to compute, but it has {seq.num_tokens} slots of "
-                                 f"which {start} are computed; reserve slots first")
-            ids += seq.token_ids[start:end]
-            pos += range(start, end)
-            slots += self.cache.slots(sid, start, end)
-            ctx.append(end)
-            tables.append(seq.block_table)
-        return ids, pos, slots, ctx, tables
+        return collect_step(self.cache, seq_ids, num_tokens)
 
     def _pack(self, ids, pos, slots, ctx, tables, qlens, n_seqs: int, n_tok: int,
               width: int) -> tuple[np.ndarray, np.ndarray]:
-        """The step as two host arrays in the device layout: int64 ``[3, n_tok]`` (token ids, positions, slots)
-        and int32 ``[n_seqs * (3 + width) + 1]`` (context lengths, query starts, logits rows, block tables), padded
-        as ``prepare`` says (built in numpy: a graph step's tables are max_model_len / block_size wide)."""
-        if n_seqs < len(ctx) or n_tok < len(ids):
-            raise ValueError(f"padding to {n_seqs} sequences and {n_tok} tokens cannot hold the step's {len(ctx)} "
-                             f"sequences and {len(ids)} tokens")
+        """``pack_step`` with this runner's scratch block, after checking the tables fit ``width``."""
         if any(len(t) > width for t in tables):
             raise ValueError(f"a sequence holds {max(len(t) for t in tables)} blocks, more than max_model_len="
                              f"{self.max_model_len} allows ({width} blocks of {self.cache.block_size})")
-        scratch = self.scratch_block or 0
-        longs = np.zeros((3, n_tok), dtype=np.int64)
-        longs[:, :len(ids)] = (ids, pos, slots)
-        longs[2, len(ids):] = scratch * self.cache.block_size
-        ints = np.full(n_seqs * (3 + width) + 1, scratch, dtype=np.int32)
-        c, q, g, t0 = self._layout(n_seqs)
-        n = len(ctx)
-        ints[c:q] = 1
-        ints[c:c + n] = ctx
-        ints[q] = 0
-        ints[q + 1:g] = np.cumsum(qlens + [0] * (n_seqs - n))
-        ints[g:t0] = 0
-        ints[g:g + n] = ints[q + 1:q + 1 + n] - 1
-        rows = ints[t0:].reshape(n_seqs, width)
-        for r, t in enumerate(tables):
-            rows[r, :len(t)] = t
-        return longs, ints
+        return pack_step(ids, pos, slots, ctx, tables, qlens, n_seqs, n_tok, width, self.cache.block_size,
+                         self.scratch_block or 0)
 
     def pack_for_graphs(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> tuple[np.ndarray, ...]:
         """The step packed for ``StepGraphs.run_packed`` (the static buffers' shape, tables ``max_blocks`` wide):
@@ -268,11 +196,6 @@ class ModelRunner:
                                  self.max_blocks)
         return longs, ints, ctx
 
-    @staticmethod
-    def _layout(n_seqs: int) -> tuple[int, int, int, int]:
-        """Offsets in the int32 array: context lengths, query starts, logits rows, block tables."""
-        return 0, n_seqs, 2 * n_seqs + 1, 3 * n_seqs + 1
-
     def _to_device(self, seq_ids, ids, pos, slots, ctx, tables, qlens, num_decode, pad_to, width,
                    pad_tokens=None) -> ModelInput:
         n_seqs = pad_to or len(ctx)
@@ -281,13 +204,7 @@ class ModelRunner:
         longs, ints = self._pack(ids, pos, slots, ctx, tables, qlens, n_seqs, n_tok, width)
         longs = torch.from_numpy(longs).to(self.device, non_blocking=True)
         ints = torch.from_numpy(ints).to(self.device, non_blocking=True)
-        return self._views(longs, ints, n_seqs, width, seq_ids, qlens, ctx, tables, num_decode)
-
-    def _views(self, longs: torch.Tensor, ints: torch.Tensor, n_seqs: int, width: int, seq_ids, qlens, ctx,
-               tables, num_decode: int) -> ModelInput:
-        c, q, g, t0 = self._layout(n_seqs)
-        return ModelInput(seq_ids, longs[0], longs[1], longs[2], ints[t0:].view(n_seqs, width), ints[c:q],
-                          ints[q:g], ints[g:t0], qlens, ctx, tables, num_decode, buffers=(longs, ints))
+        return input_views(longs, ints, n_seqs, width, seq_ids, qlens, ctx, tables, num_decode)
 
     # --- the step -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -450,25 +367,7 @@ class ModelRunner:
             from labkit.kernels.paged_attention import paged_attention
 
             return paged_attention(q, k_cache, v_cache, tables, ctx, scale=self.scale, pdl=pdl)
-        return paged_decode_attention_torch(q, k_cache, v_cache, tables, ctx, self.scale)
-
-
-def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Decode attention in plain torch, batched (no loop over sequences): gather every row's blocks, mask past
-    its context, softmax in float32. ``q`` ``[num_seqs, heads, head_dim]``; pools ``[num_blocks, block_size,
-    kv_heads, head_dim]``; ``block_tables`` int ``[num_seqs, width]``; ``context_lens`` int ``[num_seqs]``.
-    Returns ``[num_seqs, heads, head_dim]`` in ``q``'s dtype (``paged_attention_ref`` is its reference)."""
-    s, h, d = q.shape
-    _, bs, kvh, _ = k_cache.shape
-    n = block_tables.shape[1] * bs
-    k = k_cache[block_tables.long()].view(s, n, kvh, d).float()
-    v = v_cache[block_tables.long()].view(s, n, kvh, d).float()
-    past = torch.arange(n, device=q.device)[None, :] >= context_lens[:, None]  # [s, n]
-    v = v.masked_fill(past[:, :, None, None], 0.0)  # slots past the context may hold anything, NaN included
-    scores = torch.einsum("skgd,snkd->skgn", q.view(s, kvh, h // kvh, d).float(), k) * scale
-    p = scores.masked_fill(past[:, None, None, :], float("-inf")).softmax(dim=-1)
-    return torch.einsum("skgn,snkd->skgd", p, v).reshape(s, h, d).to(q.dtype)
+        return paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, self.scale)
 
 
 def cache_name(cache: PagedKVCache) -> str:

@@ -8,9 +8,18 @@
   decode token for each running sequence, then prefill chunks up to a token budget (Sarathi-Serve's chunked
   prefill: a long prompt no longer stalls everyone's next token), then new requests while the budget, the
   sequence cap and the free blocks allow. Blocks are allocated as sequences grow; when a decode needs a block and
-  none is free, the youngest running sequence is *preempted by recompute*: its blocks are freed and it goes back
-  to the head of the queue, to be prefilled again (prompt + its outputs so far) when blocks return. Nothing is
-  dropped and no cache entry is overwritten while its owner runs.
+  none is free, the youngest running sequence (the least work to lose, vLLM's choice) is *preempted*:
+
+  * ``preemption_mode='recompute'``: its blocks are freed and it goes back to the head of the queue, to be
+    prefilled again (prompt + its outputs so far) when blocks return (cheaper with prefix caching: its freed
+    blocks may still be cached);
+  * ``preemption_mode='swap'``: its blocks are copied to CPU memory (``labkit.kvcache.SwapSpace``) and freed;
+    swapped sequences come back (the last preempted first, as requeued ones) before any new request is admitted,
+    into fresh blocks holding the same bytes, so nothing is recomputed (the price is the copies both ways). When
+    the swap space is full the victim is recomputed instead.
+
+  Nothing is dropped and no cache entry is overwritten while its owner runs; a request that could not fit even
+  in the empty cache is refused when added (``CacheFullError``).
 
 The cache (``PagedKVCache``) is the block manager: ``allocate`` reserves a sequence's tokens at admission,
 ``append_slots`` a decode token's slot, and ``num_computed`` says how far its K/V are written. A step computes a
@@ -24,9 +33,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from labkit.engine.sequence import Sequence, SequenceStatus, TokenOutput
-from labkit.kvcache import CacheFullError, PagedKVCache
+from labkit.kvcache import CacheFullError, PagedKVCache, SwapSpace
 
 SCHEDULERS = ("fifo", "static", "continuous")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass
@@ -60,27 +70,43 @@ class Scheduler(ABC):
     ``max_model_len`` bounds prompt + ``max_tokens`` of a request. Requests that could never fit (in the model's
     context, in the whole cache, or in a step's token budget where that is required) are refused when added.
     The cache must hold no sequences when the scheduler is built: its free blocks then are the usable ones.
+    ``preemption_mode`` ('recompute' or 'swap', with a swap space of ``num_cpu_blocks`` blocks, default as many as
+    the cache) says what a preemption does; only the continuous policy ever preempts.
     """
 
     name = "scheduler"
 
     def __init__(self, cache: PagedKVCache, max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, preemption_mode: str = "recompute",
+                 num_cpu_blocks: int | None = None):
         for arg, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{arg}={v!r} must be a positive int")
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode={preemption_mode!r} is unknown; allowed: {PREEMPTION_MODES}")
         if cache.seqs:
             raise ValueError(f"the cache already holds {len(cache.seqs)} sequences; give the scheduler an empty one")
         self.cache = cache
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.preemption_mode = preemption_mode
+        self.swap = SwapSpace(cache, num_cpu_blocks or cache.num_blocks) if preemption_mode == "swap" else None
         self.usable_blocks = cache.allocator.num_free
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()  # preempted by swap, oldest preemption first
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Zero the counters of ``stats()`` (the engine does at the start of each run)."""
         self.num_preemptions = 0
-        self.prefix_hit_tokens = 0
+        self.prefix_hit_tokens = 0  # prompt tokens found in the prefix cache instead of computed
+        self.admitted_tokens = 0  # tokens to prefill at admission (prompt, + outputs after a recompute), hits excluded
+        self.recomputed_tokens = 0  # of those, tokens prefilled again after a recompute preemption
         self.peak_blocks_used = 0
         self.peak_running = 0
+        if self.swap is not None:
+            self.swap.blocks_out = self.swap.blocks_in = 0
 
     # --- queue ----------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -102,7 +128,7 @@ class Scheduler(ABC):
                                  f"blocks or lower max_tokens")
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     @abstractmethod
     def schedule(self) -> ScheduledBatch:
@@ -125,7 +151,11 @@ class Scheduler(ABC):
 
     # --- helpers for the policies ---------------------------------------------------------------------------
     def _admit(self, seq: Sequence) -> None:
-        self.prefix_hit_tokens += self.cache.allocate(seq.seq_id, seq.token_ids)
+        cached = self.cache.allocate(seq.seq_id, seq.token_ids)
+        self.prefix_hit_tokens += cached
+        self.admitted_tokens += seq.num_tokens - cached
+        if seq.num_preemptions:
+            self.recomputed_tokens += seq.num_tokens - cached
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
@@ -141,13 +171,18 @@ class Scheduler(ABC):
         self.cache.append_slots(seq.seq_id, seq.output_token_ids[-1:])
 
     def _preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: free its blocks, requeue it first; its tokens so far are kept."""
+        """Take ``seq``'s blocks back: swap them out to CPU memory (``preemption_mode='swap'``, while the swap space
+        has room), else free them and requeue it first, to be prefilled again; its tokens so far are kept."""
         self.running.remove(seq)
-        self.cache.free(seq.seq_id)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.swap is not None and self.swap.can_swap_out(self.cache, seq.seq_id):
+            self.swap.swap_out(self.cache, seq.seq_id)
+            self.swapped.appendleft(seq)  # like a requeued one: the last preempted comes back first
+        else:
+            self.cache.free(seq.seq_id)
+            self.waiting.appendleft(seq)
 
     def _batch(self, rows: list[tuple[Sequence, int]], preempted: list[Sequence] | None = None) -> ScheduledBatch:
         """Single-token rows first (decode kernel), then the rest; records peaks."""
@@ -159,9 +194,12 @@ class Scheduler(ABC):
                               sum(1 for _, n in rows if n == 1), preempted or [])
 
     def stats(self) -> dict:
-        return {"scheduler": self.name, "preemptions": self.num_preemptions, "peak_blocks_used": self.peak_blocks_used,
-                "usable_blocks": self.usable_blocks, "peak_running": self.peak_running,
-                "prefix_hit_tokens": self.prefix_hit_tokens}
+        out, back = (self.swap.blocks_out, self.swap.blocks_in) if self.swap is not None else (0, 0)
+        return {"scheduler": self.name, "preemption_mode": self.preemption_mode, "preemptions": self.num_preemptions,
+                "peak_blocks_used": self.peak_blocks_used, "usable_blocks": self.usable_blocks,
+                "peak_running": self.peak_running, "prefix_hit_tokens": self.prefix_hit_tokens,
+                "admitted_tokens": self.admitted_tokens, "recomputed_tokens": self.recomputed_tokens,
+                "swapped_out_blocks": out, "swapped_in_blocks": back}
 
 
 class FIFOScheduler(Scheduler):
@@ -218,7 +256,7 @@ class StaticBatchScheduler(Scheduler):
 
 class ContinuousBatchingScheduler(Scheduler):
     """Iteration-level admission and retirement with a token budget, chunked prefill, decode first, and
-    recompute preemption (see the module docstring).
+    preemption by recompute or swap (see the module docstring).
 
     ``max_num_batched_tokens``: tokens computed per step at most (decode tokens count one each).
     ``chunked_prefill=False``: a prompt is prefilled in one step, so prompt + ``max_tokens`` must fit the budget
@@ -228,13 +266,20 @@ class ContinuousBatchingScheduler(Scheduler):
     compute, and padding up to a captured token count; run eagerly, where no graph is captured, several times a
     replayed step), so grouping admissions trades a little time to first token for fewer such steps (vLLM's
     ``scheduler_delay_factor`` makes the same trade by time). ``1`` admits at once.
+    ``watermark``: while others run, admit (or swap in) a sequence only if this fraction of the blocks stays free
+    after it: headroom for the running ones to grow, so an admission does not force a preemption at once (vLLM
+    keeps 1%; the engine's default 0 admits whatever fits).
     """
 
     name = "continuous"
 
     def __init__(self, cache: PagedKVCache, max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
-                 chunked_prefill: bool = True, max_model_len: int | None = None, min_admit: int = 1):
-        super().__init__(cache, max_num_seqs, max_num_batched_tokens, max_model_len)
+                 chunked_prefill: bool = True, max_model_len: int | None = None, min_admit: int = 1,
+                 preemption_mode: str = "recompute", num_cpu_blocks: int | None = None, watermark: float = 0.0):
+        super().__init__(cache, max_num_seqs, max_num_batched_tokens, max_model_len, preemption_mode, num_cpu_blocks)
+        if not 0 <= watermark < 1:
+            raise ValueError(f"watermark={watermark!r} must be in [0, 1)")
+        self.watermark_blocks = int(watermark * cache.num_blocks)
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_num_seqs="
                              f"{max_num_seqs}: every running sequence needs a decode token each step")
@@ -261,9 +306,38 @@ class ContinuousBatchingScheduler(Scheduler):
                 if n:
                     rows.append((seq, n))
                     budget -= n
-        if not preempted and self._admission_due(bool(rows)):  # after a preemption blocks are short
-            rows += self._admit_waiting(budget)
+        if not preempted:  # after a preemption blocks are short: bring nobody in
+            swapped_in = self._swap_in(budget)
+            rows += swapped_in
+            budget -= sum(n for _, n in swapped_in)
+            if not self.swapped and self._admission_due(bool(rows)):  # the swapped ones first
+                rows += self._admit_waiting(budget)
         return self._batch(rows, preempted)
+
+    def _fits(self, blocks: int) -> bool:
+        """Whether ``blocks`` more blocks can be taken now, keeping the watermark while others run (alone, any
+        request fits: ``check`` refused the others)."""
+        return blocks + (self.watermark_blocks if self.running else 0) <= self.cache.allocator.num_free
+
+    def _swap_in(self, budget: int) -> list[tuple[Sequence, int]]:
+        """Swapped sequences back into fresh blocks while blocks, sequence slots and the budget allow; each
+        continues where it stopped (its next decode token, or the rest of its prompt)."""
+        rows = []
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            if not self._fits(self.cache.blocks_for(seq.num_tokens)):  # its blocks and its pending token's
+                break
+            self.swapped.popleft()
+            self.swap.swap_in(self.cache, seq.seq_id)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            if self._needs_slot(seq):
+                self._reserve_decode(seq)
+            n = self._chunk(self._uncomputed(seq), budget)
+            if n:
+                rows.append((seq, n))
+                budget -= n
+        return rows
 
     def _admission_due(self, busy: bool) -> bool:
         """Admit now: nothing else would run, or ``min_admit`` requests (all that wait, if fewer) can start."""
@@ -298,7 +372,7 @@ class ContinuousBatchingScheduler(Scheduler):
             seq = self.waiting[0]
             if not self.chunked_prefill and seq.num_tokens > budget:
                 break
-            if not self.cache.can_allocate(seq.token_ids):
+            if not self._fits(self.cache.blocks_needed(seq.token_ids)):
                 break
             self._admit(self.waiting.popleft())
             n = self._chunk(self._uncomputed(seq), budget)
@@ -309,9 +383,12 @@ class ContinuousBatchingScheduler(Scheduler):
 
 def make_scheduler(name: str, cache: PagedKVCache, *, max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
                    chunked_prefill: bool = True, static_batch_size: int | None = None,
-                   max_model_len: int | None = None, min_admit: int = 1) -> Scheduler:
+                   max_model_len: int | None = None, min_admit: int = 1, preemption_mode: str = "recompute",
+                   num_cpu_blocks: int | None = None, watermark: float = 0.0) -> Scheduler:
     """A scheduler by name: 'fifo', 'static' (batches of ``static_batch_size``, default ``max_num_seqs``) or
-    'continuous'."""
+    'continuous' (the one that preempts, by ``preemption_mode``; the others never need to)."""
+    if preemption_mode not in PREEMPTION_MODES:
+        raise ValueError(f"preemption_mode={preemption_mode!r} is unknown; allowed: {PREEMPTION_MODES}")
     if name == "fifo":
         return FIFOScheduler(cache, max_num_seqs=1, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len)
@@ -319,5 +396,5 @@ def make_scheduler(name: str, cache: PagedKVCache, *, max_num_seqs: int = 256, m
         return StaticBatchScheduler(cache, static_batch_size or max_num_seqs, max_model_len=max_model_len)
     if name == "continuous":
         return ContinuousBatchingScheduler(cache, max_num_seqs, max_num_batched_tokens, chunked_prefill,
-                                           max_model_len, min_admit)
+                                           max_model_len, min_admit, preemption_mode, num_cpu_blocks, watermark)
     raise ValueError(f"scheduler={name!r} is unknown; allowed: {SCHEDULERS}")

@@ -134,7 +134,7 @@ def quantize_nf4(model: nn.Module, targets: tuple[str, ...] = LLAMA_LINEARS,
     (QLoRA's "double quantisation"): about 0.5 + 1/64 + 4/(64*256) bytes per weight instead of 0.5 + 4/64.
     ``compute_dtype`` is the dtype the weight is dequantised to for the matmul (bf16 on the GPU).
     """
-    from labkit.quant.bnb import bnb_nf4_linear
+    from labkit.quant import bnb_nf4_linear
 
     if compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"compute_dtype={compute_dtype} must be torch.float32, torch.bfloat16 or torch.float16")

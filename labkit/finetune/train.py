@@ -1,5 +1,5 @@
 """A short fine-tuning loop on the embedded model: full, LoRA or QLoRA; fp32 or bf16 autocast; activation
-checkpointing; AdamW, 8-bit AdamW (bitsandbytes) or SGD. The ``TrainSetup`` of ``memory_model`` says which.
+checkpointing; AdamW, 8-bit AdamW (bitsandbytes) or SGD. The ``TrainSetup`` (``state.py``) says which.
 
 The data is a task split of the corpus (``task_train``: the C-API pages, unseen in pre-training), cut into random
 windows; the held-out loss is measured on ``task_heldout`` (and on ``heldout``, the general docs, to see what
@@ -19,8 +19,7 @@ import torch.utils.checkpoint
 
 from labkit.bench import Timing
 from labkit.finetune.lora import LLAMA_LINEARS, apply_lora, quantize_nf4, trainable_parameters
-from labkit.finetune.measure import live_tensor_bytes, peak_memory
-from labkit.finetune.memory_model import TrainSetup
+from labkit.finetune.state import TrainSetup
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
@@ -223,22 +222,3 @@ def heldout_loss(model: torch.nn.Module, token_ids: torch.Tensor, seq_len: int =
     finally:
         model.train(was_training)
     return nll / windows[:, 1:].numel()
-
-
-def measure_step_memory(model: torch.nn.Module, setup: TrainSetup, batch: torch.Tensor, lr: float = 1e-4) -> dict:
-    """Measured peak memory of one training step of a prepared model, in bytes.
-
-    One warm-up step allocates the optimizer state; then the second step is measured (``measure.peak_memory``)
-    starting from parameters, optimizer state and the batch (``live_at_start``) with no gradients, so the region
-    frees only what it allocates. ``peak = live_at_start + peak_above_start``.
-    """
-    if batch.shape != (setup.batch_size, setup.seq_len):
-        raise ValueError(f"batch has shape {tuple(batch.shape)}, setup says ({setup.batch_size}, {setup.seq_len})")
-    device = _device_of(model)
-    batch = batch.to(device)
-    opt = make_optimizer(trainable_parameters(model), setup.optimizer, lr)
-    train_step(model, opt, batch, setup.precision)
-    live = live_tensor_bytes(model, opt, batch)
-    pk = peak_memory(lambda: train_step(model, opt, batch, setup.precision), device)
-    return {"peak": live + pk.peak_above_start, "live_at_start": live, "peak_above_start": pk.peak_above_start,
-            "method": pk.method, "loss": pk.result}

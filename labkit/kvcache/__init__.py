@@ -1,25 +1,36 @@
-"""KV-cache management: the contiguous baseline, the paged cache, prefix sharing, quantised KV and preemption.
+"""KV-cache management: the contiguous baseline, the paged cache, prefix sharing, quantised KV and swap space.
+Scheduling and preemption live in ``labkit.engine``; this package holds the memory they manage.
 
 * ``ContiguousKVCache`` (contiguous.py): one ``max_len`` slab per sequence, the naive baseline
 * ``BlockAllocator`` (block_allocator.py): block ids, LRU free queue, reference counts, prefix-hash registry
-* ``PagedKVCache`` (paged.py): per-layer block pools, block tables, slot mappings, fork with copy on write
+* ``PagedKVCache`` (paged.py): per-layer block pools, block tables, slot mappings, fork with copy on write;
+  ``allocate_pools=False`` keeps the bookkeeping without tensors (the request-mix simulation)
 * prefix.py: chained block hashes for prefix caching; quant.py: int8 / fp8 KV with per-token-head scales
-* attention.py: attention over the paged cache (torch references; the Triton decode kernel on CUDA)
-* ``PagedModelRunner``, ``StepBatch``, ``prepare_step`` (model.py): an HF Llama's modules run over a flat token
-  batch on the paged cache, prefill chunks and decode alike
-* ``Scheduler``, ``PagedGenerator`` (preemption.py): FCFS continuous batching that preempts by recompute or swap
-  (``SwapSpace``, swap.py), and greedy generation on top of it
-* simulate.py: request mixes and the memory-budget simulation; metrics.py: what a cache holds vs reserves;
-  quant_eval.py: accuracy, memory and latency of the KV formats
+* ``SwapSpace`` (swap.py): CPU memory for the blocks of sequences preempted by swap
+* attention.py: the torch reference of paged attention (prefill chunks and decode) and the decode dispatch to
+  the Triton kernel on CUDA; ``dequantised_blocks`` for int8/fp8 caches
+* metrics.py: what a cache holds vs reserves (``KVCacheStats``)
 
-model.py, preemption.py and quant_eval.py import the Triton kernels; import them from their modules.
+    from labkit.kvcache import PagedKVCache
+    cache = PagedKVCache.for_model(model, num_blocks=256, block_size=16)
+    cache.allocate("a", prompt_ids)                 # slots for the prompt; returns tokens found in the prefix cache
 """
 
+from labkit.kvcache.attention import (
+    decode_attention,
+    dequantised_blocks,
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+)
 from labkit.kvcache.block_allocator import BlockAllocator, CacheFullError
 from labkit.kvcache.contiguous import ContiguousKVCache
 from labkit.kvcache.metrics import KVCacheStats
-from labkit.kvcache.paged import PagedKVCache
-from labkit.kvcache.quant import KV_FORMATS, kv_format
+from labkit.kvcache.paged import PagedKVCache, SeqBlocks
+from labkit.kvcache.prefix import block_hashes, hash_block
+from labkit.kvcache.quant import KV_FORMATS, KVFormat, dequantize_kv, kv_format, quantize_kv
+from labkit.kvcache.swap import SwapSpace
 
-__all__ = ["BlockAllocator", "CacheFullError", "ContiguousKVCache", "KVCacheStats", "PagedKVCache",
-           "KV_FORMATS", "kv_format"]
+__all__ = ["BlockAllocator", "CacheFullError", "ContiguousKVCache", "KVCacheStats", "PagedKVCache", "SeqBlocks",
+           "SwapSpace", "KV_FORMATS", "KVFormat", "kv_format", "quantize_kv", "dequantize_kv", "block_hashes",
+           "hash_block", "decode_attention", "paged_decode_attention_ref", "paged_prefill_attention_ref",
+           "dequantised_blocks"]

@@ -1,10 +1,14 @@
 """Attention over the paged cache for a flat batch of query tokens: prefill chunks and decode tokens alike.
 
-* ``paged_prefill_attention_ref``: the torch reference (gather each sequence's blocks, causal mask offset by
-  the tokens already cached). It covers decode too (one query per sequence) and chunks that attend to a cached
-  prefix.
+The torch reference of paged attention, the one the engine's torch path runs and the kernels are tested against:
+
+* ``paged_prefill_attention_ref``: gather each sequence's blocks, causal mask offset by the tokens already
+  cached. It covers decode too (one query per sequence) and chunks that attend to a cached prefix.
+* ``paged_decode_attention_ref``: the one-query case, batched (no loop over sequences), so the engine's CPU
+  decode steps stay cheap.
 * ``decode_attention``: one query per sequence; the Triton ``paged_attention`` kernel of
-  ``labkit.kernels.paged_attention`` on CUDA where it exists, else ``paged_attention_ref`` from the same file.
+  ``labkit.kernels.paged_attention`` on CUDA where it exists (imported when first asked for), else
+  ``paged_decode_attention_ref``.
 * ``decode_attention`` reads int8/fp8 caches directly in the kernel (dequantised in registers); elsewhere
   ``dequantised_blocks`` / ``dequantise_gathered`` give the blocks a batch reads, dequantised, with block tables
   remapped onto them, and the torch references run unchanged (dequantise on read).
@@ -16,7 +20,6 @@ import inspect
 
 import torch
 
-from labkit.kernels.paged_attention import paged_attention_ref
 from labkit.kvcache.paged import raw
 from labkit.kvcache.quant import dequantize_kv
 
@@ -32,7 +35,7 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     ``[num_seqs + 1]`` (sequence ``s`` owns query rows ``query_start_loc[s]:query_start_loc[s+1]``);
     ``context_lens``: int ``[num_seqs]``, cached tokens after this step's writes, so the queries sit at
     positions ``context_len - query_len ... context_len - 1``. Pools and ``block_tables`` as in
-    ``paged_attention_ref``. Returns ``[num_tokens, num_heads, head_dim]`` in ``q``'s dtype; arithmetic in
+    ``paged_decode_attention_ref``. Returns ``[num_tokens, num_heads, head_dim]`` in ``q``'s dtype; arithmetic in
     float32.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -53,6 +56,26 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         scores = scores.masked_fill(~causal, float("-inf"))
         out[starts[s]:starts[s + 1]] = torch.einsum("hmn,nhd->mhd", scores.softmax(dim=-1), v).to(q.dtype)
     return out
+
+
+def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor,
+                               scale: float | None = None) -> torch.Tensor:
+    """Decode attention in plain torch, batched: gather every row's blocks, mask past its context, softmax in
+    float32. ``q`` ``[num_seqs, heads, head_dim]``; pools ``[num_blocks, block_size, kv_heads, head_dim]``;
+    ``block_tables`` int ``[num_seqs, width]`` (entries past a sequence's blocks may be anything in range);
+    ``context_lens`` int ``[num_seqs]``. Returns ``[num_seqs, heads, head_dim]`` in ``q``'s dtype."""
+    s, h, d = q.shape
+    _, bs, kvh, _ = k_cache.shape
+    scale = d ** -0.5 if scale is None else scale
+    n = block_tables.shape[1] * bs
+    k = k_cache[block_tables.long()].view(s, n, kvh, d).float()
+    v = v_cache[block_tables.long()].view(s, n, kvh, d).float()
+    past = torch.arange(n, device=q.device)[None, :] >= context_lens[:, None]  # [s, n]
+    v = v.masked_fill(past[:, :, None, None], 0.0)  # slots past the context may hold anything, NaN included
+    scores = torch.einsum("skgd,snkd->skgn", q.view(s, kvh, h // kvh, d).float(), k) * scale
+    p = scores.masked_fill(past[:, None, None, :], float("-inf")).softmax(dim=-1)
+    return torch.einsum("skgn,snkd->skgd", p, v).reshape(s, h, d).to(q.dtype)
 
 
 def _triton_paged_attention():
@@ -94,7 +117,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if quant:
         k_cache, v_cache, block_tables = dequantise_gathered(k_cache, v_cache, k_scale, v_scale, block_tables,
                                                              q.dtype)
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale=scale)
+    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale=scale)
 
 
 def dequantise_gathered(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,

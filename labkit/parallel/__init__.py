@@ -1,6 +1,56 @@
-"""Tensor and pipeline parallelism on torch.distributed: launch, TP layers, DTensor plan, pipeline schedules,
-communication measurement and cost models. Start with ``launch`` (runs a rank function on N processes)."""
+"""Tensor and pipeline parallelism on torch.distributed: launch, TP layers, the DTensor plan, pipeline stages and
+schedules, counted and timed collectives (``comm``) and the analytical cost model (``cost_model``). Start with
+``launch`` (runs a rank function on N processes); what notebook 06 measures with these is in
+``labkit.experiments.parallelism``.
 
-from labkit.parallel.launch import RankError, launch
+    from labkit.parallel import launch
+    results = launch(fn, 2, *args, backend="gloo")       # one result per rank; fn importable by name
+"""
 
-__all__ = ["RankError", "launch"]
+from labkit.parallel import comm, cost_model
+from labkit.parallel.dtensor_plan import check_dtensor_tp_size, dtensor_tensor_parallel, llama_tp_plan, local_shard
+from labkit.parallel.launch import (
+    RankError,
+    check_backend,
+    default_backend,
+    free_port,
+    init_rank,
+    launch,
+    rank_device,
+    resolve_fn,
+)
+from labkit.parallel.pipeline import (
+    LlamaStage,
+    StageKVCache,
+    build_stage,
+    head_cost_layers,
+    partition_layers,
+    pipeline_generate,
+    sync_tied_embeddings,
+)
+from labkit.parallel.schedules import (
+    SCHEDULES,
+    ScheduleStats,
+    bubble_formula,
+    gpipe_forward,
+    torch_pipelining_forward,
+    train_step,
+)
+from labkit.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    allowed_tp_sizes,
+    check_tp_size,
+    head_rows,
+    shard_range,
+    tensor_parallel,
+)
+
+__all__ = ["comm", "cost_model", "launch", "RankError", "rank_device", "init_rank", "default_backend",
+           "check_backend", "free_port", "resolve_fn", "ColumnParallelLinear", "RowParallelLinear",
+           "VocabParallelEmbedding", "tensor_parallel", "allowed_tp_sizes", "check_tp_size", "head_rows",
+           "shard_range", "dtensor_tensor_parallel", "llama_tp_plan", "check_dtensor_tp_size", "local_shard",
+           "LlamaStage", "StageKVCache", "build_stage", "partition_layers", "head_cost_layers", "pipeline_generate",
+           "sync_tied_embeddings", "SCHEDULES", "ScheduleStats", "bubble_formula", "gpipe_forward", "train_step",
+           "torch_pipelining_forward"]

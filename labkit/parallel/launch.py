@@ -4,17 +4,17 @@
 with one GPU per rank), calls ``fn(rank, world_size, *args, **kwargs)`` and returns the list of each rank's
 return value. A rank that raises surfaces as ``RankError`` carrying its traceback; the other ranks are stopped.
 
-``fn`` must be importable by name (a top-level function of a module, e.g. one in ``labkit.parallel.experiments``),
+``fn`` must be importable by name (a top-level function of a module, e.g. one in ``labkit.experiments.parallelism``),
 not defined in a notebook cell: spawned processes start a fresh interpreter and import ``fn`` by its qualified
 name, and a notebook's ``__main__`` cannot be imported.
 
 The same functions run under ``torchrun``, on one node or many::
 
     # one node, 4 ranks (gloo on CPU, NCCL with GPUs)
-    torchrun --standalone --nproc_per_node=4 -m labkit.parallel.launch labkit.parallel.experiments:tp_demo
+    torchrun --standalone --nproc_per_node=4 -m labkit.parallel.launch labkit.experiments.parallelism:tp_demo
     # two nodes of 8 GPUs; run on every node (c10d rendezvous on the first node's address)
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE:29500 \\
-        --rdzv_id=labkit -m labkit.parallel.launch labkit.parallel.experiments:tp_demo --backend nccl
+        --rdzv_id=labkit -m labkit.parallel.launch labkit.experiments.parallelism:tp_demo --backend nccl
 
 On CPU each rank gets ``threads`` intra-op threads (default 1) so that several ranks on few cores do not thrash.
 NCCL is started with NVLink multicast (NVLS) off, as the project's machines require.
@@ -172,7 +172,7 @@ def _first_failure(out_dir: str, world_size: int, exc: Exception) -> RankError:
 def resolve_fn(spec: str) -> Callable:
     """``"package.module:function"`` -> the function."""
     if ":" not in spec:
-        raise ValueError(f"fn={spec!r} must be 'module:function', e.g. 'labkit.parallel.experiments:tp_demo'")
+        raise ValueError(f"fn={spec!r} must be 'module:function', e.g. 'labkit.experiments.parallelism:tp_demo'")
     mod, name = spec.split(":", 1)
     return getattr(importlib.import_module(mod), name)
 

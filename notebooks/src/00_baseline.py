@@ -27,8 +27,8 @@ import torch
 import labkit  # noqa: F401  (sets up Triton for the host before anything imports it)
 from labkit.bench import record_figure, write_record
 from labkit.data import split_tokens
-from labkit.engine.hf_baseline import run_generate, sweep_load
-from labkit.engine.workload import LengthDist, make_workload
+from labkit.engine import LengthDist, make_workload
+from labkit.experiments.baseline import run_generate, sweep_load
 from labkit.hardware import detect, measure_ceilings
 from labkit.models import get_spec, human_bytes, load_model, random_model
 from labkit.profiling import plot_timeline, profile_run, roofline

@@ -27,7 +27,7 @@ import torch
 
 import labkit  # noqa: F401
 from labkit.bench import SUMMARY_PATH, output_dir, record_figure, write_record
-from labkit.engine.hf_baseline import run_generate
+from labkit.experiments.baseline import run_generate
 from labkit.hardware import KNOWN, detect, measure_ceilings, measured_hardware
 from labkit.models import PRESETS, get_spec, load_model, random_model
 from labkit.profiling import mbu, mfu, plot_roofline, plot_timeline, profile_run, roofline

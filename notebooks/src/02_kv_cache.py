@@ -9,9 +9,9 @@
 # fragmentation; its paged cache wastes under 4%.
 #
 # This notebook predicts KV memory by arithmetic, then simulates a realistic request mix against a fixed memory
-# budget with `labkit.kvcache` (contiguous slabs vs paged blocks, block size, prefix sharing), runs the embedded
-# model on the paged cache (token for token equal to Hugging Face `generate`, also through preemption), and
-# measures what int8 and fp8 KV cost in accuracy and buy in memory.
+# budget with `labkit.kvcache` and the engine's scheduler (contiguous slabs vs paged blocks, block size, prefix
+# sharing), serves the embedded model with `labkit.engine` on the paged cache (token for token equal to Hugging
+# Face `generate`, also through preemption), and measures what int8 and fp8 KV cost in accuracy and buy in memory.
 #
 # Scales (DESIGN.md): the memory arithmetic and the simulation use real shapes (the embedded model on `ci`/`cpu`,
 # Llama-3-8B on an H200 on `gpu`); accuracy uses the embedded trained model; the `gpu` profile's latency parts
@@ -34,12 +34,10 @@ from labkit.bench import record_figure, time_region, write_record
 from labkit.data import sample_prompts, split_tokens
 from labkit.evaluate import relative_error
 from labkit.hardware import KNOWN
-from labkit.kvcache import ContiguousKVCache, PagedKVCache, kv_format
-from labkit.kvcache.attention import decode_attention
-from labkit.kvcache.model import PagedModelRunner, prepare_step
-from labkit.kvcache.preemption import PagedGenerator
-from labkit.kvcache.quant_eval import attention_latency, kv_format_accuracy
-from labkit.kvcache.simulate import lognormal_mix, simulate_contiguous, simulate_paged
+from labkit.engine import LLMEngine, SamplingParams
+from labkit.experiments.kv_cache import (attention_latency, kv_format_accuracy, lognormal_mix, simulate_contiguous,
+                                         simulate_paged)
+from labkit.kvcache import ContiguousKVCache, PagedKVCache, decode_attention, kv_format
 from labkit.models import PRESETS, get_spec, human_bytes, load_model, random_model
 from labkit.workbook import resolve_profile
 
@@ -142,9 +140,10 @@ print({k: round(v, 4) if isinstance(v, float) else v for k, v in contig.to_dict(
 
 # %% [markdown]
 # ## Technique: the paged cache
-# `simulate_paged` drives labkit's real `Scheduler` over a `PagedKVCache` built without tensors: blocks of
-# `block_size` tokens are allocated as sequences grow, admission keeps 1% of the blocks free (vLLM's watermark),
-# and when blocks run out the youngest running request is preempted (recompute) and requeued at the front.
+# `simulate_paged` drives the serving engine's own continuous-batching scheduler (`labkit.engine`) over a
+# `PagedKVCache` built without tensors: blocks of `block_size` tokens are allocated as sequences grow, admission
+# keeps 1% of the blocks free (vLLM's watermark), and when blocks run out the youngest running request is
+# preempted (recompute) and requeued at the front.
 
 # %%
 paged = simulate_paged(mix, BUDGET, block_size, sample_every=SIZES["sample_every"], seed=seed)
@@ -169,8 +168,8 @@ plt.show()
 # %% [markdown]
 # ## Correctness: the paged cache against the contiguous one and against Hugging Face
 # Attention over K/V written to both caches in irregular chunks must agree to float32 tolerance; and the
-# embedded model run by labkit's `PagedModelRunner` over the paged cache must produce exactly the greedy tokens
-# of HF `generate` with its default cache.
+# embedded model served by labkit's engine (`LLMEngine`: its model runner over the paged cache) must produce
+# exactly the greedy tokens of HF `generate` with its default cache.
 
 # %%
 g = torch.Generator().manual_seed(seed)
@@ -191,16 +190,14 @@ assert attn_err <= 1e-5
 
 model, tok = load_model(device=DEVICE)
 prompts = [p[:n] for p, n in zip(sample_prompts(tok, 3, 40, seed=seed), (40, 9, 23))]
-cache = PagedKVCache.for_model(model, num_blocks=64, block_size=block_size)
-runner = PagedModelRunner(model, cache)
-for i, p in enumerate(prompts):
-    cache.allocate(i, p)
-paged_out = runner.greedy([0, 1, 2], runner.forward(prepare_step(cache, [0, 1, 2])), 16)
+engine = LLMEngine(model, tok, num_blocks=64, block_size=block_size)
+greedy16 = SamplingParams(max_tokens=16, ignore_eos=True)
+paged_out = [o.output_token_ids for o in engine.generate(prompts, greedy16, progress=False)]
 hf_out = [model.generate(torch.tensor([p], device=DEVICE), max_new_tokens=16, do_sample=False, eos_token_id=None,
                          pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-print("paged runner == HF generate, token for token:", paged_out == hf_out)
+print("engine on the paged cache == HF generate, token for token:", paged_out == hf_out)
 assert paged_out == hf_out
-del cache, runner
+del engine
 
 # %% [markdown]
 # ## Block size: internal fragmentation against table size
@@ -266,22 +263,25 @@ sys_prompt = split_tokens("heldout", tok, max_tokens=4 * block_size + 5)[: 4 * b
 users = sample_prompts(tok, 4, 8, seed=seed + 3)
 pc_out, pc_stats = {}, {}
 for on in (False, True):
-    cache = PagedKVCache.for_model(model, num_blocks=48, block_size=block_size, enable_prefix_caching=on)
-    gen = PagedGenerator(model, cache)
-    gen.generate([sys_prompt], 1)  # the system prompt was served before
-    pc_out[on] = gen.generate([sys_prompt + u for u in users], 12)
-    pc_stats[on] = gen.stats
+    engine = LLMEngine(model, num_blocks=48, block_size=block_size, enable_prefix_caching=on)
+    engine.generate([sys_prompt], SamplingParams(max_tokens=1), progress=False)  # the system prompt was served before
+    outs = engine.generate([sys_prompt + u for u in users], SamplingParams(max_tokens=12, ignore_eos=True),
+                           progress=False)
+    pc_out[on] = [o.output_token_ids for o in outs]
+    pc_stats[on] = engine.result().stats  # of the second run only: each generate starts fresh statistics
+    del engine
 print("outputs identical with and without prefix caching:", pc_out[True] == pc_out[False])
 assert pc_out[True] == pc_out[False]
-print(f"prefill tokens computed: {pc_stats[False].prefill_tokens} -> {pc_stats[True].prefill_tokens} "
-      f"({pc_stats[True].prefix_cached_tokens} taken from the cache); peak blocks "
-      f"{pc_stats[False].max_blocks_used} -> {pc_stats[True].max_blocks_used}")
+print(f"prefill tokens computed: {pc_stats[False]['admitted_tokens']} -> {pc_stats[True]['admitted_tokens']} "
+      f"({pc_stats[True]['prefix_hit_tokens']} taken from the cache); peak blocks "
+      f"{pc_stats[False]['peak_blocks_used']} -> {pc_stats[True]['peak_blocks_used']}")
 
 # %% [markdown]
 # ## Over-subscription: preemption by recompute and by swap
 # A cache far smaller than the workload needs at once. When a running request needs a block and none is free,
 # the youngest gives its blocks up: *recompute* frees them and prefills again later; *swap* copies them to CPU
-# memory and back. Every request must finish with exactly the tokens of an unconstrained run.
+# memory and back. The engine does either (`LLMEngine(..., preemption_mode="recompute" | "swap")`); every request
+# must finish with exactly the tokens of an unconstrained run.
 
 # %%
 run_mix = lognormal_mix(SIZES["run_requests"], SIZES["run_max_len"], prompt_mean=SIZES["run_prompt_mean"],
@@ -294,16 +294,19 @@ small = max(need_one, need_all // 4)
 
 
 def run_preemption(model, prompts, outputs, num_blocks, mode):
-    cache = PagedKVCache.for_model(model, num_blocks=num_blocks, block_size=block_size)
-    gen = PagedGenerator(model, cache, preemption=mode)
+    # on CUDA the engine's graphs take one block of the cache as scratch for padding rows: give it one more
+    engine = LLMEngine(model, num_blocks=num_blocks + (DEVICE == "cuda"), block_size=block_size, preemption_mode=mode,
+                       max_num_seqs=32)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in outputs]
     out = {}
-    timing = time_region(lambda: out.update(tokens=gen.generate(prompts, outputs)), device=DEVICE, warmup=0,
-                         iters=1)
-    s = gen.stats
-    return out["tokens"], {"mode": mode, "blocks": num_blocks, "seconds": timing.median_s,
-                           "tokens/s": sum(outputs) / timing.median_s, "preemptions": s.preemptions,
-                           "recomputed tokens": s.recomputed_tokens, "blocks swapped out": s.swapped_out_blocks,
-                           "peak running": s.max_running, "steps": s.steps}
+    timing = time_region(lambda: out.update(res=engine.generate(prompts, params, progress=False)), device=DEVICE,
+                         warmup=0, iters=1)
+    s = engine.result().stats
+    del engine
+    return [o.output_token_ids for o in out["res"]], {
+        "mode": mode, "blocks": num_blocks, "seconds": timing.median_s, "tokens/s": sum(outputs) / timing.median_s,
+        "preemptions": s["preemptions"], "recomputed tokens": s["recomputed_tokens"],
+        "blocks swapped out": s["swapped_out_blocks"], "peak running": s["peak_running"], "steps": s["steps"]}
 
 
 pre_rows, pre_out = [], {}
@@ -422,7 +425,7 @@ rec = write_record("02_kv_cache", {
     "predicted_waste": {"contiguous": pred_contig_waste, "paged": pred_paged_waste},
     "contiguous": contig.to_dict(), "paged": paged.to_dict(), "block_size_sweep": sweep,
     "prefix_sim": {str(k): v.to_dict() for k, v in prefix_runs.items()},
-    "prefix_model": {str(k): v.to_dict() for k, v in pc_stats.items()},
+    "prefix_model": {str(k): v for k, v in pc_stats.items()},
     "preemption": pre_rows, "preemption_8b": big_pre, "attention_rel_err": attn_err,
     "kv_accuracy": acc, "kv_latency": {k: {"timing": t, "bytes_read": b} for k, (t, b) in lat.items()},
     "kv_latency_dequantise_first": lat_unfused,

@@ -42,10 +42,10 @@ from labkit.bench import SUMMARY_PATH, record_figure, write_record
 from labkit.device import native_bf16
 from labkit.hardware import KNOWN, measure_copy_bandwidth
 from labkit.models import PRESETS, load_model, random_model
+from labkit.experiments.quantization import (accuracy_rows, breakdown_tables, bytes_per_weight, decode_weight_bytes,
+                                             plot_step_breakdown, speed_rows)
+from labkit.experiments.quantization import precision as P
 from labkit.quant import METHODS, quantize
-from labkit.quant import precision as P
-from labkit.quant.compare import accuracy_rows, breakdown_tables, plot_step_breakdown, speed_rows
-from labkit.quant.metrics import bytes_per_weight, decode_weight_bytes
 from labkit.workbook import resolve_profile
 
 PROFILE = resolve_profile(profile)

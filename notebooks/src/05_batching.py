@@ -61,12 +61,11 @@ import labkit  # noqa: F401  (sets up Triton for the host before anything import
 from labkit.bench import output_dir, record_figure, write_record
 from labkit.data import sample_prompts, split_tokens
 from labkit.decode_step import time_decode_step
-from labkit.engine.experiments import (check_graph_replays, check_greedy_vs_hf, decode_rate, fifo_sweep,
-                                       free_device_memory, hf_static_extrapolate, hf_static_probe, profile_decode,
-                                       serve_sweep)
-from labkit.engine.hf_baseline import run_generate, serve_static
-from labkit.engine.metrics import SLO
-from labkit.engine.workload import LengthDist, make_workload
+from labkit.engine import SLO, LengthDist, make_workload
+from labkit.experiments.baseline import run_generate, serve_static
+from labkit.experiments.batching import (check_graph_replays, check_greedy_vs_hf, decode_rate, fifo_sweep,
+                                         free_device_memory, hf_static_extrapolate, hf_static_probe, profile_decode,
+                                         serve_sweep)
 from labkit.hardware import measure_ceilings
 from labkit.models import get_spec, human_bytes, load_model, random_model
 from labkit.profiling import plot_timeline
@@ -230,7 +229,7 @@ elapsed("greedy check")
 #
 # FIFO runs once through the engine with every request queued; its capacity is that run's throughput. A FIFO
 # server's service of a request does not depend on when the request arrived, so its rows at each rate replay
-# those measured services through the queue (`hf_baseline.replay_fifo`, as notebook 00 does), which saves
+# those measured services through the queue (`experiments.baseline.replay_fifo`, as notebook 00 does), which saves
 # re-running it per rate. Static and continuous batching run through the engine at every rate.
 
 # %%

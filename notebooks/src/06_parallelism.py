@@ -32,13 +32,12 @@ import torch
 
 import labkit  # noqa: F401
 from labkit.bench import record_figure, time_fn, write_record
+from labkit.experiments import parallelism as ex
+from labkit.experiments.parallelism import bubble_table, comm_fits, plot_comm, plot_timeline, pp_bubble, pp_check
 from labkit.hardware import get_hardware
 from labkit.models import PRESETS, REPO_ROOT, TINY, human_bytes, load_model
 from labkit.parallel import cost_model as cm
-from labkit.parallel import experiments as ex
 from labkit.parallel import launch
-from labkit.parallel.pp_experiments import pp_bubble, pp_check
-from labkit.parallel.report import bubble_table, comm_fits, plot_comm, plot_timeline
 from labkit.workbook import resolve_profile
 
 PROFILE = resolve_profile(profile)

@@ -43,10 +43,9 @@ from labkit.bench import record_figure, write_record
 from labkit.data import split_tokens
 from labkit.device import native_bf16
 from labkit.evaluate import relative_error
-from labkit.finetune import compare as C
-from labkit.finetune.lora import LoRALinear, apply_lora, merge_lora, trainable_parameters
-from labkit.finetune.memory_model import TrainSetup, inference_memory, training_memory
-from labkit.finetune.train import heldout_loss
+from labkit.experiments import finetuning as C
+from labkit.finetune import (LoRALinear, TrainSetup, apply_lora, heldout_loss, inference_memory, merge_lora,
+                             trainable_parameters, training_memory)
 from labkit.hardware import get_hardware, measure_matmul_flops
 from labkit.models import PRESETS, get_spec, human_bytes, load_model, random_model
 from labkit.workbook import resolve_profile

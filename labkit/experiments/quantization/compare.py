@@ -17,8 +17,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from labkit.quant.methods import HEAD_METHODS, METHODS, quantize, target_linears
-from labkit.quant.metrics import (
+from labkit.experiments.quantization.metrics import (
     decode_step_bytes,
     decode_step_time,
     heldout_perplexity,
@@ -26,6 +25,7 @@ from labkit.quant.metrics import (
     linear_weight_bytes,
     peak_memory,
 )
+from labkit.quant import HEAD_METHODS, METHODS, quantize, target_linears
 
 BASELINE = "base"
 
@@ -222,7 +222,7 @@ def _engine_rows(model, method, batch_size, context_len, iters, bandwidth, base_
                  options: dict | None = None) -> list[dict]:
     """One row: labkit's ``ModelRunner`` decode step over a paged cache (``engine.experiments.runner_step``)."""
     from labkit.bench import time_fn
-    from labkit.engine.experiments import runner_step
+    from labkit.experiments.batching import runner_step
 
     if method.startswith("bnb"):
         return [{"method": method, "timing": "engine", "status": "bitsandbytes layers are not CUDA-graph "

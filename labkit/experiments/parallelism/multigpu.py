@@ -1,4 +1,5 @@
-"""Multi-GPU measurements (NCCL bandwidth, TP decode, PP bubble) as functions that every rank calls.
+"""Multi-GPU measurements (NCCL bandwidth, TP decode, PP bubble) as functions that every rank calls: notebook 06's
+questions at full size on real GPUs.
 
 ``scripts/bench_multigpu.py`` is the command line (run by ``torchrun``); the same code runs on gloo CPU ranks with
 tiny shapes, which is how it is tested. Sub-groups ``ranks 0..k-1`` give TP/PP degrees below the world size; every
@@ -19,11 +20,17 @@ import torch
 import torch.distributed as dist
 
 from labkit.models import get_spec
-from labkit.parallel import comm, cost_model
-from labkit.parallel.launch import rank_device
-from labkit.parallel.pipeline import build_stage, pipeline_generate
-from labkit.parallel.schedules import bubble_formula, gpipe_forward
-from labkit.parallel.tensor_parallel import allowed_tp_sizes, tensor_parallel
+from labkit.parallel import (
+    allowed_tp_sizes,
+    bubble_formula,
+    build_stage,
+    comm,
+    cost_model,
+    gpipe_forward,
+    pipeline_generate,
+    rank_device,
+    tensor_parallel,
+)
 
 _GROUPS: dict = {}
 

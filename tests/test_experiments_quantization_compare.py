@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from labkit.quant.compare import accuracy_rows, breakdown_tables, plot_step_breakdown, speed_rows
+from labkit.experiments.quantization.compare import accuracy_rows, breakdown_tables, plot_step_breakdown, speed_rows
 
 
 def test_accuracy_rows(tiny_model):
@@ -99,7 +99,7 @@ def test_speed_rows_cuda_graph_and_patch():
 
 
 def test_a_failing_method_is_reported_not_dropped(tiny_model, monkeypatch, capsys):
-    import labkit.quant.compare as compare
+    import labkit.experiments.quantization.compare as compare
 
     real = compare.quantize
 

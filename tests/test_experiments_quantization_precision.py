@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from labkit.quant import precision as P
+from labkit.experiments.quantization import precision as P
 
 
 def test_matmul_rates_rows():

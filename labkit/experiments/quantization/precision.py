@@ -46,7 +46,7 @@ def _matmul_fn(name: str, size: int, device: torch.device, g: torch.Generator):
         a = torch.randint(-127, 128, (size, size), generator=g, dtype=torch.int8).to(device)
         b = torch.randint(-127, 128, (size, size), generator=g, dtype=torch.int8).to(device)
         return lambda: torch._int_mm(a, b)  # int8 x int8 -> int32 accumulators
-    from labkit.quant.fp8 import FP8_DTYPE, fp8_supported
+    from labkit.quant import FP8_DTYPE, fp8_supported
 
     if cuda and not fp8_supported(device):
         return "FP8 needs tensor cores of compute capability >= 8.9 (Ada, Hopper)"
@@ -216,8 +216,8 @@ def perplexity_by_dtype(dtypes=("fp32", "bf16", "fp16"), seq_len: int = 256, max
                         device: str | None = "cpu", name_or_path: str | None = None) -> dict[str, float]:
     """Held-out perplexity of the embedded model (or a local checkpoint) with all weights and activations in
     each dtype (HF keeps RMSNorm and softmax in float32 internally, as above)."""
+    from labkit.experiments.quantization.metrics import heldout_perplexity
     from labkit.models import load_model
-    from labkit.quant.metrics import heldout_perplexity
 
     bad = [d for d in dtypes if d not in FLOAT_DTYPES]
     if bad:

@@ -1,8 +1,11 @@
-"""Rank functions for ``launch``: each runs on every rank of a process group and returns a small dict.
+"""Notebook 06's rank functions for ``labkit.parallel.launch``: each runs on every rank of a process group and
+returns a small dict.
 
 They live here, not in the notebook, because spawned ranks import their function by name. Each compares the
 parallel run with the single-process model computed on the same rank before sharding, so that a result carries
-its own reference.
+its own reference: TP layers and the TP / DTensor model (``tp_check``, ``dtensor_check``), collectives
+(``comm_check``), pipeline stages (``pp_check``: the stages against the unsharded model) and the schedules' idle
+time against ``(p - 1) / (m + p - 1)`` (``pp_bubble``, stage = rank).
 """
 
 from __future__ import annotations
@@ -15,8 +18,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from labkit.evaluate import relative_error
-from labkit.parallel import comm
-from labkit.parallel.launch import rank_device
+from labkit.parallel import (
+    SCHEDULES,
+    build_stage,
+    comm,
+    gpipe_forward,
+    pipeline_generate,
+    rank_device,
+    sync_tied_embeddings,
+    torch_pipelining_forward,
+    train_step,
+)
 
 
 def hello(rank: int, world_size: int, value: float = 1.0) -> dict:
@@ -58,7 +70,7 @@ def tp_layers_check(rank: int, world_size: int, seed: int = 0) -> dict:
     ``nn.Linear``/``nn.Embedding``, forward and input gradient."""
     from torch import nn
 
-    from labkit.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from labkit.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
     torch.manual_seed(seed)  # same full layers on every rank
     device, tp = rank_device(), world_size
@@ -105,7 +117,7 @@ def tp_check(rank: int, world_size: int, prompt_ids: torch.Tensor, max_new_token
     Returns the logits' relative error, greedy tokens of both, the collectives of one forward (calls per op),
     gradient errors of a few sharded weights (``check_grad``) and, with ``time_iters``, the TP forward's seconds.
     """
-    from labkit.parallel.tensor_parallel import head_rows, shard_range, tensor_parallel
+    from labkit.parallel import head_rows, shard_range, tensor_parallel
 
     device = rank_device()
     model = load_model_on(model_path, device)
@@ -155,8 +167,7 @@ def _grads(model, ids: torch.Tensor) -> dict:
 def dtensor_check(rank: int, world_size: int, prompt_ids: torch.Tensor, max_new_tokens: int = 8,
                   model_path=None) -> dict:
     """The DTensor plan against the hand-written TP and against the unsharded model: logits and greedy tokens."""
-    from labkit.parallel.dtensor_plan import dtensor_tensor_parallel
-    from labkit.parallel.tensor_parallel import tensor_parallel
+    from labkit.parallel import dtensor_tensor_parallel, tensor_parallel
 
     device = rank_device()
     model = load_model_on(model_path, device)
@@ -191,3 +202,75 @@ def tp_demo(rank: int, world_size: int) -> dict:
     res = tp_check(rank, world_size, prompt, max_new_tokens=8, check_grad=False)
     return {"rank": rank, "world_size": world_size, "logits_rel_err": res["logits_rel_err"],
             "tokens_equal": bool(torch.equal(res["tokens"], res["ref_tokens"]))}
+
+
+# --- pipeline ----------------------------------------------------------------------------------------------
+def pp_check(rank: int, world_size: int, prompt_ids: torch.Tensor, max_new_tokens: int = 8,
+             num_microbatches: int = 2, train: bool = True, torch_api: bool = True, model_path=None) -> dict:
+    """Pipeline stages of the embedded model against the unsharded model: GPipe forward logits, micro-batched
+    greedy decoding, ``torch.distributed.pipelining``'s GPipe, and (``train``) gradients under GPipe and 1F1B."""
+    device = rank_device()
+    model = load_model_on(model_path, device)
+    ids = prompt_ids.to(device)
+    with torch.no_grad():
+        ref_logits = model(ids).logits
+    ref_tokens = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False).cpu()
+    if train:
+        logits = model(ids[:, :-1]).logits
+        ref_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        ref_loss.backward()
+        names = {id(p): n for n, p in model.named_parameters()}
+        ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+    tied_group = dist.new_group([0, world_size - 1]) if world_size > 1 else None  # collective: every rank
+    stage = build_stage(model, rank, world_size)
+    out = {"rank": rank, "layers": list(stage.layer_ids), "ref_tokens": ref_tokens}
+    logits, stats = gpipe_forward(stage, ids, num_microbatches)
+    out["forward_stats"] = stats.to_dict()
+    if stage.is_last:
+        out["logits_rel_err"] = relative_error(logits, ref_logits)
+    out["tokens"] = pipeline_generate(stage, ids, max_new_tokens, num_microbatches)
+    if torch_api:
+        tlogits, secs = torch_pipelining_forward(stage, ids, num_microbatches)
+        out["torch_pipelining_s"] = secs
+        if stage.is_last:
+            out["torch_pipelining_rel_err"] = relative_error(tlogits, ref_logits)
+    if train:
+        for sched in SCHEDULES:
+            stage.zero_grad(set_to_none=True)
+            loss, st = train_step(stage, ids, num_microbatches, sched)
+            sync_tied_embeddings(stage, tied_group)
+            errs = [relative_error(p.grad, ref_grads[names[id(p)]]) for p in stage.parameters()]
+            out[f"train_{sched}"] = {"grad_rel_err_max": max(errs), "stats": st.to_dict(),
+                                     "loss_rel_err": relative_error(loss, ref_loss) if stage.is_last else None}
+    return out
+
+
+def pp_bubble(rank: int, world_size: int, microbatch_counts: list[int], microbatch_size: int = 2,
+              seq_len: int = 64, repeats: int = 3, train: bool = True, model_path=None, seed: int = 0) -> dict:
+    """Measured bubble of forward-only GPipe (and, with ``train``, of GPipe and 1F1B training steps) at a fixed
+    micro-batch size, so that a stage's work per micro-batch is the same for every ``m``: the formula's setting.
+
+    Per ``m``: this rank's bubble and total seconds (median of ``repeats``), peak in-flight micro-batches and
+    activation bytes, and the events of the last repeat (for a timeline plot).
+    """
+    device = rank_device()
+    model = load_model_on(model_path, device)
+    stage = build_stage(model, rank, world_size)
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for m in microbatch_counts:
+        ids = torch.randint(model.config.vocab_size, (m * microbatch_size, seq_len), generator=gen)
+        runs = {"forward": lambda ids=ids, m=m: gpipe_forward(stage, ids, m)[1]}
+        if train:
+            for sched in SCHEDULES:
+                runs[f"train_{sched}"] = lambda ids=ids, m=m, s=sched: train_step(stage, ids, m, s)[1]
+        for kind, run in runs.items():
+            run()  # warm-up
+            stats = sorted((run() for _ in range(repeats)), key=lambda s: s.total_s)
+            med = stats[len(stats) // 2]
+            stage.zero_grad(set_to_none=True)
+            rows.append({"kind": kind, "m": m, "stage": rank, "bubble": med.bubble, "total_s": med.total_s,
+                         "busy_s": med.busy_s, "peak_inflight": med.peak_inflight,
+                         "peak_activation_bytes": med.peak_activation_bytes, "events": med.events})
+    return {"rank": rank, "layers": list(stage.layer_ids), "rows": rows}

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from labkit.engine.bench import main as bench_main
-from labkit.engine.experiments import (
+from labkit.engine.metrics import SLO, RequestMetrics
+from labkit.engine.workload import LengthDist, RequestSpec, make_workload
+from labkit.experiments.batching import (
     check_greedy_vs_hf,
     decode_rate,
     fifo_executions,
@@ -18,8 +19,7 @@ from labkit.engine.experiments import (
     serve_sweep,
     token_gaps,
 )
-from labkit.engine.metrics import SLO, RequestMetrics
-from labkit.engine.workload import LengthDist, RequestSpec, make_workload
+from labkit.experiments.batching.cli import main as bench_main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""Turn per-rank results of the parallel experiments into tables and plots (used by notebook 06).
+"""Turn per-rank results of the rank functions (``ranks.py``) into tables and plots (used by notebook 06).
 
 ``launch`` returns one result per rank; a pipeline's bubble is a property of all stages together, so these
 helpers join the ranks' rows: the measured bubble of a schedule is the mean idle share over its stages.
@@ -6,8 +6,7 @@ helpers join the ranks' rows: the measured bubble of a schedule is the mean idle
 
 from __future__ import annotations
 
-from labkit.parallel import comm
-from labkit.parallel.schedules import bubble_formula
+from labkit.parallel import bubble_formula, comm
 
 
 def bubble_table(results: list[dict]) -> list[dict]:

@@ -1,4 +1,5 @@
-"""The naive server of the scenario: Hugging Face ``generate``, one request at a time (FIFO) or in static batches.
+"""Notebook 00's baseline, the peer of every serving measurement after it (notebooks 01 and 05, ``bench serve``):
+the naive server of the scenario, Hugging Face ``generate``, one request at a time (FIFO) or in static batches.
 
 Each execution is real (the model runs, every token's time is taken by a streamer); the queue around it is
 replayed on a virtual clock from the workload's arrival times (trace-driven simulation). For FIFO the service time
@@ -15,8 +16,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from labkit.engine.metrics import RequestMetrics
-from labkit.engine.workload import RequestSpec
+from labkit.engine import RequestMetrics, RequestSpec, at_rate, summarize
 
 
 class StepTimer:
@@ -162,9 +162,6 @@ def sweep_load(model, workload: list[RequestSpec], loads: list[float], static_ba
     makespan it was executing) and the device's busy share (utilisation x ``busy_in_generate``, the busy share of
     the device inside one ``generate`` measured by the profiler).
     """
-    from labkit.engine.metrics import summarize
-    from labkit.engine.workload import at_rate
-
     fifo_exec = measure_fifo(model, workload, pad_token_id, progress)
     capacity = fifo_capacity(fifo_exec)
     cache: dict = {}

@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from labkit.engine.hf_baseline import Execution, replay_fifo, run_generate, serve_static
 from labkit.engine.metrics import SLO, RequestMetrics, summarize
 from labkit.engine.workload import LengthDist, RequestSpec, at_rate, make_workload
+from labkit.experiments.baseline import Execution, replay_fifo, run_generate, serve_static
 
 
 def test_workload_is_reproducible_and_rate_only_moves_arrivals():

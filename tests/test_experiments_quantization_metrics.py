@@ -4,9 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from labkit.quant import metrics as qm
-from labkit.quant import quantize
-from labkit.quant.weight_only import Int4Linear, Int8Linear
+from labkit.experiments.quantization import metrics as qm
+from labkit.quant import Int4Linear, Int8Linear, quantize
 
 
 def test_bytes_held_counts_codes_and_scales():

@@ -1,5 +1,6 @@
-"""labkit.parallel.multigpu and scripts/bench_multigpu.py: the issue-11 measurement script, run by torchrun on
-2 gloo CPU ranks with tiny shapes (the NCCL runs need several GPUs). Only the shape of the output is checked."""
+"""labkit.experiments.parallelism.multigpu and scripts/bench_multigpu.py: the issue-11 measurement script, run by
+torchrun on 2 gloo CPU ranks with tiny shapes (the NCCL runs need several GPUs). Only the shape of the output is
+checked."""
 
 import importlib.util
 import json
@@ -10,8 +11,8 @@ import sys
 import pytest
 import torch
 
+from labkit.experiments.parallelism.multigpu import random_tp_model
 from labkit.models import REPO_ROOT
-from labkit.parallel.multigpu import random_tp_model
 
 SCRIPT = REPO_ROOT / "scripts" / "bench_multigpu.py"
 
@@ -83,8 +84,8 @@ def test_script_smoke_on_nccl(tmp_path):
 @pytest.mark.gpu
 def test_tp_decode_row_on_the_gpus():
     """Meta-built random model, CUDA-graph capture of the decode step (with NCCL collectives when >= 2 GPUs)."""
+    from labkit.experiments.parallelism.multigpu import tp_row_check
     from labkit.parallel import launch
-    from labkit.parallel.multigpu import tp_row_check
 
     n = min(torch.cuda.device_count(), 2)
     rows = launch(tp_row_check, n, backend="nccl", timeout_s=300)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from labkit.finetune.measure import live_tensor_bytes, peak_memory
+from labkit.experiments.finetuning import live_tensor_bytes, peak_memory
 
 MB = 2**20
 
@@ -53,8 +53,8 @@ def test_live_bytes_count_storages_once():
 
 
 def test_live_bytes_count_nf4_states():
-    from labkit.finetune.memory_model import nf4_bytes
-    from labkit.quant.bnb import bnb_nf4_linear
+    from labkit.finetune import nf4_bytes
+    from labkit.quant import bnb_nf4_linear
 
     torch.manual_seed(1)
     q = bnb_nf4_linear(torch.nn.Linear(128, 96, bias=False), double_quant=True)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from labkit.finetune.compare import (
+from labkit.experiments.finetuning import (
     describe,
     fresh,
     memory_row,
@@ -13,7 +13,7 @@ from labkit.finetune.compare import (
     speed_row,
     step_flops_per_token,
 )
-from labkit.finetune.memory_model import TrainSetup
+from labkit.finetune import TrainSetup
 from labkit.models import PRESETS, ModelSpec, random_model
 
 SMALL = ModelSpec(name="small", vocab_size=301, hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1,

@@ -1,4 +1,5 @@
-"""labkit.parallel.report: joining per-rank pipeline rows, alpha-beta fits per op, plots (on synthetic rows)."""
+"""labkit.experiments.parallelism.report: joining per-rank pipeline rows, alpha-beta fits per op, plots (on
+synthetic rows)."""
 
 import matplotlib
 
@@ -6,7 +7,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from labkit.parallel.report import bubble_table, comm_fits, plot_comm, plot_timeline  # noqa: E402
+from labkit.experiments.parallelism import bubble_table, comm_fits, plot_comm, plot_timeline  # noqa: E402
 
 
 def _rank(rank, bubble, busy, total, act):

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from labkit.evaluate import perplexity, relative_error
-from labkit.quant.bnb import bnb_tensors
+from labkit.quant import Fp8Linear, Int4Linear, Int8Linear, bnb_tensors
 
 BF16_BYTES = 2
 
@@ -66,9 +66,6 @@ def _device(model: nn.Module) -> torch.device:
 
 
 def _is_quantised_linear(m: nn.Module) -> bool:
-    from labkit.quant.fp8 import Fp8Linear
-    from labkit.quant.weight_only import Int4Linear, Int8Linear
-
     if isinstance(m, Int8Linear | Int4Linear | Fp8Linear):
         return True
     return type(m).__name__ in ("Linear8bitLt", "Linear4bit")

@@ -1,5 +1,5 @@
-"""The measurements of notebook 05 and ``labkit bench serve``: each runs the real engine (or HF ``generate``) and
-returns plain rows, so the notebook only arranges and plots them.
+"""The measurements of notebook 05 and ``python -m labkit bench serve|decode``: each runs the real engine (or HF
+``generate``) and returns plain rows, so the notebook only arranges and plots them.
 
 * ``check_greedy_vs_hf``: engine output against HF ``generate`` per prompt, for several engine configurations
 * ``check_graph_replays``: decode steps replayed from CUDA graphs against the same steps run eagerly (run it
@@ -29,14 +29,21 @@ import torch
 from tqdm.auto import tqdm
 
 from labkit.bench import time_fn
-from labkit.engine.cuda_graph import default_graph_batch_sizes
-from labkit.engine.hf_baseline import Execution, replay_fifo, run_generate
-from labkit.engine.llm_engine import LLMEngine
-from labkit.engine.metrics import SLO, percentile, summarize
-from labkit.engine.model_runner import ModelRunner
-from labkit.engine.sampling import SamplingParams
-from labkit.engine.workload import LengthDist, RequestSpec, at_rate, make_workload
+from labkit.engine import (
+    SLO,
+    LengthDist,
+    LLMEngine,
+    ModelRunner,
+    RequestSpec,
+    SamplingParams,
+    at_rate,
+    default_graph_batch_sizes,
+    make_workload,
+    percentile,
+    summarize,
+)
 from labkit.evaluate import relative_error
+from labkit.experiments.baseline import Execution, replay_fifo, run_generate
 from labkit.kvcache import PagedKVCache
 from labkit.profiling import ProfileResult, profile_run
 
@@ -295,7 +302,7 @@ def fifo_sweep(model, workload: list[RequestSpec], loads: Sequence[float], slo: 
                seed: int = 0, warmup: bool | None = None, **engine_kwargs) -> tuple[list[dict], float]:
     """FIFO at each offered load (a multiple of the FIFO capacity; ``math.inf``: all queued at once) from one
     engine run with every request queued (after a warm-up, ``_warm``), whose throughput is the capacity: the
-    measured services are replayed through ``hf_baseline.replay_fifo`` at each rate. Returns the rows (as
+    measured services are replayed through ``baseline.replay_fifo`` at each rate. Returns the rows (as
     ``serve_sweep``'s) and the capacity in requests/s."""
     engine = LLMEngine(model, **dict(engine_kwargs, scheduler="fifo"))
     _warm(engine, workload, warmup, seed)

@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from labkit.engine.scheduler import SCHEDULERS
+from labkit.engine import SCHEDULERS
 
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 
@@ -54,9 +54,8 @@ def _serve(args) -> int:
     import pandas as pd
 
     from labkit.bench import write_record
-    from labkit.engine.experiments import serve_sweep
-    from labkit.engine.metrics import SLO
-    from labkit.engine.workload import LengthDist, make_workload
+    from labkit.engine import SLO, LengthDist, make_workload
+    from labkit.experiments.batching.measure import serve_sweep
 
     model, _, source, label = _load(args)
     prompt = LengthDist.fixed(args.prompt_len) if args.prompt_max is None else \
@@ -83,7 +82,7 @@ def _serve(args) -> int:
 
 def _decode(args) -> int:
     from labkit.bench import write_record
-    from labkit.engine.experiments import decode_rate
+    from labkit.experiments.batching.measure import decode_rate
     from labkit.hardware import measure_ceilings
     from labkit.models import get_spec
 
