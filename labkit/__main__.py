@@ -5,6 +5,7 @@
     python -m labkit merge OUT_DIR RECORD_ROOT        # figures.json of a run -> results/summary.json
     python -m labkit readme                           # regenerate the README's results table
     python -m labkit build-notebooks [--check]        # notebooks/src/*.py -> notebooks/*.ipynb
+    python -m labkit docs [--check]                   # docs/api.md from the exported names' docstrings
     python -m labkit bench kernels|serve|decode [ARGS...]  # the kernel, serving and decode benchmarks
     python -m labkit claims [--write]                 # check every notebook claim against results/summary.json
 """
@@ -94,6 +95,15 @@ def _build(args) -> int:
     return 1 if (args.check and stale) else 0
 
 
+def _docs(args) -> int:
+    from labkit.docs import API_PAGE, write_api_page
+
+    out = args.out or API_PAGE
+    stale = write_api_page(out, check=args.check)
+    print(f"{out}: " + ("out of date" if args.check and stale else "written" if stale else "up to date"))
+    return 1 if (args.check and stale) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from labkit import __version__
 
@@ -126,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build-notebooks", help="build notebooks/*.ipynb from notebooks/src/*.py")
     b.add_argument("--check", action="store_true", help="only report notebooks out of date; exit 1 if any")
     b.set_defaults(fn=_build)
+    d = sub.add_parser("docs", help="write docs/api.md from the docstrings of each package's exported names")
+    d.add_argument("--out", default=None, help="the page to write (default: docs/api.md of the repository)")
+    d.add_argument("--check", action="store_true", help="only report whether the page is out of date; exit 1 if so")
+    d.set_defaults(fn=_docs)
     args = ap.parse_args(argv)
     try:
         return args.fn(args)

@@ -17,19 +17,15 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
+from tqdm.auto import tqdm
 
-import torch  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-
-from labkit.bench import time_fn, write_record  # noqa: E402
-from labkit.decode_step import time_decode_step  # noqa: E402
-from labkit.hardware import detect, measure_ceilings, measured_hardware  # noqa: E402
-from labkit.models import get_spec, random_model  # noqa: E402
-from labkit.profiling import roofline  # noqa: E402
+from labkit.bench import time_fn, write_record
+from labkit.decode_step import time_decode_step
+from labkit.hardware import detect, measure_ceilings, measured_hardware
+from labkit.models import get_spec, random_model
+from labkit.profiling import roofline
 
 
 def build(preset: str, weights: str):

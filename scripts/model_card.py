@@ -10,26 +10,23 @@ merges the figures ``model.heldout_ppl`` and ``model.unigram_ppl`` into ``result
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
 
-from labkit.bench import merge_figures, record_figure, write_record  # noqa: E402
-from labkit.data import split_tokens  # noqa: E402
-from labkit.evaluate import perplexity, unigram_perplexity  # noqa: E402
-from labkit.models import EMBEDDED_MODEL_DIR, count_parameters, load_model  # noqa: E402
+from labkit.bench import merge_figures, record_figure, write_record
+from labkit.data import split_tokens
+from labkit.evaluate import perplexity, unigram_perplexity
+from labkit.models import EMBEDDED_MODEL_DIR, REPO_ROOT, count_parameters, load_model
 
-TRAIN_RECORD = ROOT / "results/h200/records/train_embedded_model.json"
-OUT = ROOT / "results/model"
+TRAIN_RECORD = REPO_ROOT / "results/h200/records/train_embedded_model.json"
+OUT = REPO_ROOT / "results/model"
 PROMPTS = ["The list type", "To open a file,", "Exceptions are raised when", "A decorator is"]
 
 
@@ -125,4 +122,5 @@ The model's perplexity is {uni / ppl:.0f}x lower than the unigram baseline's (th
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

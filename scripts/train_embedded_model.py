@@ -19,20 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from labkit.bench import environment  # noqa: E402
-from labkit.data import split_tokens  # noqa: E402
-from labkit.evaluate import perplexity, unigram_perplexity  # noqa: E402
-from labkit.models import EMBEDDED_MODEL_DIR, TINY  # noqa: E402
+from labkit.bench import environment
+from labkit.data import split_tokens
+from labkit.evaluate import perplexity, unigram_perplexity
+from labkit.models import EMBEDDED_MODEL_DIR, TINY
 
 
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:

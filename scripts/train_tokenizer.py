@@ -6,14 +6,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from labkit.data import read_split  # noqa: E402
-from labkit.models import EMBEDDED_MODEL_DIR, TINY  # noqa: E402
+from labkit.data import read_split
+from labkit.models import EMBEDDED_MODEL_DIR, TINY
 
 SPECIALS = ["<|pad|>", "<|bos|>", "<|endoftext|>"]  # ids 0, 1, 2: the config's pad, bos and eos
 

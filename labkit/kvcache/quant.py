@@ -50,6 +50,7 @@ KV_FORMATS = {
     "int8": KVFormat("int8", torch.int8, True),
     "fp8": KVFormat("fp8", torch.float8_e4m3fn, True),
 }
+"""The KV formats by name: ``fp32``, ``bf16``, ``fp16`` (stored as is), ``int8`` and ``fp8`` (with scales)."""
 _ALIASES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "int8",
             torch.float8_e4m3fn: "fp8", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16",
             "e4m3": "fp8", "fp8_e4m3": "fp8", "float8_e4m3fn": "fp8"}

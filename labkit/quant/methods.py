@@ -40,6 +40,7 @@ from labkit.quant.gptq import gptq_quantize_model
 from labkit.quant.weight_only import Int4Linear, Int8Linear, _check_group
 
 METHODS = ("int8", "int4", "gptq", "bnb-int8", "bnb-nf4", "fp8")
+"""The ``method`` names ``quantize`` takes."""
 HEAD_METHODS = ("int8", "int4", "fp8")  # ``lm_head=<method>``: round-to-nearest methods that need no calibration
 _COMMON = {"lm_head": False, "inplace": False}
 _OPTIONS: dict[str, dict] = {
