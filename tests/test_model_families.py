@@ -175,3 +175,17 @@ def test_int8_cache_runs_close(tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor([p])).logits[0, -1]
     assert relative_error(out[0], ref) < 2e-2
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bf16_logits_match_hf_bf16(name, tmp_path):
+    """In bf16 each step rounds where HF's rounds (norms, RoPE tables, Gemma's embedding scale): within the bf16
+    bound of the tolerance table (on the CPU the logits come out bit for bit equal)."""
+    make_checkpoint(name, tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    ours = load_checkpoint(tmp_path, dtype="bf16")
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        out, ref = ours(ids), hf(ids).logits
+    assert out.dtype == torch.bfloat16
+    assert relative_error(out.float(), ref.float()) < 1e-2

@@ -179,7 +179,10 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        """From a config dict (``config.json``'s or a config's ``to_dict()``); refuses what it cannot run."""
+        """From a config dict (a config's ``to_dict()``, or ``config.json``'s keys); refuses what it cannot run.
+
+        A raw ``config.json`` dict gets the family defaults of its quirks only (Gemma's activation and tied
+        embeddings); ``from_pretrained`` and ``from_hf`` see every default of HF's config class."""
         _check_family(d)
         family = d["model_type"]
         _refuse_unsupported(d)
@@ -187,7 +190,7 @@ class ModelConfig:
         layers = d["num_hidden_layers"]
         head_dim = d.get("head_dim") or d["hidden_size"] // heads
         rope = _rope_parameters(d)
-        act = d.get("hidden_act") or "silu"
+        act = d.get("hidden_act") or ("gelu_pytorch_tanh" if family == "gemma" else "silu")
         if family == "gemma":
             # HF's GemmaConfig maps the legacy "gelu" of the official releases to the tanh approximation, and its
             # 4.x configs named the field hidden_activation.
