@@ -1,0 +1,37 @@
+"""labkit's own decoder (gpt-fast / nano-vllm style): one plain implementation of the Llama family and its
+relatives (Mistral, Qwen2, Qwen3, Gemma, Phi-3), with the families' features behind ``ModelConfig``.
+
+    from labkit.model import load_checkpoint, AttentionMetadata
+    model = load_checkpoint("path/to/hf-checkpoint", device="cuda", dtype="bf16")
+    logits = model(input_ids)                                   # [batch, T, vocab], like HF's
+    cache = model.make_cache(num_blocks=1024)                   # a labkit.kvcache.PagedKVCache
+    cache.allocate(0, prompt)
+    ids, pos, meta = AttentionMetadata.from_cache(cache, [0], [len(prompt)])
+    last = model.forward_paged(ids, pos, cache, meta)           # [num_seqs, vocab] float32
+
+``FusionPlan`` says which kernels the engine runs each op with.
+"""
+
+from labkit.model.attention import AttentionMetadata, causal_attention, paged_attention, paged_window_attention_ref
+from labkit.model.config import FAMILIES, ROPE_TYPES, ModelConfig, RopeScaling
+from labkit.model.fusion import FusionPlan
+from labkit.model.layers import MLP, Attention, DecoderLayer, RMSNorm
+from labkit.model.loader import (
+    MERGED,
+    Checkpoint,
+    empty_model,
+    from_config,
+    load_checkpoint,
+    load_hf_model,
+    load_weights,
+    weight_sources,
+)
+from labkit.model.model import CausalLM, Transformer
+from labkit.model.rope import RotaryEmbedding, apply_rope, inv_frequencies
+
+__all__ = [
+    "FAMILIES", "MERGED", "ROPE_TYPES", "MLP", "Attention", "AttentionMetadata", "CausalLM", "Checkpoint",
+    "DecoderLayer", "FusionPlan", "ModelConfig", "RMSNorm", "RopeScaling", "RotaryEmbedding", "Transformer",
+    "apply_rope", "causal_attention", "empty_model", "from_config", "inv_frequencies", "load_checkpoint",
+    "load_hf_model", "load_weights", "paged_attention", "paged_window_attention_ref", "weight_sources",
+]

@@ -1,0 +1,133 @@
+"""``FusionPlan``: which kernel runs each op of the model, as data the engine reads (no module-level switches).
+
+Each op is 'torch' (the reference expression, every family, every device) or 'triton' (``labkit.kernels``):
+
+==============  ===========================================================================================
+field           'triton' means
+==============  ===========================================================================================
+norm            ``rms_norm`` (with the residual add fused in: ``rms_norm(x, w, eps, residual=r)``)
+rope            ``apply_rope``; with ``rope_cache_write`` also the K/V cache write (``apply_rope_and_cache``)
+attention       ``paged_attention`` (all-decode steps) and ``paged_prefill_attention`` (steps with a prefill)
+activation      ``silu_and_mul`` on the merged gate/up output
+==============  ===========================================================================================
+
+and the fusions across ops: ``merge_qkv`` / ``merge_gate_up`` (one matmul for q/k/v and for gate/up: the model's
+weight layout, chosen when it is built), ``quant_epilogues`` (int8/int4 layers take in their neighbours:
+RMSNorm inside the projection after it, the residual add inside the one before it, SwiGLU inside down),
+``qkv_rope_cache`` (RoPE and the cache write in the q/k/v GEMV's store), ``gemv_pdl`` (the GEMVs as programmatic
+dependent launches, sm_90), ``early_attention`` and ``fused_attention_merge`` (see ``paged_attention``).
+
+``check(config)`` refuses a plan a family cannot run (the Triton RMSNorm computes ``x * w``, not Gemma's
+``x * (1 + w)``; the attention kernels have no sliding window; ...); ``fit(config)`` turns those parts back to
+torch instead; ``for_device`` gives the default plan of a device, fitted to a config when one is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from labkit.model.config import ModelConfig
+
+KERNELS = ("torch", "triton")
+_OPS = ("norm", "rope", "attention", "activation")
+
+
+@dataclass(frozen=True)
+class FusionPlan:
+    """Kernel per op and the fusions across ops (module docstring); the default is all torch, weights merged."""
+
+    norm: str = "torch"
+    rope: str = "torch"
+    attention: str = "torch"
+    activation: str = "torch"
+    merge_qkv: bool = True
+    merge_gate_up: bool = True
+    rope_cache_write: bool = False
+    quant_epilogues: bool = False
+    qkv_rope_cache: bool = False
+    gemv_pdl: bool = False
+    early_attention: bool = False
+    fused_attention_merge: bool = False
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in _OPS:
+                if v not in KERNELS:
+                    raise ValueError(f"{f.name}={v!r} is unknown; allowed: {KERNELS}")
+            elif not isinstance(v, bool):
+                raise ValueError(f"{f.name}={v!r} must be True or False")
+        needs = (("rope_cache_write", self.rope == "triton", "rope='triton'"),
+                 ("quant_epilogues", self.merge_qkv and self.merge_gate_up, "merge_qkv and merge_gate_up"),
+                 ("qkv_rope_cache", self.quant_epilogues, "quant_epilogues"),
+                 ("gemv_pdl", self.quant_epilogues, "quant_epilogues"),
+                 ("early_attention", self.gemv_pdl and self.attention == "triton", "gemv_pdl and attention='triton'"),
+                 ("fused_attention_merge", self.attention == "triton", "attention='triton'"))
+        for name, ok, what in needs:
+            if getattr(self, name) and not ok:
+                raise ValueError(f"{name}=True needs {what}")
+
+    @classmethod
+    def for_device(cls, device: str | torch.device, config: ModelConfig | None = None,
+                   quantised: bool = False) -> FusionPlan:
+        """The default plan: torch on the CPU; on CUDA every op in Triton, RoPE fused with the cache write, and
+        with ``quantised`` weights the epilogue fusions (PDL on sm_90 and newer). Fitted to ``config`` if given."""
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            plan = cls()
+        else:
+            pdl = quantised and torch.cuda.get_device_capability(dev)[0] >= 9
+            plan = cls(norm="triton", rope="triton", attention="triton", activation="triton", rope_cache_write=True,
+                       quant_epilogues=quantised, qkv_rope_cache=quantised, gemv_pdl=pdl)
+        return plan if config is None else plan.fit(config)
+
+    def conflicts(self, config: ModelConfig) -> dict[str, str]:
+        """The fields this plan sets that ``config``'s family cannot run, each with the reason."""
+        out = {}
+        if config.norm_offset and self.norm == "triton":
+            out["norm"] = f"{config.model_type}'s RMSNorm is x * (1 + w); the Triton rms_norm computes x * w"
+        if config.norm_offset and self.quant_epilogues:
+            out["quant_epilogues"] = "the fused epilogues fold an x * w RMSNorm"
+        if config.hidden_act != "silu":
+            for name in ("activation", "quant_epilogues"):
+                if getattr(self, name) not in ("torch", False):
+                    out[name] = f"hidden_act={config.hidden_act!r}: the kernels fuse SiLU only"
+        if config.rotary_dim != config.head_dim:
+            for name in ("rope", "rope_cache_write", "qkv_rope_cache"):
+                if getattr(self, name) not in ("torch", False):
+                    out[name] = f"partial rotary (rotary_dim={config.rotary_dim} of {config.head_dim})"
+        if config.sliding_window is not None:
+            for name in ("attention", "early_attention", "fused_attention_merge"):
+                if getattr(self, name) not in ("torch", False):
+                    out[name] = f"sliding_window={config.sliding_window}: the attention kernels have no window"
+        if self.qkv_rope_cache and (config.qk_norm or config.qkv_bias):
+            out["qkv_rope_cache"] = "q/k norm or q/k/v bias sits between the GEMV and RoPE"
+        return out
+
+    def check(self, config: ModelConfig, device: str | torch.device | None = None,
+              dtype: torch.dtype | None = None) -> None:
+        """Raise ``ValueError`` naming every field ``config`` cannot run (and Triton attention in bf16 on the CPU,
+        whose interpreter gets ``tl.dot`` on bf16 wrong)."""
+        bad = self.conflicts(config)
+        if device is not None and torch.device(device).type == "cpu" and dtype == torch.bfloat16 \
+                and self.attention == "triton":
+            bad["attention"] = "Triton's CPU interpreter computes tl.dot on bf16 wrongly; use fp32/fp16 or 'torch'"
+        if bad:
+            raise ValueError("FusionPlan does not fit model_type=" + repr(config.model_type) + ": "
+                             + "; ".join(f"{k}: {v}" for k, v in bad.items()))
+
+    def fit(self, config: ModelConfig) -> FusionPlan:
+        """This plan with every field ``config`` cannot run turned back to torch / off (and what depends on it)."""
+        off = {k: ("torch" if k in _OPS else False) for k in self.conflicts(config)}
+        d = {**self.__dict__, **off}
+        if d["rope"] == "torch":
+            d["rope_cache_write"] = False
+        if not d["quant_epilogues"]:
+            d.update(qkv_rope_cache=False, gemv_pdl=False)
+        if d["attention"] == "torch" or not d["gemv_pdl"]:
+            d["early_attention"] = False
+        if d["attention"] == "torch":
+            d["fused_attention_merge"] = False
+        return replace(self, **d)

@@ -1,0 +1,148 @@
+"""The decoder's layers: RMSNorm, the gated MLP, attention with grouped-query heads, and the decoder layer.
+
+Each layer computes what the family's HF module computes, in the same dtype at each step (so bf16 rounds as HF
+rounds): RMSNorm in float32 and cast back (Llama: cast, then ``* w``; Gemma: ``* (1 + w)`` in float32, then cast),
+RoPE's cos/sin cast to the activations' dtype, attention's softmax in float32.
+
+Weights live in one merged ``qkv_proj`` (rows: q, k, v) and one ``gate_up_proj`` (rows: gate, up) unless the
+model is built with ``merge_qkv=False`` / ``merge_gate_up=False``, which keeps HF's separate projections.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from labkit.kvcache.paged import PagedKVCache
+from labkit.model.attention import AttentionMetadata, causal_attention, paged_attention
+from labkit.model.config import ModelConfig
+from labkit.model.rope import apply_rope
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * w`` (Llama, Qwen, Mistral, Phi-3) or ``* (1 + w)`` with ``offset=1.0`` (Gemma), over the
+    last dim, in float32; returns ``x``'s dtype."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:  # Gemma multiplies in float32 and casts last
+            return (h * (self.offset + self.weight.float())).to(x.dtype)
+        return self.weight * h.to(x.dtype)  # Llama casts first, then multiplies in the weight's dtype
+
+
+def activation(name: str):
+    """The MLP's activation by HF name: 'silu', 'gelu' (exact), 'gelu_pytorch_tanh' / 'gelu_new' (tanh)."""
+    if name == "silu":
+        return F.silu
+    if name == "gelu":
+        return F.gelu
+    if name in ("gelu_pytorch_tanh", "gelu_new"):
+        return lambda x: F.gelu(x, approximate="tanh")
+    raise ValueError(f"hidden_act={name!r} is not supported")
+
+
+class MLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg: ModelConfig, merged: bool = True):
+        super().__init__()
+        h, i, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.merged = merged
+        if merged:
+            self.gate_up_proj = nn.Linear(h, 2 * i, bias=bias)
+        else:
+            self.gate_proj = nn.Linear(h, i, bias=bias)
+            self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.act = activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.merged:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.act(gate) * up)
+
+
+class Attention(nn.Module):
+    """Projections, optional per-head q/k RMSNorm (Qwen3), RoPE, then attention: dense and causal over the
+    sequence (``forward``) or over the paged cache (``forward_paged``), with the layer's sliding window if any."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, merged: bool = True):
+        super().__init__()
+        self.layer, self.window = layer, cfg.window(layer)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.scale = cfg.head_dim ** -0.5
+        self.merged = merged
+        if merged:
+            self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        else:
+            self.q_proj = nn.Linear(cfg.hidden_size, self.q_size, bias=cfg.qkv_bias)
+            self.k_proj = nn.Linear(cfg.hidden_size, self.kv_size, bias=cfg.qkv_bias)
+            self.v_proj = nn.Linear(cfg.hidden_size, self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` ``[..., hidden]`` -> q ``[..., heads, head_dim]``, k and v ``[..., kv_heads, head_dim]``, RoPE
+        applied to q and k."""
+        if self.merged:
+            q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        lead = x.shape[:-1]
+        q = q.reshape(*lead, self.num_heads, self.head_dim)
+        k = k.reshape(*lead, self.num_kv_heads, self.head_dim)
+        v = v.reshape(*lead, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Dense: ``x`` ``[batch, T, hidden]``, cos/sin ``[batch, T, rotary_dim]`` -> ``[batch, T, hidden]``."""
+        q, k, v = self.qkv(x, cos, sin)
+        out = causal_attention(q, k, v, self.scale, self.window)
+        return self.o_proj(out.reshape(*x.shape[:-1], self.q_size))
+
+    def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKVCache,
+                      meta: AttentionMetadata) -> torch.Tensor:
+        """Paged: ``x`` ``[num_tokens, hidden]``; k and v are written at ``meta.slot_mapping`` first, then every
+        query attends over its sequence's cached tokens. Returns ``[num_tokens, hidden]``."""
+        q, k, v = self.qkv(x, cos, sin)
+        cache.write(self.layer, meta.slot_mapping, k, v)
+        out = paged_attention(q, cache, self.layer, meta, self.scale, self.window)
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``h + attn(norm(h))``, then ``h + mlp(norm(h))``."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, merge_qkv: bool = True, merge_gate_up: bool = True):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.self_attn = Attention(cfg, layer, merge_qkv)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.mlp = MLP(cfg, merge_gate_up)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKVCache | None = None,
+                meta: AttentionMetadata | None = None) -> torch.Tensor:
+        """``h`` ``[batch, T, hidden]`` (dense) or ``[num_tokens, hidden]`` with ``cache`` and ``meta`` (paged)."""
+        x = self.input_layernorm(h)
+        if cache is None:
+            h = h + self.self_attn(x, cos, sin)
+        else:
+            h = h + self.self_attn.forward_paged(x, cos, sin, cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
