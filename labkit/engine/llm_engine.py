@@ -35,6 +35,7 @@ from labkit.engine.workload import RequestSpec
 from labkit.kvcache import PagedKVCache
 
 CLOCKS = ("virtual", "real")
+"""Serving clocks: 'virtual' (arrivals in model time, reproducible) or 'real' (wall clock)."""
 
 
 @dataclass(frozen=True)

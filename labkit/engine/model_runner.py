@@ -33,6 +33,7 @@ from labkit.kvcache import PagedKVCache, dequantised_blocks, paged_decode_attent
 from labkit.quant import concat_linears
 
 KERNELS = ("auto", "torch", "triton")
+"""Kernel choices of the ModelRunner ('auto': Triton on CUDA, torch on the CPU)."""
 
 
 def uses_triton(kernels: str, device: torch.device) -> bool:

@@ -36,7 +36,9 @@ from labkit.engine.sequence import Sequence, SequenceStatus, TokenOutput
 from labkit.kvcache import CacheFullError, PagedKVCache, SwapSpace
 
 SCHEDULERS = ("fifo", "static", "continuous")
+"""Scheduling policies of the engine."""
 PREEMPTION_MODES = ("recompute", "swap")
+"""What preemption does with a victim's KV: drop and recompute, or swap to host memory."""
 
 
 @dataclass

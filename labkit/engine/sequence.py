@@ -17,12 +17,16 @@ from labkit.engine.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
+    """Where a sequence is in its life: waiting (holds no blocks), running (holds blocks), finished."""
+
     WAITING = "waiting"  # queued, or preempted and queued again; holds no cache blocks
     RUNNING = "running"  # admitted: holds cache blocks
     FINISHED = "finished"
 
 
 class FinishReason(enum.StrEnum):
+    """Why a sequence finished."""
+
     STOP = "stop"  # a stop token (or EOS) came out
     LENGTH = "length"  # max_tokens reached
 

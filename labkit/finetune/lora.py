@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 # Every linear layer inside a Llama decoder layer (the QLoRA paper's choice: adapt all of them, not only q and v).
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The Llama linear layers LoRA can target."""
 
 
 def _is_linear4bit(module: nn.Module) -> bool:

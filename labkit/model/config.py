@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
+"""The model families labkit.model builds (HF ``model_type`` values)."""
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+"""RoPE scalings labkit.model implements (HF ``rope_scaling['rope_type']``)."""
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 

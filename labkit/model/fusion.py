@@ -31,6 +31,7 @@ import torch
 from labkit.model.config import ModelConfig
 
 KERNELS = ("torch", "triton")
+"""Kernel sets a FusionPlan may choose per op."""
 _OPS = ("norm", "rope", "attention", "activation")
 
 

@@ -32,6 +32,7 @@ logger = logging.getLogger("labkit.model")
 
 # Our merged projection -> the HF projections whose rows it holds, in order.
 MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+"""Merged projections of labkit.model and the HF tensors concatenated into each."""
 # Tensors some checkpoints carry that are not weights (recomputed here): ignored when present.
 IGNORED = ("rotary_emb.inv_freq",)
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from labkit.parallel.pipeline import LlamaStage, isend, recv, wait_all
 
 SCHEDULES = ("gpipe", "1f1b")
+"""Pipeline-parallel schedules."""
 
 
 @dataclass

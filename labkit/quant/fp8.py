@@ -21,7 +21,9 @@ from torch import nn
 from labkit.quant.weight_only import _check_weight
 
 FP8_DTYPE = torch.float8_e4m3fn
+"""The FP8 format of weights and activations (e4m3, no infinities)."""
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+"""Largest finite e4m3 value (448): scales map each row's absolute maximum to it."""
 BACKENDS = ("auto", "scaled_mm", "emulated")
 _TINY = 1e-12  # keeps an all-zero row from dividing by zero (its codes are zero whatever the scale)
 

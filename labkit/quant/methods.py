@@ -42,6 +42,7 @@ from labkit.quant.weight_only import Int4Linear, Int8Linear, _check_group
 METHODS = ("int8", "int4", "gptq", "bnb-int8", "bnb-nf4", "fp8")
 """The ``method`` names ``quantize`` takes."""
 HEAD_METHODS = ("int8", "int4", "fp8")  # ``lm_head=<method>``: round-to-nearest methods that need no calibration
+"""Methods ``quantize(..., lm_head=method)`` may apply to the LM head."""
 _COMMON = {"lm_head": False, "inplace": False}
 _OPTIONS: dict[str, dict] = {
     "int8": {"backend": "auto"},
@@ -54,6 +55,7 @@ _OPTIONS: dict[str, dict] = {
     "fp8": {"backend": "auto"},
 }
 CALIB_SPLITS = ("calib", "train", "task_train")  # never a held-out split: that would grade on the answers
+"""Dataset splits a calibrated method may read."""
 
 
 def _options(method: str, given: dict) -> dict:

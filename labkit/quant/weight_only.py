@@ -27,7 +27,9 @@ from torch import nn
 from labkit.kernels.quantized_matmul.packing import dequantize_int4, dequantize_int8, pack_int4
 
 INT8_QMAX = 127
+"""Largest int8 code of symmetric weight quantisation (codes in [-127, 127])."""
 INT4_QMAX = 15
+"""Largest unsigned int4 code (codes in [0, 15], zero point 8)."""
 BACKENDS = ("auto", "torch", "triton")
 
 
