@@ -10,7 +10,7 @@ both CUDA-graph replays:
   short), then every (range count, tile) passed as arguments (``num_splits``, ``config``);
 * ``engine``: the int4 llama-3-8b engine step (``runner_step``, notebook 04's) with the default policy, twice.
 
-Found (results/h200/records/attention_splits_4aec4fc.json): 33 ranges of >= 16 tokens took the engine step
+Found (research/records/h200/attention_splits_4aec4fc.json): 33 ranges of >= 16 tokens took the engine step
 2.193/2.219 -> 2.130/2.158 ms against 8 ranges of >= 64 (``auto_num_splits(min_split_tokens=)``, 16 since). The
 variants that record also timed (the autotuner's tile for short ranges, the general loop for ranges of one tile,
 the merge folded into the split kernel) were removed from the kernel or lost (the fused merge: 2.332 against

@@ -11,7 +11,7 @@ records/gemv_study_xs_weights_first_ed7fefb.json). With one slice (``SPLIT_P2 ==
 stores its rows; otherwise partials go to the float32 workspace ``[slices, N]`` and the last slice of a row chunk to
 arrive (an atomic counter) sums all slices in slice order (``SPLIT_P2 >= slices``, ``RED_ROWS`` rows at a time),
 writes the rows and resets its counter. sm_90 loop (int4, word pairs): 2.4-2.5 instructions per weight, 68-96
-registers, no barrier (results/cpu/records/sass_xs_pair_words.json). H200, 14336 x 4096 int4 after a kernel that
+registers, no barrier (research/records/cpu/sass_xs_pair_words.json). H200, 14336 x 4096 int4 after a kernel that
 writes its activations: 12.98 us against 7.3 us for its bytes at copy bandwidth
 (records/gemv_study_pairs_f65fe09.json).
 
@@ -124,7 +124,7 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
     lrows = (pid_n * ROWS + tl.arange(0, BLOCK_N)).to(tl.int64)  # the logical rows of this program's first block
     n64 = _rope_rows(pid_n * ROW_STEPS, BLOCK_N, ROPE_HALF) if ROPE_HALF > 0 else lrows  # and the weights' rows
     # the weights as 2-D rows of the slice's contiguous words, viewed as [rows, groups, words] only for the math
-    # (a 3-D load took 128 registers under Triton 3.6, results/cpu/records/sass_xs.json)
+    # (a 3-D load took 128 registers under Triton 3.6, research/records/cpu/sass_xs.json)
     p_ptrs = p_ptr + pid_k.to(tl.int64) * stride_pk + n64[:, None] * stride_pn + tl.arange(0, BLOCK_G * WORDS)[None, :]
     s_ptrs = s_ptr + pid_k.to(tl.int64) * stride_sk + n64[:, None] * stride_sn + gl[None, :]
     z_ptrs = z_ptr + pid_k.to(tl.int64) * stride_zk + n64[:, None] * stride_zn + gl[None, :]
@@ -184,7 +184,7 @@ def _w8_gemv_xs(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr, res_p
     ``[N]``; strides in words, ``stride_wk`` from one slice to the next. Packed float16 pairs (``_w8_pair_dot``: word
     p of the slice's first half with word p of its second; ``HALF_MATH`` 1 PTX, 2 emulated), the slice's activations
     scaled by one power of two into [32, 64); sm_90: 3.3-3.7 loop instructions per weight
-    (results/cpu/records/sass_w8xs.json). Each slice's partial sum is scaled by its row's scale before the slices are
+    (research/records/cpu/sass_w8xs.json). Each slice's partial sum is scaled by its row's scale before the slices are
     summed."""
     WORDS: tl.constexpr = BLOCK_K // 4
     ROWS: tl.constexpr = BLOCK_N * ROW_STEPS

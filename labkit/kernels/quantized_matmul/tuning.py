@@ -12,7 +12,7 @@ Where the tables come from (results/h200/records/, each GEMV timed as CUDA-graph
   N <= 8192, each GEMV after a kernel that writes its activations, as in a decode step (k/v 6.16 -> 5.60 us, o
   8.24 -> 7.96, qkv 9.83 -> 9.37; gemv_study_xs_step_7b7213b.json, gemv_study_xs_tiles_5885d9a.json). A GEMV with
   the RMSNorm in its prologue takes the split tile: a whole-K program holds its row's statistic too (96 registers
-  on sm_90 against 72, results/cpu/records/sass_xs.json) and lost 1.2 us (gemv_study_fused_ed2d5a7.json).
+  on sm_90 against 72, research/records/cpu/sass_xs.json) and lost 1.2 us (gemv_study_fused_ed2d5a7.json).
 * Row blocks per program: the most that leave every SM ``warps_per_sm`` warps (whole-K programs) or
   ``split_warps_per_sm`` (programs on slices of K). 22 for slices: half the row steps of the old rule of 11 made
   gate_up 25.89 -> 22.93 us, down 16.32 -> 13.96, 14336 x 4096 15.82 -> 13.80 (gemv_study_step_e38a902.json); a
