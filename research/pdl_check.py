@@ -1,8 +1,9 @@
 """Does the int4 engine give the same logits with programmatic dependent launch (``gemv_pdl``) as without?
 
 On the H200 the 8B int4 engine test gave logits 1.4 (relative) away from the separate kernels' when the PDL engine
-was the first int4 engine of its pytest process, and matched bit for bit when a plain engine ran first
-(the journal, now `git show e26e84e:results/h200/NOTES.md`, 2026-12-04 (e)). Each variant here runs in a fresh process, on two layers of llama-3-8b
+was the first int4 engine of its pytest process, and matched bit for bit when a plain engine ran first (the
+journal, now `git show e26e84e:results/h200/NOTES.md`, 2026-12-04 (e)). Each variant here runs in a fresh process,
+on two layers of llama-3-8b
 in int4, the same prompt and forced continuation for every engine (so every step's logits compare), decode
 attention in one pass (``max_model_len`` 64) and split (1024):
 
