@@ -107,7 +107,7 @@ class ModelRunner:
                              "(use cuda_graphs='auto' or False)")
         if cuda_graphs and self._dequantise:
             raise ValueError(f"cuda_graphs=True needs a cache stored in the model's dtype; this one is "
-                             f"{cache_name(self.cache)} (dequantised per step, not capturable)")
+                             f"{self.cache.fmt.name} (dequantised per step, not capturable)")
         return bool(cuda_graphs)
 
     # --- inputs ---------------------------------------------------------------------------------------------
@@ -174,7 +174,3 @@ class ModelRunner:
         meta = AttentionMetadata(inp.slot_mapping, inp.block_tables, inp.context_lens, inp.query_start_loc,
                                  inp.num_decode, rows)
         return self.model.forward_paged(inp.input_ids, inp.positions, self.cache, meta)
-
-
-def cache_name(cache: PagedKVCache) -> str:
-    return cache.fmt.name

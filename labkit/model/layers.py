@@ -204,7 +204,3 @@ class DecoderLayer(nn.Module):
         stream = projection(self.self_attn.o_proj, attn, residual=stream, pdl=overlap)
         gate_up = projection(self.mlp.gate_up_proj, stream, norm=self.post_attention_layernorm, pdl=overlap)
         return projection(self.mlp.down_proj, gate_up, swiglu=True, residual=stream, pdl=overlap)
-
-    def projections(self) -> list[nn.Module]:
-        """The layer's linear modules."""
-        return [m for m in self.modules() if m is not self and not list(m.children()) and hasattr(m, "in_features")]

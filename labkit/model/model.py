@@ -42,7 +42,8 @@ class Transformer(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         if self.cfg.embed_scale is not None:  # Gemma: the scale rounded to the weights' dtype, as HF rounds it
-            h = h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype, device=h.device)
+            # (a CPU scalar tensor: no host-to-device copy, so the step stays capturable in a CUDA graph)
+            h = h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype)
         return h
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
