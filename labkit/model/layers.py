@@ -104,16 +104,9 @@ class Attention(nn.Module):
             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` ``[..., hidden]`` -> q ``[..., heads, head_dim]``, k and v ``[..., kv_heads, head_dim]``, RoPE
         applied to q and k."""
-        if self.merged:
-            q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         lead = x.shape[:-1]
-        q = q.reshape(*lead, self.num_heads, self.head_dim)
-        k = k.reshape(*lead, self.num_kv_heads, self.head_dim)
-        v = v.reshape(*lead, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        heads = self.qkv_heads(self.qkv_out(x.reshape(-1, x.shape[-1])))
+        q, k, v = (t.view(*lead, *t.shape[1:]) for t in heads)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -129,6 +122,7 @@ class Attention(nn.Module):
         return self.o_proj(self.attend(*self.qkv_heads(self.qkv_out(x)), cos, sin, cache, meta, plan))
 
     def qkv_out(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projections of ``x`` ``[T, hidden]``: one merged ``[T, q + 2 kv]`` or three tensors."""
         return self.qkv_proj(x) if self.merged else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
 
     def qkv_heads(self, out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -148,7 +142,8 @@ class Attention(nn.Module):
         q, k = rope_and_write(q, k, v, cos, sin, cache, self.layer, meta.slot_mapping, plan)
         return self._paged(q, cache, meta, plan, pdl)
 
-    def _paged(self, q, cache, meta, plan, pdl=""):
+    def _paged(self, q: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata, plan: FusionPlan,
+               pdl: str = "") -> torch.Tensor:
         out = paged_attention(q, cache, self.layer, meta, self.scale, self.window, plan.attention, pdl)
         return out.reshape(q.shape[0], self.q_size)
 
