@@ -84,7 +84,9 @@ def _logits(model, tokens: list[int], max_len: int, options: dict, nan: bool = F
     cache = PagedKVCache.for_model(model, num_blocks=-(-len(tokens) // 4) + 2, block_size=4)
     for pool in cache.k_caches + cache.v_caches if nan else ():
         pool.fill_(float("nan"))
-    runner = ModelRunner(model, cache, kernels="triton", max_num_seqs=1, max_model_len=max_len, **options)
+    from labkit.experiments.batching.measure import plan_options
+
+    runner = ModelRunner(model, cache, kernels=plan_options(model, **options), max_num_seqs=1, max_model_len=max_len)
     cache.allocate(0, tokens[:PROMPT])
     out = [runner.execute([0], [PROMPT], 0).float().cpu()]
     for t in tokens[PROMPT:PROMPT + STEPS]:

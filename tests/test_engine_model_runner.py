@@ -2,6 +2,8 @@
 forward; the Triton path (through the interpreter on the CPU) against the torch path; padded batches (as CUDA graphs
 run them) leave real rows and other sequences' cache untouched."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from labkit.data import sample_prompts
 from labkit.engine.model_runner import ModelRunner
 from labkit.evaluate import relative_error
 from labkit.kvcache import PagedKVCache
+from labkit.model import FusionPlan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -73,7 +76,8 @@ def test_triton_path_matches_torch_path(tiny_model, prompts):
     before = hf_last_logits(model, prompts[0])
     cache = nan_cache(model, num_blocks=24, block_size=4)
     runner = ModelRunner(model, cache, kernels="triton")
-    assert runner.merged and runner.use_triton
+    assert runner.model.merge_qkv and runner.use_triton and runner.plan.norm == "triton"
+    assert not runner.plan.quant_epilogues  # float weights: the epilogue fusions do not apply
     got = run_steps(runner, cache, short)
     for (a, _), (b, _) in zip(got, ref):
         assert relative_error(a, b) <= 1e-5
@@ -91,14 +95,18 @@ def test_quantised_projections_merge(tiny_model, prompts, method):
     qmodel = quantize(tiny_model[0], method)
     short = [prompts[0][:12], prompts[1], prompts[2][:5]]
     ref_cache = nan_cache(qmodel, num_blocks=24, block_size=4)
-    ref = run_steps(ModelRunner(qmodel, ref_cache, kernels="triton", merge_weights=False), ref_cache, short)
+    separate = replace(FusionPlan.triton(), merge_qkv=False, merge_gate_up=False, quant_epilogues=False,
+                       qkv_rope_cache=False, gemv_pdl=False)
+    ref = run_steps(ModelRunner(qmodel, ref_cache, kernels=separate), ref_cache, short)
     cache = nan_cache(qmodel, num_blocks=24, block_size=4)
     runner = ModelRunner(qmodel, cache, kernels="triton")
-    assert runner.merged and type(runner.w_qkv[0]) is {"int8": Int8Linear, "int4": Int4Linear}[method]
-    # both fold their neighbours by default (float32: the separate kernels, inside fused_forward); False keeps them out
-    assert runner.fused_layer_ops
-    assert not ModelRunner(qmodel, nan_cache(qmodel, num_blocks=24, block_size=4), kernels="triton",
-                           fuse_layer_ops=False).fused_layer_ops
+    qkv = runner.model.model.layers[0].self_attn.qkv_proj
+    assert runner.model.merge_qkv and type(qkv) is {"int8": Int8Linear, "int4": Int4Linear}[method]
+    # both fold their neighbours by default (float32 on the CPU: the separate ops, in labkit.model.ops.projection);
+    # a plan without quant_epilogues keeps them out
+    assert runner.plan.quant_epilogues
+    assert not ModelRunner(qmodel, nan_cache(qmodel, num_blocks=24, block_size=4), kernels=plan(False)
+                           ).plan.quant_epilogues
     for (a, _), (b, _) in zip(run_steps(runner, cache, short), ref):
         assert relative_error(a, b) <= 1e-5
 
@@ -196,13 +204,20 @@ def _wide_tiles(qmodel) -> None:
             m.tuning = tuning
 
 
+def plan(fuse: bool, qkv_rope: bool = True, pdl: bool = True) -> FusionPlan:
+    """The Triton plan with the int8/int4 epilogue fusions on (and RoPE in the q/k/v GEMV, PDL as given) or off."""
+    return replace(FusionPlan.triton(), quant_epilogues=fuse, qkv_rope_cache=fuse and qkv_rope, gemv_pdl=fuse and pdl)
+
+
 def decode_logits(model, prompt, steps: int, fuse: bool, feed: list[int] | None = None,
                   **kw) -> list[torch.Tensor]:
-    """Logits of a prompt's step and of ``steps`` single-sequence decode steps, ``fuse_layer_ops`` as given, each
-    step fed the last one's argmax (greedy) or, with ``feed``, the next of those tokens."""
+    """Logits of a prompt's step and of ``steps`` single-sequence decode steps, the epilogue fusions on (``fuse``:
+    ``plan(fuse, fuse_qkv_rope, gemv_pdl)``) or off, each step fed the last one's argmax (greedy) or, with ``feed``,
+    the next of those tokens."""
     cache = nan_cache(model, num_blocks=-(-(len(prompt) + steps) // 4) + 2, block_size=4)  # + a graph's scratch
-    runner = ModelRunner(model, cache, kernels="triton", fuse_layer_ops=fuse, **kw)
-    assert runner.fused_layer_ops == fuse
+    fusion = plan(fuse, kw.pop("fuse_qkv_rope", True), kw.pop("gemv_pdl", True))
+    runner = ModelRunner(model, cache, kernels=fusion, **kw)
+    assert runner.plan.quant_epilogues == fuse
     cache.allocate(0, prompt)
     logits = [runner.execute([0], [len(prompt)], 0)]
     for i in range(steps):
@@ -310,12 +325,12 @@ def test_bad_arguments(tiny_model):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA device"):
             ModelRunner(model, cache, cuda_graphs=True)
-    with pytest.raises(ValueError, match="does not match the model"):
+    with pytest.raises(ValueError, match="this model needs"):
         ModelRunner(model, PagedKVCache(8, 2, 32, 4, 4))
-    with pytest.raises(TypeError, match="Llama-family"):
+    with pytest.raises(TypeError, match="HF causal LM"):
         ModelRunner(torch.nn.Linear(2, 2), cache)
-    with pytest.raises(ValueError, match="fuse_layer_ops='auto'; allowed: True, False"):
-        ModelRunner(model, cache, fuse_layer_ops="auto")
+    with pytest.raises(ValueError, match="quant_epilogues='auto' must be True or False"):
+        ModelRunner(model, cache, kernels=FusionPlan(quant_epilogues="auto"))
     runner = ModelRunner(model, cache, kernels="torch", max_model_len=8)
     cache.allocate("long", list(range(3, 15)))
     with pytest.raises(ValueError, match="more than max_model_len=8"):
@@ -370,7 +385,7 @@ def test_cuda_quantised_cache_kernels_match_the_torch_path(tiny_model, prompts, 
         logits = {}
         for kernels in ("torch", "triton"):
             cache = PagedKVCache.for_model(model, num_blocks=40, block_size=16, kv_dtype=kv_dtype)
-            runner = ModelRunner(model, cache, kernels=kernels, cuda_graphs=False, merge_weights=False)
+            runner = ModelRunner(model, cache, kernels=kernels, cuda_graphs=False)
             for i, p in enumerate(prompts):
                 cache.allocate(i, p)
             first = runner.execute([0, 1, 2], [len(p) for p in prompts], 0)

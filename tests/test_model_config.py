@@ -132,8 +132,11 @@ def test_fusion_plan_validation_and_fit():
     with pytest.raises(ValueError, match="qkv_rope_cache=True needs quant_epilogues"):
         FusionPlan(qkv_rope_cache=True)
     full = FusionPlan(norm="triton", rope="triton", attention="triton", activation="triton", rope_cache_write=True,
-                      quant_epilogues=True, qkv_rope_cache=True, gemv_pdl=True, early_attention=True,
-                      fused_attention_merge=True)
+                      quant_epilogues=True, qkv_rope_cache=True, gemv_pdl=True)
+    assert full == FusionPlan.triton() == FusionPlan.named("triton", "cpu") and full.uses_triton
+    assert FusionPlan.named("auto", "cpu") == FusionPlan.named("torch", "cpu") == FusionPlan()
+    with pytest.raises(ValueError, match="kernels='cuda' is unknown"):
+        FusionPlan.named("cuda", "cpu")
     llama = ModelConfig.from_dict(RAW)
     full.check(llama)
     assert full.fit(llama) == full
@@ -141,12 +144,12 @@ def test_fusion_plan_validation_and_fit():
     with pytest.raises(ValueError, match="norm: gemma's RMSNorm is x \\* \\(1 \\+ w\\)"):
         full.check(gemma)
     g = full.fit(gemma)
-    assert (g.norm, g.activation, g.quant_epilogues, g.qkv_rope_cache, g.gemv_pdl, g.early_attention) == \
-        ("torch", "torch", False, False, False, False)
+    assert (g.norm, g.activation, g.quant_epilogues, g.qkv_rope_cache, g.gemv_pdl) == \
+        ("torch", "torch", False, False, False)
     assert g.attention == "triton" and g.rope_cache_write
     mistral = ModelConfig.from_dict({**RAW, "model_type": "mistral", "sliding_window": 8})
     m = full.fit(mistral)
-    assert (m.attention, m.early_attention, m.fused_attention_merge, m.norm) == ("torch", False, False, "triton")
+    assert (m.attention, m.norm) == ("torch", "triton")
     phi = ModelConfig.from_dict({**RAW, "model_type": "phi3", "partial_rotary_factor": 0.5})
     assert (full.fit(phi).rope, full.fit(phi).rope_cache_write) == ("torch", False)
     qwen3 = ModelConfig.from_dict({**RAW, "model_type": "qwen3"})

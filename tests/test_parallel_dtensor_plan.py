@@ -31,3 +31,29 @@ def test_dtensor_plan_equals_hand_written_tp():
         assert res["plan_vs_single_rel_err"] < 1e-5
         assert torch.equal(res["tokens_plan"], res["tokens_hand"])
         assert res["local_q_proj_shape"] == (128, 256)  # 2 of 4 heads x head_dim 64
+
+
+def labkit_dtensor_check(rank: int, world_size: int, prompt_ids: torch.Tensor) -> dict:
+    """One rank: labkit.model's decoder (separate projections) under the DTensor plan against the unsharded one."""
+    from labkit.evaluate import relative_error
+    from labkit.model import load_checkpoint
+    from labkit.parallel import dtensor_tensor_parallel
+
+    model = load_checkpoint(dtype=torch.float32, merge_qkv=False, merge_gate_up=False)
+    with torch.no_grad():
+        ref = model(prompt_ids)
+        got = dtensor_tensor_parallel(model)(prompt_ids)
+    return {"rel_err": relative_error(got, ref), "heads": model.model.layers[0].self_attn.num_heads}
+
+
+@pytest.mark.distributed
+def test_dtensor_plan_on_labkit_model():
+    from labkit.model import load_checkpoint
+
+    prompt = torch.randint(8192, (2, 11), generator=torch.Generator().manual_seed(4))
+    for res in launch(labkit_dtensor_check, 2, prompt, backend="gloo", timeout_s=180):
+        assert res["rel_err"] < 1e-5 and res["heads"] == 2
+    with pytest.raises(ValueError, match="merge_qkv=False"):
+        from labkit.parallel.dtensor_plan import _labkit_ready
+
+        _labkit_ready(load_checkpoint(), 2)

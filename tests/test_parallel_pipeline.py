@@ -92,3 +92,30 @@ def test_pipeline_on_nccl():
     out = launch(pp_check, 2, prompt, max_new_tokens=5, num_microbatches=2, backend="nccl", timeout_s=300)
     assert out[-1]["logits_rel_err"] < 1e-5
     assert all(torch.equal(r["tokens"], r["ref_tokens"]) for r in out)
+
+
+def labkit_pp_check(rank: int, world_size: int, prompt: torch.Tensor, max_new_tokens: int = 5,
+                    num_microbatches: int = 1) -> dict:
+    """One rank: its stage (a layer range) of labkit.model's decoder of the embedded model, greedy decoding through
+    the pipeline (each stage on its own paged cache), and HF ``generate`` of the same checkpoint."""
+    from labkit.model import load_checkpoint
+    from labkit.models import load_model
+    from labkit.parallel.pipeline import LabkitStage, build_stage, pipeline_generate
+
+    hf, _ = load_model()
+    ref = hf.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    stage = build_stage(load_checkpoint(dtype=torch.float32), rank, world_size)
+    assert isinstance(stage, LabkitStage)
+    tokens = pipeline_generate(stage, prompt, max_new_tokens, num_microbatches)
+    return {"tokens": tokens, "ref_tokens": ref, "layers": list(stage.layer_ids)}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world, batch, m", [(2, 2, 2), (3, 3, 1)])
+def test_labkit_model_pipeline_matches_hf(world, batch, m):
+    """labkit.model split by layer ranges over 2 and 3 gloo ranks (micro-batched or not): HF's greedy tokens."""
+    prompt = torch.randint(8192, (batch, 9), generator=torch.Generator().manual_seed(7))
+    out = launch(labkit_pp_check, world, prompt, num_microbatches=m, backend="gloo", timeout_s=240)
+    assert sorted(i for r in out for i in r["layers"]) == list(range(8))
+    for res in out:
+        assert torch.equal(res["tokens"], res["ref_tokens"])

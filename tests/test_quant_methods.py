@@ -109,3 +109,27 @@ def test_cuda_quantised_model_generates(method):
     model, tok = load_model(device="cuda", dtype=torch.bfloat16)
     qmodel = quantize(model, method)
     assert len(_greedy(qmodel.cuda(), tok)) == 8
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_labkit_model_layers_swapped_by_name_and_served(tiny_model, method):
+    """``quantize`` on labkit's own decoder swaps each layer's qkv_proj, o_proj, gate_up_proj and down_proj (and
+    the LM head by ``lm_head=``, untying it in a frozen config); the engine serves it, the epilogue fusions on, with
+    the greedy tokens of the HF model quantised the same way (the same weights: RTN is row-wise)."""
+    from labkit.engine import LLMEngine, SamplingParams
+    from labkit.model import load_checkpoint
+    from labkit.models import EMBEDDED_MODEL_DIR
+
+    ours = load_checkpoint(EMBEDDED_MODEL_DIR, dtype=torch.float32)
+    qours = quantize(ours, method, lm_head="int8")
+    swapped = {n.rsplit(".", 1)[-1] for n, m in qours.named_modules() if isinstance(m, (Int8Linear, Int4Linear))}
+    assert swapped == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
+    assert not qours.config.tie_word_embeddings and ours.config.tie_word_embeddings  # the input is untouched
+    prompt = tiny_model[1](PROMPT).input_ids
+    outs = {}
+    for name, m in (("ours", qours), ("hf", quantize(tiny_model[0], method, lm_head="int8"))):
+        engine = LLMEngine(m, kernels="triton", num_blocks=16, block_size=8, max_num_seqs=1, cuda_graphs=False)
+        assert engine.runner.plan.quant_epilogues
+        outs[name] = engine.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True),
+                                     progress=False)[0].output_token_ids
+    assert outs["ours"] == outs["hf"] and len(outs["ours"]) == 3

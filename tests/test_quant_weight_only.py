@@ -5,7 +5,7 @@ from torch import nn
 
 from labkit.evaluate import relative_error
 from labkit.quant.packing import dequantize_int4, unpack_int4
-from labkit.quant.weight_only import Int4Linear, Int8Linear, concat_linears, fused_kernel, quantize_int4, quantize_int8
+from labkit.quant.weight_only import Int4Linear, Int8Linear, concat_linears, quantize_int4, quantize_int8
 
 INT8_TOL, INT4_TOL = 2e-2, 1e-1  # DESIGN.md tolerance table
 
@@ -88,11 +88,7 @@ def test_bad_input_is_refused():
         Int4Linear(torch.zeros(4, 8, dtype=torch.uint8), torch.ones(4, 1), torch.ones(4, 2), 16)
 
 
-def test_triton_backend_matches_torch_when_present():
-    if fused_kernel("w8a16_matmul") is None or fused_kernel("w4a16_matmul") is None:
-        with pytest.raises(RuntimeError, match="quantized_matmul"):
-            Int8Linear.from_linear(nn.Linear(16, 16), backend="triton")(torch.randn(2, 16))
-        return
+def test_triton_backend_matches_torch():
     # on the CPU the kernels run under the Triton interpreter: small fp32 shapes only
     lin, x = _layer(24, 64, False, seed=9)
     for q in (Int8Linear.from_linear(lin), Int4Linear.from_linear(lin, 32)):
@@ -101,41 +97,8 @@ def test_triton_backend_matches_torch_when_present():
                 q.backend = "torch"
                 ref = q(xs)
                 q.backend = "triton"
+                assert q.uses_kernels(xs)
                 assert relative_error(q(xs), ref) < 1e-5
-
-
-def test_int4_fused_forward_is_the_layer_with_its_neighbours():
-    """``fused_forward`` is ``residual + layer(act(x))`` with ``act`` an RMSNorm module or ``silu(gate) * up``:
-    on the torch path exactly as HF's modules compute it, and on the fused kernel (the interpreter here; one bf16
-    row takes the stationary GEMV with them inside) within bf16 rounding of a float32 reference. Bad widths and
-    norm with swiglu are refused."""
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    lin, _ = _layer(32, 256, False, seed=11)
-    q = Int4Linear.from_linear(lin, 64)
-    norm = LlamaRMSNorm(256, eps=1e-5)
-    with torch.no_grad():
-        norm.weight.uniform_(0.5, 1.5)
-    gate_up, x, res = torch.randn(3, 512), torch.randn(3, 256) * 3, torch.randn(3, 32)
-    with torch.no_grad():
-        gate, up = gate_up.chunk(2, dim=-1)
-        assert torch.equal(q.fused_forward(gate_up, swiglu=True, residual=res), res + q(F.silu(gate) * up))
-        assert torch.equal(q.fused_forward(x, norm=norm), q(norm(x)))
-        if fused_kernel("w4a16_matmul") is not None:
-            qb = Int4Linear(q.packed, q.scales.bfloat16(), q.zeros.bfloat16(), 64, backend="triton")
-            w = q.dequantize(torch.float32)
-            row, rb = gate_up[:1].bfloat16(), res[:1].bfloat16()
-            g, u = row.chunk(2, dim=-1)
-            ref = F.linear((F.silu(g) * u).float(), w) + rb.float()
-            assert relative_error(qb.fused_forward(row, swiglu=True, residual=rb), ref) < 1e-2
-            normb = LlamaRMSNorm(256, eps=1e-5).bfloat16()
-            normb.weight.data.copy_(norm.weight)
-            ref = F.linear(normb(x[:1].bfloat16()).float(), w)
-            assert relative_error(qb.fused_forward(x[:1].bfloat16(), norm=normb), ref) < 1e-2
-    with pytest.raises(ValueError, match="2 \\* in_features"):
-        q.fused_forward(torch.randn(2, 256), swiglu=True)
-    with pytest.raises(ValueError, match="norm and swiglu"):
-        q.fused_forward(gate_up, norm=norm, swiglu=True)
 
 
 @pytest.mark.gpu

@@ -26,13 +26,14 @@ from tqdm.auto import tqdm
 
 from labkit.engine.cuda_graph import default_graph_batch_sizes, default_graph_token_sizes
 from labkit.engine.metrics import RequestMetrics
-from labkit.engine.model_runner import KERNELS, ModelRunner, uses_triton
+from labkit.engine.model_runner import ModelRunner, uses_triton
 from labkit.engine.sampling import Sampler, SamplingParams, token_seed
 from labkit.engine.scheduler import PREEMPTION_MODES, SCHEDULERS, make_scheduler
 from labkit.engine.sequence import Request, RequestOutput, TokenOutput
 from labkit.engine.sequence import Sequence as Seq
 from labkit.engine.workload import RequestSpec
 from labkit.kvcache import PagedKVCache
+from labkit.model import FusionPlan
 
 CLOCKS = ("virtual", "real")
 """Serving clocks: 'virtual' (arrivals in model time, reproducible) or 'real' (wall clock)."""
@@ -50,7 +51,8 @@ class EngineConfig:
     * ``block_size``, ``num_blocks``: the paged cache; ``num_blocks=None`` sizes it from
       ``gpu_memory_utilization`` of free device memory on CUDA, and for ``max_num_seqs`` full-length sequences
       (capped at 1 GiB) on the CPU
-    * ``kernels``: 'auto' | 'torch' | 'triton'; ``cuda_graphs``: 'auto' | True | False; ``graph_batch_sizes``:
+    * ``kernels``: a ``labkit.model.FusionPlan`` or 'auto' | 'torch' | 'triton' (``FusionPlan.named``);
+      ``cuda_graphs``: 'auto' | True | False; ``graph_batch_sizes``:
       the captured all-decode batches (default ``default_graph_batch_sizes``); ``graph_token_sizes``: the
       captured steps with prefill chunks, by token count (default: ``default_graph_token_sizes`` of the token
       budget for the continuous scheduler on the Triton path, none otherwise)
@@ -72,7 +74,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     kv_dtype: str | None = None
     enable_prefix_caching: bool = False
-    kernels: str = "auto"
+    kernels: str | FusionPlan = "auto"
     cuda_graphs: bool | str = "auto"
     graph_batch_sizes: tuple[int, ...] | None = None
     graph_token_sizes: tuple[int, ...] | None = None
@@ -83,8 +85,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler={self.scheduler!r} is unknown; allowed: {SCHEDULERS}")
-        if self.kernels not in KERNELS:
-            raise ValueError(f"kernels={self.kernels!r} is unknown; allowed: {KERNELS}")
+        FusionPlan.named(self.kernels, "cpu")  # a plan, or one of its names (an unknown name raises)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.preemption_mode not in PREEMPTION_MODES:

@@ -28,8 +28,10 @@ BACKENDS = ("auto", "torch", "triton")
 
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                                context_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over all of its cached tokens (new ones included).
+                                context_lens: torch.Tensor, scale: float | None = None,
+                                window: int | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over all of its cached tokens (new ones included); with
+    ``window`` (a sliding-window layer) a query at position ``p`` sees the keys ``p - window < j <= p`` only.
 
     ``q``: ``[num_tokens, num_heads, head_dim]``, sequences back to back; ``query_start_loc``: int
     ``[num_seqs + 1]`` (sequence ``s`` owns query rows ``query_start_loc[s]:query_start_loc[s+1]``);
@@ -47,22 +49,29 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     for s, n in enumerate(lens):
         q_s = q[starts[s]:starts[s + 1]].float()  # [m, h, d]
         m = q_s.shape[0]
-        blocks = block_tables[s, : (n + block_size - 1) // block_size].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float().repeat_interleave(group, dim=1)
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float().repeat_interleave(group, dim=1)
+        # with a window, gather from the first block any of these queries can see
+        b0 = 0 if window is None else max(0, n - m - window + 1) // block_size
+        first = b0 * block_size  # position of the first gathered key
+        blocks = block_tables[s, b0:(n + block_size - 1) // block_size].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n - first].float().repeat_interleave(group, dim=1)
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n - first].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("mhd,nhd->hmn", q_s, k) * scale
-        q_pos = torch.arange(n - m, n, device=q.device)
-        causal = torch.arange(n, device=q.device)[None, :] <= q_pos[:, None]  # [m, n]
-        scores = scores.masked_fill(~causal, float("-inf"))
+        q_pos = torch.arange(n - m, n, device=q.device)[:, None]
+        k_pos = torch.arange(first, n, device=q.device)[None, :]
+        seen = k_pos <= q_pos  # [m, n - first]
+        if window is not None:
+            seen &= k_pos > q_pos - window
+        scores = scores.masked_fill(~seen, float("-inf"))
         out[starts[s]:starts[s + 1]] = torch.einsum("hmn,nhd->mhd", scores.softmax(dim=-1), v).to(q.dtype)
     return out
 
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float | None = None) -> torch.Tensor:
-    """Decode attention in plain torch, batched: gather every row's blocks, mask past its context, softmax in
-    float32. ``q`` ``[num_seqs, heads, head_dim]``; pools ``[num_blocks, block_size, kv_heads, head_dim]``;
+                               scale: float | None = None, window: int | None = None) -> torch.Tensor:
+    """Decode attention in plain torch, batched: gather every row's blocks, mask past its context (and, with
+    ``window``, keys at or before ``context_len - 1 - window``), softmax in float32. ``q`` ``[num_seqs, heads,
+    head_dim]``; pools ``[num_blocks, block_size, kv_heads, head_dim]``;
     ``block_tables`` int ``[num_seqs, width]`` (entries past a sequence's blocks may be anything in range);
     ``context_lens`` int ``[num_seqs]``. Returns ``[num_seqs, heads, head_dim]`` in ``q``'s dtype."""
     s, h, d = q.shape
@@ -71,8 +80,11 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     n = block_tables.shape[1] * bs
     k = k_cache[block_tables.long()].view(s, n, kvh, d).float()
     v = v_cache[block_tables.long()].view(s, n, kvh, d).float()
-    past = torch.arange(n, device=q.device)[None, :] >= context_lens[:, None]  # [s, n]
-    v = v.masked_fill(past[:, :, None, None], 0.0)  # slots past the context may hold anything, NaN included
+    pos = torch.arange(n, device=q.device)[None, :]
+    past = pos >= context_lens[:, None]  # [s, n]
+    v = v.masked_fill(past[:, :, None, None], 0.0)
+    if window is not None:
+        past |= pos <= context_lens[:, None] - 1 - window  # slots past the context may hold anything, NaN included
     scores = torch.einsum("skgd,snkd->skgn", q.view(s, kvh, h // kvh, d).float(), k) * scale
     p = scores.masked_fill(past[:, None, None, :], float("-inf")).softmax(dim=-1)
     return torch.einsum("skgn,snkd->skgd", p, v).reshape(s, h, d).to(q.dtype)

@@ -9,12 +9,14 @@ relatives (Mistral, Qwen2, Qwen3, Gemma, Phi-3), with the families' features beh
     ids, pos, meta = AttentionMetadata.from_cache(cache, [0], [len(prompt)])
     last = model.forward_paged(ids, pos, cache, meta)           # [num_seqs, vocab] float32
 
-``FusionPlan`` says which kernels the engine runs each op with.
+``FusionPlan`` says which kernel runs each op of ``forward_paged`` (``model.use(plan)``; the engine's ``kernels``);
+``adopt_hf_model`` wraps an HF model in memory, sharing its weights (what the engine does with one).
 """
 
-from labkit.model.attention import AttentionMetadata, causal_attention, paged_attention, paged_window_attention_ref
+from labkit.model.adopt import adopt_hf_model
+from labkit.model.attention import AttentionMetadata, causal_attention, paged_attention
 from labkit.model.config import FAMILIES, ROPE_TYPES, ModelConfig, RopeScaling
-from labkit.model.fusion import FusionPlan
+from labkit.model.fusion import KERNEL_NAMES, KERNELS, FusionPlan
 from labkit.model.layers import MLP, Attention, DecoderLayer, RMSNorm
 from labkit.model.loader import (
     MERGED,
@@ -30,8 +32,9 @@ from labkit.model.model import CausalLM, Transformer
 from labkit.model.rope import RotaryEmbedding, apply_rope, inv_frequencies
 
 __all__ = [
-    "FAMILIES", "MERGED", "ROPE_TYPES", "MLP", "Attention", "AttentionMetadata", "CausalLM", "Checkpoint",
-    "DecoderLayer", "FusionPlan", "ModelConfig", "RMSNorm", "RopeScaling", "RotaryEmbedding", "Transformer",
-    "apply_rope", "causal_attention", "empty_model", "from_config", "inv_frequencies", "load_checkpoint",
-    "load_hf_model", "load_weights", "paged_attention", "paged_window_attention_ref", "weight_sources",
+    "FAMILIES", "KERNELS", "KERNEL_NAMES", "MERGED", "ROPE_TYPES", "MLP", "Attention", "AttentionMetadata",
+    "CausalLM", "Checkpoint", "DecoderLayer", "FusionPlan", "ModelConfig", "RMSNorm", "RopeScaling",
+    "RotaryEmbedding", "Transformer", "adopt_hf_model", "apply_rope", "causal_attention", "empty_model",
+    "from_config", "inv_frequencies", "load_checkpoint", "load_hf_model", "load_weights", "paged_attention",
+    "weight_sources",
 ]

@@ -3,8 +3,8 @@ a flat batch of tokens (the engine's forward), with an optional sliding window i
 
 The paged path's inputs carry vLLM's names (``AttentionMetadata``). On the torch path it runs the references of
 ``labkit.kvcache.attention`` (``paged_prefill_attention_ref``: every row causally over its sequence's cached
-tokens, decode rows included); a sliding-window layer whose contexts outgrow the window runs
-``paged_window_attention_ref`` here instead, the same reference with the window's lower edge in its mask.
+tokens; the decode rows batched), with the layer's window as their ``window`` argument; on the Triton path the
+kernels of ``labkit.kernels`` (``FusionPlan.attention``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from labkit.kvcache.attention import dequantised_blocks, paged_prefill_attention_ref
+from labkit.kvcache.attention import dequantised_blocks, paged_decode_attention_ref, paged_prefill_attention_ref
 from labkit.kvcache.paged import PagedKVCache
 
 
@@ -40,6 +40,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor
     query_start_loc: torch.Tensor
     num_decodes: int = 0
+    rows: torch.Tensor | None = None  # the rows whose logits a step returns (None: each sequence's last)
 
     @property
     def num_seqs(self) -> int:
@@ -51,8 +52,9 @@ class AttentionMetadata:
 
     @property
     def logits_indices(self) -> torch.Tensor:
-        """int64 ``[num_seqs]``: the row of each sequence's last token."""
-        return self.query_start_loc[1:].long() - 1
+        """int ``[num_seqs]``: the rows whose logits the step returns: ``rows`` if given, else each sequence's last
+        token's."""
+        return self.rows if self.rows is not None else self.query_start_loc[1:].long() - 1
 
     def token_seq_lens(self) -> torch.Tensor:
         """int64 ``[num_tokens]``: the context length of each token's sequence (what 'dynamic' RoPE needs)."""
@@ -115,46 +117,39 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out.transpose(1, 2)
 
 
-def paged_window_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                               context_lens: torch.Tensor, scale: float, window: int) -> torch.Tensor:
-    """``paged_prefill_attention_ref`` with a sliding window: a query at position ``p`` sees the cached keys
-    ``p - window < j <= p``. Shapes and dtypes as there: ``q`` ``[num_tokens, heads, head_dim]``, pools ``[num_blocks,
-    block_size, kv_heads, head_dim]``; float32 arithmetic; returns ``q``'s dtype."""
-    num_heads, head_dim = q.shape[1:]
-    block_size, num_kv_heads = k_cache.shape[1:3]
-    group = num_heads // num_kv_heads
-    starts, lens = query_start_loc.tolist(), context_lens.tolist()
-    out = torch.full_like(q, float("nan"))
-    for s, n in enumerate(lens):
-        q_s = q[starts[s]:starts[s + 1]].float()
-        m = q_s.shape[0]
-        lo = max(0, n - m - window + 1)  # the first key any of these queries can see
-        b0 = lo // block_size
-        blocks = block_tables[s, b0:(n + block_size - 1) // block_size].long()
-        first = b0 * block_size  # position of the first gathered key
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n - first].float().repeat_interleave(group, 1)
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n - first].float().repeat_interleave(group, 1)
-        q_pos = torch.arange(n - m, n, device=q.device)[:, None]
-        k_pos = torch.arange(first, n, device=q.device)[None, :]
-        seen = (k_pos <= q_pos) & (k_pos > q_pos - window)
-        scores = torch.einsum("mhd,nhd->hmn", q_s, k) * scale
-        p = scores.masked_fill(~seen, float("-inf")).softmax(dim=-1)
-        out[starts[s]:starts[s + 1]] = torch.einsum("hmn,nhd->mhd", p, v).to(q.dtype)
-    return out
-
-
 def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float,
-                    window: int | None = None) -> torch.Tensor:
+                    window: int | None = None, kernel: str = "torch", pdl: str = "") -> torch.Tensor:
     """Attention of every query row ``q`` ``[num_tokens, heads, head_dim]`` over ``layer``'s pools of ``cache``
-    (this step's K/V already written), torch references; ``window``: the layer's sliding window or None.
+    (this step's K/V already written); ``window``: the layer's sliding window or None.
 
-    An int8/fp8 cache, or one stored in another dtype than ``q``, is read through ``dequantised_blocks``."""
+    ``kernel`` 'torch': the references of ``labkit.kvcache.attention`` (the decode rows batched, prefill rows per
+    sequence); 'triton': ``labkit.kernels.paged_attention`` for an all-decode step (``pdl``: its launch mode),
+    ``paged_prefill_attention`` for every row of a step with prefill chunks, in one launch whose grid depends on
+    shapes only (no window: ``FusionPlan.fit`` keeps sliding-window layers on torch). An int8/fp8 cache, or one
+    stored in another dtype than ``q``, is read through ``dequantised_blocks``."""
     if cache.fmt.quantised or cache.fmt.storage_dtype != q.dtype:
         k_cache, v_cache, tables = dequantised_blocks(cache, layer, meta.block_tables, q.dtype)
     else:
         k_cache, v_cache, tables = cache.k_caches[layer], cache.v_caches[layer], meta.block_tables
-    if window is not None and int(meta.context_lens.max()) > window:
-        return paged_window_attention_ref(q, k_cache, v_cache, tables, meta.query_start_loc, meta.context_lens,
-                                          scale, window)
-    return paged_prefill_attention_ref(q, k_cache, v_cache, tables, meta.query_start_loc, meta.context_lens, scale)
+    d = meta.num_decodes
+    if kernel == "triton":
+        if window is not None:
+            raise ValueError(f"kernel='triton' has no sliding window (window={window}); use 'torch'")
+        if d == meta.num_seqs:
+            from labkit.kernels.paged_attention import paged_attention as decode
+
+            return decode(q, k_cache, v_cache, tables, meta.context_lens, scale=scale, pdl=pdl)
+        from labkit.kernels.paged_prefill_attention import paged_prefill_attention
+
+        return paged_prefill_attention(q, k_cache, v_cache, tables, meta.query_start_loc, meta.context_lens, scale,
+                                       out=torch.zeros_like(q))  # padding rows of a captured step stay finite
+    if d == meta.num_seqs:
+        return paged_decode_attention_ref(q, k_cache, v_cache, tables, meta.context_lens, scale, window)
+    out = torch.empty_like(q)
+    if d:
+        out[:d] = paged_decode_attention_ref(q[:d], k_cache, v_cache, tables[:d], meta.context_lens[:d], scale,
+                                             window)
+    qsl = meta.query_start_loc[d:] - meta.query_start_loc[d]
+    out[d:] = paged_prefill_attention_ref(q[d:], k_cache, v_cache, tables[d:], qsl, meta.context_lens[d:], scale,
+                                          window)
+    return out

@@ -134,6 +134,24 @@ class ModelConfig:
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError(f"rms_norm_eps={self.rms_norm_eps} and rope_theta={self.rope_theta} must be positive")
 
+    # --- HF's names, so code written for an HF config reads ours (PagedKVCache.for_model, ModelSpec, ...) ---
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.num_layers
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.num_heads
+
+    @property
+    def num_key_value_heads(self) -> int:
+        return self.num_kv_heads
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first of ``eos_token_ids`` (HF's single-id view; a stop check should use ``eos_token_ids``)."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
     # --- derived sizes --------------------------------------------------------------------------------------
     @property
     def q_size(self) -> int:

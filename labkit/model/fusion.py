@@ -14,8 +14,9 @@ activation      ``silu_and_mul`` on the merged gate/up output
 and the fusions across ops: ``merge_qkv`` / ``merge_gate_up`` (one matmul for q/k/v and for gate/up: the model's
 weight layout, chosen when it is built), ``quant_epilogues`` (int8/int4 layers take in their neighbours:
 RMSNorm inside the projection after it, the residual add inside the one before it, SwiGLU inside down),
-``qkv_rope_cache`` (RoPE and the cache write in the q/k/v GEMV's store), ``gemv_pdl`` (the GEMVs as programmatic
-dependent launches, sm_90), ``early_attention`` and ``fused_attention_merge`` (see ``paged_attention``).
+``qkv_rope_cache`` (RoPE and the cache write in the q/k/v GEMV's store) and ``gemv_pdl`` (the GEMVs as programmatic
+dependent launches, sm_90). The epilogue fusions apply where every projection is labkit's int8 / int4 linear
+(``CausalLM.use`` turns them off otherwise).
 
 ``check(config)`` refuses a plan a family cannot run (the Triton RMSNorm computes ``x * w``, not Gemma's
 ``x * (1 + w)``; the attention kernels have no sliding window; ...); ``fit(config)`` turns those parts back to
@@ -32,6 +33,8 @@ from labkit.model.config import ModelConfig
 
 KERNELS = ("torch", "triton")
 """Kernel sets a FusionPlan may choose per op."""
+KERNEL_NAMES = ("auto", "torch", "triton")
+"""Names ``FusionPlan.named`` turns into a plan ('auto': Triton on CUDA, torch on the CPU)."""
 _OPS = ("norm", "rope", "attention", "activation")
 
 
@@ -49,8 +52,6 @@ class FusionPlan:
     quant_epilogues: bool = False
     qkv_rope_cache: bool = False
     gemv_pdl: bool = False
-    early_attention: bool = False
-    fused_attention_merge: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -63,26 +64,48 @@ class FusionPlan:
         needs = (("rope_cache_write", self.rope == "triton", "rope='triton'"),
                  ("quant_epilogues", self.merge_qkv and self.merge_gate_up, "merge_qkv and merge_gate_up"),
                  ("qkv_rope_cache", self.quant_epilogues, "quant_epilogues"),
-                 ("gemv_pdl", self.quant_epilogues, "quant_epilogues"),
-                 ("early_attention", self.gemv_pdl and self.attention == "triton", "gemv_pdl and attention='triton'"),
-                 ("fused_attention_merge", self.attention == "triton", "attention='triton'"))
+                 ("gemv_pdl", self.quant_epilogues, "quant_epilogues"))
         for name, ok, what in needs:
             if getattr(self, name) and not ok:
                 raise ValueError(f"{name}=True needs {what}")
 
     @classmethod
-    def for_device(cls, device: str | torch.device, config: ModelConfig | None = None,
-                   quantised: bool = False) -> FusionPlan:
-        """The default plan: torch on the CPU; on CUDA every op in Triton, RoPE fused with the cache write, and
-        with ``quantised`` weights the epilogue fusions (PDL on sm_90 and newer). Fitted to ``config`` if given."""
+    def triton(cls, pdl: bool = True) -> FusionPlan:
+        """Every op in Triton, RoPE fused with the cache write, the int8/int4 epilogue fusions (which apply only to
+        a model whose projections are labkit's int8/int4 linears) and, with ``pdl``, their launches chained."""
+        return cls(norm="triton", rope="triton", attention="triton", activation="triton", rope_cache_write=True,
+                   quant_epilogues=True, qkv_rope_cache=True, gemv_pdl=pdl)
+
+    @classmethod
+    def for_device(cls, device: str | torch.device, config: ModelConfig | None = None) -> FusionPlan:
+        """The default plan: torch on the CPU; on CUDA ``triton()`` (PDL on sm_90 and newer). Fitted to ``config``
+        if given."""
         dev = torch.device(device)
-        if dev.type != "cuda":
-            plan = cls()
-        else:
-            pdl = quantised and torch.cuda.get_device_capability(dev)[0] >= 9
-            plan = cls(norm="triton", rope="triton", attention="triton", activation="triton", rope_cache_write=True,
-                       quant_epilogues=quantised, qkv_rope_cache=quantised, gemv_pdl=pdl)
+        plan = cls.triton(torch.cuda.get_device_capability(dev)[0] >= 9) if dev.type == "cuda" else cls()
         return plan if config is None else plan.fit(config)
+
+    @classmethod
+    def named(cls, kernels: str | FusionPlan, device: str | torch.device,
+              config: ModelConfig | None = None) -> FusionPlan:
+        """``kernels`` as a plan: a ``FusionPlan`` as given, or a name of ``KERNEL_NAMES``: 'auto' (``for_device``),
+        'torch' (``FusionPlan()``) or 'triton' (``triton()``, on the CPU through the interpreter). Fitted to
+        ``config`` if given."""
+        if isinstance(kernels, FusionPlan):
+            plan = kernels
+        elif kernels == "auto":
+            plan = cls.for_device(device)
+        elif kernels == "torch":
+            plan = cls()
+        elif kernels == "triton":
+            plan = cls.triton()
+        else:
+            raise ValueError(f"kernels={kernels!r} is unknown; allowed: a FusionPlan or one of {KERNEL_NAMES}")
+        return plan if config is None else plan.fit(config)
+
+    @property
+    def uses_triton(self) -> bool:
+        """Whether any op runs a Triton kernel."""
+        return any(getattr(self, op) == "triton" for op in _OPS)
 
     def conflicts(self, config: ModelConfig) -> dict[str, str]:
         """The fields this plan sets that ``config``'s family cannot run, each with the reason."""
@@ -100,9 +123,8 @@ class FusionPlan:
                 if getattr(self, name) not in ("torch", False):
                     out[name] = f"partial rotary (rotary_dim={config.rotary_dim} of {config.head_dim})"
         if config.sliding_window is not None:
-            for name in ("attention", "early_attention", "fused_attention_merge"):
-                if getattr(self, name) not in ("torch", False):
-                    out[name] = f"sliding_window={config.sliding_window}: the attention kernels have no window"
+            if self.attention == "triton":
+                out["attention"] = f"sliding_window={config.sliding_window}: the attention kernels have no window"
         if self.qkv_rope_cache and (config.qk_norm or config.qkv_bias):
             out["qkv_rope_cache"] = "q/k norm or q/k/v bias sits between the GEMV and RoPE"
         return out
@@ -127,8 +149,4 @@ class FusionPlan:
             d["rope_cache_write"] = False
         if not d["quant_epilogues"]:
             d.update(qkv_rope_cache=False, gemv_pdl=False)
-        if d["attention"] == "torch" or not d["gemv_pdl"]:
-            d["early_attention"] = False
-        if d["attention"] == "torch":
-            d["fused_attention_merge"] = False
         return replace(self, **d)

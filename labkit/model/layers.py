@@ -17,7 +17,11 @@ from torch import nn
 from labkit.kvcache.paged import PagedKVCache
 from labkit.model.attention import AttentionMetadata, causal_attention, paged_attention
 from labkit.model.config import ModelConfig
+from labkit.model.fusion import FusionPlan
+from labkit.model.ops import act_and_mul, add_norm, caches_raw, projection, qkv_rope_cache, rope_and_write
 from labkit.model.rope import apply_rope
+
+TORCH = FusionPlan()  # every op in torch: the references
 
 
 class RMSNorm(nn.Module):
@@ -63,11 +67,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=bias)
         self.act = activation(cfg.hidden_act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: FusionPlan = TORCH) -> torch.Tensor:
         if self.merged:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+            return self.down_proj(act_and_mul(self.act, self.gate_up_proj(x), plan))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if plan.activation == "triton":
+            return self.down_proj(act_and_mul(self.act, torch.cat((gate, up), -1), plan))
         return self.down_proj(self.act(gate) * up)
 
 
@@ -99,16 +104,9 @@ class Attention(nn.Module):
             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` ``[..., hidden]`` -> q ``[..., heads, head_dim]``, k and v ``[..., kv_heads, head_dim]``, RoPE
         applied to q and k."""
-        if self.merged:
-            q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         lead = x.shape[:-1]
-        q = q.reshape(*lead, self.num_heads, self.head_dim)
-        k = k.reshape(*lead, self.num_kv_heads, self.head_dim)
-        v = v.reshape(*lead, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        heads = self.qkv_heads(self.qkv_out(x.reshape(-1, x.shape[-1])))
+        q, k, v = (t.view(*lead, *t.shape[1:]) for t in heads)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -118,13 +116,49 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(*x.shape[:-1], self.q_size))
 
     def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKVCache,
-                      meta: AttentionMetadata) -> torch.Tensor:
+                      meta: AttentionMetadata, plan: FusionPlan = TORCH) -> torch.Tensor:
         """Paged: ``x`` ``[num_tokens, hidden]``; k and v are written at ``meta.slot_mapping`` first, then every
         query attends over its sequence's cached tokens. Returns ``[num_tokens, hidden]``."""
-        q, k, v = self.qkv(x, cos, sin)
-        cache.write(self.layer, meta.slot_mapping, k, v)
-        out = paged_attention(q, cache, self.layer, meta, self.scale, self.window)
-        return self.o_proj(out.reshape(x.shape[0], self.q_size))
+        return self.o_proj(self.attend(*self.qkv_heads(self.qkv_out(x)), cos, sin, cache, meta, plan))
+
+    def qkv_out(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projections of ``x`` ``[T, hidden]``: one merged ``[T, q + 2 kv]`` or three tensors."""
+        return self.qkv_proj(x) if self.merged else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+
+    def qkv_heads(self, out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projections' output (merged ``[T, q + 2 kv]`` or three tensors) as heads, q/k norms applied."""
+        q, k, v = out.split([self.q_size, self.kv_size, self.kv_size], dim=-1) if self.merged else out
+        T = q.shape[0]
+        q, k = q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               cache: PagedKVCache, meta: AttentionMetadata, plan: FusionPlan, pdl: str = "") -> torch.Tensor:
+        """RoPE, the cache write and attention of heads ``q``, ``k``, ``v``: ``[T, heads * head_dim]``, the o
+        projection's input."""
+        q, k = rope_and_write(q, k, v, cos, sin, cache, self.layer, meta.slot_mapping, plan)
+        return self._paged(q, cache, meta, plan, pdl)
+
+    def _paged(self, q: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata, plan: FusionPlan,
+               pdl: str = "") -> torch.Tensor:
+        out = paged_attention(q, cache, self.layer, meta, self.scale, self.window, plan.attention, pdl)
+        return out.reshape(q.shape[0], self.q_size)
+
+    def fused_input(self, stream: torch.Tensor, norm: RMSNorm, cos: torch.Tensor, sin: torch.Tensor,
+                    cache: PagedKVCache, meta: AttentionMetadata, plan: FusionPlan, pdl: str = "") -> torch.Tensor:
+        """With int8/int4 projections (``plan.quant_epilogues``): the RMSNorm inside the q/k/v GEMV, and with
+        ``plan.qkv_rope_cache`` RoPE and the cache write in its store too; then attention (whose decode kernel
+        releases the launch after it when ``pdl``). Returns the o projection's input ``[T, heads * head_dim]``."""
+        attn_pdl = "release" if pdl else ""
+        if plan.qkv_rope_cache and caches_raw(cache, stream.dtype) and self.qkv_proj.uses_kernels(stream):
+            q, _ = qkv_rope_cache(self.qkv_proj, stream, norm, self.num_heads, cos, sin, cache, self.layer,
+                                  meta.slot_mapping, pdl)
+            return self._paged(q, cache, meta, plan, attn_pdl)
+        q, k, v = self.qkv_heads(projection(self.qkv_proj, stream, norm=norm, pdl=pdl))
+        return self.attend(q, k, v, cos, sin, cache, meta, plan, attn_pdl)
 
 
 class DecoderLayer(nn.Module):
@@ -137,12 +171,31 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.mlp = MLP(cfg, merge_gate_up)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKVCache | None = None,
-                meta: AttentionMetadata | None = None) -> torch.Tensor:
-        """``h`` ``[batch, T, hidden]`` (dense) or ``[num_tokens, hidden]`` with ``cache`` and ``meta`` (paged)."""
-        x = self.input_layernorm(h)
-        if cache is None:
-            h = h + self.self_attn(x, cos, sin)
-        else:
-            h = h + self.self_attn.forward_paged(x, cos, sin, cache, meta)
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Dense: ``h`` ``[batch, T, hidden]``."""
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward_paged(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                      cache: PagedKVCache, meta: AttentionMetadata,
+                      plan: FusionPlan = TORCH) -> tuple[torch.Tensor, torch.Tensor]:
+        """Paged, vLLM's layout: ``h`` ``[num_tokens, hidden]`` is the last block's output and ``residual`` the
+        stream before it (None at the first layer); returns the pair for the next layer, whose first op adds them
+        (one kernel with its RMSNorm on the Triton path)."""
+        x, residual = add_norm(self.input_layernorm, h, residual, plan)
+        h = self.self_attn.forward_paged(x, cos, sin, cache, meta, plan)
+        x, residual = add_norm(self.post_attention_layernorm, h, residual, plan)
+        return self.mlp(x, plan), residual
+
+    def forward_fused(self, stream: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKVCache,
+                      meta: AttentionMetadata, plan: FusionPlan, pdl: str = "") -> torch.Tensor:
+        """Paged with int8/int4 projections that take in their neighbours (``plan.quant_epilogues``): each RMSNorm
+        inside the GEMV after it, each residual add inside the one before it, SwiGLU inside down. Only the residual
+        stream ``[num_tokens, hidden]`` passes between layers; at decode batch 1 a layer is four GEMVs and
+        attention. ``pdl``: this layer's q/k/v GEMV launch mode; with ``plan.gemv_pdl`` every later GEMV overlaps
+        the kernel ahead of it."""
+        overlap = "overlap" if plan.gemv_pdl else ""
+        attn = self.self_attn.fused_input(stream, self.input_layernorm, cos, sin, cache, meta, plan, pdl)
+        stream = projection(self.self_attn.o_proj, attn, residual=stream, pdl=overlap)
+        gate_up = projection(self.mlp.gate_up_proj, stream, norm=self.post_attention_layernorm, pdl=overlap)
+        return projection(self.mlp.down_proj, gate_up, swiglu=True, residual=stream, pdl=overlap)

@@ -14,13 +14,17 @@ Module names follow HF's (``model.layers.N.self_attn.o_proj`` ...), except the m
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from labkit.kvcache.paged import PagedKVCache
 from labkit.model.attention import AttentionMetadata
 from labkit.model.config import ModelConfig
+from labkit.model.fusion import FusionPlan
 from labkit.model.layers import DecoderLayer, RMSNorm
+from labkit.model.ops import add_norm, epilogue_ready
 from labkit.model.rope import RotaryEmbedding
 
 
@@ -38,18 +42,37 @@ class Transformer(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         if self.cfg.embed_scale is not None:  # Gemma: the scale rounded to the weights' dtype, as HF rounds it
-            h = h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype, device=h.device)
+            # (a CPU scalar tensor: no host-to-device copy, so the step stays capturable in a CUDA graph)
+            h = h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype)
         return h
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache | None = None,
-                meta: AttentionMetadata | None = None) -> torch.Tensor:
-        """Hidden states after the final norm, shaped as ``input_ids`` plus ``hidden``."""
-        seq_lens = meta.token_seq_lens() if meta is not None and self._dynamic else None
-        cos, sin = self.rotary_emb(positions, seq_lens)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Dense: hidden states after the final norm, ``[batch, T, hidden]``."""
+        cos, sin = self.rotary_emb(positions)
         h = self.embed(input_ids)
         for layer in self.layers:
-            h = layer(h, cos, sin, cache, meta)
+            h = layer(h, cos, sin)
         return self.norm(h)
+
+    def forward_paged(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
+                      meta: AttentionMetadata, plan: FusionPlan) -> torch.Tensor:
+        """Paged: the final hidden states of the rows ``meta.logits_indices`` names, ``[rows, hidden]``."""
+        seq_lens = meta.token_seq_lens() if self._dynamic else None
+        h = self.embed(input_ids)
+        cos, sin = self.rotary_emb.lookup(positions, h.dtype, seq_lens)
+        residual = None
+        if plan.quant_epilogues:  # only the residual stream passes between layers
+            overlap, release = ("overlap", "release") if plan.gemv_pdl else ("", "")
+            for i, layer in enumerate(self.layers):
+                h = layer.forward_fused(h, cos, sin, cache, meta, plan, overlap if i else release)
+        else:
+            for layer in self.layers:
+                h, residual = layer.forward_paged(h, residual, cos, sin, cache, meta, plan)
+        if meta.rows is not None or h.shape[0] != meta.num_seqs:  # a step with prefill rows: keep the last ones
+            rows = meta.logits_indices
+            h = h.index_select(0, rows)
+            residual = residual.index_select(0, rows) if residual is not None else None
+        return add_norm(self.norm, h, residual, plan)[0]
 
     @property
     def _dynamic(self) -> bool:
@@ -71,14 +94,40 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.plan = FusionPlan(merge_qkv=merge_qkv, merge_gate_up=merge_gate_up)
+
+    def use(self, plan: FusionPlan) -> FusionPlan:
+        """Run ``forward_paged`` with ``plan`` from now on; returns the plan in force. Raises ``ValueError`` where
+        the family cannot run it (``FusionPlan.check``; pass ``plan.fit(model.config)`` to fall back to torch
+        there) or it asks for another weight layout than the model's. The int8/int4 epilogue fusions are turned
+        off unless every projection is labkit's int8/int4 linear (``ops.epilogue_ready``)."""
+        if not isinstance(plan, FusionPlan):
+            raise ValueError(f"plan must be a FusionPlan, got {type(plan).__name__}")
+        plan.check(self.config, self.device, self.dtype)
+        if (plan.merge_qkv, plan.merge_gate_up) != (self.merge_qkv, self.merge_gate_up):
+            raise ValueError(f"plan has merge_qkv={plan.merge_qkv}, merge_gate_up={plan.merge_gate_up}; this model "
+                             f"was built with {self.merge_qkv}, {self.merge_gate_up}")
+        if plan.quant_epilogues and not all(
+                epilogue_ready([ly.self_attn.qkv_proj, ly.self_attn.o_proj, ly.mlp.gate_up_proj, ly.mlp.down_proj])
+                for ly in self.model.layers):
+            plan = replace(plan, quant_epilogues=False, qkv_rope_cache=False, gemv_pdl=False)
+        self.plan = plan
+        return plan
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.embed_tokens.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The activations' dtype (the embedding's; quantised layers hold other dtypes)."""
+        return self.model.embed_tokens.weight.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """``input_ids`` int ``[batch, T]`` (every row ``T`` real tokens; no padding) -> logits ``[batch, T,
@@ -95,18 +144,16 @@ class CausalLM(nn.Module):
     def forward_paged(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
                       meta: AttentionMetadata) -> torch.Tensor:
         """One engine step: ``input_ids`` and ``positions`` int64 ``[num_tokens]`` (sequences back to back, as
-        ``meta`` lays them out), K/V written into ``cache`` at ``meta.slot_mapping``. Returns float32 logits
-        ``[num_seqs, vocab]`` of each sequence's last token only."""
+        ``meta`` lays them out), K/V written into ``cache`` at ``meta.slot_mapping``, each op by the kernel of
+        ``self.plan`` (``use``). Returns float32 logits ``[num_seqs, vocab]`` of each sequence's last token only
+        (of ``meta.rows`` where given)."""
         n = input_ids.shape[0]
         if input_ids.dim() != 1 or tuple(positions.shape) != (n,):
             raise ValueError(f"input_ids and positions must both be [num_tokens], got {tuple(input_ids.shape)} "
                              f"and {tuple(positions.shape)}")
         meta.check(n)
         self.check_cache(cache)
-        h = self.model(input_ids, positions, cache, meta)
-        if n != meta.num_seqs:  # a step with a prefill chunk: keep each sequence's last row
-            h = h.index_select(0, meta.logits_indices)
-        return self.lm_head(h).float()
+        return self.lm_head(self.model.forward_paged(input_ids, positions, cache, meta, self.plan)).float()
 
     def check_cache(self, cache: PagedKVCache) -> None:
         """The cache's layers, KV heads, head dim and device fit this model (a clear error otherwise)."""

@@ -114,6 +114,7 @@ class RotaryEmbedding(nn.Module):
         self.cfg = cfg
         self.inv_freq_cpu, self.attention_scaling = inv_frequencies(cfg)
         self._on_device: dict[torch.device, torch.Tensor] = {}
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         if device not in self._on_device:
@@ -137,6 +138,24 @@ class RotaryEmbedding(nn.Module):
             freqs = positions[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype,
+               seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``'s cos/sin cast to ``dtype`` (``[num_tokens, rotary_dim]``), as the paged step uses them: read
+        from a table of every position up to ``max_position_embeddings`` (built on first use; each entry depends on
+        its position alone, so a lookup equals the computation), two gathers a step. 'dynamic' RoPE depends on the
+        sequence's length too and is computed."""
+        s = self.cfg.rope_scaling
+        if s is not None and s.rope_type == "dynamic":
+            cos, sin = self(positions, seq_lens)
+            return cos.to(dtype), sin.to(dtype)
+        key = (positions.device, dtype)
+        if key not in self._tables:
+            cos, sin = self(torch.arange(self.cfg.max_position_embeddings, device=positions.device))
+            self._tables[key] = cos.to(dtype).contiguous(), sin.to(dtype).contiguous()
+        cos, sin = self._tables[key]
+        return cos[positions], sin[positions]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,8 @@ from labkit.parallel.tensor_parallel import allowed_tp_sizes
 
 
 def llama_tp_plan() -> dict:
-    """``parallelize_module`` plan for a Hugging Face ``LlamaForCausalLM``, keyed by module path pattern."""
+    """``parallelize_module`` plan for a Hugging Face ``LlamaForCausalLM`` (or a ``labkit.model.CausalLM`` with
+    separate projections: the same module names), keyed by module path pattern."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -49,17 +50,40 @@ def check_dtensor_tp_size(config, tp: int) -> None:
                          f"replicates KV heads for larger tp")
 
 
+def _labkit_ready(model: nn.Module, tp: int) -> None:
+    """A ``labkit.model.CausalLM`` takes the plan with separate projections (an even row split of a merged q/k/v
+    would cut across q, k and v); its attention modules and config then count this rank's heads."""
+    from dataclasses import replace
+
+    if model.merge_qkv or model.merge_gate_up:
+        raise ValueError("the DTensor plan shards q/k/v and gate/up as separate layers: build the labkit model with "
+                         "merge_qkv=False, merge_gate_up=False (or use labkit.parallel.tensor_parallel, which shards "
+                         "the merged layers per head group)")
+    cfg = model.config
+    for layer in model.model.layers:
+        a = layer.self_attn
+        a.num_heads, a.num_kv_heads = cfg.num_heads // tp, cfg.num_kv_heads // tp
+        a.q_size, a.kv_size = a.num_heads * cfg.head_dim, a.num_kv_heads * cfg.head_dim
+    model.config = replace(cfg, num_heads=cfg.num_heads // tp, num_kv_heads=cfg.num_kv_heads // tp,
+                           intermediate_size=cfg.intermediate_size // tp)
+
+
 def dtensor_tensor_parallel(model: nn.Module, mesh=None) -> nn.Module:
-    """Shard ``model`` in place with ``llama_tp_plan`` over a 1-D ``mesh`` (default: all ranks on this rank's
-    device type) and return it. Every rank must hold the same full model and call this collectively."""
+    """Shard ``model`` (an HF Llama, or a ``labkit.model.CausalLM`` built with separate projections) in place with
+    ``llama_tp_plan`` over a 1-D ``mesh`` (default: all ranks on this rank's device type) and return it. Every rank
+    must hold the same full model and call this collectively."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
+
+    from labkit.model import CausalLM
 
     if mesh is None:
         device_type = next(model.parameters()).device.type
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     check_dtensor_tp_size(model.config, mesh.size())
+    if isinstance(model, CausalLM):
+        _labkit_ready(model, mesh.size())
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     if tied:  # parallelize_module shards each module's parameter; give the head its own before, re-tie after
         model.lm_head.weight = nn.Parameter(model.model.embed_tokens.weight.detach().clone())

@@ -1,4 +1,5 @@
-"""Pipeline parallelism: a Hugging Face Llama cut into stages of consecutive layers, one stage per rank.
+"""Pipeline parallelism: labkit.model's decoder or a Hugging Face Llama cut into stages of consecutive layers (layer
+ranges), one stage per rank.
 
 Stage 0 holds the embedding and the first layers, the last stage the last layers, the final norm and the LM head;
 between stages only the hidden states ``[batch, seq, hidden]`` travel, by point-to-point ``send``/``recv``. Each
@@ -19,6 +20,8 @@ import inspect
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from labkit.kvcache.paged import PagedKVCache
 
 
 def head_cost_layers(config) -> float:
@@ -134,18 +137,90 @@ class LlamaStage(nn.Module):
         return self.lm_head(self.norm(h)) if self.is_last else h
 
 
+    def new_cache(self) -> StageKVCache:
+        """An empty cache of this stage for one micro-batch."""
+        return StageKVCache()
+
+
+class StagePagedCache:
+    """A ``labkit.model`` stage's KV cache for one micro-batch: a ``PagedKVCache`` of the stage's layers only, one
+    sequence per row of the micro-batch (allocated on its first forward)."""
+
+    def __init__(self):
+        self.cache: PagedKVCache | None = None
+
+    def get_seq_length(self) -> int:
+        return self.cache.seq(0).num_tokens if self.cache is not None and self.cache.seqs else 0
+
+
+class LabkitStage(LlamaStage):
+    """Layers ``layers`` of a ``labkit.model.CausalLM`` (the embedding on stage 0, the final norm and LM head on the
+    last), the layers re-indexed to the stage's own paged cache (``StagePagedCache``). Same forward as
+    ``LlamaStage``: ``x`` token ids or hidden states ``[batch, seq, ...]``; each stage passes on the residual
+    stream, the last returns logits ``[batch, seq, vocab]``. Every op runs on torch (the references)."""
+
+    def __init__(self, model: nn.Module, layers: range, stage_index: int, num_stages: int, group=None):
+        nn.Module.__init__(self)
+        self.stage_index, self.num_stages, self.layer_ids = stage_index, num_stages, layers
+        self.group = group
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        self.config = model.config
+        self.body = model.model  # embed, rotary_emb and norm; its layer list is not run, only ours
+        self.embed_tokens = model.model.embed_tokens if self.is_first else None
+        self.layers = nn.ModuleList(model.model.layers[i] for i in layers)
+        for local, layer in enumerate(self.layers):
+            layer.self_attn.layer = local  # this stage's cache holds its layers only
+        self.norm = model.model.norm if self.is_last else None
+        self.lm_head = model.lm_head if self.is_last else None
+
+    def new_cache(self) -> StagePagedCache:
+        return StagePagedCache()
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, cache: StagePagedCache | None = None) -> torch.Tensor:
+        from labkit.model import AttentionMetadata, FusionPlan
+        from labkit.model.ops import add_norm
+
+        h = self.body.embed(x) if self.is_first else x
+        batch, q_len, hidden = h.shape
+        cache = cache or self.new_cache()
+        if cache.cache is None:
+            c = self.config
+            blocks = batch * -(-min(c.max_position_embeddings, 4096) // 16)  # sequences up to 4,096 tokens
+            cache.cache = PagedKVCache(len(self.layers), c.num_kv_heads, c.head_dim, blocks, 16, kv_dtype=h.dtype,
+                                       device=h.device)
+        pc, seqs = cache.cache, list(range(batch))
+        for s in seqs:  # token ids do not matter to a stage: its input is hidden states
+            pc.allocate(s, [0] * q_len) if s not in pc.seqs else pc.append_slots(s, [0] * q_len)
+        _, pos, meta = AttentionMetadata.from_cache(pc, seqs, [q_len] * batch, batch if q_len == 1 else 0)
+        seq_lens = meta.token_seq_lens() if self.body._dynamic else None
+        cos, sin = self.body.rotary_emb.lookup(pos, h.dtype, seq_lens)
+        plan, flat, residual = FusionPlan(), h.reshape(batch * q_len, hidden), None
+        for layer in self.layers:
+            flat, residual = layer.forward_paged(flat, residual, cos, sin, pc, meta, plan)
+        for s in seqs:
+            pc.mark_computed(s, pc.seq(s).num_tokens)
+        if self.is_last:
+            return self.lm_head(add_norm(self.norm, flat, residual, plan)[0]).view(batch, q_len, -1)
+        return (flat + residual).view(batch, q_len, hidden)
+
+
 def build_stage(model: nn.Module, stage_index: int, num_stages: int, partition: list[range] | None = None,
                 group=None) -> LlamaStage:
-    """This rank's ``LlamaStage`` of ``model`` (balanced by ``partition_layers`` unless ``partition`` is given).
+    """This rank's stage of ``model``: a ``LabkitStage`` of a ``labkit.model.CausalLM``, a ``LlamaStage`` of a Hugging
+    Face Llama (balanced by ``partition_layers`` unless ``partition`` is given).
 
     ``group``: the process group whose ranks ``0..num_stages-1`` are the stages (default: the world)."""
+    from labkit.model import CausalLM
+
     if not 0 <= stage_index < num_stages:
         raise ValueError(f"stage_index={stage_index} must be in [0, num_stages={num_stages})")
     n = model.config.num_hidden_layers
     partition = partition or partition_layers(n, num_stages, head_cost_layers(model.config))
     if len(partition) != num_stages or sorted(i for r in partition for i in r) != list(range(n)):
         raise ValueError(f"partition={partition} must cover layers 0..{n - 1} once in {num_stages} ranges")
-    return LlamaStage(model, partition[stage_index], stage_index, num_stages, group)
+    kind = LabkitStage if isinstance(model, CausalLM) else LlamaStage
+    return kind(model, partition[stage_index], stage_index, num_stages, group)
 
 
 # --- point-to-point -------------------------------------------------------------------------------------------
@@ -190,7 +265,7 @@ def pipeline_generate(stage: LlamaStage, input_ids: torch.Tensor, max_new_tokens
     device = next(stage.parameters()).device
     dtype = next(stage.layers.parameters()).dtype
     mbs = list(input_ids.to(device).chunk(num_microbatches))
-    caches = [StageKVCache() for _ in mbs]
+    caches = [stage.new_cache() for _ in mbs]
     new_tokens: list[list[torch.Tensor]] = [[] for _ in mbs]
     pending: list = []
     hidden = stage.config.hidden_size

@@ -1,4 +1,4 @@
-"""Megatron-style tensor parallelism for Hugging Face Llama models, written out by hand.
+"""Megatron-style tensor parallelism for labkit.model's decoder and Hugging Face Llama models, written out by hand.
 
 Each rank of the tensor-parallel group keeps a slice of every weight matrix (Shoeybi et al. 2019, Megatron-LM):
 
@@ -90,9 +90,9 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.gather_output = group, gather_output
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group, rows: slice | None = None,
+    def from_linear(cls, linear: nn.Linear, group, rows: slice | torch.Tensor | None = None,
                     gather_output: bool = False) -> ColumnParallelLinear:
-        """Keep ``rows`` of ``linear``'s output (default: this rank's equal share)."""
+        """Keep ``rows`` (a slice or int64 indices) of ``linear``'s output (default: this rank's equal share)."""
         tp, rank = dist.get_world_size(group), dist.get_rank(group)
         rows = rows if rows is not None else shard_range(linear.out_features, tp, rank, "out_features")
         bias = None if linear.bias is None else linear.bias.detach()[rows].clone()
@@ -199,16 +199,72 @@ def head_rows(config, tp: int, rank: int) -> tuple[slice, slice, int]:
     return slice(q.start * d, q.stop * d), slice(k.start * d, k.stop * d), replicas
 
 
+def _rows(*parts: tuple[int, slice]) -> torch.Tensor:
+    """The rows ``offset + slice`` of each part, concatenated: a rank's share of a merged projection."""
+    return torch.cat([torch.arange(off + sl.start, off + sl.stop) for off, sl in parts])
+
+
+def _shard_labkit(model: nn.Module, group, tp: int, rank: int) -> nn.Module:
+    """``tensor_parallel`` of a ``labkit.model.CausalLM``: the merged ``qkv_proj`` keeps this rank's query heads
+    and their KV heads (rows of q, of k and of v), ``gate_up_proj`` its share of gate and of up; the attention
+    modules and the config count this rank's heads, so ``make_cache`` sizes a rank's cache."""
+    from dataclasses import replace
+
+    cfg = model.config
+    q_rows, kv_rows, _ = head_rows(cfg, tp, rank)
+    d, q, kv = cfg.head_dim, cfg.q_size, cfg.kv_size
+    mlp_rows = shard_range(cfg.intermediate_size, tp, rank, "intermediate_size")
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.merged:
+            attn.qkv_proj = ColumnParallelLinear.from_linear(attn.qkv_proj, group,
+                                                             _rows((0, q_rows), (q, kv_rows), (q + kv, kv_rows)))
+        else:
+            attn.q_proj = ColumnParallelLinear.from_linear(attn.q_proj, group, q_rows)
+            attn.k_proj = ColumnParallelLinear.from_linear(attn.k_proj, group, kv_rows)
+            attn.v_proj = ColumnParallelLinear.from_linear(attn.v_proj, group, kv_rows)
+        attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, group, q_rows)
+        attn.num_heads, attn.num_kv_heads = (q_rows.stop - q_rows.start) // d, (kv_rows.stop - kv_rows.start) // d
+        attn.q_size, attn.kv_size = attn.num_heads * d, attn.num_kv_heads * d
+        if mlp.merged:
+            i = cfg.intermediate_size
+            mlp.gate_up_proj = ColumnParallelLinear.from_linear(mlp.gate_up_proj, group,
+                                                                _rows((0, mlp_rows), (i, mlp_rows)))
+        else:
+            mlp.gate_proj = ColumnParallelLinear.from_linear(mlp.gate_proj, group, mlp_rows)
+            mlp.up_proj = ColumnParallelLinear.from_linear(mlp.up_proj, group, mlp_rows)
+        mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group, mlp_rows)
+    _shard_vocab(model, group)
+    model.config = replace(cfg, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+                           intermediate_size=mlp_rows.stop - mlp_rows.start)
+    return model
+
+
+def _shard_vocab(model: nn.Module, group) -> None:
+    emb, head = model.model.embed_tokens, model.lm_head
+    tied = head.weight is emb.weight
+    model.model.embed_tokens = VocabParallelEmbedding.from_embedding(emb, group)
+    model.lm_head = ColumnParallelLinear.from_linear(head, group, gather_output=True)
+    if tied:  # both keep the same vocabulary rows, so the shards stay tied
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
 def tensor_parallel(model: nn.Module, group=None) -> nn.Module:
-    """Shard a Hugging Face Llama-family ``model`` in place over ``group`` (default: the world) and return it.
+    """Shard ``model`` in place over ``group`` (default: the world) and return it: a ``labkit.model.CausalLM``
+    (merged q/k/v sharded by head group, merged gate/up by rows of each half) or a Hugging Face Llama-family model.
 
     Every rank must hold the same full model before the call (same weights, e.g. loaded from one checkpoint) and
     call this collectively. Afterwards each rank keeps ``1/tp`` of the attention heads, the MLP and the
-    vocabulary; the model's forward and ``generate`` work unchanged and return full logits on every rank.
+    vocabulary; the model's forwards (HF's ``generate``; labkit's ``forward`` and ``forward_paged`` on a cache
+    from the sharded model's ``make_cache``) work unchanged and return full logits on every rank.
     """
+    from labkit.model import CausalLM
+
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     config = model.config
     check_tp_size(config, tp)
+    if isinstance(model, CausalLM):
+        return _shard_labkit(model, group, tp, rank)
     q_rows, kv_rows, _ = head_rows(config, tp, rank)
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -221,10 +277,5 @@ def tensor_parallel(model: nn.Module, group=None) -> nn.Module:
         mlp.gate_proj = ColumnParallelLinear.from_linear(mlp.gate_proj, group)
         mlp.up_proj = ColumnParallelLinear.from_linear(mlp.up_proj, group)
         mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group)
-    emb, head = model.model.embed_tokens, model.lm_head
-    tied = head.weight is emb.weight
-    model.model.embed_tokens = VocabParallelEmbedding.from_embedding(emb, group)
-    model.lm_head = ColumnParallelLinear.from_linear(head, group, gather_output=True)
-    if tied:  # both keep the same vocabulary rows, so the shards stay tied
-        model.lm_head.weight = model.model.embed_tokens.weight
+    _shard_vocab(model, group)
     return model

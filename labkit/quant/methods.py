@@ -1,7 +1,9 @@
 """``quantize(model, method, **options)``: one entry point for every weight quantisation method.
 
-The returned model is the same Hugging Face model class with its ``nn.Linear`` modules swapped for quantised
-ones, so ``generate``, ``StaticCache`` decoding and ``labkit.evaluate.perplexity`` run it unchanged.
+The returned model is the same model class with its ``nn.Linear`` modules swapped for quantised ones, by name: for
+a Hugging Face model ``generate``, ``StaticCache`` decoding and ``labkit.evaluate.perplexity`` run it unchanged; for a
+``labkit.model.CausalLM`` the layers swapped are each decoder layer's ``qkv_proj``, ``o_proj``, ``gate_up_proj`` and
+``down_proj`` (and ``lm_head`` with ``lm_head=``), and the engine runs it with the int8/int4 epilogue fusions.
 Embeddings, norms and the LM head stay in the model's dtype: embeddings are a lookup (one row per token, never a matmul
 bottleneck), and the LM head is the layer most sensitive to error. ``lm_head=True`` quantises the LM head too;
 ``lm_head="int8"`` (a method of ``HEAD_METHODS``) quantises it by that method instead, with its default options
@@ -30,6 +32,7 @@ input model is left untouched, and the weights about to be replaced are not copi
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 from torch import nn
@@ -171,7 +174,11 @@ def quantize(model: nn.Module, method: str, **options) -> nn.Module:
         name, head = _output_head(model)
         model.set_submodule(name, _replacement(head_method, head, head_opts))
     if opts["lm_head"] and getattr(model.config, "tie_word_embeddings", False):
-        model.config.tie_word_embeddings = False  # the quantised head is no longer the embedding table
+        # the quantised head is no longer the embedding table (labkit.model's config is frozen: a new one)
+        if dataclasses.is_dataclass(model.config):
+            model.config = dataclasses.replace(model.config, tie_word_embeddings=False)
+        else:
+            model.config.tie_word_embeddings = False
     model.labkit_quant = {"method": method, **{k: v for k, v in opts.items()
                                                if k not in ("calib", "tokenizer", "inplace", "progress")}}
     return model.eval()

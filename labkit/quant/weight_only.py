@@ -18,12 +18,11 @@ these formats); elsewhere, or when those kernels are absent, they dequantise to 
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labkit.kernels.quantized_matmul import w4a16_matmul, w8a16_matmul
 from labkit.kernels.quantized_matmul.packing import dequantize_int4, dequantize_int8, pack_int4
 
 INT8_QMAX = 127
@@ -103,33 +102,11 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 128, scale_dtype: torc
     return pack_int4(q), scale.to(sdt), zero.to(sdt)
 
 
-# --- fused kernels, when present -----------------------------------------------------------------------------
-_FUSED: dict[str, object] = {}
-
-
-def fused_kernel(name: str):
-    """A kernel of ``labkit.kernels.quantized_matmul`` by name (``w8a16_matmul``, ``w4a16_qkv_rope_cache``, ...), or
-    None if absent."""
-    if name not in _FUSED:
-        try:
-            from labkit.kernels import quantized_matmul
-            _FUSED[name] = getattr(quantized_matmul, name)
-        except (ImportError, AttributeError) as e:
-            warnings.warn(f"labkit.kernels.quantized_matmul.{name} is not available ({e}); quantised linears "
-                          "use the torch dequantise-then-matmul path", stacklevel=3)
-            _FUSED[name] = None
-    return _FUSED[name]
-
-
-def _use_fused(backend: str, x: torch.Tensor, kernel: str):
-    """The fused kernel to call, or None for the torch path; ``triton`` insists (an error if missing)."""
-    if backend == "torch" or (backend == "auto" and not x.is_cuda):
-        return None
-    fn = fused_kernel(kernel)
-    if fn is None and backend == "triton":
-        raise RuntimeError(f"backend='triton' needs labkit.kernels.quantized_matmul.{kernel}, which is "
-                           "missing")
-    return fn
+# --- the kernels -------------------------------------------------------------------------------------------
+def _use_kernels(backend: str, x: torch.Tensor) -> bool:
+    """Whether a layer of ``backend`` runs its Triton kernel on ``x`` ('auto': on CUDA; 'triton': everywhere,
+    through the interpreter on the CPU)."""
+    return backend == "triton" or (backend == "auto" and x.is_cuda)
 
 
 def _check_backend(backend: str) -> str:
@@ -140,86 +117,34 @@ def _check_backend(backend: str) -> str:
 
 # --- modules -------------------------------------------------------------------------------------------------
 class _QuantizedLinear(nn.Module):
-    """What labkit's quantised linears share: the fused kernel ``_KERNEL`` of ``labkit.kernels.quantized_matmul``
-    called on ``(x, *self._weights())``, and ``fused_forward`` (the projection with a decoder layer's neighbours).
-    Subclasses set ``in_features``, ``out_features``, ``bias`` and ``backend``. ``tuning``: the kernels' launch
-    parameters (``labkit.kernels.quantized_matmul.QuantTuning``), None for the device's table."""
+    """What labkit's quantised linears share: ``y = x @ W.T + bias``, by their Triton kernel (``_kernel``, called on
+    ``(x, *self.weights())``) or by dequantising and ``F.linear`` (the torch reference). A quantised linear is only a
+    linear: the decoder's fusions around it (RMSNorm, residual add, SwiGLU, RoPE and the cache write inside the
+    GEMV) are applied by ``labkit.model``, which reads ``weights()`` and ``tuning``. Subclasses set
+    ``in_features``, ``out_features``, ``bias`` and ``backend``. ``tuning``: the kernels' launch parameters
+    (``labkit.kernels.quantized_matmul.QuantTuning``), None for the device's table."""
 
-    _KERNEL = ""  # the product's kernel in labkit.kernels.quantized_matmul
-    _QKV_ROPE_KERNEL = ""  # the merged q/k/v projection's, with RoPE and the cache write
     tuning = None
 
-    def _tuned(self) -> dict:
-        """The kernels' ``tuning`` argument, where this layer has one."""
-        return {} if self.tuning is None else {"tuning": self.tuning}
+    @staticmethod
+    def _kernel(x, *weights, **kw) -> torch.Tensor:
+        raise NotImplementedError
 
-    def _weights(self) -> tuple:
+    def weights(self) -> tuple:
+        """The kernel's weight arguments after ``x`` (tensors, then the group size where there is one)."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fn = _use_fused(self.backend, x, self._KERNEL)
-        if fn is None:
+        if not self.uses_kernels(x):
             return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        return self._out(fn(x.reshape(-1, self.in_features), *self._weights(), **self._tuned()), x.shape[:-1])
-
-    def _out(self, y: torch.Tensor, lead: torch.Size) -> torch.Tensor:
-        """The fused kernel's rows ``y`` ``[M, N]`` as ``[*lead, N]``, plus the bias."""
-        y = y.view(*lead, self.out_features)
+        tuned = {} if self.tuning is None else {"tuning": self.tuning}
+        y = self._kernel(x.reshape(-1, self.in_features), *self.weights(), **tuned).view(*x.shape[:-1],
+                                                                                         self.out_features)
         return y if self.bias is None else y + self.bias
 
     def uses_kernels(self, x: torch.Tensor) -> bool:
-        """Whether this layer runs labkit's fused kernels on ``x`` (its backend and ``x``'s device)."""
-        return _use_fused(self.backend, x, self._KERNEL) is not None
-
-    def fused_forward(self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None,
-                      swiglu: bool = False, pdl: str = "") -> torch.Tensor:
-        """``residual + self(act(x))``, the projection with what a decoder layer does around it, where ``act`` is
-        ``norm`` (an RMSNorm module: ``weight``, ``variance_epsilon``; the q/k/v and gate/up projections) or, with
-        ``swiglu``, ``silu(gate) * up`` of ``x`` ``[..., 2 * in_features]`` = ``[gate | up]`` (the down
-        projection); ``residual`` ``[..., out_features]`` (the o and down projections end in the residual add).
-        On the fused path one 16-bit row does them inside the stationary GEMV (the kernel's ``norm_weight``,
-        ``residual`` and ``swiglu``), so a decode step loses their kernels; on the torch path they run as HF's
-        modules round them. ``pdl``: the kernel's programmatic dependent launch (``"release"``, ``"overlap"``),
-        for a chain of GEMVs on sm_90."""
-        width = 2 * self.in_features if swiglu else self.in_features
-        if x.dim() == 0 or x.shape[-1] != width:
-            raise ValueError(f"x {tuple(x.shape)} must be [..., {'2 * ' if swiglu else ''}in_features] = "
-                             f"[..., {width}]{' ([gate | up] with swiglu=True)' if swiglu else ''}")
-        if norm is not None and swiglu:
-            raise ValueError("norm and swiglu=True cannot be combined (an RMSNorm precedes q/k/v and gate/up, "
-                             "SwiGLU the down projection)")
-        fn = _use_fused(self.backend, x, self._KERNEL)
-        if fn is None:
-            from labkit.kernels.common import check_pdl
-
-            check_pdl(pdl)  # (the kernel path checks it)
-            if swiglu:
-                gate, up = x.chunk(2, dim=-1)
-                x = F.silu(gate) * up
-            y = self(norm(x) if norm is not None else x)
-            return y if residual is None else residual + y
-        opts = {"swiglu": swiglu, **({"pdl": pdl} if pdl else {}), **self._tuned()}
-        if norm is not None:
-            opts.update(norm_weight=norm.weight, norm_eps=norm.variance_epsilon)
-        inside = residual is not None and self.bias is None  # the bias comes between the product and the add
-        if inside:
-            opts["residual"] = residual.reshape(-1, self.out_features)
-        y = self._out(fn(x.reshape(-1, width), *self._weights(), **opts), x.shape[:-1])
-        return y if residual is None or inside else residual + y
-
-
-    def qkv_rope_cache(self, x: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                       norm: nn.Module | None = None, pdl: str = "") -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer as a merged, bias-free q/k/v projection after ``norm``, then RoPE and the paged-cache write
-        (``labkit.kernels.quantized_matmul.w4a16_qkv_rope_cache`` / ``w8a16_qkv_rope_cache``: one kernel at decode
-        batch 1). Returns ``(q_rot, k_rot)``; needs the fused kernels (``uses_kernels``)."""
-        if self.bias is not None:
-            raise ValueError("qkv_rope_cache needs a bias-free layer (a merged q/k/v projection)")
-        fn = _use_fused("triton", x, self._QKV_ROPE_KERNEL)
-        opts = dict(norm_weight=norm.weight, norm_eps=norm.variance_epsilon) if norm is not None else {}
-        opts.update(self._tuned())
-        return fn(x, *self._weights(), num_heads, cos, sin, k_cache, v_cache, slot_mapping, pdl=pdl, **opts)
+        """Whether this layer runs labkit's Triton kernel on ``x`` (its backend and ``x``'s device)."""
+        return _use_kernels(self.backend, x)
 
 
 class Int8Linear(_QuantizedLinear):
@@ -250,9 +175,9 @@ class Int8Linear(_QuantizedLinear):
         """The weight ``[N, K]`` this layer computes with."""
         return dequantize_int8(self.qweight, self.scale, dtype)
 
-    _KERNEL, _QKV_ROPE_KERNEL = "w8a16_matmul", "w8a16_qkv_rope_cache"
+    _kernel = staticmethod(w8a16_matmul)
 
-    def _weights(self) -> tuple:
+    def weights(self) -> tuple:
         return self.qweight, self.scale
 
     def extra_repr(self) -> str:
@@ -294,9 +219,9 @@ class Int4Linear(_QuantizedLinear):
         """The weight ``[N, K]`` this layer computes with."""
         return dequantize_int4(self.packed, self.scales, self.zeros, self.group_size, dtype)
 
-    _KERNEL, _QKV_ROPE_KERNEL = "w4a16_matmul", "w4a16_qkv_rope_cache"
+    _kernel = staticmethod(w4a16_matmul)
 
-    def _weights(self) -> tuple:
+    def weights(self) -> tuple:
         return self.packed, self.scales, self.zeros, self.group_size
 
     def extra_repr(self) -> str:
@@ -321,30 +246,37 @@ def concat_linears(linears: list[nn.Module]) -> nn.Module | None:
     """One layer computing ``cat([lin(x) for lin in linears], -1)`` with a single matmul, or ``None`` (nothing
     changed) where they cannot be merged.
 
-    ``linears``: bias-free layers of one kind that read the same ``K`` features -- plain ``nn.Linear`` (one dtype
-    and device), ``Int8Linear`` or ``Int4Linear`` (one group size and backend). Their weights (for the quantised
-    kinds ``qweight``/``scale`` or ``packed``/``scales``/``zeros``) are concatenated by output rows, and each
-    input layer is re-pointed at its row slice of the result: the same values, no extra memory, and the input
-    layers still work on their own. At decode batch sizes one GEMV over ``N1 + N2 + ...`` rows replaces several
-    narrow ones, each of which pays a launch and fills the GPU poorly (k/v projections of an 8B model are 1024
-    rows).
+    ``linears``: layers of one kind that read the same ``K`` features, all with a bias or none -- plain
+    ``nn.Linear`` (one dtype and device), ``Int8Linear`` or ``Int4Linear`` (one group size and backend). Their
+    weights (for the quantised kinds ``qweight``/``scale`` or ``packed``/``scales``/``zeros``) and biases are
+    concatenated by output rows, and each input layer is re-pointed at its row slice of the result: the same
+    values, no extra memory, and the input layers still work on their own. At decode batch sizes one GEMV over ``N1
+    + N2 + ...`` rows replaces several narrow ones, each of which pays a launch and fills the GPU poorly (k/v
+    projections of an 8B model are 1024 rows).
     """
     kinds = {type(m) for m in linears}
     names = _WEIGHT_TENSORS.get(next(iter(kinds))) if len(kinds) == 1 else None
-    if names is None or any(getattr(m, "bias", None) is not None for m in linears):
+    biased = {getattr(m, "bias", None) is not None for m in linears}
+    if names is None or len(biased) != 1:
+        names = None
+    elif biased == {True}:
+        names = (*names, "bias")
+    if names is None:
         return None
     shape = {(m.in_features, getattr(m, "backend", None), getattr(m, "group_size", None)) for m in linears}
     if len(shape) != 1 or any(len({(getattr(m, n).dtype, getattr(m, n).device) for m in linears}) != 1
                               for n in names):
         return None
     kind, first = type(linears[0]), linears[0]
-    cat = [torch.cat([getattr(m, n).detach() for m in linears], dim=0) for n in names]
+    cat = {n: torch.cat([getattr(m, n).detach() for m in linears], dim=0) for n in names}
     if kind is nn.Linear:
-        merged = nn.Linear(first.in_features, cat[0].shape[0], bias=False, device="meta")
-        merged.weight = nn.Parameter(cat[0], requires_grad=False)
+        merged = nn.Linear(first.in_features, cat["weight"].shape[0], bias=False, device="meta")
+        merged.weight = nn.Parameter(cat["weight"], requires_grad=False)
+        if "bias" in cat:
+            merged.bias = nn.Parameter(cat["bias"], requires_grad=False)
     else:
         extra = (first.group_size,) if kind is Int4Linear else ()
-        merged = kind(*cat, *extra, backend=first.backend)
+        merged = kind(*(cat[n] for n in names if n != "bias"), *extra, bias=cat.get("bias"), backend=first.backend)
         merged.tuning = first.tuning
     for n in names:
         _repoint(linears, n, getattr(merged, n))

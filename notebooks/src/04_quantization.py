@@ -170,7 +170,7 @@ display(pd.DataFrame(gen_rows))
 # over a preallocated paged cache, replayed as a CUDA graph): q/k/v and gate/up merged into one GEMV each, RoPE and
 # the cache write in one kernel, paged decode attention -- about a dozen kernels per layer against HF's ~25, so the
 # per-kernel costs that do not shrink with the weights weigh less. With int4 or int8 weights the engine also folds
-# each layer's neighbours into its GEMVs (`fused_forward`, on the stationary GEMVs): the RMSNorms run in the
+# each layer's neighbours into its GEMVs (`labkit.model.ops.projection`, on the stationary GEMVs): the RMSNorms run in the
 # prologues of the q/k/v and gate/up GEMVs, the residual adds in the stores of the o and down GEMVs, SwiGLU as the
 # down GEMV prepares its activations, RoPE and the k/v cache write as the q/k/v GEMV stores its rows -- four GEMVs
 # and attention per layer (int8 on its own stationary GEMV, packed float16 math over the bytes).

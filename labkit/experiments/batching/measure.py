@@ -23,6 +23,7 @@ import gc
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -45,6 +46,7 @@ from labkit.engine import (
 from labkit.evaluate import relative_error
 from labkit.experiments.baseline import Execution, replay_fifo, run_generate
 from labkit.kvcache import PagedKVCache
+from labkit.model import FusionPlan
 from labkit.profiling import ProfileResult, profile_run
 
 
@@ -182,6 +184,22 @@ def decode_rate(model, batch_size: int, context: int, steps: int, source, warmup
     return row
 
 
+# The A/B names notebook 04 records its rows under -> the FusionPlan field each turns off (with what depends on it).
+PLAN_OPTIONS = {"fuse_layer_ops": ("quant_epilogues", "qkv_rope_cache", "gemv_pdl"),
+                "fuse_qkv_rope": ("qkv_rope_cache",), "gemv_pdl": ("gemv_pdl",)}
+
+
+def plan_options(model, **options) -> FusionPlan:
+    """The default ``FusionPlan`` of ``model``'s device with the A/B switches of ``PLAN_OPTIONS`` applied (False
+    turns the fusion off, True keeps the default)."""
+    unknown = sorted(set(options) - set(PLAN_OPTIONS))
+    if unknown:
+        raise ValueError(f"options {unknown} are unknown; allowed: {sorted(PLAN_OPTIONS)}")
+    plan = FusionPlan.for_device(next(model.parameters()).device)
+    off = {f: False for name, on in options.items() if not on for f in PLAN_OPTIONS[name]}
+    return replace(plan, **off)
+
+
 def runner_step(model, phase: str, batch_size: int, context: int, block_size: int = 16, seed: int = 0,
                 **runner_options):
     """A callable running one forward of the engine's ``ModelRunner`` and the runner it uses.
@@ -190,13 +208,14 @@ def runner_step(model, phase: str, batch_size: int, context: int, block_size: in
     runner's CUDA graph for that batch where it captures one (eager otherwise). ``phase='prefill'``: one prompt of
     ``context`` tokens (``batch_size`` must be 1). The cached K/V are whatever the new cache holds rather than a
     real prompt's (a step's time does not depend on the values), so a point of a sweep costs no prefill. Each call
-    rewrites the same slots: time it as often as needed. ``runner_options`` go to ``ModelRunner`` (for example
-    ``fuse_layer_ops=False``).
+    rewrites the same slots: time it as often as needed. ``runner_options``: A/B switches of the device's
+    ``FusionPlan`` (``plan_options``; for example ``fuse_layer_ops=False``).
     """
     if phase not in ("decode", "prefill"):
         raise ValueError(f"phase={phase!r}; allowed: 'decode', 'prefill'")
     if batch_size < 1 or context < 1 or (phase == "prefill" and batch_size != 1):
         raise ValueError(f"batch_size={batch_size} and context={context} must be >= 1 (batch_size 1 for prefill)")
+    runner_options = {"kernels": plan_options(model, **runner_options)} if runner_options else {}
     total = context + (phase == "decode")
     blocks = batch_size * -(-total // block_size) + 1  # + the graphs' scratch block
     cache = PagedKVCache.for_model(model, num_blocks=blocks, block_size=block_size)
