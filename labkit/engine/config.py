@@ -1,0 +1,155 @@
+"""The engine's settings (``EngineConfig``, vLLM's names, each checked when built), its run statistics
+(``EngineStats``), the serving clocks, and what the engine reads off the model: its vocabulary and EOS ids."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+from labkit.engine.model_runner import KERNELS
+from labkit.engine.sampling import token_id_tuple
+from labkit.engine.scheduler import PREEMPTION_MODES, SCHEDULERS
+
+CLOCKS = ("virtual", "real")
+"""Serving clocks: 'virtual' (arrivals in model time, reproducible) or 'real' (wall clock)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings (vLLM's names).
+
+    * ``scheduler``: 'fifo', 'static' or 'continuous'; ``static_batch_size`` (default ``max_num_seqs``)
+    * ``max_num_seqs``: running sequences at most; ``max_num_batched_tokens``: tokens per step (continuous)
+    * ``chunked_prefill``: split long prompts over steps (continuous); ``min_admit``: admit waiting requests in
+      groups of at least this many while others decode (continuous; see ``ContinuousBatchingScheduler``)
+    * ``max_model_len``: prompt + output tokens at most (default: the model's maximum position)
+    * ``block_size``, ``num_blocks``: the paged cache; ``num_blocks=None`` sizes it from
+      ``gpu_memory_utilization`` of free device memory on CUDA, and for ``max_num_seqs`` full-length sequences
+      (capped at 1 GiB) on the CPU
+    * ``kernels``: 'auto' | 'torch' | 'triton'; ``cuda_graphs``: 'auto' | True | False; ``graph_batch_sizes``:
+      the captured all-decode batches (default ``default_graph_batch_sizes``); ``graph_token_sizes``: the
+      captured steps with prefill chunks, by token count (default: ``default_graph_token_sizes`` of the token
+      budget for the continuous scheduler on the Triton path, none otherwise)
+    * ``preemption_mode``: 'recompute' or 'swap' (continuous: what happens to the youngest sequence when blocks run
+      out; see ``labkit.engine.scheduler``); ``swap_space``: GiB of CPU memory for swapped blocks (vLLM's name and
+      default), at most the device cache's size, allocated only with ``preemption_mode='swap'``
+    * ``seed``: seeds requests that bring none (``SamplingParams.seed``)
+    * ``eos_token_ids``: ids that end a request (default: every EOS id of the model's config and generation
+      config, else the tokenizer's; ``SamplingParams.eos_token_ids`` overrides per request)
+    """
+
+    scheduler: str = "continuous"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    chunked_prefill: bool = True
+    min_admit: int = 1
+    static_batch_size: int | None = None
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_blocks: int | None = None
+    gpu_memory_utilization: float = 0.85
+    kv_dtype: str | None = None
+    enable_prefix_caching: bool = False
+    kernels: str = "auto"
+    cuda_graphs: bool | str = "auto"
+    graph_batch_sizes: tuple[int, ...] | None = None
+    graph_token_sizes: tuple[int, ...] | None = None
+    preemption_mode: str = "recompute"
+    swap_space: float = 4.0
+    seed: int = 0
+    eos_token_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler={self.scheduler!r} is unknown; allowed: {SCHEDULERS}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels={self.kernels!r} is unknown; allowed: {KERNELS}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode={self.preemption_mode!r} is unknown; allowed: {PREEMPTION_MODES}")
+        if not self.swap_space > 0:
+            raise ValueError(f"swap_space={self.swap_space!r} GiB must be > 0")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_blocks={self.num_blocks} must be >= 2 (or None to size the cache)")
+
+    @property
+    def seqs_per_step(self) -> int:
+        """Sequences a step can hold under this scheduler."""
+        return {"fifo": 1, "static": self.static_batch_size or self.max_num_seqs}.get(self.scheduler,
+                                                                                        self.max_num_seqs)
+
+
+@dataclass
+class EngineStats:
+    """What the engine did since the last reset: steps, time busy, tokens computed, memory."""
+
+    steps: int = 0
+    busy_s: float = 0.0
+    prefill_tokens: int = 0  # prompt (and recomputed) tokens computed
+    decode_tokens: int = 0
+    output_tokens: int = 0
+    graph_steps: int = 0  # steps replayed from a CUDA graph
+    peak_device_bytes: int | None = None
+    step_s: list[float] = field(default_factory=list)
+    step_seqs: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class VirtualClock:
+    """Advances by the measured duration of each step; jumps over idle time (see the module docstring)."""
+
+    name = "virtual"
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> float:
+        self.t += dt
+        return self.t
+
+    def wait_until(self, t: float) -> None:
+        self.t = max(self.t, t)
+
+
+class RealClock:
+    """Seconds since the run started (``perf_counter``); waiting sleeps."""
+
+    name = "real"
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start
+
+    def advance(self, dt: float) -> float:
+        return self.now()
+
+    def wait_until(self, t: float) -> None:
+        time.sleep(max(0.0, t - self.now()))
+
+
+def vocab_size(model) -> int:
+    """Token ids the model embeds: its input embedding's rows (``config.vocab_size`` without one)."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return int(emb.num_embeddings) if emb is not None else int(model.config.vocab_size)
+
+
+def default_eos_token_ids(model, tokenizer=None) -> tuple[int, ...]:
+    """Every EOS id the checkpoint declares: ``config.eos_token_ids`` (labkit.model) or ``eos_token_id`` (an id or a
+    list, as Llama 3 Instruct's [128001, 128009]), with the generation config's; the tokenizer's without any."""
+    ids: list[int] = []
+    for src in (model.config, getattr(model, "generation_config", None)):
+        for name in ("eos_token_ids", "eos_token_id"):
+            v = getattr(src, name, None) if src is not None else None
+            if v is not None:
+                ids += token_id_tuple(name, v)
+    if not ids and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    return tuple(dict.fromkeys(ids))
