@@ -8,7 +8,7 @@ import math
 import pytest
 
 from labkit.data import sample_prompts
-from labkit.engine.llm_engine import LLMEngine
+from labkit.engine.llm_engine import EngineConfig, LLMEngine
 from labkit.engine.sampling import SamplingParams
 from labkit.engine.workload import RequestSpec
 
@@ -182,3 +182,33 @@ def test_every_eos_id_stops(tiny_model, prompts):
     out = LLMEngine(model, tok).generate([prompts[0]], SamplingParams(max_tokens=8, eos_token_ids=[second]),
                                          progress=False)[0]
     assert out.output_token_ids == ref[: ref.index(second) + 1]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_model_len=0), r"max_model_len=0 must be an int >= 1 \(or None for the default\)"),  # was 2048
+    (dict(max_model_len=-5), "max_model_len=-5 must be an int >= 1"),
+    (dict(static_batch_size=0), "static_batch_size=0 must be an int >= 1"),  # was max_num_seqs
+    (dict(max_num_seqs=0), "max_num_seqs=0 must be an int >= 1"),
+    (dict(max_num_batched_tokens=2.5), "max_num_batched_tokens=2.5 must be an int"),
+    (dict(block_size=0), "block_size=0 must be an int >= 1"),
+    (dict(num_blocks=1), "num_blocks=1 must be an int >= 2"),
+    (dict(min_admit=0), "min_admit=0"),
+    (dict(seed=-1), "seed=-1 must be an int >= 0"),
+    (dict(chunked_prefill="no"), "chunked_prefill='no' must be True or False"),
+    (dict(cuda_graphs="yes"), "cuda_graphs='yes'; allowed: 'auto', True, False"),
+    (dict(cuda_graphs=1), "cuda_graphs=1; allowed"),
+    (dict(graph_batch_sizes=(1, 0)), "graph_batch_sizes=0 must be an int >= 1"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization=1.5 must be a number in"),
+    (dict(swap_space=float("inf")), "swap_space=inf GiB must be a finite number"),
+    (dict(eos_token_ids=["</s>"]), "'</s>' is not a token id"),
+    (dict(kernels="cuda"), "kernels='cuda' is unknown"),
+])
+def test_engine_config_refuses_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kwargs)
+
+
+def test_engine_config_keeps_good_values():
+    cfg = EngineConfig(graph_batch_sizes=[1, 2], eos_token_ids=[128001, 128009], static_batch_size=3,
+                       scheduler="static")
+    assert cfg.graph_batch_sizes == (1, 2) and cfg.eos_token_ids == (128001, 128009) and cfg.seqs_per_step == 3

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 from labkit.engine.model_runner import KERNELS
@@ -60,23 +63,46 @@ class EngineConfig:
     eos_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        """Refuse any field of the wrong type or out of range, naming it, its value and what is allowed (nothing is
+        coerced: ``max_model_len=0`` is an error, not the model's maximum)."""
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler={self.scheduler!r} is unknown; allowed: {SCHEDULERS}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels={self.kernels!r} is unknown; allowed: {KERNELS}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        for name, low in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("min_admit", 1), ("block_size", 1),
+                          ("seed", 0)):
+            _int_at_least(name, getattr(self, name), low)
+        for name, low in (("static_batch_size", 1), ("max_model_len", 1), ("num_blocks", 2)):
+            if getattr(self, name) is not None:
+                _int_at_least(name, getattr(self, name), low, "or None for the default")
+        for name in ("chunked_prefill", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.cuda_graphs not in ("auto", True, False) or isinstance(self.cuda_graphs, int) and \
+                not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs={self.cuda_graphs!r}; allowed: 'auto', True, False")
+        for name in ("graph_batch_sizes", "graph_token_sizes"):
+            sizes = getattr(self, name)
+            if sizes is not None:
+                if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
+                    raise ValueError(f"{name}={sizes!r} must be a sequence of ints >= 1 (or None for the default)")
+                for v in sizes:
+                    _int_at_least(name, v, 1, f"in {name}={sizes!r}")
+                object.__setattr__(self, name, tuple(int(v) for v in sizes))
+        if not _real(self.gpu_memory_utilization) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be a number in (0, 1]")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={self.preemption_mode!r} is unknown; allowed: {PREEMPTION_MODES}")
-        if not self.swap_space > 0:
-            raise ValueError(f"swap_space={self.swap_space!r} GiB must be > 0")
-        if self.num_blocks is not None and self.num_blocks < 2:
-            raise ValueError(f"num_blocks={self.num_blocks} must be >= 2 (or None to size the cache)")
+        if not _real(self.swap_space) or not 0 < self.swap_space < math.inf:
+            raise ValueError(f"swap_space={self.swap_space!r} GiB must be a finite number > 0")
+        if self.eos_token_ids is not None:
+            object.__setattr__(self, "eos_token_ids", token_id_tuple("eos_token_ids", self.eos_token_ids))
 
     @property
     def seqs_per_step(self) -> int:
         """Sequences a step can hold under this scheduler."""
-        return {"fifo": 1, "static": self.static_batch_size or self.max_num_seqs}.get(self.scheduler,
+        static = self.max_num_seqs if self.static_batch_size is None else self.static_batch_size
+        return {"fifo": 1, "static": static}.get(self.scheduler,
                                                                                         self.max_num_seqs)
 
 
@@ -153,3 +179,12 @@ def default_eos_token_ids(model, tokenizer=None) -> tuple[int, ...]:
     if not ids and getattr(tokenizer, "eos_token_id", None) is not None:
         ids.append(int(tokenizer.eos_token_id))
     return tuple(dict.fromkeys(ids))
+
+
+def _real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and not math.isnan(x)
+
+
+def _int_at_least(name: str, value, low: int, extra: str = "") -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name}={value!r} must be an int >= {low}" + (f" ({extra})" if extra else ""))

@@ -67,7 +67,8 @@ class LLMEngine:
         self.config = cfg = replace(config or EngineConfig(), **overrides)
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
-        self.max_model_len = cfg.max_model_len or model.config.max_position_embeddings
+        self.max_model_len = (model.config.max_position_embeddings if cfg.max_model_len is None
+                              else cfg.max_model_len)
         if self.max_model_len > model.config.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
                              f"{model.config.max_position_embeddings}")

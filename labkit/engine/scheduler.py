@@ -63,7 +63,7 @@ class StaticBatchScheduler(Scheduler):
     name = "static"
 
     def __init__(self, cache: PagedKVCache, batch_size: int = 8, max_model_len: int | None = None):
-        if not isinstance(batch_size, int) or batch_size < 1:
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r} must be a positive int")
         super().__init__(cache, max_num_seqs=batch_size, max_model_len=max_model_len)
         self.batch_size = batch_size
@@ -111,13 +111,15 @@ class ContinuousBatchingScheduler(Scheduler):
                  chunked_prefill: bool = True, max_model_len: int | None = None, min_admit: int = 1,
                  preemption_mode: str = "recompute", num_cpu_blocks: int | None = None, watermark: float = 0.0):
         super().__init__(cache, max_num_seqs, max_num_batched_tokens, max_model_len, preemption_mode, num_cpu_blocks)
-        if not 0 <= watermark < 1:
-            raise ValueError(f"watermark={watermark!r} must be in [0, 1)")
+        if not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
+            raise ValueError(f"watermark={watermark!r} must be a number in [0, 1)")
+        if not isinstance(chunked_prefill, bool):
+            raise ValueError(f"chunked_prefill={chunked_prefill!r} must be True or False")
         self.watermark_blocks = int(watermark * cache.num_blocks)
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_num_seqs="
                              f"{max_num_seqs}: every running sequence needs a decode token each step")
-        if not isinstance(min_admit, int) or not 1 <= min_admit <= max_num_seqs:
+        if not isinstance(min_admit, int) or isinstance(min_admit, bool) or not 1 <= min_admit <= max_num_seqs:
             raise ValueError(f"min_admit={min_admit!r} must be an int in 1..max_num_seqs={max_num_seqs}")
         self.chunked_prefill = chunked_prefill
         self.min_admit = min_admit
@@ -227,7 +229,8 @@ def make_scheduler(name: str, cache: PagedKVCache, *, max_num_seqs: int = 256, m
         return FIFOScheduler(cache, max_num_seqs=1, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len)
     if name == "static":
-        return StaticBatchScheduler(cache, static_batch_size or max_num_seqs, max_model_len=max_model_len)
+        return StaticBatchScheduler(cache, max_num_seqs if static_batch_size is None else static_batch_size,
+                                    max_model_len=max_model_len)
     if name == "continuous":
         return ContinuousBatchingScheduler(cache, max_num_seqs, max_num_batched_tokens, chunked_prefill,
                                            max_model_len, min_admit, preemption_mode, num_cpu_blocks, watermark)

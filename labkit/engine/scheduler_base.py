@@ -59,9 +59,14 @@ class Scheduler(ABC):
     def __init__(self, cache: PagedKVCache, max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
                  max_model_len: int | None = None, preemption_mode: str = "recompute",
                  num_cpu_blocks: int | None = None):
-        for arg, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{arg}={v!r} must be a positive int")
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+        for arg, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                       ("max_model_len", max_model_len), ("num_cpu_blocks", num_cpu_blocks)):
+            if (v is not None or arg.startswith("max_num")) and (not isinstance(v, int) or isinstance(v, bool)
+                                                                  or v < 1):
+                raise ValueError(f"{arg}={v!r} must be a positive int" + ("" if arg.startswith("max_num")
+                                                                          else " or None"))
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={preemption_mode!r} is unknown; allowed: {PREEMPTION_MODES}")
         if cache.seqs:
