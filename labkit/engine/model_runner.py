@@ -351,7 +351,8 @@ class ModelRunner:
 
             k_cache, v_cache, tables = self._pools(i, inp.block_tables, q.dtype)
             return paged_prefill_attention(q, k_cache, v_cache, tables, inp.query_start_loc, inp.context_lens,
-                                           self.scale, out=torch.zeros_like(q))  # padding rows stay finite
+                                           self.scale, out=torch.zeros_like(q),  # padding rows stay finite
+                                           check=False)  # tables from the allocator, width checked in _pack
         out = torch.empty_like(q)
         if d:
             out[:d] = self._decode_attention(i, q[:d], inp.block_tables[:d], inp.context_lens[:d])
@@ -367,7 +368,7 @@ class ModelRunner:
         if self.use_triton:
             from labkit.kernels.paged_attention import paged_attention
 
-            return paged_attention(q, k_cache, v_cache, tables, ctx, scale=self.scale, pdl=pdl)
+            return paged_attention(q, k_cache, v_cache, tables, ctx, scale=self.scale, pdl=pdl, check=False)
         return paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, self.scale)
 
 
