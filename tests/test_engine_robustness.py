@@ -212,3 +212,21 @@ def test_engine_config_keeps_good_values():
     cfg = EngineConfig(graph_batch_sizes=[1, 2], eos_token_ids=[128001, 128009], static_batch_size=3,
                        scheduler="static")
     assert cfg.graph_batch_sizes == (1, 2) and cfg.eos_token_ids == (128001, 128009) and cfg.seqs_per_step == 3
+
+
+def test_abort_a_swapped_out_request(tiny_model, prompts):
+    model, tok = tiny_model
+    long = [p * 4 for p in prompts[:6]]
+    engine = LLMEngine(model, tok, block_size=4, num_blocks=13, max_num_seqs=8, max_num_batched_tokens=64,
+                       preemption_mode="swap")
+    engine.reset()
+    ids = [engine.add_request(p[:20], SamplingParams(max_tokens=20, ignore_eos=True)) for p in long]
+    while not engine.scheduler.swapped and engine.has_unfinished():
+        engine.step()
+    victim = engine.scheduler.swapped[0].seq_id
+    assert engine.abort_request(victim) and not engine.scheduler.swap.seqs.get(victim)
+    while engine.has_unfinished():
+        engine.step()
+    outs = {o.request_id: o for o in engine.result().outputs}
+    assert outs[victim].finish_reason == "abort" and all(outs[i].ok for i in ids if i != victim)
+    assert clean(engine) and engine.scheduler.swap.allocator.num_free == engine.scheduler.swap.allocator.num_blocks

@@ -101,6 +101,7 @@ def test_random_model_real_weights_not_zero():
     (lambda: load_model("/nonexistent/ckpt"), "not a Hugging Face checkpoint directory"),
     (lambda: dtype_bytes("fp7"), "dtype='fp7' is unknown"),
     (lambda: torch_dtype("int8"), "model weights must be one of"),
+    (lambda: load_model(dtype="fp7"), "dtype='fp7' is unknown"),
     (lambda: load_model(device="cuda:0") if not torch.cuda.is_available() else load_model(device="tpu"),
      "device="),
     (lambda: random_model("tiny", device="meta", num_layers=0), "num_layers=0"),
