@@ -199,7 +199,7 @@ def test_every_eos_id_stops(tiny_model, prompts):
     (dict(cuda_graphs=1), "cuda_graphs=1; allowed"),
     (dict(graph_batch_sizes=(1, 0)), "graph_batch_sizes=0 must be an int >= 1"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization=1.5 must be a number in"),
-    (dict(swap_space=float("inf")), "swap_space=inf GiB must be a finite number"),
+    (dict(swap_space=float("inf")), r"swap_space=inf GiB must be > 0 \(a finite number\)"),
     (dict(eos_token_ids=["</s>"]), "'</s>' is not a token id"),
     (dict(kernels="cuda"), "kernels='cuda' is unknown"),
 ])

@@ -94,7 +94,7 @@ class EngineConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={self.preemption_mode!r} is unknown; allowed: {PREEMPTION_MODES}")
         if not _real(self.swap_space) or not 0 < self.swap_space < math.inf:
-            raise ValueError(f"swap_space={self.swap_space!r} GiB must be a finite number > 0")
+            raise ValueError(f"swap_space={self.swap_space!r} GiB must be > 0 (a finite number)")
         if self.eos_token_ids is not None:
             object.__setattr__(self, "eos_token_ids", token_id_tuple("eos_token_ids", self.eos_token_ids))
 
