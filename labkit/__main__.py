@@ -8,13 +8,19 @@
     python -m labkit docs [--check]                   # docs/api.md from the exported names' docstrings
     python -m labkit bench kernels|serve|decode [ARGS...]  # the kernel, serving and decode benchmarks
     python -m labkit claims [--write]                 # check every notebook claim against results/summary.json
+    python -m labkit lab [ARGS...]                    # jupyter lab on notebooks/ (--allow-root when run as root)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+# quiet the kernels' start-up notices: platformdirs migration, and the debugger's frozen-modules warning
+LAB_ENV = {"JUPYTER_PLATFORM_DIRS": "1", "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
 
 
 def _ceilings(args) -> int:
@@ -104,6 +110,22 @@ def _docs(args) -> int:
     return 1 if (args.check and stale) else 0
 
 
+def lab_command(rest: list[str], uid: int | None = None) -> list[str]:
+    """The ``jupyter lab`` command line for ``notebooks/``: with ``--allow-root`` when run as root (uid 0; Jupyter
+    refuses root without it), then ``rest``."""
+    uid = os.getuid() if uid is None and hasattr(os, "getuid") else uid
+    root = ["--allow-root"] if uid == 0 and "--allow-root" not in rest else []
+    return [sys.executable, "-m", "jupyter", "lab", str(NOTEBOOKS), *root, *rest]
+
+
+def _lab(args) -> int:
+    import subprocess
+
+    cmd = lab_command(args.rest)
+    print(" ".join(cmd[1:]), flush=True)
+    return subprocess.call(cmd, env={**LAB_ENV, **os.environ})
+
+
 def main(argv: list[str] | None = None) -> int:
     from labkit import __version__
 
@@ -140,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--out", default=None, help="the page to write (default: docs/api.md of the repository)")
     d.add_argument("--check", action="store_true", help="only report whether the page is out of date; exit 1 if so")
     d.set_defaults(fn=_docs)
+    la = sub.add_parser("lab", help="jupyter lab on notebooks/ (passes --allow-root when run as root)")
+    la.add_argument("rest", nargs=argparse.REMAINDER, help="more jupyter lab arguments, e.g. --no-browser")
+    la.set_defaults(fn=_lab)
     args = ap.parse_args(argv)
     try:
         return args.fn(args)

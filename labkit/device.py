@@ -49,6 +49,12 @@ def native_bf16(device: str | torch.device) -> bool:
     return any(getattr(cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
+def quiet_profiler_logs() -> None:
+    """Hide the ``USDT: ... profiler_start`` / ``profiler_stop`` lines torch's profiler (Kineto) prints to stderr on
+    every profile: ``KINETO_LOG_LEVEL=6`` unless the user set a level (Kineto reads it when profiling starts)."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
 def configure_triton_for_host() -> None:
     """Route Triton through its interpreter when there is no GPU.
 

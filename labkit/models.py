@@ -366,13 +366,20 @@ def load_model(name_or_path: str | Path | None = None, device: str | torch.devic
                dtype: str | torch.dtype | None = torch.float32):
     """Load ``(model, tokenizer)`` from the embedded model (``None``) or a local HF checkpoint directory.
 
-    The model is in eval mode on ``device`` in ``dtype`` (float32 by default: the accuracy reference).
-    """
+    The model is in eval mode on ``device`` in ``dtype``: float32 by default on every device (the accuracy
+    reference), so a bfloat16 checkpoint (the embedded one too) is upcast unless you pass ``torch.bfloat16`` (or
+    ``"auto"``: the dtype its config.json names). The choice is logged (logger ``labkit.models``, INFO)."""
+    import json
+    import logging
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = _resolve_checkpoint(name_or_path)
-    dev = resolve_device(device)
-    dt = torch_dtype(dtype)
+    path, dev = _resolve_checkpoint(name_or_path), resolve_device(device)
+    cfg = json.loads((path / "config.json").read_text())
+    stored = cfg.get("dtype") or cfg.get("torch_dtype")
+    dt = torch_dtype(stored if dtype == "auto" else dtype)
+    logging.getLogger(__name__).info("load_model(%s): %s on %s (%s; the checkpoint stores %s)", path.name, dt,
+                                     dev.type, "asked" if dtype != torch.float32 else "the default", stored)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dt).to(dev).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer

@@ -90,6 +90,15 @@ def test_same_seed_and_index_repeat_other_index_differs():
     (dict(top_p=1.5), "top_p=1.5"),
     (dict(max_tokens=0), "max_tokens=0"),
     (dict(seed=-1), "seed=-1"),
+    (dict(temperature=float("nan")), "temperature=nan must be a finite number"),
+    (dict(temperature="0.7"), "temperature='0.7'"),
+    (dict(max_tokens=3.0), "max_tokens=3.0 must be an int"),
+    (dict(max_tokens=True), "max_tokens=True must be an int"),
+    (dict(top_p="1"), "top_p='1' must be a number"),
+    (dict(ignore_eos="no"), "ignore_eos='no' must be True or False"),
+    (dict(stop_token_ids=(1.5,)), r"stop_token_ids=\(1.5,\): 1.5 is not a token id"),
+    (dict(stop_token_ids="2"), "stop_token_ids='2' must be an int or a sequence"),
+    (dict(eos_token_ids=[-1]), r"eos_token_ids=\(-1,\): -1 is not a token id"),
 ])
 def test_bad_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -99,3 +108,9 @@ def test_bad_params(kwargs, match):
 def test_row_count_mismatch():
     with pytest.raises(ValueError, match="one params, seed and index per row"):
         Sampler()(torch.zeros(2, 5), [SamplingParams()], [0], [0])
+
+
+def test_eos_token_ids_accepts_one_id_or_a_list():
+    assert SamplingParams(eos_token_ids=5).eos_token_ids == (5,)
+    assert SamplingParams(eos_token_ids=[128001, 128009]).eos_token_ids == (128001, 128009)
+    assert SamplingParams().eos_token_ids is None

@@ -165,6 +165,18 @@ def test_bad_arguments():
         ContinuousBatchingScheduler(cache, max_num_seqs=4, max_num_batched_tokens=8, min_admit=5)
     with pytest.raises(ValueError, match="batch_size=0"):
         StaticBatchScheduler(cache, batch_size=0)
+    with pytest.raises(ValueError, match="max_model_len=-5 must be a positive int or None"):
+        FIFOScheduler(cache, max_model_len=-5)
+    with pytest.raises(ValueError, match="max_num_seqs=True must be a positive int"):
+        ContinuousBatchingScheduler(cache, max_num_seqs=True)
+    with pytest.raises(ValueError, match="chunked_prefill='yes' must be True or False"):
+        ContinuousBatchingScheduler(cache, chunked_prefill="yes")
+    with pytest.raises(ValueError, match="watermark=1.5 must be a number in"):
+        ContinuousBatchingScheduler(cache, watermark=1.5)
+    with pytest.raises(TypeError, match="cache must be a PagedKVCache, got dict"):
+        FIFOScheduler({})
+    with pytest.raises(ValueError, match="batch_size=0"):
+        make_scheduler("static", cache, static_batch_size=0)  # used to become max_num_seqs
     with pytest.raises(ValueError, match="exceeds max_model_len=10"):
         FIFOScheduler(cache, max_model_len=10).add(make_seqs([(8, 5)])[0])
     cache.allocate("x", [1, 2])

@@ -113,6 +113,26 @@ def test_bad_inputs():
         paged_attention(q, k, v, tables, ctx, pdl="overlap")
 
 
+def test_block_tables_and_context_lens_are_checked_on_the_host():
+    """Out-of-range indices used to read out of bounds (a crash or garbage); now a clear error before the launch,
+    unless ``check=False`` (the engine, which checked the step; a captured graph never checks)."""
+    q, k, v, tables, ctx = _case(2, 4, 2, 16, 16, [40, 17], 10, torch.float32, seed=5)  # tables 4 blocks wide
+    with pytest.raises(ValueError, match=r"context_lens\[1\]=65 must be in 1 \.\. 64"):
+        paged_attention(q, k, v, tables, torch.tensor([40, 65], dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match=r"context_lens\[0\]=0 must be in 1 \.\. 64"):
+        paged_attention(q, k, v, tables, torch.tensor([0, 17], dtype=torch.int32, device=DEVICE))
+    for bad in (10, -1):
+        t = tables.clone()
+        t[1, 1] = bad  # the second block of a 17-token context: read
+        with pytest.raises(ValueError, match=rf"block_tables\[1\] holds block id {bad}; allowed: 0 \.\. 9"):
+            paged_attention(q, k, v, t, ctx)
+    t = tables.clone()
+    t[1, 3] = 99  # past the context: never read, so allowed (padding columns)
+    ref = paged_attention(q, k, v, tables, ctx)
+    assert torch.equal(paged_attention(q, k, v, t, ctx), ref)
+    assert torch.equal(paged_attention(q, k, v, tables, ctx, check=False), ref)
+
+
 def test_releasing_the_next_launch_changes_nothing():
     """``pdl="release"`` (on sm_90: the split kernel releases the next launch as it starts, the merge kernel is a
     programmatic dependent launch that waits for the partials): the same bits as a plain call, split or not."""

@@ -80,6 +80,23 @@ def test_bad_inputs():
         paged_prefill_attention(q, k, v, tables, qsl, ctx, out=q[:2])
 
 
+def test_index_data_is_checked_on_the_host():
+    q, k, v, tables, qsl, ctx = _case(4, 2, 32, 16, [(3, 5), (2, 20)], torch.float32, seed=2)  # 3 blocks wide
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"context_lens\[1\]=49 must be in 1 \.\. 48"):
+        paged_prefill_attention(q, k, v, tables, qsl, torch.tensor([5, 49], **i32))
+    t = tables.clone()
+    t[1, 1] = k.shape[0]
+    with pytest.raises(ValueError, match=rf"block_tables\[1\] holds block id {k.shape[0]}"):
+        paged_prefill_attention(q, k, v, t, qsl, ctx)
+    with pytest.raises(ValueError, match="query_start_loc=\\[0, 3, 9\\] must rise from 0 to at most num_tokens=5"):
+        paged_prefill_attention(q, k, v, tables, torch.tensor([0, 3, 9], **i32), ctx)
+    with pytest.raises(ValueError, match=r"sequence 0 has 3 query rows but context_lens\[0\]=2"):
+        paged_prefill_attention(q, k, v, tables, qsl, torch.tensor([2, 20], **i32))
+    out = paged_prefill_attention(q, k, v, tables, qsl, ctx, check=False)
+    assert relative_error(out, paged_prefill_attention_ref(q, k, v, tables, qsl, ctx)) < TOL[torch.float32]
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's bfloat16 tl.dot is refused on the CPU only")
 def test_bf16_is_refused_on_the_cpu():
     q, k, v, tables, qsl, ctx = _case(4, 2, 32, 16, [(3, 5)], torch.float32, seed=1)

@@ -75,3 +75,12 @@ def test_contiguous_and_paged_attention_agree(block_size):
         out = decode_attention(q, paged.k_caches[layer], paged.v_caches[layer], paged.block_tables(ids),
                                paged.context_lens(ids), backend="torch")
         assert not ref.isnan().any() and relative_error(out, ref) <= 1e-5
+
+
+def test_negative_layer_is_refused():
+    c = ContiguousKVCache(2, 1, 4, max_seqs=1, max_len=4)
+    c.allocate("a", 2)
+    with pytest.raises(ValueError, match=r"layer=-1 must be an int in \[0, 2\)"):
+        c.write(-1, torch.tensor([0, 1]), torch.randn(2, 1, 4), torch.randn(2, 1, 4))
+    with pytest.raises(ValueError, match=r"layer=2 must be an int in \[0, 2\)"):
+        c.attention(2, torch.randn(1, 1, 4), ["a"])

@@ -190,6 +190,35 @@ def test_bad_arguments():
         cache.write(3, torch.tensor([0, 1]), torch.randn(2, 2, 3), torch.randn(2, 2, 3))
     with pytest.raises(ValueError, match="outside sequence"):
         cache.slots("a", 0, 3)
+    kv = torch.randn(2, 2, 3), torch.randn(2, 2, 3)
+    for layer in (-1, 1.0, True):  # -1 used to pick the last layer
+        with pytest.raises(ValueError, match=rf"layer={layer!r} must be an int in \[0, 1\)"):
+            cache.write(layer, torch.tensor([0, 1]), *kv)
+    with pytest.raises(ValueError, match=r"layer=-1 must be an int in \[0, 1\)"):
+        cache.read_blocks(-1, torch.tensor([0]))
+    with pytest.raises(ValueError, match=r"layer=-1"):
+        cache.gather("a", -1)
+
+
+def test_write_refuses_slots_outside_the_sequences_blocks():
+    cache = _new_cache(4, 2)
+    cache.allocate("a", [1, 2, 3])  # blocks 0 and 1: slots 0..3
+    cache.allocate("b", [1])  # block 2: slots 4..5
+    kv = torch.randn(2, 2, 3), torch.randn(2, 2, 3)
+    with pytest.raises(ValueError, match=r"slot -1; allowed: 0 \.\. 7"):  # used to overwrite the last slot
+        cache.write(0, torch.tensor([0, -1]), *kv)
+    with pytest.raises(ValueError, match="slot 8; allowed: 0 .. 7"):
+        cache.write(0, torch.tensor([0, 8]), *kv)
+    with pytest.raises(TypeError, match="dtype torch.float32; slots must be integers"):  # used to be truncated
+        cache.write(0, torch.tensor([0.0, 1.5]), *kv)
+    with pytest.raises(ValueError, match="slot 6, in block 3, which any sequence does not hold"):
+        cache.write(0, torch.tensor([0, 6]), *kv)
+    with pytest.raises(ValueError, match="slot 4, in block 2, which sequence 'a' does not hold"):
+        cache.write(0, torch.tensor([3, 4]), *kv, seq_id="a")
+    with pytest.raises(ValueError, match="1-D integer tensor"):
+        cache.write(0, [0, 1], *kv)
+    cache.write(0, torch.tensor([3, 4]), *kv)  # a's last slot and b's first: fine
+    assert torch.equal(cache.gather("b", 0)[0][0], kv[0][1])
     meta = PagedKVCache(1, 1, 4, 4, 2, allocate_pools=False)
     meta.allocate("a", [1])
     with pytest.raises(RuntimeError, match="allocate_pools=False"):

@@ -32,6 +32,18 @@ def test_swap_roundtrip_is_exact(kv_dtype):
         SwapSpace(cache, num_blocks=2).swap_out(cache, "a")
 
 
+
+def test_discard_drops_swapped_blocks():
+    cache = PagedKVCache(1, 1, 4, num_blocks=4, block_size=2)
+    cache.allocate("a", [1, 2, 3])
+    swap = SwapSpace(cache, num_blocks=3)
+    swap.swap_out(cache, "a")
+    swap.discard("a")  # an aborted or failed request: its swapped blocks come back to the swap space
+    assert swap.allocator.num_free == 3 and "a" not in swap.seqs
+    with pytest.raises(KeyError, match="seq_id='a' is not swapped out"):
+        swap.discard("a")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])

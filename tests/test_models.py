@@ -62,6 +62,21 @@ def test_embedded_model_loads_and_counts(tiny_model):
     assert tok.decode(ids[0]) == "The list type"
 
 
+def test_load_model_logs_the_dtype_it_picks(caplog):
+    import logging
+
+    from labkit.models import load_model
+
+    with caplog.at_level(logging.INFO, logger="labkit.models"):
+        model = load_model(dtype="auto")[0]
+    assert model.dtype == torch.bfloat16  # the embedded checkpoint stores bfloat16
+    assert "torch.bfloat16 on cpu (asked; the checkpoint stores bfloat16)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="labkit.models"):
+        load_model()
+    assert "torch.float32 on cpu (the default; the checkpoint stores bfloat16)" in caplog.text
+
+
 def test_data_dir_under_budget():
     total = sum(p.stat().st_size for p in EMBEDDED_MODEL_DIR.parent.rglob("*") if p.is_file())
     assert total < 25e6
@@ -86,6 +101,7 @@ def test_random_model_real_weights_not_zero():
     (lambda: load_model("/nonexistent/ckpt"), "not a Hugging Face checkpoint directory"),
     (lambda: dtype_bytes("fp7"), "dtype='fp7' is unknown"),
     (lambda: torch_dtype("int8"), "model weights must be one of"),
+    (lambda: load_model(dtype="fp7"), "dtype='fp7' is unknown"),
     (lambda: load_model(device="cuda:0") if not torch.cuda.is_available() else load_model(device="tpu"),
      "device="),
     (lambda: random_model("tiny", device="meta", num_layers=0), "num_layers=0"),

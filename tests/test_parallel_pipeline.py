@@ -65,6 +65,15 @@ def test_bad_stage_arguments(tiny_model):
         build_stage(model, 2, 2)
     with pytest.raises(ValueError, match="must cover layers"):
         build_stage(model, 0, 2, partition=[range(0, 3), range(4, 8)])
+    from labkit.parallel.pipeline import LlamaStage
+
+    with pytest.raises(ValueError, match=r"layers=range\(-1, 2\) must be a non-empty range of layer indices in "
+                                         r"\[0, 8\)"):
+        LlamaStage(model, range(-1, 2), 0, 2)  # used to take the last layer first
+    with pytest.raises(ValueError, match=r"layers=range\(6, 9\)"):
+        LlamaStage(model, range(6, 9), 1, 2)
+    with pytest.raises(ValueError, match=r"stage_index=-1 must be an int in \[0, num_stages=2\)"):
+        LlamaStage(model, range(0, 4), -1, 2)
 
 
 @pytest.mark.distributed

@@ -95,10 +95,23 @@ def test_inplace_modifies_the_model(tiny_model):
     ("gptq", {}, "needs calibration text"),
     ("gptq", {"tokenizer": "tok", "calib_split": "heldout"}, "calib_split='heldout'"),
     ("bnb-int8", {"threshold": -1.0}, "threshold"),
+    ("int4", {"group_size": 64.0}, "group_size=64.0 must be a int"),
+    ("int4", {"group_size": -64}, "group_size=-64 must be > 0"),
+    ("bnb-nf4", {"double_quant": "yes"}, "double_quant='yes' must be True or False"),
+    ("int8", {"inplace": 1}, "inplace=1 must be True or False"),
 ])
 def test_bad_input(tiny_model, method, options, match):
     with pytest.raises(ValueError, match=match):
         quantize(tiny_model[0], method, **options)
+
+
+def test_wrong_types_are_refused(tiny_model):
+    with pytest.raises(TypeError, match="model must be a torch nn.Module with parameters.*got str"):
+        quantize("int8", "int8")  # used to raise AttributeError
+    with pytest.raises(TypeError, match=r"method=8 must be a str, one of \['int8'"):
+        quantize(tiny_model[0], 8)
+    with pytest.raises(ValueError, match="method='INT8' is unknown"):
+        quantize(tiny_model[0], "INT8")
 
 
 @pytest.mark.gpu

@@ -16,145 +16,38 @@ and without the noise of a shared machine's sleeps; it is also how ``labkit.expe
 
 from __future__ import annotations
 
+import logging
 import math
+import numbers
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from tqdm.auto import tqdm
 
+from labkit.engine.config import (
+    CLOCKS,
+    EngineConfig,
+    EngineStats,
+    RealClock,
+    VirtualClock,
+    default_eos_token_ids,
+    vocab_size,
+)
 from labkit.engine.cuda_graph import default_graph_batch_sizes, default_graph_token_sizes
 from labkit.engine.metrics import RequestMetrics
 from labkit.engine.model_runner import ModelRunner, uses_triton
 from labkit.engine.sampling import Sampler, SamplingParams, token_seed
-from labkit.engine.scheduler import PREEMPTION_MODES, SCHEDULERS, make_scheduler
-from labkit.engine.sequence import Request, RequestOutput, TokenOutput
+from labkit.engine.scheduler import ScheduledBatch, make_scheduler
+from labkit.engine.sequence import FinishReason, Request, RequestOutput, TokenOutput, prompt_token_list
 from labkit.engine.sequence import Sequence as Seq
 from labkit.engine.workload import RequestSpec
 from labkit.kvcache import PagedKVCache
-from labkit.model import FusionPlan
 
-CLOCKS = ("virtual", "real")
-"""Serving clocks: 'virtual' (arrivals in model time, reproducible) or 'real' (wall clock)."""
+log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Engine settings (vLLM's names).
-
-    * ``scheduler``: 'fifo', 'static' or 'continuous'; ``static_batch_size`` (default ``max_num_seqs``)
-    * ``max_num_seqs``: running sequences at most; ``max_num_batched_tokens``: tokens per step (continuous)
-    * ``chunked_prefill``: split long prompts over steps (continuous); ``min_admit``: admit waiting requests in
-      groups of at least this many while others decode (continuous; see ``ContinuousBatchingScheduler``)
-    * ``max_model_len``: prompt + output tokens at most (default: the model's maximum position)
-    * ``block_size``, ``num_blocks``: the paged cache; ``num_blocks=None`` sizes it from
-      ``gpu_memory_utilization`` of free device memory on CUDA, and for ``max_num_seqs`` full-length sequences
-      (capped at 1 GiB) on the CPU
-    * ``kernels``: a ``labkit.model.FusionPlan`` or 'auto' | 'torch' | 'triton' (``FusionPlan.named``);
-      ``cuda_graphs``: 'auto' | True | False; ``graph_batch_sizes``:
-      the captured all-decode batches (default ``default_graph_batch_sizes``); ``graph_token_sizes``: the
-      captured steps with prefill chunks, by token count (default: ``default_graph_token_sizes`` of the token
-      budget for the continuous scheduler on the Triton path, none otherwise)
-    * ``preemption_mode``: 'recompute' or 'swap' (continuous: what happens to the youngest sequence when blocks run
-      out; see ``labkit.engine.scheduler``); ``swap_space``: GiB of CPU memory for swapped blocks (vLLM's name and
-      default), at most the device cache's size, allocated only with ``preemption_mode='swap'``
-    * ``seed``: seeds requests that bring none (``SamplingParams.seed``)
-    """
-
-    scheduler: str = "continuous"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    chunked_prefill: bool = True
-    min_admit: int = 1
-    static_batch_size: int | None = None
-    max_model_len: int | None = None
-    block_size: int = 16
-    num_blocks: int | None = None
-    gpu_memory_utilization: float = 0.85
-    kv_dtype: str | None = None
-    enable_prefix_caching: bool = False
-    kernels: str | FusionPlan = "auto"
-    cuda_graphs: bool | str = "auto"
-    graph_batch_sizes: tuple[int, ...] | None = None
-    graph_token_sizes: tuple[int, ...] | None = None
-    preemption_mode: str = "recompute"
-    swap_space: float = 4.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.scheduler not in SCHEDULERS:
-            raise ValueError(f"scheduler={self.scheduler!r} is unknown; allowed: {SCHEDULERS}")
-        FusionPlan.named(self.kernels, "cpu")  # a plan, or one of its names (an unknown name raises)
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode={self.preemption_mode!r} is unknown; allowed: {PREEMPTION_MODES}")
-        if not self.swap_space > 0:
-            raise ValueError(f"swap_space={self.swap_space!r} GiB must be > 0")
-        if self.num_blocks is not None and self.num_blocks < 2:
-            raise ValueError(f"num_blocks={self.num_blocks} must be >= 2 (or None to size the cache)")
-
-    @property
-    def seqs_per_step(self) -> int:
-        """Sequences a step can hold under this scheduler."""
-        return {"fifo": 1, "static": self.static_batch_size or self.max_num_seqs}.get(self.scheduler,
-                                                                                        self.max_num_seqs)
-
-
-@dataclass
-class EngineStats:
-    """What the engine did since the last reset: steps, time busy, tokens computed, memory."""
-
-    steps: int = 0
-    busy_s: float = 0.0
-    prefill_tokens: int = 0  # prompt (and recomputed) tokens computed
-    decode_tokens: int = 0
-    output_tokens: int = 0
-    graph_steps: int = 0  # steps replayed from a CUDA graph
-    peak_device_bytes: int | None = None
-    step_s: list[float] = field(default_factory=list)
-    step_seqs: list[int] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-class VirtualClock:
-    """Advances by the measured duration of each step; jumps over idle time (see the module docstring)."""
-
-    name = "virtual"
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> float:
-        self.t += dt
-        return self.t
-
-    def wait_until(self, t: float) -> None:
-        self.t = max(self.t, t)
-
-
-class RealClock:
-    """Seconds since the run started (``perf_counter``); waiting sleeps."""
-
-    name = "real"
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-
-    def now(self) -> float:
-        return time.perf_counter() - self.start
-
-    def advance(self, dt: float) -> float:
-        return self.now()
-
-    def wait_until(self, t: float) -> None:
-        time.sleep(max(0.0, t - self.now()))
+__all__ = ["LLMEngine", "ServeResult", "EngineConfig", "EngineStats", "CLOCKS"]
 
 
 @dataclass
@@ -174,7 +67,8 @@ class LLMEngine:
         self.config = cfg = replace(config or EngineConfig(), **overrides)
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
-        self.max_model_len = cfg.max_model_len or model.config.max_position_embeddings
+        self.max_model_len = (model.config.max_position_embeddings if cfg.max_model_len is None
+                              else cfg.max_model_len)
         if self.max_model_len > model.config.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
                              f"{model.config.max_position_embeddings}")
@@ -189,8 +83,9 @@ class LLMEngine:
                                         max_model_len=self.max_model_len, min_admit=cfg.min_admit,
                                         preemption_mode=cfg.preemption_mode, num_cpu_blocks=self._num_cpu_blocks())
         self.sampler = Sampler()
-        eos = getattr(model.config, "eos_token_id", None)
-        self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
+        self.vocab_size = vocab_size(model)
+        self.eos_token_ids = (cfg.eos_token_ids if cfg.eos_token_ids is not None
+                              else default_eos_token_ids(model, tokenizer))
         self.seqs: dict[int, Seq] = {}
         self._next_id = 0
         self.reset()
@@ -227,12 +122,22 @@ class LLMEngine:
             return max(2, min(want, int(cfg.gpu_memory_utilization * free) // probe.bytes_per_block))
         return max(2, min(want, (1 << 30) // probe.bytes_per_block))
 
-    def reset(self, clock: str = "virtual") -> None:
-        """Start a new run: a fresh clock and statistics (the cache must be empty)."""
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first EOS id (HF's single-id name; the engine stops on every id of ``eos_token_ids``)."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def reset(self, clock: str = "virtual", abort: bool = False) -> None:
+        """Start a new run: a fresh clock and statistics. Requests still unfinished are refused (``RuntimeError``)
+        unless ``abort=True``, which aborts them (finish reason 'abort', blocks freed) first."""
         if clock not in CLOCKS:
             raise ValueError(f"clock={clock!r} is unknown; allowed: {CLOCKS}")
         if self.scheduler.has_unfinished():
-            raise RuntimeError("requests are still running; finish them before reset")
+            if not abort:
+                n = sum(not s.is_finished for s in self.seqs.values())
+                raise RuntimeError(f"{n} requests are still unfinished; step until they finish, abort_request(id) "
+                                   "them, or reset(abort=True)")
+            self.scheduler.abort_all()
         self.clock = VirtualClock() if clock == "virtual" else RealClock()
         self.stats = EngineStats()
         self.scheduler.reset_stats()
@@ -243,49 +148,113 @@ class LLMEngine:
     # --- requests -------------------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     arrival_s: float | None = None, request_id: int | None = None) -> int:
-        """Queue a prompt (text needs the tokenizer); returns its request id. Refuses (``ValueError`` /
-        ``CacheFullError``) a request that could never run."""
+        """Queue a prompt (text needs the tokenizer); returns its request id. Refuses (``TypeError`` /
+        ``ValueError`` / ``CacheFullError``, naming the request and the bad value) a request that could never run:
+        token ids not ints or outside ``[0, vocab)``, an empty prompt, prompt + ``max_tokens`` over
+        ``max_model_len`` or the whole cache, ``params`` not a ``SamplingParams``, an id in use."""
         seq = self._sequence(prompt, params, arrival_s, request_id)
-        self.scheduler.add(seq)
-        self.seqs[seq.seq_id] = seq
-        self._next_id = max(self._next_id, seq.seq_id + 1)
+        self._enqueue(seq)
         return seq.seq_id
+
+    def abort_request(self, request_id: Hashable) -> bool:
+        """Take an unfinished request out (queued, running or swapped out): its blocks are freed and its result
+        says finish reason 'abort'. Returns False for a request that had finished already; ``KeyError`` for an
+        unknown id."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            raise KeyError(f"request_id={request_id!r} is unknown; known: {sorted(self.seqs)[:10]}")
+        if seq.is_finished:
+            return False
+        self.scheduler.finish_early(seq, FinishReason.ABORT)
+        return True
 
     def _sequence(self, prompt, params: SamplingParams | None, arrival_s: float | None,
                   request_id: int | None) -> Seq:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt is a string but the engine has no tokenizer; pass token ids or a tokenizer")
-            prompt = self.tokenizer(prompt)["input_ids"]
+        """A checked sequence for a request (not queued): see ``add_request`` for what is refused."""
         rid = self._next_id if request_id is None else request_id
+        if not isinstance(rid, numbers.Integral) or isinstance(rid, bool) or rid < 0:
+            raise ValueError(f"request_id={rid!r} must be an int >= 0")
         if rid in self.seqs:
             raise ValueError(f"request_id={rid} is already in use")
-        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"request {rid}: prompt is a string but the engine has no tokenizer; pass token "
+                                 "ids or a tokenizer")
+            prompt = self.tokenizer(prompt)["input_ids"]
+        prompt = prompt_token_list(prompt, self.vocab_size, rid)
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"request {rid}: params={params!r} must be a SamplingParams (or None for the default), "
+                            f"got {type(params).__name__}")
+        if arrival_s is not None and (not isinstance(arrival_s, numbers.Real) or not math.isfinite(arrival_s)):
+            raise ValueError(f"request {rid}: arrival_s={arrival_s!r} must be a finite number of seconds")
         seed = params.seed if params.seed is not None else token_seed(self.config.seed, rid) % (1 << 31)
-        req = Request(rid, list(prompt), params, self.clock.now() if arrival_s is None else arrival_s)
-        return Seq(req, seed, self.eos_token_id)
+        req = Request(int(rid), prompt, params, self.clock.now() if arrival_s is None else float(arrival_s))
+        seq = Seq(req, seed, self.eos_token_ids)
+        self.scheduler.check(seq)
+        return seq
+
+    def _enqueue(self, seq: Seq) -> None:
+        self.scheduler.add(seq)
+        self.seqs[seq.seq_id] = seq
+        self._next_id = max(self._next_id, seq.seq_id + 1)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # --- the step -------------------------------------------------------------------------------------------
     def step(self) -> list[TokenOutput]:
-        """Schedule, run and sample one step; returns the tokens it produced (empty if idle)."""
+        """Schedule, run and sample one step; returns the tokens it produced (empty if idle).
+
+        A step that raises is run again one sequence at a time: a sequence that fails alone is finished with
+        finish reason 'error' (the message on its result) and its blocks are freed; the others go on (vLLM's
+        failure isolation). A failing step therefore costs one extra pass, never the batch."""
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        logits = self.runner.execute([s.seq_id for s in batch.seqs], batch.num_tokens, batch.num_decode)
-        rows = [i for i, smp in enumerate(batch.sample) if smp]
-        seqs = [batch.seqs[i] for i in rows]
-        tokens = self.sampler(logits if len(rows) == len(batch.seqs) else logits[rows], [s.params for s in seqs],
-                              [s.seed for s in seqs], [s.num_output_tokens for s in seqs])
-        if not rows and self.device.type == "cuda":
+        try:
+            tokens = self._run(batch)
+        except Exception as e:  # noqa: BLE001 (any error of one request must not take the others down)
+            batch, tokens = self._isolate(batch, e)
+        if not tokens and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # nothing came back to the host: wait for the step itself
         dt = time.perf_counter() - t0
         outs = self.scheduler.postprocess(batch, tokens, self.clock.advance(dt))
         self._count(batch, dt, len(tokens))
         return outs
+
+    def _run(self, batch: ScheduledBatch) -> list[int]:
+        """Compute ``batch`` and sample its sampling rows: their tokens, in order."""
+        logits = self.runner.execute([s.seq_id for s in batch.seqs], batch.num_tokens, batch.num_decode)
+        rows = [i for i, smp in enumerate(batch.sample) if smp]
+        seqs = [batch.seqs[i] for i in rows]
+        return self.sampler(logits if len(rows) == len(batch.seqs) else logits[rows], [s.params for s in seqs],
+                            [s.seed for s in seqs], [s.num_output_tokens for s in seqs])
+
+    def _isolate(self, batch: ScheduledBatch, error: Exception) -> tuple[ScheduledBatch, list[int]]:
+        """After ``batch`` raised ``error``: each sequence alone (nothing was marked computed, so the rerun writes
+        the same slots); those that fail again are finished with an error. Returns the batch of the survivors and
+        their tokens."""
+        kept, tokens = ScheduledBatch(preempted=batch.preempted), []
+        for seq, n, smp in zip(batch.seqs, batch.num_tokens, batch.sample):
+            one = ScheduledBatch([seq], [n], [smp], int(n == 1))
+            try:
+                out = self._run(one) if len(batch.seqs) > 1 else None
+            except Exception as e:  # noqa: BLE001
+                error = e
+                out = None
+            if out is None:
+                msg = f"{type(error).__name__}: {error}"
+                log.warning("request %s failed in a step and was finished with an error: %s", seq.seq_id, msg)
+                self.scheduler.finish_early(seq, FinishReason.ERROR, msg)
+                continue
+            kept.seqs.append(seq)
+            kept.num_tokens.append(n)
+            kept.sample.append(smp)
+            kept.num_decode += int(n == 1)
+            tokens += out
+        return kept, tokens
 
     def _count(self, batch, dt: float, n_out: int) -> None:
         s = self.stats
@@ -302,19 +271,45 @@ class LLMEngine:
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  progress: bool = True) -> list[RequestOutput]:
-        """Offline: every prompt queued at time 0; returns one ``RequestOutput`` per prompt, in order."""
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        """Offline: every prompt queued at time 0; returns one ``RequestOutput`` per prompt, in order.
+
+        ``prompts``: a list of strings (with a tokenizer) or of token-id lists, never one bare string. Every request
+        is checked before any is queued (see ``add_request``): a bad one raises and nothing runs. A request that
+        fails inside a step comes back with ``finish_reason='error'`` and ``error`` set; the others complete.
+        """
+        if isinstance(prompts, (str, bytes)):
+            raise TypeError(f"prompts={prompts!r} is one string; pass a list of prompts, e.g. [{prompts!r}]")
+        if not isinstance(prompts, Iterable):
+            raise TypeError(f"prompts must be a list of prompts (strings or token-id lists), got "
+                            f"{type(prompts).__name__}")
+        prompts = list(prompts)
+        if isinstance(params, (list, tuple)):
+            plist = list(params)
+        elif params is None or isinstance(params, SamplingParams):
+            plist = [params] * len(prompts)
+        else:
+            raise TypeError(f"params={params!r} must be a SamplingParams, a list of them (one per prompt) or None, "
+                            f"got {type(params).__name__}")
         if len(plist) != len(prompts):
             raise ValueError(f"params: got {len(plist)} for {len(prompts)} prompts; give one, or one per prompt")
         self.reset()
-        for i, (p, sp) in enumerate(zip(prompts, plist)):  # refuse a bad request before queueing any
-            self.scheduler.check(self._sequence(p, sp, 0.0, self._next_id + i))
-        ids = [self.add_request(p, sp, arrival_s=0.0) for p, sp in zip(prompts, plist)]
-        total = sum(self.seqs[i].params.max_tokens for i in ids)
+        seqs = [self._sequence(p, sp, 0.0, self._next_id + i) for i, (p, sp) in enumerate(zip(prompts, plist))]
+        for seq in seqs:  # every request checked: queue them all
+            self._enqueue(seq)
+        total = sum(seq.params.max_tokens for seq in seqs)
         with tqdm(total=total, desc=f"generate ({self.config.scheduler})", unit="tok", disable=not progress) as bar:
-            while self.has_unfinished():
-                bar.update(len(self.step()))
-        return [RequestOutput.from_sequence(self.seqs[i], self.tokenizer) for i in ids]
+            self._loop(lambda: bar.update(len(self.step())))
+        return [RequestOutput.from_sequence(seq, self.tokenizer) for seq in seqs]
+
+    def _loop(self, body: Callable[[], None], more: Callable[[], bool] = lambda: False) -> None:
+        """Call ``body`` while requests are unfinished (or ``more()``); if it raises (an interrupt, a scheduler
+        error) every unfinished request is aborted first, so the engine is never left wedged."""
+        try:
+            while self.has_unfinished() or more():
+                body()
+        except BaseException:
+            self.scheduler.abort_all()
+            raise
 
     def serve(self, workload: Sequence[RequestSpec],
               params: SamplingParams | Callable[[RequestSpec], SamplingParams] | None = None,
@@ -324,38 +319,51 @@ class LLMEngine:
 
         ``params``: one ``SamplingParams``, a function of the ``RequestSpec``, or ``None`` (greedy, exactly
         ``max_new_tokens`` tokens: EOS ignored, as a benchmark wants). ``on_token`` sees every streamed token.
+        Every request is checked before the run starts (see ``add_request``); a bad one raises and nothing runs.
         """
+        if params is not None and not (isinstance(params, SamplingParams) or callable(params)):
+            raise TypeError(f"params={params!r} must be a SamplingParams, a function of the RequestSpec or None")
         self.reset(clock)
-        pending = sorted(workload, key=lambda r: (r.arrival_s, r.request_id))
+        specs = sorted(workload, key=lambda r: (r.arrival_s, r.request_id))
+        pending = [self._sequence(list(r.prompt_ids), _params_for(r, params), r.arrival_s, r.request_id)
+                   for r in specs]
+        ids = [seq.seq_id for seq in pending]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"workload: request ids repeat ({len(ids) - len(set(ids))} duplicates); each needs its "
+                             "own")
         i = 0
         with tqdm(total=len(pending), desc=f"serve ({self.config.scheduler})", unit="req",
                   disable=not progress) as bar:
-            while i < len(pending) or self.has_unfinished():
-                while i < len(pending) and pending[i].arrival_s <= self.clock.now():
-                    r = pending[i]
-                    self.add_request(list(r.prompt_ids), _params_for(r, params), r.arrival_s, r.request_id)
+            def body() -> None:
+                nonlocal i
+                while i < len(pending) and pending[i].request.arrival_s <= self.clock.now():
+                    self._enqueue(pending[i])
                     i += 1
                 if not self.has_unfinished():
-                    self.clock.wait_until(pending[i].arrival_s)
-                    continue
+                    self.clock.wait_until(pending[i].request.arrival_s)
+                    return
                 for out in self.step():
                     bar.update(int(out.finished))
                     if on_token is not None:
                         on_token(out)
+
+            self._loop(body, more=lambda: i < len(pending))
         return self.result()
 
     def result(self) -> ServeResult:
-        """Metrics, outputs and statistics of the current run (every request of it finished)."""
+        """Metrics, outputs and statistics of the current run (every request of it finished). ``metrics`` holds
+        the requests that produced tokens; ``outputs`` every request, failed and aborted ones included."""
         seqs = sorted(self.seqs.values(), key=lambda s: s.seq_id)
-        metrics = [s.metrics() for s in seqs]
+        metrics = [s.metrics() for s in seqs if s.token_times_s]
         if self.device.type == "cuda":
             self.stats.peak_device_bytes = torch.cuda.max_memory_allocated(self.device)
-        start = min(m.arrival_s for m in metrics)
-        makespan = max(m.finish_s for m in metrics) - start
+        start = min((s.request.arrival_s for s in seqs), default=0.0)
+        makespan = max((m.finish_s for m in metrics), default=start) - start
         stats = {**self.stats.to_dict(), **self.scheduler.stats(), "clock": self.clock.name,
                  "makespan_s": makespan, "busy_frac": self.stats.busy_s / makespan if makespan > 0 else math.nan,
                  "peak_kv_bytes": self.scheduler.peak_blocks_used * self.cache.bytes_per_block,
                  "kv_capacity_bytes": self.scheduler.usable_blocks * self.cache.bytes_per_block,
+                 "errors": sum(s.finish_reason is FinishReason.ERROR for s in seqs),
                  "config": asdict(self.config)}
         return ServeResult(metrics, [RequestOutput.from_sequence(s, self.tokenizer) for s in seqs], stats)
 

@@ -13,7 +13,9 @@ which row it sits, how often it was preempted, or what the scheduler did. Only t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import numbers
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +34,10 @@ class SamplingParams:
       ``ignore_eos``
     * ``seed``: the request's random stream (``None``: the engine derives one from its own seed and the request
       id, so a run is still reproducible)
+    * ``eos_token_ids``: the end-of-sequence ids of this request (``None``: the engine's, which default to every
+      EOS id of the model's config and its generation config, e.g. Llama 3 Instruct's 128001 and 128009)
+
+    Every field is checked when built: a wrong type or a value out of range is a ``ValueError`` naming it.
     """
 
     temperature: float = 0.0
@@ -41,23 +47,50 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    eos_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            raise ValueError(f"temperature={self.temperature!r} must be >= 0 (0 = greedy)")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0 (0 = greedy)")
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0 = no top-k cut)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1] (1 = no nucleus cut)")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r} must be a number in (0, 1] (1 = no nucleus cut)")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens!r} must be an int >= 1")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise ValueError(f"seed={self.seed!r} must be None or an int >= 0")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos={self.ignore_eos!r} must be True or False")
+        object.__setattr__(self, "stop_token_ids", token_id_tuple("stop_token_ids", self.stop_token_ids))
+        if self.eos_token_ids is not None:
+            object.__setattr__(self, "eos_token_ids", token_id_tuple("eos_token_ids", self.eos_token_ids))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and not math.isnan(x)
+
+
+def token_id_tuple(arg: str, ids: int | Iterable[int]) -> tuple[int, ...]:
+    """``ids`` (one id or several) as a tuple of ints >= 0; a ``ValueError`` naming ``arg`` for anything else
+    (a float, a bool, a negative id, a string)."""
+    if _is_int(ids):
+        ids = (ids,)
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise ValueError(f"{arg}={ids!r} must be an int or a sequence of ints >= 0")
+    ids = tuple(ids)
+    bad = [t for t in ids if not _is_int(t) or t < 0]
+    if bad:
+        raise ValueError(f"{arg}={ids!r}: {bad[0]!r} is not a token id; allowed: ints >= 0")
+    return tuple(int(t) for t in ids)
 
 
 def token_seed(seed: int, index: int) -> int:

@@ -28,180 +28,12 @@ The cache (``PagedKVCache``) is the block manager: ``allocate`` reserves a seque
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections import deque
-from dataclasses import dataclass, field
+from labkit.engine.scheduler_base import PREEMPTION_MODES, SCHEDULERS, ScheduledBatch, Scheduler
+from labkit.engine.sequence import Sequence, SequenceStatus
+from labkit.kvcache import PagedKVCache
 
-from labkit.engine.sequence import Sequence, SequenceStatus, TokenOutput
-from labkit.kvcache import CacheFullError, PagedKVCache, SwapSpace
-
-SCHEDULERS = ("fifo", "static", "continuous")
-"""Scheduling policies of the engine."""
-PREEMPTION_MODES = ("recompute", "swap")
-"""What preemption does with a victim's KV: drop and recompute, or swap to host memory."""
-
-
-@dataclass
-class ScheduledBatch:
-    """One step's work. Sequences with one new token come first (``num_decode`` of them: they use the decode
-    attention kernel), prefill chunks after. ``sample[i]``: the chunk ends at sequence ``i``'s last token, so
-    the step yields its next token."""
-
-    seqs: list[Sequence] = field(default_factory=list)
-    num_tokens: list[int] = field(default_factory=list)
-    sample: list[bool] = field(default_factory=list)
-    num_decode: int = 0
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_tokens)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(self.num_tokens[self.num_decode:])
-
-
-class Scheduler(ABC):
-    """The queue (``waiting``), the admitted sequences (``running``, oldest first) and the cache they share.
-
-    ``max_model_len`` bounds prompt + ``max_tokens`` of a request. Requests that could never fit (in the model's
-    context, in the whole cache, or in a step's token budget where that is required) are refused when added.
-    The cache must hold no sequences when the scheduler is built: its free blocks then are the usable ones.
-    ``preemption_mode`` ('recompute' or 'swap', with a swap space of ``num_cpu_blocks`` blocks, default as many as
-    the cache) says what a preemption does; only the continuous policy ever preempts.
-    """
-
-    name = "scheduler"
-
-    def __init__(self, cache: PagedKVCache, max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
-                 max_model_len: int | None = None, preemption_mode: str = "recompute",
-                 num_cpu_blocks: int | None = None):
-        for arg, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{arg}={v!r} must be a positive int")
-        if preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode={preemption_mode!r} is unknown; allowed: {PREEMPTION_MODES}")
-        if cache.seqs:
-            raise ValueError(f"the cache already holds {len(cache.seqs)} sequences; give the scheduler an empty one")
-        self.cache = cache
-        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.preemption_mode = preemption_mode
-        self.swap = SwapSpace(cache, num_cpu_blocks or cache.num_blocks) if preemption_mode == "swap" else None
-        self.usable_blocks = cache.allocator.num_free
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.swapped: deque[Sequence] = deque()  # preempted by swap, oldest preemption first
-        self.reset_stats()
-
-    def reset_stats(self) -> None:
-        """Zero the counters of ``stats()`` (the engine does at the start of each run)."""
-        self.num_preemptions = 0
-        self.prefix_hit_tokens = 0  # prompt tokens found in the prefix cache instead of computed
-        self.admitted_tokens = 0  # tokens to prefill at admission (prompt, + outputs after a recompute), hits excluded
-        self.recomputed_tokens = 0  # of those, tokens prefilled again after a recompute preemption
-        self.peak_blocks_used = 0
-        self.peak_running = 0
-        if self.swap is not None:
-            self.swap.blocks_out = self.swap.blocks_in = 0
-
-    # --- queue ----------------------------------------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
-        """Queue a sequence, or refuse it (``ValueError`` / ``CacheFullError`` naming the sizes)."""
-        self.check(seq)
-        self.waiting.append(seq)
-
-    def check(self, seq: Sequence) -> None:
-        """Raise unless ``seq`` could run: it fits ``max_model_len`` and, at its longest, the whole cache."""
-        total = seq.num_prompt_tokens + seq.params.max_tokens
-        if self.max_model_len is not None and total > self.max_model_len:
-            raise ValueError(f"request {seq.seq_id}: prompt of {seq.num_prompt_tokens} tokens + max_tokens="
-                             f"{seq.params.max_tokens} exceeds max_model_len={self.max_model_len}")
-        need = self.cache.blocks_for(seq.max_kv_tokens)
-        if need > self.usable_blocks:
-            raise CacheFullError(f"request {seq.seq_id}: prompt of {seq.num_prompt_tokens} tokens + max_tokens="
-                                 f"{seq.params.max_tokens} needs {need} KV blocks of {self.cache.block_size} tokens "
-                                 f"but the cache has {self.usable_blocks}: it could never run; give the cache more "
-                                 f"blocks or lower max_tokens")
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
-
-    @abstractmethod
-    def schedule(self) -> ScheduledBatch:
-        """The next step's batch (empty only when nothing is queued or running)."""
-
-    def postprocess(self, batch: ScheduledBatch, tokens: list[int], now_s: float) -> list[TokenOutput]:
-        """Give each sampling sequence of ``batch`` its token (``tokens``, in the order of the sampling rows);
-        finished ones leave ``running`` and free their blocks. Returns the streamed tokens."""
-        sampling = [s for s, smp in zip(batch.seqs, batch.sample) if smp]
-        if len(tokens) != len(sampling):
-            raise ValueError(f"got {len(tokens)} tokens for {len(sampling)} sampling sequences")
-        out = []
-        for seq, tok in zip(sampling, tokens):
-            done = seq.append_token(tok, now_s)
-            if done:
-                self.running.remove(seq)
-                self.cache.free(seq.seq_id)
-            out.append(TokenOutput(seq.seq_id, tok, now_s, done))
-        return out
-
-    # --- helpers for the policies ---------------------------------------------------------------------------
-    def _admit(self, seq: Sequence) -> None:
-        cached = self.cache.allocate(seq.seq_id, seq.token_ids)
-        self.prefix_hit_tokens += cached
-        self.admitted_tokens += seq.num_tokens - cached
-        if seq.num_preemptions:
-            self.recomputed_tokens += seq.num_tokens - cached
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
-
-    def _uncomputed(self, seq: Sequence) -> int:
-        """Tokens of ``seq`` whose K/V are not written yet (after reserving a slot for its newest token)."""
-        return seq.num_tokens - self.cache.seq(seq.seq_id).num_computed
-
-    def _needs_slot(self, seq: Sequence) -> bool:
-        """Its last sampled token has no slot yet: it is decoding."""
-        return self.cache.seq(seq.seq_id).num_tokens < seq.num_tokens
-
-    def _reserve_decode(self, seq: Sequence) -> None:
-        self.cache.append_slots(seq.seq_id, seq.output_token_ids[-1:])
-
-    def _preempt(self, seq: Sequence) -> None:
-        """Take ``seq``'s blocks back: swap them out to CPU memory (``preemption_mode='swap'``, while the swap space
-        has room), else free them and requeue it first, to be prefilled again; its tokens so far are kept."""
-        self.running.remove(seq)
-        seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        if self.swap is not None and self.swap.can_swap_out(self.cache, seq.seq_id):
-            self.swap.swap_out(self.cache, seq.seq_id)
-            self.swapped.appendleft(seq)  # like a requeued one: the last preempted comes back first
-        else:
-            self.cache.free(seq.seq_id)
-            self.waiting.appendleft(seq)
-
-    def _batch(self, rows: list[tuple[Sequence, int]], preempted: list[Sequence] | None = None) -> ScheduledBatch:
-        """Single-token rows first (decode kernel), then the rest; records peaks."""
-        rows = [r for r in rows if r[1] == 1] + [r for r in rows if r[1] > 1]
-        self.peak_blocks_used = max(self.peak_blocks_used, self.cache.allocator.num_used)
-        self.peak_running = max(self.peak_running, len(self.running))
-        sample = [self.cache.seq(s.seq_id).num_computed + n == s.num_tokens for s, n in rows]
-        return ScheduledBatch([s for s, _ in rows], [n for _, n in rows], sample,
-                              sum(1 for _, n in rows if n == 1), preempted or [])
-
-    def stats(self) -> dict:
-        out, back = (self.swap.blocks_out, self.swap.blocks_in) if self.swap is not None else (0, 0)
-        return {"scheduler": self.name, "preemption_mode": self.preemption_mode, "preemptions": self.num_preemptions,
-                "peak_blocks_used": self.peak_blocks_used, "usable_blocks": self.usable_blocks,
-                "peak_running": self.peak_running, "prefix_hit_tokens": self.prefix_hit_tokens,
-                "admitted_tokens": self.admitted_tokens, "recomputed_tokens": self.recomputed_tokens,
-                "swapped_out_blocks": out, "swapped_in_blocks": back}
+__all__ = ["SCHEDULERS", "PREEMPTION_MODES", "ScheduledBatch", "Scheduler", "FIFOScheduler", "StaticBatchScheduler",
+           "ContinuousBatchingScheduler", "make_scheduler"]
 
 
 class FIFOScheduler(Scheduler):
@@ -231,7 +63,7 @@ class StaticBatchScheduler(Scheduler):
     name = "static"
 
     def __init__(self, cache: PagedKVCache, batch_size: int = 8, max_model_len: int | None = None):
-        if not isinstance(batch_size, int) or batch_size < 1:
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r} must be a positive int")
         super().__init__(cache, max_num_seqs=batch_size, max_model_len=max_model_len)
         self.batch_size = batch_size
@@ -279,13 +111,15 @@ class ContinuousBatchingScheduler(Scheduler):
                  chunked_prefill: bool = True, max_model_len: int | None = None, min_admit: int = 1,
                  preemption_mode: str = "recompute", num_cpu_blocks: int | None = None, watermark: float = 0.0):
         super().__init__(cache, max_num_seqs, max_num_batched_tokens, max_model_len, preemption_mode, num_cpu_blocks)
-        if not 0 <= watermark < 1:
-            raise ValueError(f"watermark={watermark!r} must be in [0, 1)")
+        if not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
+            raise ValueError(f"watermark={watermark!r} must be a number in [0, 1)")
+        if not isinstance(chunked_prefill, bool):
+            raise ValueError(f"chunked_prefill={chunked_prefill!r} must be True or False")
         self.watermark_blocks = int(watermark * cache.num_blocks)
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_num_seqs="
                              f"{max_num_seqs}: every running sequence needs a decode token each step")
-        if not isinstance(min_admit, int) or not 1 <= min_admit <= max_num_seqs:
+        if not isinstance(min_admit, int) or isinstance(min_admit, bool) or not 1 <= min_admit <= max_num_seqs:
             raise ValueError(f"min_admit={min_admit!r} must be an int in 1..max_num_seqs={max_num_seqs}")
         self.chunked_prefill = chunked_prefill
         self.min_admit = min_admit
@@ -395,7 +229,8 @@ def make_scheduler(name: str, cache: PagedKVCache, *, max_num_seqs: int = 256, m
         return FIFOScheduler(cache, max_num_seqs=1, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len)
     if name == "static":
-        return StaticBatchScheduler(cache, static_batch_size or max_num_seqs, max_model_len=max_model_len)
+        return StaticBatchScheduler(cache, max_num_seqs if static_batch_size is None else static_batch_size,
+                                    max_model_len=max_model_len)
     if name == "continuous":
         return ContinuousBatchingScheduler(cache, max_num_seqs, max_num_batched_tokens, chunked_prefill,
                                            max_model_len, min_admit, preemption_mode, num_cpu_blocks, watermark)

@@ -10,7 +10,12 @@ again from ``token_ids`` (prompt + output) when readmitted, so nothing it genera
 from __future__ import annotations
 
 import enum
+import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+import numpy as np
+import torch
 
 from labkit.engine.metrics import RequestMetrics
 from labkit.engine.sampling import SamplingParams
@@ -29,6 +34,34 @@ class FinishReason(enum.StrEnum):
 
     STOP = "stop"  # a stop token (or EOS) came out
     LENGTH = "length"  # max_tokens reached
+    ERROR = "error"  # a step failed on it: ``RequestOutput.error`` says how; the other requests went on
+    ABORT = "abort"  # ``LLMEngine.abort_request`` (or ``reset(abort=True)``) took it out
+
+
+def prompt_token_list(prompt, vocab_size: int | None = None, request_id=None) -> list[int]:
+    """``prompt`` (a list, tuple, 1-D integer tensor or array of token ids) as a list of ints, checked: not empty,
+    every id an integer (no float, no bool) in ``[0, vocab_size)``. A ``TypeError`` / ``ValueError`` names the
+    request, the bad id and its position otherwise; nothing is truncated or wrapped."""
+    who = f"request {request_id}: " if request_id is not None else ""
+    if isinstance(prompt, (torch.Tensor, np.ndarray)):
+        integral = (not torch.is_floating_point(prompt) and not prompt.is_complex() and prompt.dtype != torch.bool
+                    if isinstance(prompt, torch.Tensor) else prompt.dtype.kind in "iu")
+        if prompt.ndim != 1 or not integral:
+            raise TypeError(f"{who}prompt must be a 1-D integer tensor of token ids, got {prompt.dtype} of "
+                            f"shape {tuple(prompt.shape)}")
+        prompt = prompt.tolist()
+    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Iterable):
+        raise TypeError(f"{who}prompt must be a sequence of token ids (ints), got {type(prompt).__name__}")
+    ids = list(prompt)
+    if not ids:
+        raise ValueError(f"{who}prompt is empty; a prompt needs >= 1 token")
+    for i, t in enumerate(ids):
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+            raise TypeError(f"{who}prompt token {i} is {t!r} ({type(t).__name__}); token ids must be ints")
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            allowed = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+            raise ValueError(f"{who}prompt token {i} is {t}, outside the vocabulary; allowed: {allowed}")
+    return [int(t) for t in ids]
 
 
 @dataclass
@@ -41,18 +74,16 @@ class Request:
     arrival_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if len(self.prompt_token_ids) < 1:
-            raise ValueError(f"request {self.request_id}: prompt_token_ids is empty; a prompt needs >= 1 token")
+        self.prompt_token_ids = prompt_token_list(self.prompt_token_ids, request_id=self.request_id)
         if not isinstance(self.params, SamplingParams):
-            raise TypeError(f"request {self.request_id}: params must be SamplingParams, got "
+            raise TypeError(f"request {self.request_id}: params={self.params!r} must be a SamplingParams, got "
                             f"{type(self.params).__name__}")
-        self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
 
 
 class Sequence:
     """A request being served: its tokens, status, preemptions and token times (seconds on the serving clock)."""
 
-    def __init__(self, request: Request, seed: int, eos_token_id: int | None = None):
+    def __init__(self, request: Request, seed: int, eos_token_ids: int | Iterable[int] | None = None):
         self.request = request
         self.seq_id = request.request_id
         self.params = request.params
@@ -60,11 +91,16 @@ class Sequence:
         self.prompt_token_ids = list(request.prompt_token_ids)
         self.output_token_ids: list[int] = []
         stop = set(self.params.stop_token_ids)
-        if eos_token_id is not None and not self.params.ignore_eos:
-            stop.add(eos_token_id)
+        if self.params.eos_token_ids is not None:  # the request's own EOS ids replace the engine's
+            eos_token_ids = self.params.eos_token_ids
+        if isinstance(eos_token_ids, int):
+            eos_token_ids = (eos_token_ids,)
+        if eos_token_ids is not None and not self.params.ignore_eos:
+            stop.update(eos_token_ids)  # every EOS id stops it (Llama 3 Instruct: <|end_of_text|> and <|eot_id|>)
         self.stop_token_ids = frozenset(stop)
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
+        self.error: str | None = None  # why a step failed on it (finish_reason ERROR)
         self.num_preemptions = 0
         self.token_times_s: list[float] = []
 
@@ -110,6 +146,10 @@ class Sequence:
             self.status = SequenceStatus.FINISHED
         return self.is_finished
 
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+        """End it now with ``reason`` (ERROR with the message ``error``, or ABORT); the caller frees its blocks."""
+        self.status, self.finish_reason, self.error = SequenceStatus.FINISHED, reason, error
+
     def metrics(self) -> RequestMetrics:
         """Its ``RequestMetrics`` (TTFT, TPOT, end-to-end) on the serving clock; needs at least one token."""
         if not self.token_times_s:
@@ -124,21 +164,31 @@ class Sequence:
 
 @dataclass
 class RequestOutput:
-    """What ``LLMEngine.generate`` returns per request."""
+    """What ``LLMEngine.generate`` returns per request. ``finish_reason`` 'stop', 'length', 'error' (``error``
+    holds the message; ``output_token_ids`` what came out before) or 'abort'. ``metrics`` is ``None`` for a
+    request that produced no token."""
 
     request_id: int
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     finish_reason: str
     num_preemptions: int
-    metrics: RequestMetrics
+    metrics: RequestMetrics | None
     text: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """It ended normally (a stop token or its length), not by an error or an abort."""
+        return self.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
 
     @classmethod
     def from_sequence(cls, seq: Sequence, tokenizer=None) -> RequestOutput:
+        if seq.finish_reason is None:
+            raise ValueError(f"sequence {seq.seq_id} is not finished ({seq.status.value})")
         text = tokenizer.decode(seq.output_token_ids) if tokenizer is not None else None
         return cls(seq.seq_id, seq.prompt_token_ids, list(seq.output_token_ids), seq.finish_reason.value,
-                   seq.num_preemptions, seq.metrics(), text)
+                   seq.num_preemptions, seq.metrics() if seq.token_times_s else None, text, seq.error)
 
 
 @dataclass(frozen=True)

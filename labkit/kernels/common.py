@@ -172,3 +172,42 @@ def graph_bench(fn, quantiles=(0.5, 0.2, 0.8), per: int = 4, reps: int = 10) -> 
     outside any capture, as autotuning is."""
     times = torch.tensor(graph_replay_ms(fn, per, reps))
     return torch.quantile(times, torch.tensor(quantiles, dtype=times.dtype)).tolist()
+
+
+def should_check(check: bool | None, *tensors: torch.Tensor) -> bool:
+    """Whether a kernel checks its index arguments on the host: ``check`` when given; by default (``None``) unless a
+    CUDA graph is being captured, where a host copy is impossible (the caller checked the step before)."""
+    if check is not None:
+        return bool(check)
+    on_cuda = any(t.is_cuda for t in tensors)
+    return not (on_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def check_block_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, block_size: int,
+                       query_start_loc: torch.Tensor | None = None, num_tokens: int | None = None) -> None:
+    """Host check of a paged batch's index data, one copy of each (once per call, not per layer of the kernel):
+    each ``context_lens[i]`` in ``1 .. max_blocks * block_size`` (the table's capacity), each block id a sequence
+    reads (the first ``ceil(context_lens[i] / block_size)`` of its row) in ``0 .. num_blocks - 1``, and, for a
+    prefill batch, ``query_start_loc`` non-decreasing from 0 to at most ``num_tokens`` with every sequence's query
+    count within its context. A ``ValueError`` names the sequence and the value: the kernels index memory with
+    these and do not check them on the device (an out-of-range one is a crash or garbage)."""
+    tables, ctx = block_tables.tolist(), context_lens.tolist()
+    cap = block_tables.shape[1] * block_size
+    for i, (row, n) in enumerate(zip(tables, ctx)):
+        if not 1 <= n <= cap:
+            raise ValueError(f"context_lens[{i}]={n} must be in 1 .. {cap} (block_tables holds {len(row)} blocks "
+                             f"of {block_size} tokens per sequence)")
+        used = row[:-(-n // block_size)]
+        bad = next((b for b in used if not 0 <= b < num_blocks), None)
+        if bad is not None:
+            raise ValueError(f"block_tables[{i}] holds block id {bad}; allowed: 0 .. {num_blocks - 1} (the pool's "
+                             f"blocks)")
+    if query_start_loc is None:
+        return
+    starts = query_start_loc.tolist()
+    if starts[0] != 0 or any(b < a for a, b in zip(starts, starts[1:])) or starts[-1] > num_tokens:
+        raise ValueError(f"query_start_loc={starts} must rise from 0 to at most num_tokens={num_tokens}")
+    for i, n in enumerate(ctx):
+        if starts[i + 1] - starts[i] > n:
+            raise ValueError(f"sequence {i} has {starts[i + 1] - starts[i]} query rows but context_lens[{i}]={n}; "
+                             "a context holds at least its queries")

@@ -19,12 +19,14 @@ import triton.language as tl
 
 from labkit.kernels.common import (
     FLOAT_DTYPES,
+    check_block_tables,
     check_pdl,
     check_tensor,
     next_pow2,
     num_sms,
     pdl_launch,
     refuse_bf16_dot_on_cpu,
+    should_check,
 )
 
 
@@ -314,13 +316,15 @@ PDL_MODES = ("", "release")  # decode attention releases the launch after it; it
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, scale: float | None = None, num_splits: int | None = None,
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                    pdl: str = "", config: dict | None = None) -> torch.Tensor:
+                    pdl: str = "", config: dict | None = None, check: bool | None = None) -> torch.Tensor:
     """Decode attention over the paged layout above, in Triton (``paged_attention_ref`` is the reference).
 
     ``q`` ``[num_seqs, num_heads, head_dim]``; caches ``[num_blocks, block_size, num_kv_heads, head_dim]`` of
     ``q``'s dtype (float16, bfloat16 on CUDA, float32); ``block_tables`` int32 ``[num_seqs, max_blocks]``;
-    ``context_lens`` int32 ``[num_seqs]``, each in ``1 ... max_blocks * block_size`` (not checked on the
-    device, so the call stays capturable in a CUDA graph). ``num_splits``: context ranges per sequence,
+    ``context_lens`` int32 ``[num_seqs]``, each in ``1 ... max_blocks * block_size``. ``check``: check the context
+    lengths and the block ids they reach on the host (``common.check_block_tables``, one copy per call); default
+    (``None``) on, except while a CUDA graph is captured; ``False`` where the caller checked the step already (the
+    engine). The device never checks them, so the call stays capturable. ``num_splits``: context ranges per sequence,
     merged by a second kernel (flash-decoding); ``None`` picks from the SM count (``auto_num_splits``), ``1`` is the
     single-pass kernel. Quantised caches (``labkit.kvcache.quant``): int8 or float8_e4m3fn caches with float32
     ``k_scale``/``v_scale`` ``[num_blocks, block_size, num_kv_heads]`` (``x = q * scale`` per token and head),
@@ -335,6 +339,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Returns ``[num_seqs, num_heads, head_dim]`` in ``q``'s dtype.
     """
     _check_paged_args(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
+    if should_check(check, q):
+        check_block_tables(block_tables, context_lens, k_cache.shape[0], k_cache.shape[1])
     check_pdl(pdl, PDL_MODES)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape

@@ -31,7 +31,14 @@ import torch
 import triton
 import triton.language as tl
 
-from labkit.kernels.common import FLOAT_DTYPES, check_tensor, next_pow2, refuse_bf16_dot_on_cpu
+from labkit.kernels.common import (
+    FLOAT_DTYPES,
+    check_block_tables,
+    check_tensor,
+    next_pow2,
+    refuse_bf16_dot_on_cpu,
+    should_check,
+)
 from labkit.kernels.paged_attention import _block_slots, _kv_tile, check_pools_fit_q
 
 LOG2E = 1.4426950408889634
@@ -139,17 +146,23 @@ def _check_args(q, k_cache, v_cache, block_tables, query_start_loc, context_lens
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
-                            scale: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                            scale: float | None = None, out: torch.Tensor | None = None,
+                            check: bool | None = None) -> torch.Tensor:
     """Causal attention of every query row over its sequence's cached tokens (layout in the module docstring).
 
     ``q`` ``[num_tokens, num_heads, head_dim]`` (float16, bfloat16 on CUDA, float32); caches of ``q``'s dtype
     ``[num_blocks, block_size, num_kv_heads, head_dim]``; ``block_tables`` int32 ``[num_seqs, max_blocks]``;
     ``query_start_loc`` int32 ``[num_seqs + 1]``, non-decreasing from 0, its last entry at most ``num_tokens``;
-    ``context_lens`` int32 ``[num_seqs]``, each at least its sequence's query count. The values are not checked on
-    the device (the call stays capturable); rows past ``query_start_loc[-1]`` are left as they were in ``out``.
-    Returns ``out`` (default a new tensor like ``q``): ``[num_tokens, num_heads, head_dim]``.
+    ``context_lens`` int32 ``[num_seqs]``, each at least its sequence's query count. ``check``: check these values
+    and the block ids they reach on the host (``common.check_block_tables``, one copy per call); default (``None``)
+    on, except while a CUDA graph is captured; ``False`` where the caller checked the step already (the engine). The
+    device never checks them (the call stays capturable); rows past ``query_start_loc[-1]`` are left as they were
+    in ``out``. Returns ``out`` (default a new tensor like ``q``): ``[num_tokens, num_heads, head_dim]``.
     """
     _check_args(q, k_cache, v_cache, block_tables, query_start_loc, context_lens)
+    if should_check(check, q):
+        check_block_tables(block_tables, context_lens, k_cache.shape[0], k_cache.shape[1], query_start_loc,
+                           q.shape[0])
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = context_lens.shape[0]

@@ -150,6 +150,7 @@ def dequantise_gathered(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: t
 def dequantised_blocks(cache, layer: int, block_tables: torch.Tensor,
                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dequantise_gathered`` for one layer of a ``PagedKVCache`` (any format)."""
+    cache.check_layer(layer)
     q = cache.fmt.quantised
     return dequantise_gathered(cache.k_caches[layer], cache.v_caches[layer], cache.k_scales[layer] if q else None,
                                cache.v_scales[layer] if q else None, block_tables, dtype)

@@ -79,8 +79,16 @@ class ContiguousKVCache:
         self._free_rows.append(self.rows.pop(seq_id))
         del self.lens[seq_id]
 
+    def check_layer(self, layer: int) -> None:
+        """Refuse a layer index that is not an int in ``[0, num_layers)`` (a negative one would pick a layer
+        from the end)."""
+        n = len(self.k_caches)
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < n:
+            raise ValueError(f"layer={layer!r} must be an int in [0, {n})")
+
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``, ``v`` ``[num_tokens, kv_heads, head_dim]`` at ``slot_mapping``."""
+        self.check_layer(layer)
         slots = slot_mapping.to(device=self.device, dtype=torch.long)
         flat = (self.max_seqs * self.max_len, self.num_kv_heads, self.head_dim)
         self.k_caches[layer].view(flat)[slots] = k.to(self.dtype)
@@ -93,6 +101,7 @@ class ContiguousKVCache:
         Computed the way a contiguous cache is used: over the padded ``[num_seqs, max_len]`` slabs at once,
         with slots past each length masked out (float32 arithmetic, output in ``q``'s dtype).
         """
+        self.check_layer(layer)
         rows = torch.tensor([self.rows[s] for s in seq_ids], device=self.device)
         lens = torch.tensor([self.lens[s] for s in seq_ids], device=self.device)
         group = q.shape[1] // self.num_kv_heads

@@ -21,6 +21,7 @@ their K/V exist).
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -264,15 +265,26 @@ class PagedKVCache:
             raise RuntimeError("this PagedKVCache was built with allocate_pools=False: it holds no K/V "
                                "tensors")
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping`` (int
-        ``[num_tokens]``), quantising them for int8/fp8."""
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              seq_id: Hashable | None = None, check: bool | None = None) -> None:
+        """Store ``k``, ``v`` ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping`` (integer
+        ``[num_tokens]``), quantising them for int8/fp8.
+
+        The slots are checked on the host (``check_slots``: integers, in the pool, in blocks some sequence holds, or
+        with ``seq_id`` in that sequence's blocks) when ``check`` is True, and by default (``None``) when
+        ``slot_mapping`` is host memory, where the check is free; a device tensor is trusted by default (the engine
+        built it from block tables it checked, and a check would synchronise every layer, or break a graph
+        capture)."""
         self._need_pools()
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer={layer} must be in [0, {self.num_layers})")
+        self.check_layer(layer)
+        if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.ndim != 1:
+            raise ValueError(f"slot_mapping must be a 1-D integer tensor, got {type(slot_mapping).__name__} "
+                             f"of shape {tuple(getattr(slot_mapping, 'shape', ()))}")
         expect = (slot_mapping.shape[0], self.num_kv_heads, self.head_dim)
         if tuple(k.shape) != expect or tuple(v.shape) != expect:
             raise ValueError(f"k and v must have shape {expect}, got {tuple(k.shape)} and {tuple(v.shape)}")
+        if check or (check is None and slot_mapping.device.type == "cpu") or seq_id is not None:
+            self.check_slots(slot_mapping, seq_id)
         slots = slot_mapping.to(device=self.device, dtype=torch.long)
         flat = (self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
         for x, pool, scales in ((k, self.k_caches, self.k_scales), (v, self.v_caches, self.v_scales)):
@@ -281,11 +293,39 @@ class PagedKVCache:
             if s is not None:
                 scales[layer].view(flat[:2])[slots] = s
 
+    def check_slots(self, slot_mapping: torch.Tensor, seq_id: Hashable | None = None) -> None:
+        """Refuse slots that are not integers (a float would be truncated), are negative (-1 would write another
+        sequence's last slot), lie past the pool, or fall in a block no sequence holds (with ``seq_id``: outside
+        that sequence's blocks). One host copy of the slots."""
+        if slot_mapping.dtype.is_floating_point or slot_mapping.dtype.is_complex or slot_mapping.dtype == torch.bool:
+            raise TypeError(f"slot_mapping has dtype {slot_mapping.dtype}; slots must be integers (int32 or int64)")
+        slots = slot_mapping.tolist()
+        cap = self.num_blocks * self.block_size
+        bad = next((s for s in slots if not 0 <= s < cap), None)
+        if bad is not None:
+            raise ValueError(f"slot_mapping holds slot {bad}; allowed: 0 .. {cap - 1} ({self.num_blocks} blocks of "
+                             f"{self.block_size})")
+        if seq_id is not None:
+            held, whose = set(self.seq(seq_id).block_table), f"sequence {seq_id!r}"
+        else:
+            held, whose = {b for b, n in enumerate(self.allocator.ref_counts) if n > 0}, "any sequence"
+        bad = next((s for s in slots if s // self.block_size not in held), None)
+        if bad is not None:
+            raise ValueError(f"slot_mapping holds slot {bad}, in block {bad // self.block_size}, which {whose} does "
+                             f"not hold; write only to slots reserved by allocate/append_slots")
+
+    def check_layer(self, layer: int) -> None:
+        """Refuse a layer index that is not an int in ``[0, num_layers)`` (a negative one would pick a layer
+        from the end)."""
+        if not isinstance(layer, numbers.Integral) or isinstance(layer, bool) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer={layer!r} must be an int in [0, {self.num_layers})")
+
     def read_blocks(self, layer: int, blocks: torch.Tensor,
                     dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``blocks`` (int ``[n]``), dequantised to ``dtype``: ``[n, block_size, kv_heads,
         head_dim]``."""
         self._need_pools()
+        self.check_layer(layer)
         blocks = blocks.to(device=self.device, dtype=torch.long)
         ks = self.k_scales[layer][blocks] if self.fmt.quantised else None
         vs = self.v_scales[layer][blocks] if self.fmt.quantised else None

@@ -46,6 +46,14 @@ class SwapSpace:
         self.blocks_out += len(cpu_blocks)
         cache.free(seq_id)
 
+    def discard(self, seq_id: Hashable) -> None:
+        """Drop a swapped-out sequence's blocks without copying them back (it was aborted or failed)."""
+        seq = self.seqs.pop(seq_id, None)
+        if seq is None:
+            raise KeyError(f"seq_id={seq_id!r} is not swapped out")
+        for b in seq.block_table:
+            self.allocator.free(b)
+
     def blocks_to_swap_in(self, seq_id: Hashable) -> int:
         return len(self.seqs[seq_id].block_table)
 

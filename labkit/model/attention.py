@@ -138,11 +138,14 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Atte
         if d == meta.num_seqs:
             from labkit.kernels.paged_attention import paged_attention as decode
 
-            return decode(q, k_cache, v_cache, tables, meta.context_lens, scale=scale, pdl=pdl)
+            # check=False: the engine's tables come from its allocator (width checked when packed); the host check
+            # would synchronise every layer and break a graph capture
+            return decode(q, k_cache, v_cache, tables, meta.context_lens, scale=scale, pdl=pdl, check=False)
         from labkit.kernels.paged_prefill_attention import paged_prefill_attention
 
         return paged_prefill_attention(q, k_cache, v_cache, tables, meta.query_start_loc, meta.context_lens, scale,
-                                       out=torch.zeros_like(q))  # padding rows of a captured step stay finite
+                                       out=torch.zeros_like(q),  # padding rows of a captured step stay finite
+                                       check=False)
     if d == meta.num_seqs:
         return paged_decode_attention_ref(q, k_cache, v_cache, tables, meta.context_lens, scale, window)
     out = torch.empty_like(q)

@@ -106,6 +106,13 @@ class LlamaStage(nn.Module):
 
     def __init__(self, model: nn.Module, layers: range, stage_index: int, num_stages: int, group=None):
         super().__init__()
+        n = len(model.model.layers)
+        if not isinstance(layers, range) or not layers or min(layers) < 0 or max(layers) >= n:
+            raise ValueError(f"layers={layers!r} must be a non-empty range of layer indices in [0, {n}) (a negative "
+                             "index would pick a layer from the end)")
+        if not isinstance(num_stages, int) or num_stages < 1 or not isinstance(stage_index, int) or \
+                not 0 <= stage_index < num_stages:
+            raise ValueError(f"stage_index={stage_index!r} must be an int in [0, num_stages={num_stages!r})")
         self.stage_index, self.num_stages, self.layer_ids = stage_index, num_stages, layers
         self.group = group  # the pipeline's process group (None: the world); stage s is its rank s
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1

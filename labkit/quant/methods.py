@@ -61,13 +61,39 @@ CALIB_SPLITS = ("calib", "train", "task_train")  # never a held-out split: that 
 """Dataset splits a calibrated method may read."""
 
 
+_TYPES = {"group_size": int, "calib_samples": int, "calib_seq_len": int, "seed": int, "batch_size": int,
+          "blocksize": int, "damp": float, "threshold": float, "double_quant": bool, "inplace": bool,
+          "progress": bool, "backend": str}
+_POSITIVE = ("group_size", "calib_samples", "calib_seq_len", "batch_size", "blocksize", "damp", "threshold")
+
+
+def _check_option(name: str, value) -> None:
+    """The type (and sign) an option must have: a ``ValueError`` naming it and its value otherwise."""
+    kind = _TYPES.get(name)
+    if kind is None:
+        return
+    ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    if not ok:
+        raise ValueError(f"{name}={value!r} must be {'True or False' if kind is bool else 'a ' + kind.__name__}")
+    if name in _POSITIVE and value <= 0:
+        raise ValueError(f"{name}={value!r} must be > 0")
+    if name == "seed" and value < 0:
+        raise ValueError(f"seed={value!r} must be >= 0")
+
+
 def _options(method: str, given: dict) -> dict:
+    if not isinstance(method, str):
+        raise TypeError(f"method={method!r} must be a str, one of {list(METHODS)}; got {type(method).__name__}")
     if method not in METHODS:
         raise ValueError(f"method={method!r} is unknown; allowed: {list(METHODS)}")
     allowed = {**_COMMON, **_OPTIONS[method]}
     unknown = sorted(set(given) - set(allowed))
     if unknown:
         raise ValueError(f"option(s) {unknown} do not apply to method={method!r}; allowed: {sorted(allowed)}")
+    for name, value in given.items():
+        _check_option(name, value)
     head = given.get("lm_head", False)
     if not isinstance(head, bool) and head not in HEAD_METHODS:
         raise ValueError(f"lm_head={head!r}: allowed False, True (the head by method={method!r} too) or one of "
@@ -149,7 +175,12 @@ def _shallow_copy(model: nn.Module, replaced: dict[str, nn.Linear]) -> nn.Module
 @torch.no_grad()
 def quantize(model: nn.Module, method: str, **options) -> nn.Module:
     """``model`` with its linear layers quantised by ``method`` (see the module docstring for methods and
-    options). The model's ``labkit_quant`` attribute records the method and options used."""
+    options). The model's ``labkit_quant`` attribute records the method and options used. A model that is not a
+    ``nn.Module`` with parameters, a method that is not one of ``METHODS`` or an option of the wrong type is refused
+    (``TypeError`` / ``ValueError`` naming it) before anything is copied."""
+    if not isinstance(model, nn.Module) or next(model.parameters(), None) is None:
+        raise TypeError(f"model must be a torch nn.Module with parameters (a Hugging Face causal LM), got "
+                        f"{type(model).__name__}; did you swap model and method?")
     opts = _options(method, options)
     _check_device(model, method, opts)
     same_head = opts["lm_head"] is True

@@ -1,0 +1,190 @@
+"""The engine's settings (``EngineConfig``, vLLM's names, each checked when built), its run statistics
+(``EngineStats``), the serving clocks, and what the engine reads off the model: its vocabulary and EOS ids."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+
+from labkit.engine.sampling import token_id_tuple
+from labkit.engine.scheduler import PREEMPTION_MODES, SCHEDULERS
+from labkit.model import FusionPlan
+
+CLOCKS = ("virtual", "real")
+"""Serving clocks: 'virtual' (arrivals in model time, reproducible) or 'real' (wall clock)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings (vLLM's names).
+
+    * ``scheduler``: 'fifo', 'static' or 'continuous'; ``static_batch_size`` (default ``max_num_seqs``)
+    * ``max_num_seqs``: running sequences at most; ``max_num_batched_tokens``: tokens per step (continuous)
+    * ``chunked_prefill``: split long prompts over steps (continuous); ``min_admit``: admit waiting requests in
+      groups of at least this many while others decode (continuous; see ``ContinuousBatchingScheduler``)
+    * ``max_model_len``: prompt + output tokens at most (default: the model's maximum position)
+    * ``block_size``, ``num_blocks``: the paged cache; ``num_blocks=None`` sizes it from
+      ``gpu_memory_utilization`` of free device memory on CUDA, and for ``max_num_seqs`` full-length sequences
+      (capped at 1 GiB) on the CPU
+    * ``kernels``: a ``labkit.model.FusionPlan`` or 'auto' | 'torch' | 'triton' (``FusionPlan.named``);
+      ``cuda_graphs``: 'auto' | True | False; ``graph_batch_sizes``:
+      the captured all-decode batches (default ``default_graph_batch_sizes``); ``graph_token_sizes``: the
+      captured steps with prefill chunks, by token count (default: ``default_graph_token_sizes`` of the token
+      budget for the continuous scheduler on the Triton path, none otherwise)
+    * ``preemption_mode``: 'recompute' or 'swap' (continuous: what happens to the youngest sequence when blocks run
+      out; see ``labkit.engine.scheduler``); ``swap_space``: GiB of CPU memory for swapped blocks (vLLM's name and
+      default), at most the device cache's size, allocated only with ``preemption_mode='swap'``
+    * ``seed``: seeds requests that bring none (``SamplingParams.seed``)
+    * ``eos_token_ids``: ids that end a request (default: every EOS id of the model's config and generation
+      config, else the tokenizer's; ``SamplingParams.eos_token_ids`` overrides per request)
+    """
+
+    scheduler: str = "continuous"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    chunked_prefill: bool = True
+    min_admit: int = 1
+    static_batch_size: int | None = None
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_blocks: int | None = None
+    gpu_memory_utilization: float = 0.85
+    kv_dtype: str | None = None
+    enable_prefix_caching: bool = False
+    kernels: str | FusionPlan = "auto"
+    cuda_graphs: bool | str = "auto"
+    graph_batch_sizes: tuple[int, ...] | None = None
+    graph_token_sizes: tuple[int, ...] | None = None
+    preemption_mode: str = "recompute"
+    swap_space: float = 4.0
+    seed: int = 0
+    eos_token_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        """Refuse any field of the wrong type or out of range, naming it, its value and what is allowed (nothing is
+        coerced: ``max_model_len=0`` is an error, not the model's maximum)."""
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler={self.scheduler!r} is unknown; allowed: {SCHEDULERS}")
+        FusionPlan.named(self.kernels, "cpu")  # a plan, or one of its names (an unknown name raises)
+        for name, low in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("min_admit", 1), ("block_size", 1),
+                          ("seed", 0)):
+            _int_at_least(name, getattr(self, name), low)
+        for name, low in (("static_batch_size", 1), ("max_model_len", 1), ("num_blocks", 2)):
+            if getattr(self, name) is not None:
+                _int_at_least(name, getattr(self, name), low, "or None for the default")
+        for name in ("chunked_prefill", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.cuda_graphs not in ("auto", True, False) or isinstance(self.cuda_graphs, int) and \
+                not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs={self.cuda_graphs!r}; allowed: 'auto', True, False")
+        for name in ("graph_batch_sizes", "graph_token_sizes"):
+            sizes = getattr(self, name)
+            if sizes is not None:
+                if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
+                    raise ValueError(f"{name}={sizes!r} must be a sequence of ints >= 1 (or None for the default)")
+                for v in sizes:
+                    _int_at_least(name, v, 1, f"in {name}={sizes!r}")
+                object.__setattr__(self, name, tuple(int(v) for v in sizes))
+        if not _real(self.gpu_memory_utilization) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be a number in (0, 1]")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode={self.preemption_mode!r} is unknown; allowed: {PREEMPTION_MODES}")
+        if not _real(self.swap_space) or not 0 < self.swap_space < math.inf:
+            raise ValueError(f"swap_space={self.swap_space!r} GiB must be > 0 (a finite number)")
+        if self.eos_token_ids is not None:
+            object.__setattr__(self, "eos_token_ids", token_id_tuple("eos_token_ids", self.eos_token_ids))
+
+    @property
+    def seqs_per_step(self) -> int:
+        """Sequences a step can hold under this scheduler."""
+        static = self.max_num_seqs if self.static_batch_size is None else self.static_batch_size
+        return {"fifo": 1, "static": static}.get(self.scheduler,
+                                                                                        self.max_num_seqs)
+
+
+@dataclass
+class EngineStats:
+    """What the engine did since the last reset: steps, time busy, tokens computed, memory."""
+
+    steps: int = 0
+    busy_s: float = 0.0
+    prefill_tokens: int = 0  # prompt (and recomputed) tokens computed
+    decode_tokens: int = 0
+    output_tokens: int = 0
+    graph_steps: int = 0  # steps replayed from a CUDA graph
+    peak_device_bytes: int | None = None
+    step_s: list[float] = field(default_factory=list)
+    step_seqs: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class VirtualClock:
+    """Advances by the measured duration of each step; jumps over idle time (see the module docstring)."""
+
+    name = "virtual"
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> float:
+        self.t += dt
+        return self.t
+
+    def wait_until(self, t: float) -> None:
+        self.t = max(self.t, t)
+
+
+class RealClock:
+    """Seconds since the run started (``perf_counter``); waiting sleeps."""
+
+    name = "real"
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start
+
+    def advance(self, dt: float) -> float:
+        return self.now()
+
+    def wait_until(self, t: float) -> None:
+        time.sleep(max(0.0, t - self.now()))
+
+
+def vocab_size(model) -> int:
+    """Token ids the model embeds: its input embedding's rows (``config.vocab_size`` without one)."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return int(emb.num_embeddings) if emb is not None else int(model.config.vocab_size)
+
+
+def default_eos_token_ids(model, tokenizer=None) -> tuple[int, ...]:
+    """Every EOS id the checkpoint declares: ``config.eos_token_ids`` (labkit.model) or ``eos_token_id`` (an id or a
+    list, as Llama 3 Instruct's [128001, 128009]), with the generation config's; the tokenizer's without any."""
+    ids: list[int] = []
+    for src in (model.config, getattr(model, "generation_config", None)):
+        for name in ("eos_token_ids", "eos_token_id"):
+            v = getattr(src, name, None) if src is not None else None
+            if v is not None:
+                ids += token_id_tuple(name, v)
+    if not ids and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    return tuple(dict.fromkeys(ids))
+
+
+def _real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and not math.isnan(x)
+
+
+def _int_at_least(name: str, value, low: int, extra: str = "") -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name}={value!r} must be an int >= {low}" + (f" ({extra})" if extra else ""))
