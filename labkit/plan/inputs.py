@@ -175,7 +175,7 @@ class Calibration:
 
     def paths(self, fmt: str, batch: int, kv: bool = False) -> list[KernelPath]:
         """The measured paths of ``fmt`` that stand for ``batch``: each path at ``batch`` itself, else (when it
-        may be extrapolated) at its nearest measured batch."""
+        may be extrapolated) at its nearest measured batch (by ratio: 32 is nearer 64 than 1)."""
         rows = [p for p in (self.kv_paths if kv else self.kernels) if p.fmt == fmt]
         out = []
         for name in dict.fromkeys(p.path for p in rows):
@@ -184,5 +184,6 @@ class Calibration:
             if exact:
                 out.append(exact[0])
             elif any(p.extrapolate for p in mine):
-                out.append(min((p for p in mine if p.extrapolate), key=lambda p: (abs(p.batch - batch), p.batch)))
+                near = min((p for p in mine if p.extrapolate), key=lambda p: (abs(math.log(p.batch / batch)), p.batch))
+                out.append(near)
         return out

@@ -12,7 +12,19 @@ import math
 
 from labkit.models import ModelSpec
 from labkit.parallel.cost_model import memory_per_device, pp_comm, tp_comm
-from labkit.plan.inputs import Calibration, Cluster
+from labkit.plan.inputs import KV_DTYPES, WEIGHT_DTYPES, Calibration, Cluster, check_formats, check_positive_int
+
+
+def check_layout(tp, pp, batch: int | None = None, weights: str | None = None, kv: str | None = None) -> None:
+    """A ValueError naming the argument when a layout, batch or format cannot be planned."""
+    check_positive_int("tp", tp)
+    check_positive_int("pp", pp)
+    if batch is not None:
+        check_positive_int("batch", batch)
+    if weights is not None:
+        check_formats("weights", weights, WEIGHT_DTYPES)
+    if kv is not None:
+        check_formats("kv", kv, KV_DTYPES)
 
 
 def decode_parts(spec: ModelSpec, tp: int, pp: int, batch: int, context: int, weights: str,
@@ -34,6 +46,7 @@ def weight_paths(spec: ModelSpec, cluster: Cluster, cal: Calibration, tp: int, p
                  weights: str) -> dict[str, float]:
     """Seconds one stage spends reading (and multiplying) its weights per micro-batch, by every measured path
     of ``weights`` at this micro-batch: ``{path: seconds}``. The step uses the smallest."""
+    check_layout(tp, pp, batch, weights)
     mb = max(1, math.ceil(batch / pp))
     layers = math.ceil(spec.num_layers / pp)
     bw = cluster.gpu.mem_bandwidth
@@ -55,6 +68,7 @@ def kv_read_time(spec: ModelSpec, cluster: Cluster, cal: Calibration, tp: int, p
                  kv: str) -> float:
     """Seconds one stage reads its micro-batch's KV cache: the bf16 read, times the best measured ratio of
     ``kv`` (1 where none is measured: the memory saving counts, an unmeasured speed-up does not)."""
+    check_layout(tp, pp, batch, kv=kv)
     mb = max(1, math.ceil(batch / pp))
     bf16 = decode_parts(spec, tp, pp, batch, context, "bf16", "bf16")[1] / (cluster.gpu.mem_bandwidth * cal.kv_eff)
     if kv == "bf16":
@@ -67,6 +81,7 @@ def decode_step_time(spec: ModelSpec, cluster: Cluster, cal: Calibration, tp: in
     """Seconds for every one of ``batch`` sequences to gain a token (``pp`` micro-batches in flight).
 
     Each stage reads its weights and KV once per micro-batch; a token passes all ``pp`` stages."""
+    check_layout(tp, pp, batch, weights, kv)
     mb = max(1, math.ceil(batch / pp))
     layers = math.ceil(spec.num_layers / pp)
     flops = mb * (2 * spec.matmul_params + spec.attention_flops_per_token(context)) * layers / spec.num_layers / tp
@@ -82,6 +97,8 @@ def decode_step_time(spec: ModelSpec, cluster: Cluster, cal: Calibration, tp: in
 def prefill_time(spec: ModelSpec, cluster: Cluster, cal: Calibration, tp: int, pp: int, prompt_len: int,
                  weights: str) -> float:
     """Seconds to prefill one prompt of ``prompt_len`` tokens through all stages (compute-bound)."""
+    check_layout(tp, pp, weights=weights)
+    check_positive_int("prompt_len", prompt_len)
     flops = spec.prefill_flops(prompt_len) / tp
     wbytes = memory_per_device(spec, tp, pp, 0, dtype=weights)["weights"] * pp
     tp_link, pp_link = links(cluster, tp, pp)
