@@ -20,6 +20,8 @@ TIERS = [
     ("6 parallel layout", "TP in a node, PP across nodes (06)",
      ["parallel.tp_logits_rel_err", "parallel.pp_bubble_measured", "parallel.pp_bubble_formula"]),
 ]
+"""The earlier capstone's tiers (tier, technique, figure names), kept for ``strategy_table``; notebook 08 now reads
+``labkit.experiments.capstone.TECHNIQUES``."""
 
 
 def load_summary(path: Path | str | None = None) -> dict:

@@ -358,9 +358,15 @@ else:
 
 # %%
 from labkit.claims import Claim, show  # noqa: E402
+from labkit.bench import output_dir  # noqa: E402
 from labkit.plan import SCENARIO_175B, recommend  # noqa: E402
 
-rec175 = recommend(SCENARIO_175B)
+fresh = output_dir() / "records" / "format_gemm.json"
+if PROFILE == "gpu" and not fresh.exists():  # each weight format's matmul paths (ours and cuBLAS) by batch
+    from labkit.experiments.parallelism import formats  # noqa: E402
+
+    write_record("format_gemm", formats.measure())
+rec175 = recommend(SCENARIO_175B, format_gemm=json.loads(fresh.read_text())["data"] if fresh.exists() else None)
 rrec = write_record("06_parallelism_175b", {"layout": rec175.layout, "calibration": rec175.cal.source,
                                             "plans": [p.to_dict() for p in rec175.plans[:20]]})
 record_figure("parallel.recommended_175b_layout", rec175.layout, "layout", rrec, machine=rec175.cal.machine,

@@ -13,11 +13,13 @@
 profile = "auto"
 
 # %%
+import json
+
 import pandas as pd
 from IPython.display import Markdown, display
 
 import labkit  # noqa: F401
-from labkit.bench import record_figure, write_record
+from labkit.bench import output_dir, record_figure, write_record
 from labkit.claims import Claim, show
 from labkit.experiments import capstone as cap
 from labkit.plan import SCENARIO_175B, load_summary, recommend, validate, weight_paths
@@ -29,7 +31,13 @@ from labkit.workbook import resolve_profile
 PROFILE = resolve_profile(profile)
 figures = dict(load_summary())
 derived = cap.derived_figures()
-rec = recommend(SCENARIO_175B)
+fresh = output_dir() / "records" / "format_gemm.json"  # measured by notebook 06 in this run (gpu profile)
+if PROFILE == "gpu" and not fresh.exists():  # each weight format's matmul paths, ours and cuBLAS, by batch
+    from labkit.experiments.parallelism import formats
+
+    write_record("format_gemm", formats.measure())
+format_gemm = json.loads(fresh.read_text())["data"] if fresh.exists() else None
+rec = recommend(SCENARIO_175B, format_gemm=format_gemm)
 sweep = load_sweep()
 print(f"{len(figures)} committed figures, {len(derived)} derived from GPU records; profile {PROFILE}; "
       f"calibrated on {rec.cal.machine}")
