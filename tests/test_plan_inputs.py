@@ -136,3 +136,16 @@ def test_kernel_paths_from_the_committed_records():
                                       "bf16_us": 10.0}]}
     w2, _ = kernel_paths(format_gemm=fresh)
     assert KernelPath("int8", "torch._int_mm W8A8", 32, 0.5, "this run", "X") in w2
+
+
+def test_one_recommendation_for_06_and_08():
+    """The committed summary's two layouts (06's and 08's) are what ``recommend`` gives on the committed records,
+    and each weight format's GPU count is the one recorded."""
+    from labkit.plan import load_summary, recommend
+
+    figures = load_summary()
+    rec = recommend(SCENARIO_175B)
+    assert figures["parallel.recommended_175b_layout"]["value"] == figures["plan.gpt3_175b_layout"]["value"]
+    assert rec.layout == figures["plan.gpt3_175b_layout"]["value"]
+    assert all(rec.gpus(w) == figures[f"plan.gpus_175b_{w}"]["value"] for w in ("bf16", "fp8", "int8", "int4"))
+    assert figures["plan.gpus_175b_bf16"]["machine"] == rec.cal.machine != "cpu"
