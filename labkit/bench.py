@@ -219,10 +219,11 @@ def write_record(name: str, data: dict, out_dir: Path | str | None = None) -> Pa
 
 
 def record_figure(name: str, value, unit: str, record: Path | str, bar: str | None = None,
-                  out_dir: Path | str | None = None, note: str | None = None) -> dict:
+                  out_dir: Path | str | None = None, note: str | None = None, machine: str | None = None) -> dict:
     """Add one named figure to ``figures.json`` of the run's output folder and return its entry.
 
-    ``record`` is the record file the number comes from; ``bar`` states the issue's bar ("<= 0.04") if any.
+    ``record`` is the record file the number comes from; ``bar`` states the issue's bar ("<= 0.04") if any;
+    ``machine``: where it was measured, when not this machine (a figure derived from a committed GPU record).
     """
     if "." not in name:
         raise ValueError(f"figure name {name!r} must be '<area>.<figure>', e.g. 'kvcache.paged_waste_frac'")
@@ -230,7 +231,7 @@ def record_figure(name: str, value, unit: str, record: Path | str, bar: str | No
     path = folder / "figures.json"
     figures = json.loads(path.read_text()) if path.exists() else {}
     value = value.item() if isinstance(value, torch.Tensor) else value
-    entry = {"value": value, "unit": unit, "machine": machine_tag(), "record": str(record)}
+    entry = {"value": value, "unit": unit, "machine": machine or machine_tag(), "record": str(record)}
     if bar:
         entry["bar"] = bar
     if note:

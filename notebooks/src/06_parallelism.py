@@ -351,8 +351,37 @@ else:
 # * **PP sends little but idles**: the measured bubble follows `(p - 1)/(m + p - 1)` (plus stage imbalance and
 #   noise); 1F1B keeps the bubble and cuts activation memory to `p - s` micro-batches. For decode it adds memory
 #   capacity, not speed.
-# * **Decision guide** (the numbers above): fit the model with TP up to the node size (8) as long as per-GPU
-#   weight reads dominate all-reduce latency; add PP across nodes when the model or its KV cache does not fit one
-#   node; use enough micro-batches (`m >= 4p`) to keep the bubble under ~20% where throughput matters; never
-#   run TP over InfiniBand. For 175B on H200s: TP8 in one node fits and is fastest per GPU; TP8 x PP2 over two
-#   nodes doubles KV capacity at the same per-token latency.
+# * **Decision guide**: fit the model with TP up to the node size as long as per-GPU weight reads dominate
+#   all-reduce latency; add PP across nodes when the model or its KV cache does not fit one node; use enough
+#   micro-batches (`m >= 4p`) to keep the bubble small where throughput matters; never run TP over InfiniBand.
+#   The 175B recommendation is the planner's (next cell), the same one notebook 08 quotes.
+
+# %%
+from labkit.claims import Claim, show  # noqa: E402
+from labkit.bench import output_dir  # noqa: E402
+from labkit.plan import SCENARIO_175B, recommend  # noqa: E402
+
+fresh = output_dir() / "records" / "format_gemm.json"
+if PROFILE == "gpu" and not fresh.exists():  # each weight format's matmul paths (ours and cuBLAS) by batch
+    from labkit.experiments.parallelism import formats  # noqa: E402
+
+    write_record("format_gemm", formats.measure())
+rec175 = recommend(SCENARIO_175B, format_gemm=json.loads(fresh.read_text())["data"] if fresh.exists() else None)
+rrec = write_record("06_parallelism_175b", {"layout": rec175.layout, "calibration": rec175.cal.source,
+                                            "plans": [p.to_dict() for p in rec175.plans[:20]]})
+record_figure("parallel.recommended_175b_layout", rec175.layout, "layout", rrec, machine=rec175.cal.machine,
+              note="labkit.plan.recommend(SCENARIO_175B): the planner notebook 08 quotes")
+print("recommended for 175B:", rec175.layout)
+show(
+    Claim("The planner recommends {parallel.recommended_175b_layout} for the 175B scenario, as notebook 08 does",
+          "parallel.recommended_175b_layout == plan.gpt3_175b_layout", machine="gpu"),
+    Claim("TP and PP reproduce the single-process logits (TP {parallel.tp_logits_rel_err:.1e}, PP "
+          "{parallel.pp_logits_rel_err:.1e})", "parallel.tp_logits_rel_err <= 1e-5 and "
+          "parallel.pp_logits_rel_err <= 1e-5", machine="cpu"),
+    Claim("The measured bubble {parallel.pp_bubble_measured:.2f} is within 0.1 of (p-1)/(m+p-1) = "
+          "{parallel.pp_bubble_formula:.2f}", "abs(parallel.pp_bubble_measured - parallel.pp_bubble_formula) < 0.1",
+          machine="cpu"),
+    Claim("A gloo all-reduce costs {parallel.gloo_allreduce_alpha_us:.0f} us of latency on this CPU",
+          "parallel.gloo_allreduce_alpha_us > 10", machine="cpu"),
+    title="Checked claims",
+)

@@ -1,0 +1,189 @@
+"""The planner's inputs: a ``Cluster``, ``Traffic``, the ``Calibration`` of step times, and their validation.
+
+Every check names the argument, the value and what is allowed: a planner fed ``tp=0`` or a NaN rate would
+otherwise divide by zero or rank nonsense layouts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from labkit.engine.workload import LengthDist
+from labkit.hardware import Hardware
+
+WEIGHT_DTYPES = ("bf16", "fp8", "int8", "int4")
+"""Weight formats the planner can place: bf16 and three 8/4-bit formats with measured kernels."""
+KV_DTYPES = ("bf16", "fp8", "int8")
+"""KV-cache formats the planner can place."""
+
+
+def check_positive_int(name: str, value, allow_zero: bool = False) -> int:
+    """``value`` as an int, or a ValueError naming ``name``, the value and what is allowed."""
+    low = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+    return value
+
+
+def check_rate(name: str, value, allow_zero: bool = False) -> float:
+    """A finite positive (or non-negative) number, else a ValueError naming it."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name}={value!r} must be a finite number {'>= 0' if allow_zero else '> 0'}")
+    return float(value)
+
+
+def check_formats(name: str, values, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    if isinstance(values, str):
+        values = (values,)
+    values = tuple(values)
+    if not values:
+        raise ValueError(f"{name}=() is empty; allowed: {list(allowed)}")
+    for v in values:
+        if v not in allowed:
+            raise ValueError(f"{name}={v!r} is unknown; allowed: {list(allowed)}")
+    return values
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` nodes of ``gpus_per_node`` GPUs; ``intra`` links GPUs inside a node, ``inter`` across nodes."""
+
+    gpu: Hardware
+    gpus_per_node: int = 8
+    nodes: int = 1
+    intra: str = "nvlink4"
+    inter: str = "ib-ndr"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.gpu, Hardware):
+            raise ValueError(f"gpu={self.gpu!r} must be a labkit.hardware.Hardware (get_hardware('h200'))")
+        check_positive_int("gpus_per_node", self.gpus_per_node)
+        check_positive_int("nodes", self.nodes)
+        from labkit.parallel.cost_model import get_link
+
+        for name in ("intra", "inter"):
+            get_link(getattr(self, name))  # raises naming the known links
+
+    @property
+    def num_gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Poisson arrivals at ``rate_req_s`` with prompt and output lengths from two distributions."""
+
+    rate_req_s: float
+    prompt_len: LengthDist
+    output_len: LengthDist
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.rate_req_s, (int, float)) and math.isfinite(self.rate_req_s)
+                and self.rate_req_s > 0):
+            raise ValueError(f"rate_req_s={self.rate_req_s!r} must be a finite number > 0 (requests per second)")
+        for name in ("prompt_len", "output_len"):
+            if not isinstance(getattr(self, name), LengthDist):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a LengthDist (LengthDist.fixed(512))")
+
+    def quantile(self, which: str, q: float) -> float:
+        xs = _samples(self._dist(which))
+        return float(xs[min(len(xs) - 1, int(q * len(xs)))])
+
+    def mean(self, which: str) -> float:
+        xs = _samples(self._dist(which))
+        return sum(xs) / len(xs)
+
+    def _dist(self, which: str) -> LengthDist:
+        if which not in ("prompt", "output"):
+            raise ValueError(f"which={which!r} is unknown; allowed: ['prompt', 'output']")
+        return self.prompt_len if which == "prompt" else self.output_len
+
+
+@lru_cache(maxsize=64)
+def _samples(dist: LengthDist, n: int = 20000) -> tuple[int, ...]:
+    """Sorted draws of a length distribution (seeded), shared by every candidate of a plan."""
+    import torch
+
+    return tuple(sorted(dist.sample(n, torch.Generator().manual_seed(0))))
+
+
+@dataclass(frozen=True)
+class KernelPath:
+    """One measured way to run a format's matmuls (or KV reads), as a time ratio to bf16 at one batch.
+
+    ``ratio`` = this path's time / the bf16 path's time at ``batch`` (measured in the same record);
+    ``extrapolate``: whether the ratio may stand for other batches (a GEMM path: yes, its nearest measured batch;
+    a batch-1 GEMV: no). ``record``: the record it comes from; ``machine``: where it was measured."""
+
+    fmt: str
+    path: str
+    batch: int
+    ratio: float
+    record: str
+    machine: str
+    extrapolate: bool = True
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """How this software's steps relate to the roofline, fitted to measured single-GPU steps.
+
+    Decode, per stage and micro-batch: ``layers x layer_overhead_s + weight bytes / (bandwidth x
+    bandwidth_eff[w]) + KV bytes / (bandwidth x kv_eff)``, plus ``params x dequant_s_per_param[w]`` when quantised
+    weights multiply more than one row (the dequantising GEMM path, which costs compute per weight that the
+    batch-1 GEMV does not); never less than the FLOPs at ``compute_eff``. Prefill: ``layers x
+    prefill_layer_overhead_s + FLOPs / (matmul rate x compute_eff[w])``. Every efficiency is at most 1 (time
+    is never below its floor) and every overhead at least 0. ``layer_overhead_s`` is the fixed cost of a layer's
+    kernels (launches, tails, small kernels that never reach bandwidth); it scales with the layers a stage holds.
+
+    ``kernels``: further measured paths per weight format (``KernelPath``, e.g. cuBLAS ``torch._scaled_mm`` for
+    FP8, ``torch._int_mm`` for int8) whose time is the bf16 weight read times their ratio; a decode step uses the
+    fastest path measured for its format at its batch. ``kv_paths``: the same for KV formats (the KV read of bf16
+    times the ratio); a KV format with no measured path is charged the bf16 time (its memory saving counts, an
+    unmeasured speed-up does not). ``machine``: the machine of the records that calibrated it.
+    """
+
+    bandwidth_eff: dict
+    compute_eff: dict
+    layer_overhead_s: float
+    source: str
+    kv_eff: float = 1.0
+    dequant_s_per_param: dict = field(default_factory=dict)
+    prefill_layer_overhead_s: float = 0.0
+    kernels: tuple = ()
+    kv_paths: tuple = ()
+    machine: str = "nominal"
+
+    def bw(self, weights: str) -> float:
+        return self.bandwidth_eff.get(weights, self.bandwidth_eff.get("bf16", min(self.bandwidth_eff.values())))
+
+    def compute(self, weights: str) -> float:
+        return self.compute_eff.get(weights, self.compute_eff.get("bf16", min(self.compute_eff.values())))
+
+    def dequant(self, weights: str) -> float:
+        """Seconds per weight parameter of the batched dequantising path (0 for unquantised weights)."""
+        if weights in ("bf16", "fp16"):
+            return 0.0
+        return self.dequant_s_per_param.get(weights, max(self.dequant_s_per_param.values(), default=0.0))
+
+    def swept(self, weights: str) -> bool:
+        """Whether the step sweep measured this weight format itself (its fitted path applies)."""
+        return weights in self.bandwidth_eff
+
+    def paths(self, fmt: str, batch: int, kv: bool = False) -> list[KernelPath]:
+        """The measured paths of ``fmt`` that stand for ``batch``: each path at ``batch`` itself, else (when it
+        may be extrapolated) at its nearest measured batch (by ratio: 32 is nearer 64 than 1)."""
+        rows = [p for p in (self.kv_paths if kv else self.kernels) if p.fmt == fmt]
+        out = []
+        for name in dict.fromkeys(p.path for p in rows):
+            mine = [p for p in rows if p.path == name]
+            exact = [p for p in mine if p.batch == batch]
+            if exact:
+                out.append(exact[0])
+            elif any(p.extrapolate for p in mine):
+                near = min((p for p in mine if p.extrapolate), key=lambda p: (abs(math.log(p.batch / batch)), p.batch))
+                out.append(near)
+        return out
