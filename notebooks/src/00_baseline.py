@@ -133,7 +133,7 @@ print(f"{prof.device}: busy {prof.busy_s * 1e3:.1f} ms of {prof.wall_s * 1e3:.1f
       f"({busy_in_generate:.1%}); {prof.kernels_per_step:.0f} kernels per decode step")
 display(pd.DataFrame(prof.table()).round(4))
 plot_timeline(prof, max_ms=min(prof.wall_s * 1e3, 3 * prof.wall_s * 1e3 / SIZES["probe_tokens"]))
-plt.title("three decode steps of HF generate: the gaps are an idle device")
+plt.title("the start of one HF generate (prefill, then decode steps): gaps are an idle device")
 plt.show()
 
 # %% [markdown]

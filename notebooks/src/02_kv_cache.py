@@ -167,9 +167,9 @@ print(f"waste: contiguous {contig.waste_frac:.1%} -> paged {paged.waste_frac:.1%
       f"({max_seqs_ratio:.1f}x); steps to serve the mix: {contig.steps} -> {paged.steps}")
 
 fig, ax = plt.subplots(1, 2, figsize=(12, 3.5))
-for r in (contig, paged):  # the contiguous slab here is the workload's maximum
-    ax[0].plot(r.trace["step"], r.trace["running"], label=r.name)
-    ax[1].plot(r.trace["step"], [h / max(s, 1) for h, s in zip(r.trace["held"], r.trace["reserved"])], label=r.name)
+for r, label in ((contig, f"contiguous (slabs of {WL_MAX})"), (paged, paged.name)):
+    ax[0].plot(r.trace["step"], r.trace["running"], label=label)
+    ax[1].plot(r.trace["step"], [h / max(s, 1) for h, s in zip(r.trace["held"], r.trace["reserved"])], label=label)
 ax[0].set(xlabel="decode step", ylabel="running sequences", title="concurrency under one budget")
 ax[1].set(xlabel="decode step", ylabel="tokens held / slots reserved", title="reserved memory that holds tokens",
           ylim=(0, 1.05))
