@@ -38,8 +38,8 @@ from labkit.workbook import resolve_profile
 
 PROFILE = resolve_profile(profile)
 SIZES = {  # offline_requests: how many of the requests the offline comparison with HF runs (all, or the first n)
-    "ci": dict(n_requests=24, prompt=(16, 48), out_mean=6, out_max=12, loads=[0.5, 2.0], static_batch=4,
-               probe_tokens=8, offline_requests=12),
+    "ci": dict(n_requests=16, prompt=(16, 48), out_mean=4, out_max=8, loads=[0.5, 2.0], static_batch=4,
+               probe_tokens=8, offline_requests=8),
     "cpu": dict(n_requests=200, prompt=(16, 48), out_mean=5, out_max=12, loads=[0.5, 2.0], static_batch=8,
                 probe_tokens=24, offline_requests=48),
     "gpu": dict(n_requests=200, prompt=(64, 192), out_mean=12, out_max=32, loads=[0.5, 1.0, 2.0], static_batch=8,

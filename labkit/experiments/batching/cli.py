@@ -180,10 +180,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--output-max", type=int, default=None, help="clip output lengths at this")
     s.add_argument("--slo-ttft", type=float, default=1.0, help="seconds, for goodput")
     s.add_argument("--slo-tpot", type=float, default=0.1, help="seconds, for goodput")
-    s.add_argument("--hf-requests", type=int, default=-1,
-                   help="HF generate in static batches on the first N requests (and the engine on the same); "
-                        "-1: all, 0: skip")
-    s.add_argument("--hf-batch", type=int, default=8, help="HF static batch size")
+    s.add_argument("--hf-requests", type=int, default=64,
+                   help="HF generate in static batches on the first N requests, and the engine offline on the same "
+                        "N (a measured subsample: HF on 1,000 long requests takes hours); -1: all, 0: skip")
+    s.add_argument("--hf-batch", type=int, default=32, help="HF static batch size")
     s.add_argument("--hf-modes", nargs="+", default=["eager", "static"], choices=("eager", "static", "static+compile"),
                    help="HF generate modes (static+compile recompiles for each new batch shape; CUDA only)")
     s.add_argument("--name", default="bench_serve", help="record name")
