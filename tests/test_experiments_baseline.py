@@ -86,3 +86,46 @@ def test_run_generate_matches_hf_greedy(tiny_model):
         ref = model.generate(torch.tensor([p]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
                              pad_token_id=0)[0, len(p):]
         assert row.tolist() == ref.tolist()
+
+
+def test_generate_modes_agree_and_refuse_what_cannot_run_here(tiny_model):
+    from labkit.experiments.baseline import HF_MODES, hf_modes
+
+    model, tok = tiny_model
+    prompts = [tuple(tok("The list type").input_ids), tuple(tok("Exceptions are raised when a").input_ids)]
+    _, eager = run_generate(model, prompts, 5)
+    ex, static = run_generate(model, prompts, 5, mode="static")
+    assert static.tolist() == eager.tolist() and len(ex.token_times_s) == 5
+    assert hf_modes("cpu") == ("eager", "static") and hf_modes("cuda") == tuple(HF_MODES)
+    with pytest.raises(ValueError, match="mode='static\\+compile' runs on CUDA only"):
+        run_generate(model, prompts, 2, mode="static+compile")
+    with pytest.raises(ValueError, match="mode='jit' is unknown"):
+        run_generate(model, prompts, 2, mode="jit")
+
+
+def test_offline_throughput_counts_each_requests_own_tokens(tiny_model):
+    from labkit.experiments.baseline import offline_throughput
+
+    model, tok = tiny_model
+    src = torch.arange(3, 500)
+    wl = make_workload(5, math.inf, LengthDist.uniform(4, 9), LengthDist.uniform(2, 5), src, seed=1)
+    rows = offline_throughput(model, wl, 2, dict(max_num_seqs=4, max_model_len=16), ("eager",), progress=False)
+    tokens = sum(r.max_new_tokens for r in wl)
+    assert [r["requests"] for r in rows] == [5, 5] and "engine" in rows[-1]["server"]
+    for r in rows:
+        assert r["output_tok_s"] == pytest.approx(tokens / r["seconds"])
+
+
+def test_sweep_load_serves_every_request_under_each_policy(tiny_model):
+    from labkit.experiments.baseline import sweep_load
+
+    model, _ = tiny_model
+    wl = make_workload(6, 1.0, LengthDist.uniform(4, 8), LengthDist.uniform(2, 4), torch.arange(3, 500), seed=2)
+    rows, shares = sweep_load(model, wl, [0.5, 4.0], 2, dict(max_num_seqs=4, max_model_len=16), progress=False)
+    assert sorted(shares) == ["FIFO", "continuous", "static"] and all(0 < v <= 1 for v in shares.values())
+    assert len(rows) == 6 and all(r["requests"] == 6 for r in rows)
+    for r in rows:
+        assert 0 < r["device_busy_frac"] <= r["server_util"] <= 1
+        assert r["device_busy_frac"] == pytest.approx(r["server_util"] * shares[r["policy"]])
+    fifo = {r["offered_load"]: r for r in rows if r["policy"] == "FIFO"}
+    assert fifo[4.0]["server_util"] > fifo[0.5]["server_util"]

@@ -141,3 +141,19 @@ def test_spread_windows_cover_the_stream(tiny_model):
     w0, w5 = perplexity(model, ids[0:33], seq_len=32), perplexity(model, ids[160:193], seq_len=32)
     assert spread["reference"]["ppl"] == pytest.approx(math.sqrt(w0 * w5), rel=1e-5)
     assert spread["reference"]["scored_tokens"] == 64
+
+
+def test_draw_block_table_shows_every_block_of_each_table():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from labkit.experiments.kv_cache import draw_block_table
+
+    cache = PagedKVCache(1, 1, 1, num_blocks=10, block_size=4, allocate_pools=False)
+    cache.allocate("a", [0] * 6)
+    cache.allocate("b", [0] * 3)
+    cache.append_slots("a", [0, 0, 0])
+    left, right = draw_block_table(cache, ["a", "b"])
+    labels = {t.get_text() for t in left.texts}
+    assert {str(b) for b in cache.seq("a").block_table + cache.seq("b").block_table} <= labels
+    assert "seq a: 9 tok" in labels and len(right.patches) == 10

@@ -1,5 +1,10 @@
 """Notebook 00's baseline, the peer of every serving measurement after it (notebooks 01 and 05, ``bench serve``):
-the naive server of the scenario, Hugging Face ``generate``, one request at a time (FIFO) or in static batches.
+the naive server of the scenario, Hugging Face ``generate``, one request at a time (FIFO) or in static batches,
+beside labkit's engine (continuous batching) on the same requests.
+
+``generate`` runs in one of ``HF_MODES``: ``eager`` (the default dynamic cache), ``static`` (``StaticCache``,
+eager) and ``static+compile`` (``StaticCache`` with HF's own ``torch.compile`` of the decode step; CUDA only: HF
+compiles on accelerators, and on the CPU the compile would take longer than the notebook).
 
 Each execution is real (the model runs, every token's time is taken by a streamer); the queue around it is
 replayed on a virtual clock from the workload's arrival times (trace-driven simulation). For FIFO the service time
@@ -9,14 +14,17 @@ batches depend on who was waiting, so each distinct batch is executed (and cache
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from tqdm.auto import tqdm
 
 from labkit.engine import RequestMetrics, RequestSpec, at_rate, summarize
+from labkit.profiling import profile_run
 
 
 class StepTimer:
@@ -68,16 +76,31 @@ def _left_pad(prompts: list[tuple[int, ...]], pad_id: int, device) -> tuple[torc
     return ids.to(device), mask.to(device)
 
 
+HF_MODES = {"eager": {}, "static": {"cache_implementation": "static", "disable_compile": True},
+            "static+compile": {"cache_implementation": "static"}}
+
+
+def hf_modes(device) -> tuple[str, ...]:
+    """The ``HF_MODES`` that run on ``device``: all three on CUDA, ``eager`` and ``static`` elsewhere."""
+    return tuple(HF_MODES) if torch.device(device).type == "cuda" else ("eager", "static")
+
+
 @torch.no_grad()
-def run_generate(model, prompts: list[tuple[int, ...]], max_new_tokens: int,
-                 pad_token_id: int = 0) -> tuple[Execution, torch.Tensor]:
-    """Greedy HF ``generate`` of exactly ``max_new_tokens`` tokens for a left-padded batch of prompts.
+def run_generate(model, prompts: list[tuple[int, ...]], max_new_tokens: int, pad_token_id: int = 0,
+                 mode: str = "eager") -> tuple[Execution, torch.Tensor]:
+    """Greedy HF ``generate`` of exactly ``max_new_tokens`` tokens for a left-padded batch of prompts, with the
+    cache and compilation of ``mode`` (one of ``HF_MODES``).
 
     Returns the timed ``Execution`` and the generated ids ``[batch, max_new_tokens]`` (int64).
     """
     if not prompts or max_new_tokens < 1:
         raise ValueError(f"need at least one prompt and max_new_tokens >= 1, got {len(prompts)} and {max_new_tokens}")
+    if mode not in HF_MODES:
+        raise ValueError(f"mode={mode!r} is unknown; allowed: {list(HF_MODES)}")
     device = next(model.parameters()).device
+    if mode not in hf_modes(device):
+        raise ValueError(f"mode={mode!r} runs on CUDA only (HF compiles generate on accelerators); on "
+                         f"{device.type} use one of {list(hf_modes(device))}")
     ids, mask = _left_pad(prompts, pad_token_id, device)
     timer = StepTimer()
     if device.type == "cuda":
@@ -85,7 +108,7 @@ def run_generate(model, prompts: list[tuple[int, ...]], max_new_tokens: int,
     t0 = time.perf_counter()
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                          min_new_tokens=max_new_tokens, do_sample=False, streamer=timer,
-                         pad_token_id=pad_token_id)
+                         pad_token_id=pad_token_id, **HF_MODES[mode])
     if device.type == "cuda":
         torch.cuda.synchronize()
     total = time.perf_counter() - t0
@@ -104,10 +127,10 @@ def replay_fifo(workload: list[RequestSpec], executions: dict[int, Execution]) -
     return out
 
 
-def measure_fifo(model, workload: list[RequestSpec], pad_token_id: int = 0,
-                 progress: bool = True) -> dict[int, Execution]:
+def measure_fifo(model, workload: list[RequestSpec], pad_token_id: int = 0, progress: bool = True,
+                 mode: str = "eager") -> dict[int, Execution]:
     """Execute every request alone (batch 1); the service times that ``replay_fifo`` queues."""
-    return {r.request_id: run_generate(model, [r.prompt_ids], r.max_new_tokens, pad_token_id)[0]
+    return {r.request_id: run_generate(model, [r.prompt_ids], r.max_new_tokens, pad_token_id, mode)[0]
             for r in tqdm(workload, desc="HF generate, batch 1", disable=not progress)}
 
 
@@ -154,27 +177,85 @@ def fifo_capacity(executions: dict[int, Execution]) -> float:
     return len(executions) / sum(e.total_s for e in executions.values())
 
 
-def sweep_load(model, workload: list[RequestSpec], loads: list[float], static_batch: int, pad_token_id: int = 0,
-               busy_in_generate: float = 1.0, progress: bool = True) -> list[dict]:
-    """FIFO and static batching at offered loads given as multiples of the FIFO capacity.
+def kernel_share(fn: Callable[[], object]) -> float:
+    """The share of ``fn``'s wall time that the device spends in kernels, from the profiler's timeline (the union
+    of kernel intervals on CUDA; on the CPU the aten operators' self time): the rest is the device waiting for
+    the host (Python, the framework, launches)."""
+    res = profile_run(fn, steps=1, warmup=1)
+    return min(1.0, res.busy_s / res.wall_s)
 
-    Returns one row per (policy, load) with the ``summarize`` metrics, the server's utilisation (share of the
-    makespan it was executing) and the device's busy share (utilisation x ``busy_in_generate``, the busy share of
-    the device inside one ``generate`` measured by the profiler).
+
+def sweep_load(model, workload: list[RequestSpec], loads: list[float], static_batch: int, engine_kwargs: dict,
+               pad_token_id: int = 0, progress: bool = True, seed: int = 0) -> tuple[list[dict], dict]:
+    """FIFO (HF ``generate``, batch 1), static batching (HF ``generate``, ``static_batch``) and continuous batching
+    (``LLMEngine(model, **engine_kwargs)``) at offered loads given as multiples of the FIFO capacity, on the same
+    requests with the same Poisson arrivals (``at_rate(workload, load * capacity, seed)``).
+
+    Each policy's device busy fraction is measured on two timelines: the served one (seconds the server executed
+    over the makespan; FIFO and static replay measured executions on a virtual clock, the engine steps for real and
+    skips idle time on its virtual clock) times the share of an execution the device spends in kernels, profiled
+    on that policy's own execution (``kernel_share``: one batch-1 ``generate``, one static batch, one offline
+    engine run over the first ``4 * static_batch`` requests). Returns one row per (policy, load) with the
+    ``summarize`` metrics, ``server_util`` and ``device_busy_frac``, and the per-policy kernel shares.
     """
+    from labkit.engine import LLMEngine
+
     fifo_exec = measure_fifo(model, workload, pad_token_id, progress)
     capacity = fifo_capacity(fifo_exec)
+    first = sorted(workload, key=lambda r: r.request_id)
+    median = sorted(first, key=lambda r: r.max_new_tokens)[len(first) // 2]
+    head = first[:static_batch]
+    engine = LLMEngine(model, **engine_kwargs)
+    warm = at_rate(first[:4 * static_batch], math.inf, seed)
+    shares = {
+        "FIFO": kernel_share(lambda: run_generate(model, [median.prompt_ids], median.max_new_tokens, pad_token_id)),
+        "static": kernel_share(lambda: run_generate(model, [r.prompt_ids for r in head],
+                                                    max(r.max_new_tokens for r in head), pad_token_id)),
+        "continuous": kernel_share(partial(engine.serve, warm, progress=False)),
+    }
     cache: dict = {}
     rows = []
     for load in tqdm(loads, desc="offered loads", disable=not progress):
-        wl = at_rate(workload, load * capacity)
+        wl = at_rate(workload, load * capacity, seed)
         static_metrics, static_busy = serve_static(model, wl, static_batch, pad_token_id, cache)
+        served = engine.serve(wl, progress=False)
         fifo_busy = sum(fifo_exec[r.request_id].total_s for r in wl)
-        for policy, metrics, busy in (("FIFO (batch 1)", replay_fifo(wl, fifo_exec), fifo_busy),
-                                      (f"static batch {static_batch}", static_metrics, static_busy)):
+        for policy, metrics, busy in (("FIFO", replay_fifo(wl, fifo_exec), fifo_busy),
+                                      ("static", static_metrics, static_busy),
+                                      ("continuous", served.metrics, served.stats["busy_s"])):
             s = summarize(metrics)
             s.update(policy=policy, offered_load=load, rate_req_s=load * capacity,
-                     server_util=busy / s["makespan_s"])
-            s["device_busy_frac"] = s["server_util"] * busy_in_generate
+                     server_util=min(1.0, busy / s["makespan_s"]), kernel_share=shares[policy])
+            s["device_busy_frac"] = s["server_util"] * shares[policy]
             rows.append(s)
+    del engine
+    return rows, shares
+
+
+def offline_throughput(model, workload: list[RequestSpec], batch_size: int, engine_kwargs: dict,
+                       modes: tuple[str, ...], pad_token_id: int = 0, progress: bool = True) -> list[dict]:
+    """Every request of ``workload`` queued at once, served by HF ``generate`` in static batches of ``batch_size``
+    (arrival order, each batch runs to its longest request) in each of ``modes``, and by the engine.
+
+    Output tokens/s count each request's own tokens (a static batch's padding steps are its cost, not output).
+    Each HF mode is warmed up on the first batch first. Returns one row per server.
+    """
+    from labkit.engine import LLMEngine
+
+    order = sorted(workload, key=lambda r: (r.arrival_s, r.request_id))
+    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    tokens = sum(r.max_new_tokens for r in order)
+    rows = []
+    for mode in modes:
+        run_generate(model, [r.prompt_ids for r in batches[0]], 2, pad_token_id, mode)  # warm-up (compile)
+        total = sum(run_generate(model, [r.prompt_ids for r in b], max(r.max_new_tokens for r in b), pad_token_id,
+                                 mode)[0].total_s for b in tqdm(batches, desc=f"HF {mode}", disable=not progress))
+        rows.append({"server": f"HF generate ({mode}), static batches of {batch_size}", "requests": len(order),
+                     "seconds": total, "output_tok_s": tokens / total})
+    engine = LLMEngine(model, **engine_kwargs)
+    engine.serve(at_rate(order[:batch_size], math.inf), progress=False)  # warm-up
+    res = engine.serve(at_rate(order, math.inf), progress=False)
+    rows.append({"server": "labkit engine (continuous batching)", "requests": len(order),
+                 "seconds": res.stats["busy_s"], "output_tok_s": tokens / res.stats["busy_s"]})
+    del engine
     return rows

@@ -320,3 +320,44 @@ def attention_latency(kv_dtype: str, num_seqs: int, context_len: int, num_heads:
 
     bytes_read = num_seqs * context_len * cache.bytes_per_token
     return time_fn(step, device=device, warmup=2, iters=iters), bytes_read
+
+
+def draw_block_table(cache: PagedKVCache, seq_ids: Sequence, ax=None):
+    """Draw ``cache``'s block tables for ``seq_ids``: one row per sequence of its logical blocks (shaded by how full
+    each is, labelled with the physical block it names), and the physical pool on the right, coloured by owner.
+    Returns the two axes."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    if ax is None:
+        fig, ax = plt.subplots(1, 2, figsize=(11, 0.55 * len(seq_ids) + 1.6), width_ratios=[1, 1.2])
+    left, right = ax
+    colours = plt.get_cmap("tab10")
+    bs = cache.block_size
+    tables = {sid: list(cache.seq(sid).block_table) for sid in seq_ids}
+    owner = {b: i for i, sid in enumerate(seq_ids) for b in tables[sid]}
+    widest = max(len(t) for t in tables.values())
+    for row, sid in enumerate(seq_ids):
+        n = cache.seq(sid).num_tokens
+        y = len(seq_ids) - 1 - row
+        for j, b in enumerate(tables[sid]):
+            full = min(bs, n - j * bs) / bs
+            left.add_patch(Rectangle((j, y + 0.1), 1, 0.8, fill=False, ec="k", lw=0.8))
+            left.add_patch(Rectangle((j, y + 0.1), full, 0.8, color=colours(row), alpha=0.6, lw=0))
+            left.text(j + 0.5, y + 0.5, str(b), ha="center", va="center", fontsize=10)
+        left.text(-0.15, y + 0.5, f"seq {sid}: {n} tok", ha="right", va="center", fontsize=10)
+    left.set(xlim=(-2.2, widest + 0.2), ylim=(0, len(seq_ids)), xticks=range(widest + 1), yticks=[],
+             xlabel=f"logical block (each {bs} tokens; shading = filled)", title="block tables: sequence -> blocks")
+    cols = 8
+    rows = -(-cache.num_blocks // cols)
+    for b in range(cache.num_blocks):
+        x, y = b % cols, rows - 1 - b // cols
+        c = colours(owner[b]) if b in owner else "white"
+        right.add_patch(Rectangle((x, y + 0.05), 0.95, 0.9, fc=c, ec="k", lw=0.6, alpha=0.6 if b in owner else 1))
+        right.text(x + 0.47, y + 0.5, str(b), ha="center", va="center", fontsize=9)
+    right.set(xlim=(0, cols), ylim=(0, rows), xticks=[], yticks=[],
+              title=f"physical pool: {cache.num_blocks} blocks (white = free)")
+    for a in ax:
+        a.set_frame_on(False)
+    plt.tight_layout()
+    return ax

@@ -27,18 +27,24 @@ import torch
 
 import labkit  # noqa: F401
 from labkit.bench import SUMMARY_PATH, output_dir, record_figure, write_record
-from labkit.experiments.baseline import run_generate
+from labkit.claims import Claim, show
+from labkit.experiments.diagnose import profile_decode, regimes
 from labkit.hardware import KNOWN, detect, measure_ceilings, measured_hardware
 from labkit.models import PRESETS, get_spec, load_model, random_model
 from labkit.profiling import mbu, mfu, plot_roofline, plot_timeline, profile_run, roofline
 from labkit.workbook import resolve_profile
 
 PROFILE = resolve_profile(profile)
-SIZES = {
-    "ci": dict(context=128, new_tokens=8, big_batch=16, prefill_contexts=[64, 256, 1024]),
-    "cpu": dict(context=512, new_tokens=32, big_batch=32, prefill_contexts=[128, 512, 1024, 2000]),
-    "gpu": dict(context=512, new_tokens=32, big_batch=64, prefill_contexts=[512, 2048, 8192]),
+SIZES = {  # regime: the (batch, context) the regimes test doubles
+    "ci": dict(context=128, new_tokens=8, big_batch=16, prefill_contexts=[64, 256, 1024], regime=(2, 64),
+               regime_steps=4),
+    "cpu": dict(context=512, new_tokens=16, big_batch=32, prefill_contexts=[128, 512, 2000], regime=(4, 512),
+                regime_steps=8),
+    "gpu": dict(context=512, new_tokens=32, big_batch=64, prefill_contexts=[512, 2048, 8192], regime=(16, 1024),
+                regime_steps=16),
 }[PROFILE]
+if PROFILE != "gpu":
+    torch.set_num_threads(1)  # the embedded model's matmuls are too small to gain from threads on a shared CPU
 print(PROFILE, SIZES)
 
 # %% [markdown]
@@ -76,7 +82,10 @@ r8 = roofline("llama-3-8b", h200_sheet, batch=1, context=2048, phase="decode")
 display(pd.DataFrame(r8.table()).round(3))
 
 # %% [markdown]
-# ## Measure: the model on this machine
+# ## Measure: decode steps on this machine, prefill excluded
+# Each batch of random prompts is prefilled on a fresh cache *outside* the profiled region; the profile holds
+# `new_tokens` decode steps only (HF eager: one forward per step, the argmax fed back). A profile of `generate`
+# would include the prefill, which at batch 64 and context 512 is 32,768 tokens of work and swamps the steps.
 
 # %%
 if PROFILE == "gpu":
@@ -99,10 +108,7 @@ trace_dir.mkdir(exist_ok=True)
 ctx, n_new = SIZES["context"], SIZES["new_tokens"]
 results = {}
 for batch in (1, SIZES["big_batch"]):
-    p = prompts(batch, ctx)
-    run_generate(model, p, 2)  # warm-up
-    res = profile_run(lambda p=p: run_generate(model, p, n_new), steps=n_new, warmup=0,
-                      trace_path=str(trace_dir / f"decode_bs{batch}.json"))
+    res = profile_decode(model, batch, ctx, n_new, seed=seed, trace_path=str(trace_dir / f"decode_bs{batch}.json"))
     pred = roofline(spec, here, batch=batch, context=ctx + n_new // 2, phase="decode", dtype=dtype)
     step_s = res.wall_s / n_new
     results[f"decode batch {batch}"] = dict(res=res, pred=pred, step_s=step_s)
@@ -117,7 +123,7 @@ for batch in (1, SIZES["big_batch"]):
 cat_table = pd.DataFrame({k: {row["category"]: row["time (ms)"] for row in v["res"].table()}
                           for k, v in results.items()})
 display(cat_table.round(2))
-fig, axes = plt.subplots(2, 1, figsize=(11, 5))
+fig, axes = plt.subplots(2, 1, figsize=(11, 5.5))
 for ax, (k, v) in zip(axes, results.items()):
     plot_timeline(v["res"], ax=ax, max_ms=3 * v["step_s"] * 1e3)
     ax.set_title(f"{k}: three decode steps")
@@ -150,6 +156,31 @@ ax.set(xscale="log", xlabel="prompt length (tokens)", ylabel="share of device ti
        title="prefill: attention's share grows with context")
 ax.legend()
 plt.show()
+
+# %% [markdown]
+# ## The regimes test: double the batch, double the context, see which time moves
+# A decode step at a base (batch, context), at twice the batch and at twice the context, each profiled (decode
+# only). For each category of operation: a time that does not move and sits far above its byte floor is paid per
+# call (**overhead-bound**); a time that follows the bytes (weights: flat in batch; KV: doubling with batch and
+# context) with intensity under the ridge point is **bandwidth-bound**; one that follows the FLOPs above the ridge
+# is **compute-bound**. The idle device (host time between kernels) is overhead by definition.
+
+# %%
+B0, C0 = SIZES["regime"]
+regime_rows, regime_prof = regimes(model, spec, here, B0, C0, SIZES["regime_steps"], dtype=dtype, seed=seed)
+regime_df = pd.DataFrame(regime_rows)
+display(regime_df.round(3))
+fig, ax = plt.subplots(figsize=(9, 3.6))
+x = range(len(regime_df))
+for i, (col, label) in enumerate((("base ms/step", f"batch {B0}, context {C0}"),
+                                  ("2x batch ms/step", f"batch {2 * B0}"), ("2x context ms/step", f"context {2 * C0}"))):
+    ax.bar([j + (i - 1) * 0.27 for j in x], regime_df[col], width=0.27, label=label)
+ax.set_xticks(list(x), [f"{c}\n{r}" for c, r in zip(regime_df.category, regime_df.regime)], fontsize=9)
+ax.set(ylabel="ms per decode step", title="which time moves when the work doubles (decode only)")
+ax.legend(fontsize=9)
+plt.tight_layout()
+plt.show()
+regime_of = dict(zip(regime_df.category, regime_df.regime))
 
 # %% [markdown]
 # ## Prediction against measurement: the gap, explained
@@ -232,7 +263,7 @@ rec = write_record("01_diagnose", {
                    "predicted_s": v["pred"].time_s, "predicted_bytes": v["pred"].bytes,
                    "predicted_flops": v["pred"].flops, "top_kernels": v["res"].top_kernels(20)}
                for k, v in results.items()},
-    "prefill": prefill_rows, "gap": gap_rows,
+    "prefill": prefill_rows, "gap": gap_rows, "regimes": {"batch": B0, "context": C0, "rows": regime_rows},
 })
 record_figure("diagnose.decode_bs1_idle_frac", bs1["res"].idle_frac, "fraction of wall time", rec)
 record_figure("diagnose.decode_bs1_kernels_per_step", bs1["res"].kernels_per_step, "kernels", rec)
@@ -240,13 +271,45 @@ record_figure("diagnose.decode_intensity", bs1["pred"].intensity, "FLOP/byte", r
               note=f"decode batch 1, context {ctx}, {dtype}")
 record_figure("diagnose.prefill_intensity", prefill_rows[-1]["intensity (FLOP/B)"], "FLOP/byte", rec,
               note=f"prefill of {prefill_rows[-1]['context']} tokens, {dtype}")
+big = results[f"decode batch {SIZES['big_batch']}"]
+record_figure("diagnose.decode_big_batch_idle_frac", big["res"].idle_frac, "fraction of wall time", rec,
+              note=f"decode only (prefill excluded), batch {SIZES['big_batch']}, context {ctx}")
+record_figure("diagnose.decode_big_batch_step_ms", big["step_s"] * 1e3, "ms", rec,
+              note=f"decode only, batch {SIZES['big_batch']}, context {ctx}")
+record_figure("diagnose.decode_bs1_step_ms", bs1["step_s"] * 1e3, "ms", rec, note=f"decode only, context {ctx}")
+for row in regime_rows:
+    key = {"norm/elementwise": "norm", "memory copy": "copy", "idle (host)": "idle"}.get(row["category"],
+                                                                                        row["category"])
+    record_figure(f"diagnose.regime_{key}", row["regime"], "regime", rec,
+                  note=f"decode, batch {B0} context {C0}: x{row['ratio 2x batch']:.2f} at 2x batch, "
+                       f"x{row['ratio 2x context']:.2f} at 2x context; floor {row['floor ms/step']:.3f} ms")
+    record_figure(f"diagnose.{key}_ratio_2x_batch", row["ratio 2x batch"], "x", rec)
+    record_figure(f"diagnose.{key}_ratio_2x_context", row["ratio 2x context"], "x", rec)
 print(f"record: {rec}")
 
 # %% [markdown]
 # ## Takeaways
-# * Decode is memory-bound by a wide margin: its intensity is about the batch size, far below any GPU's ridge
-#   point. Prefill of a long prompt is compute-bound.
-# * In HF eager decode, most of the gap to the floor is an **idle device**, not slow kernels: hundreds of small
-#   kernels per step, each launched from Python.
-# * Attention's share of prefill time grows with context; at short contexts the matmuls dominate.
-# * Every later notebook re-measures one of the rows of the findings table with these same two instruments.
+
+# %%
+show(
+    Claim("Decode at batch 1 does {diagnose.decode_intensity:.1f} FLOP per byte moved: memory-bound by a wide "
+          "margin (an H200's ridge point is near 160 FLOP/byte)", "diagnose.decode_intensity < 10", machine="any"),
+    Claim("Prefill of a long prompt does {diagnose.prefill_intensity:.0f} FLOP per byte: compute-bound on a GPU",
+          "diagnose.prefill_intensity > 300", machine="gpu"),
+    Claim("In HF eager decode at batch 1 on the GPU the device is idle {diagnose.decode_bs1_idle_frac:.0%} of the "
+          "time: the gap to the floor is host overhead, not slow kernels", "diagnose.decode_bs1_idle_frac > 0.5",
+          machine="gpu"),
+    Claim("HF eager decode launches {diagnose.decode_bs1_kernels_per_step:.0f} kernels per step on the GPU",
+          "diagnose.decode_bs1_kernels_per_step > 500", machine="gpu"),
+    Claim("The host time between kernels does not follow the work: x{diagnose.idle_ratio_2x_batch:.2f} when the "
+          "batch doubles (overhead-bound)", "diagnose.idle_ratio_2x_batch < 1.6 and diagnose.regime_idle == "
+          "'overhead-bound'", machine="any"),
+    Claim("HF's dynamic cache copies the whole KV cache as it grows: the copy time grows "
+          "x{diagnose.copy_ratio_2x_context:.2f} when the context doubles ({diagnose.regime_copy})",
+          "diagnose.copy_ratio_2x_context > 1.15", machine="any"),
+)
+
+# %% [markdown]
+# * Every later notebook re-measures one row of the findings table with these same two instruments, and the
+#   regimes test says which lever applies to which category: fewer launches for overhead, fewer bytes for
+#   bandwidth, faster math only where the time follows the FLOPs.

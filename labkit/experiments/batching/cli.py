@@ -1,8 +1,10 @@
 """``python -m labkit bench serve|decode ...``: the serving engine benchmarked from the command line.
 
     bench serve   a workload (Poisson arrivals, prompt and output lengths from distributions) served by each
-                  scheduler at each rate; prints latency percentiles and throughput, writes a record
-    bench decode  steady-state decode tokens/s at given batch sizes, with the bandwidth floor and MBU
+                  scheduler at each rate; prints latency percentiles and throughput, writes a record; then HF
+                  ``generate`` in static batches and the engine, offline, on the same requests (``--hf-requests``)
+    bench decode  steady-state decode tokens/s at given batch sizes, with the bandwidth floor and MBU, beside HF
+                  ``generate`` with the static cache, eager and compiled (compiled on CUDA only), same prompts
 
 Examples::
 
@@ -73,9 +75,20 @@ def _serve(args) -> int:
             "tpot_p99_s", "e2e_p99_s", "goodput_requests_s", "busy_frac", "preemptions", "peak_kv_bytes"]
     print(f"{label}: {len(workload)} requests, prompts {prompt.describe()}, outputs {output.describe()}")
     print(pd.DataFrame(rows)[cols].to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+    hf_rows = []
+    if args.hf_requests != 0:
+        from labkit.experiments.baseline import hf_modes, offline_throughput
+
+        n = len(workload) if args.hf_requests < 0 else min(args.hf_requests, len(workload))
+        modes = tuple(m for m in args.hf_modes if m in hf_modes(next(model.parameters()).device))
+        hf_rows = offline_throughput(model, workload[:n], args.hf_batch, dict(base, scheduler="continuous"), modes,
+                                     progress=not args.no_progress)
+        print(f"offline, the first {n} requests, measured on both sides:")
+        print(pd.DataFrame(hf_rows).to_string(index=False, float_format=lambda x: f"{x:.4g}"))
     path = write_record(args.name, {"model": label, "workload": {"n": len(workload), "prompt": prompt.describe(),
                                                                  "output": output.describe(), "seed": args.seed},
-                                    "policies": policies, "slo": slo.__dict__, "rows": rows}, out_dir=args.out)
+                                    "policies": policies, "slo": slo.__dict__, "rows": rows,
+                                    "hf_static_batching": hf_rows}, out_dir=args.out)
     print(f"record: {path}")
     return 0
 
@@ -96,13 +109,42 @@ def _decode(args) -> int:
         r = decode_rate(model, b, args.context, args.steps, source, **kw)
         floor_bytes = spec.decode_weight_bytes(dtype) + b * spec.kv_bytes(r["context"], dtype)
         r.update(floor_s=floor_bytes / bw, mbu=floor_bytes * r["tok_s"] / b / bw)
+        if not args.no_hf:
+            r.update(hf_static_decode(model, b, args.context, args.steps, source, args.seed))
         rows.append(r)
         replay = f", replayed step {r['replay_step_s'] * 1e3:.3f} ms" if r["replay_step_s"] else ""
         print(f"{label} batch {b}: {r['tok_s']:.1f} tokens/s ({r['step_median_s'] * 1e3:.3f} ms/step{replay}); "
               f"floor {r['floor_s'] * 1e3:.3f} ms -> MBU {r['mbu']:.2f}")
+        for mode in ("static", "static+compile"):
+            if r.get(f"hf_{mode}_tok_s"):
+                print(f"  HF generate ({mode}): {r[f'hf_{mode}_tok_s']:.1f} tokens/s -> engine "
+                      f"{r['tok_s'] / r[f'hf_{mode}_tok_s']:.2f}x")
     path = write_record(args.name, {"model": label, "bandwidth_bytes_per_s": bw, "rows": rows}, out_dir=args.out)
     print(f"record: {path}")
     return 0
+
+
+def hf_static_decode(model, batch: int, context: int, steps: int, source, seed: int = 0) -> dict:
+    """Decode tokens/s of HF ``generate`` with the static cache at ``batch`` prompts of ``context`` tokens, eager
+    and (on CUDA) compiled: ``{'hf_static_tok_s', 'hf_static+compile_tok_s', 'hf_*_first_call_s'}``, None where a
+    mode does not run here. Each mode is called once first (the compile happens there; its time is recorded)."""
+    import time
+
+    from labkit.engine import LengthDist, make_workload
+    from labkit.experiments.baseline import hf_modes, run_generate
+
+    wl = make_workload(batch, math.inf, LengthDist.fixed(context), LengthDist.fixed(steps), source, seed=seed)
+    prompts = [r.prompt_ids for r in wl]
+    out = {}
+    for mode in ("static", "static+compile"):
+        if mode not in hf_modes(next(model.parameters()).device):
+            out[f"hf_{mode}_tok_s"] = out[f"hf_{mode}_first_call_s"] = None
+            continue
+        t0 = time.perf_counter()
+        run_generate(model, prompts, steps, mode=mode)
+        out[f"hf_{mode}_first_call_s"] = time.perf_counter() - t0
+        out[f"hf_{mode}_tok_s"] = run_generate(model, prompts, steps, mode=mode)[0].decode_tok_s()
+    return out
 
 
 def _rates(s: str) -> float:
@@ -138,12 +180,19 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--output-max", type=int, default=None, help="clip output lengths at this")
     s.add_argument("--slo-ttft", type=float, default=1.0, help="seconds, for goodput")
     s.add_argument("--slo-tpot", type=float, default=0.1, help="seconds, for goodput")
+    s.add_argument("--hf-requests", type=int, default=64,
+                   help="HF generate in static batches on the first N requests, and the engine offline on the same "
+                        "N (a measured subsample: HF on 1,000 long requests takes hours); -1: all, 0: skip")
+    s.add_argument("--hf-batch", type=int, default=32, help="HF static batch size")
+    s.add_argument("--hf-modes", nargs="+", default=["eager", "static"], choices=("eager", "static", "static+compile"),
+                   help="HF generate modes (static+compile recompiles for each new batch shape; CUDA only)")
     s.add_argument("--name", default="bench_serve", help="record name")
     s.set_defaults(fn=_serve)
     d = sub.add_parser("decode", parents=[common], help="steady-state decode tokens/s per batch size")
     d.add_argument("--batch", type=int, nargs="+", default=[1])
     d.add_argument("--context", type=int, default=512)
     d.add_argument("--steps", type=int, default=32)
+    d.add_argument("--no-hf", action="store_true", help="skip HF generate (static cache, eager and compiled)")
     d.add_argument("--name", default="bench_decode", help="record name")
     d.set_defaults(fn=_decode)
     return ap
@@ -153,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point for ``python -m labkit bench ...`` (``argv`` without the leading 'bench')."""
     args = _parser().parse_args(argv)
     for name in ("num_requests", "max_num_seqs", "max_num_batched_tokens", "block_size", "prompt_len", "context",
-                 "steps"):
+                 "steps", "hf_batch"):
         v = getattr(args, name, 1)
         if v is not None and v < 1:
             raise SystemExit(f"--{name.replace('_', '-')}={v} must be >= 1")
