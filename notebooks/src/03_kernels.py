@@ -317,7 +317,7 @@ else:
 
 # %% [markdown]
 # ## The kernels against the hardware limit, and the trade-offs
-# One panel: each kernel at its headline size, labkit's beside its baselines, as a fraction of the limit measured
+# One panel: each kernel at its headline size, labkit's beside its fastest baseline, as a fraction of the limit measured
 # on this device (1.0 = copy bandwidth; for flash attention, the bf16 matmul rate).
 
 # %%

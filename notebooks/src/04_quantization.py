@@ -142,10 +142,11 @@ for m in ("int4", "gptq", "bnb-nf4"):
     if m in errs:
         assert errs[m].median() < 1e-1, (m, errs[m].median())
 fig, ax = plt.subplots(figsize=(9, 3.5))
-by_type.plot.bar(ax=ax, logy=True)
+by_type.plot.bar(ax=ax, logy=True, rot=0)
 ax.axhline(2e-2, color="gray", ls=":", lw=1)
 ax.axhline(1e-1, color="gray", ls="--", lw=1)
 ax.set(ylabel="relative output error (mean over layers)", title="per-layer output error by projection")
+ax.legend(fontsize=8, bbox_to_anchor=(1.01, 1), loc="upper left")
 plt.tight_layout()
 plt.show()
 
@@ -355,8 +356,8 @@ for _, row in trade.iterrows():
                 textcoords="offset points", xytext=(5, 4), fontsize=8)
 ax.set(xlabel="bits per weight held (scales included)", ylabel="held-out perplexity", xscale="log",
        title="perplexity against bytes per weight (embedded model)")
-ax.set_xticks([4, 8, 16, 32])
-ax.set_xticklabels(["4", "8", "16", "32"])
+ax.set_xticks([4, 8, 16, 32], ["4", "8", "16", "32"])
+ax.minorticks_off()
 plt.tight_layout()
 plt.show()
 
@@ -414,7 +415,9 @@ for name, grp in accum.groupby("dtype"):
     ax.plot(grp["n"], grp["fp32_acc_rel_error"], "x--", label=f"{name} inputs, fp32 accumulator")
 ax.set(xscale="log", yscale="log", xlabel="terms summed", ylabel="mean relative error",
        title="sum of n values in [0.5, 1.5]")
-ax.legend(fontsize=7)
+ax.set_xticks(list(SIZES["sum_lengths"]), [str(n) for n in SIZES["sum_lengths"]])
+ax.minorticks_off()
+ax.legend(fontsize=7, bbox_to_anchor=(1.01, 1), loc="upper left")
 plt.tight_layout()
 plt.show()
 

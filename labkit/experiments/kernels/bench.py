@@ -154,6 +154,9 @@ BASELINE_IMPLS = ("eager", "eager_add_then_norm", "torch_compile", "sdpa", "sdpa
                   "sdpa_contiguous", "bf16", "dense")
 
 
+OURS = ("triton", "w4_triton")  # labkit's kernel in each case (the GEMV case: int4, against cuBLAS bf16)
+
+
 def fraction_rows(rows: list[dict], profile: str) -> list[dict]:
     """At each kernel's headline size (the first of ``SIZES[profile]``): labkit's Triton kernel and each torch /
     cuBLAS / SDPA baseline as a fraction of the hardware limit (``frac_of_ceiling``: copy bandwidth for the
@@ -163,33 +166,39 @@ def fraction_rows(rows: list[dict], profile: str) -> list[dict]:
     for r in rows:
         if r["shape"] != head.get(r["kernel"]) or r.get("frac_of_ceiling") is None:
             continue
-        if r["impl"] == "triton" or r["impl"] in BASELINE_IMPLS:
+        if r["impl"] in OURS or r["impl"] in BASELINE_IMPLS:
             out.append({"kernel": r["kernel"], "impl": r["impl"], "frac_of_ceiling": r["frac_of_ceiling"],
                         "median_us": r["median_us"]})
     return out
 
 
 def plot_fractions(rows: list[dict], profile: str, ax=None, title: str | None = None):
-    """One panel: each kernel at its headline size, labkit's Triton kernel beside its baselines, as a fraction of
-    the hardware limit (1.0 = the measured copy bandwidth or bf16 matmul rate). Returns the axes."""
+    """One panel: each kernel at its headline size, labkit's Triton kernel beside its fastest baseline (named in
+    the label), as a fraction of the hardware limit (1.0 = the measured copy bandwidth or bf16 matmul rate).
+    Returns the axes."""
     import matplotlib.pyplot as plt
 
     fr = fraction_rows(rows, profile)
     kernels = list(dict.fromkeys(r["kernel"] for r in fr))
-    impls = ["triton"] + [i for i in BASELINE_IMPLS if any(r["impl"] == i for r in fr)]
     if ax is None:
-        ax = plt.subplots(figsize=(8, 0.55 * len(kernels) + 1.5))[1]
-    height = 0.8 / max(1, len(impls))
-    for j, impl in enumerate(impls):
-        ys = [i + j * height for i in range(len(kernels))]
-        xs = [next((r["frac_of_ceiling"] for r in fr if r["kernel"] == k and r["impl"] == impl), math.nan)
-              for k in kernels]
-        ax.barh(ys, xs, height=height, label="labkit (Triton)" if impl == "triton" else impl)
-    ax.set_yticks([i + 0.4 - height / 2 for i in range(len(kernels))], kernels)
+        ax = plt.subplots(figsize=(8, 0.6 * len(kernels) + 1.5))[1]
+    ours, best, labels = [], [], []
+    for k in kernels:
+        mine = [r for r in fr if r["kernel"] == k and r["impl"] in OURS]
+        base = min((r for r in fr if r["kernel"] == k and r["impl"] not in OURS), key=lambda r: r["median_us"],
+                   default=None)
+        ours.append(mine[0]["frac_of_ceiling"] if mine else math.nan)
+        best.append(base["frac_of_ceiling"] if base else math.nan)
+        name = f"{k} {mine[0]['impl'][:2]}" if mine and mine[0]["impl"] != "triton" else k
+        labels.append(f"{name}\n(vs {base['impl']})" if base else name)
+    ys = range(len(kernels))
+    ax.barh([y - 0.2 for y in ys], ours, height=0.4, label="labkit (Triton)")
+    ax.barh([y + 0.2 for y in ys], best, height=0.4, label="fastest baseline")
+    ax.set_yticks(list(ys), labels, fontsize=8)
     ax.axvline(1.0, color="black", lw=1, ls="--")
     ax.set_xlabel("fraction of the hardware limit (copy bandwidth; bf16 matmul rate for flash)")
     ax.invert_yaxis()
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     ax.set_title(title or "each kernel at its headline size")
     return ax
 
