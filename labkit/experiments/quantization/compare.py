@@ -291,7 +291,7 @@ def step_parts(row: dict) -> dict[str, float]:
     cats = b.get("category_us_per_step", {})
     total = sum(cats.values()) or 1.0
     busy_ms = min(b.get("busy_us_per_step", b["device_us_per_step"]) / 1e3, row["decode_ms"])
-    parts = {c: busy_ms * us / total for c, us in cats.items() if us > 0}
+    parts = {c: busy_ms * us / total for c, us in cats.items()}
     parts["between kernels"] = row["decode_ms"] - busy_ms
     return parts
 
