@@ -55,7 +55,7 @@ SIZES = {
     "ci": dict(iters=2, norm_rows=[7, 37], norm_hidden=256, decode_batches=[2], decode_context=16,
                kv=dict(seqs=2, heads=4, kv_heads=2, head_dim=64, context=100), matmul_n=128, new_tokens=4),
     "cpu": dict(iters=2, norm_rows=[16, 64, 256], norm_hidden=1024, decode_batches=[1], decode_context=64,
-                kv=dict(seqs=4, heads=8, kv_heads=2, head_dim=64, context=512), matmul_n=512, new_tokens=8),
+                kv=dict(seqs=2, heads=4, kv_heads=2, head_dim=64, context=128), matmul_n=512, new_tokens=8),
     "gpu": dict(iters=20, norm_rows=[1, 16, 64, 256, 1024, 4096, 16384], norm_hidden=4096, decode_batches=[1, 32],
                 decode_context=4096, kv=INT8_ATTN_SHAPE, matmul_n=8192, new_tokens=32),
 }[PROFILE]
