@@ -7,7 +7,16 @@ import math
 import pytest
 import torch
 
-from labkit.experiments.kernels.bench import BARS, SIZES, add_fractions, bench_gemv, headline_figures, main
+from labkit.experiments.kernels.bench import (
+    BARS,
+    SIZES,
+    add_fractions,
+    bench_gemv,
+    fraction_rows,
+    headline_figures,
+    main,
+    plot_fractions,
+)
 from labkit.hardware import device_name
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -67,3 +76,25 @@ def test_bitsandbytes_bound_at_the_datasheet_bandwidth():
     measured_only = {"copy_bytes_per_s": 4e12, "matmul_flops": 1e15}
     no_sheet = headline_figures(add_fractions([dict(r) for r in rows], measured_only), "gpu")
     assert math.isnan(no_sheet["kernels.w8_vs_bnb_int8_at_datasheet_bw"])
+
+
+def test_flash_against_both_sdpa_backends_and_the_fractions_plot():
+    """``kernels.flash_attn_vs_cudnn`` names SDPA's cuDNN backend (Hopper's default) beside the flash-backend
+    ratio; the summary plot is one panel of fractions of the hardware limit at the headline sizes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    shape = "x".join(map(str, SIZES["gpu"]["flash"][0]))
+    rows = [dict(kernel="flash", impl="triton", shape=shape, median_us=1200.0, tflop_s=457.0),
+            dict(kernel="flash", impl="sdpa_flash", shape=shape, median_us=1700.0, tflop_s=321.0),
+            dict(kernel="flash", impl="sdpa_cudnn", shape=shape, median_us=950.0, tflop_s=576.0)]
+    figs = headline_figures(add_fractions([dict(r) for r in rows], {"copy_bytes_per_s": 4e12, "matmul_flops": 8e14}),
+                            "gpu")
+    assert figs["kernels.flash_attn_vs_sdpa"] == pytest.approx(1700 / 1200)
+    assert figs["kernels.flash_attn_vs_cudnn"] == pytest.approx(950 / 1200)
+    fr = fraction_rows(add_fractions([dict(r) for r in rows], {"copy_bytes_per_s": 4e12, "matmul_flops": 8e14}),
+                       "gpu")
+    assert {r["impl"] for r in fr} == {"triton", "sdpa_flash", "sdpa_cudnn"}
+    assert fr[0]["frac_of_ceiling"] == pytest.approx(457 / 800)
+    ax = plot_fractions(add_fractions(rows, {"copy_bytes_per_s": 4e12, "matmul_flops": 8e14}), "gpu")
+    assert len(ax.figure.axes) == 1

@@ -36,16 +36,21 @@ import json
 import matplotlib.pyplot as plt
 import pandas as pd
 import torch
+from IPython.display import Markdown
 
 import labkit  # noqa: F401  (before anything imports triton)
 from labkit.bench import SUMMARY_PATH, record_figure, write_record
+from labkit.claims import Claim, show
 from labkit.device import native_bf16
 from labkit.hardware import KNOWN, measure_copy_bandwidth
 from labkit.models import PRESETS, load_model, random_model
 from labkit.experiments.quantization import (accuracy_rows, breakdown_tables, bytes_per_weight, decode_weight_bytes,
                                              plot_step_breakdown, speed_rows)
 from labkit.experiments.quantization import precision as P
+from labkit.experiments.quantization.kernel_count import count_summary, kernel_counts, linear_ops
+from labkit.models import REPO_ROOT
 from labkit.quant import METHODS, quantize
+from labkit.quant.fp8 import Fp8Linear
 from labkit.workbook import resolve_profile
 
 PROFILE = resolve_profile(profile)
@@ -53,9 +58,9 @@ SIZES = {
     "ci": dict(seq_len=256, windows=24, calib_samples=32, calib_seq_len=256, context=32, decode_iters=2,
                error_tokens=(2, 64), matmul_size=256, sum_lengths=(256, 1024, 4096), dtype_windows=4,
                accuracy_device="cpu"),
-    "cpu": dict(seq_len=512, windows=None, calib_samples=64, calib_seq_len=512, context=256, decode_iters=10,
-                error_tokens=(4, 256), matmul_size=1024, sum_lengths=(256, 1024, 4096, 16384),
-                dtype_windows=None, accuracy_device="cpu"),
+    "cpu": dict(seq_len=256, windows=24, calib_samples=32, calib_seq_len=256, context=64, decode_iters=3,
+                error_tokens=(2, 64), matmul_size=512, sum_lengths=(256, 1024, 4096, 16384),
+                dtype_windows=8, accuracy_device="cpu"),
     "gpu": dict(seq_len=512, windows=None, calib_samples=128, calib_seq_len=512, context=512, decode_iters=50,
                 error_tokens=(8, 512), matmul_size=8192, sum_lengths=(256, 1024, 4096, 16384),
                 dtype_windows=None, accuracy_device="cuda"),
@@ -137,10 +142,11 @@ for m in ("int4", "gptq", "bnb-nf4"):
     if m in errs:
         assert errs[m].median() < 1e-1, (m, errs[m].median())
 fig, ax = plt.subplots(figsize=(9, 3.5))
-by_type.plot.bar(ax=ax, logy=True)
+by_type.plot.bar(ax=ax, logy=True, rot=0)
 ax.axhline(2e-2, color="gray", ls=":", lw=1)
 ax.axhline(1e-1, color="gray", ls="--", lw=1)
 ax.set(ylabel="relative output error (mean over layers)", title="per-layer output error by projection")
+ax.legend(fontsize=8, bbox_to_anchor=(1.01, 1), loc="upper left")
 plt.tight_layout()
 plt.show()
 
@@ -163,26 +169,14 @@ display(pd.DataFrame(gen_rows))
 # ## Measure speed and memory: Llama-3-8B shape on the GPU
 # One decode forward at batch 1 with 512 cached tokens, captured once in a CUDA graph and replayed (bitsandbytes
 # is timed eagerly: LLM.int8 picks outlier columns with data-dependent shapes, which a graph cannot hold; its row
-# is compared with an eager bf16 step). Two passes: HF's own modules around the quantised linears, and the same
-# with labkit's Triton RMSNorm / SiLU-and-mul / attention patched in (notebook 03), so that the layers we did
-# not quantise cost the same on both sides of the ratio and the bytes saved by the weights show through.
-# A third pass times labkit's own serving forward on the same weights (the engine's `ModelRunner` of notebook 05,
-# over a preallocated paged cache, replayed as a CUDA graph): q/k/v and gate/up merged into one GEMV each, RoPE and
-# the cache write in one kernel, paged decode attention -- about a dozen kernels per layer against HF's ~25, so the
-# per-kernel costs that do not shrink with the weights weigh less. With int4 or int8 weights the engine also folds
-# each layer's neighbours into its GEMVs (`labkit.model.ops.projection`, on the stationary GEMVs): the RMSNorms run in the
-# prologues of the q/k/v and gate/up GEMVs, the residual adds in the stores of the o and down GEMVs, SwiGLU as the
-# down GEMV prepares its activations, RoPE and the k/v cache write as the q/k/v GEMV stores its rows -- four GEMVs
-# and attention per layer (int8 on its own stationary GEMV, packed float16 math over the bytes).
-# More passes time the int4 engine step with the norms and adds in kernels of their own
-# (`fuse_layer_ops=False`), with RoPE and the cache write in a kernel of their own (`fuse_qkv_rope=False`), and
-# with every GEMV launched plainly (`gemv_pdl=False`; by default every GEMV but the first is a programmatic
-# dependent launch, whose programs start while the kernel ahead finishes and issue their first weight loads
-# before waiting for it), and the int8 step with separate kernels around the split-K int8 GEMV
-# (`fuse_layer_ops=False`): A/Bs in one run. (Two more options lost their A/B and left labkit: decode attention as
-# a dependent launch, 2.073 ms against 2.057, and its merge folded into the split kernel, 2.332 ms;
-# results/h200/records/04_quantization.json.)
-# The figures quote the third pass where it ran.
+# is compared with an eager bf16 step). Three passes, each method's speed-up over bf16 timed the same way:
+# HF's own modules around the quantised linears; the same with labkit's Triton norms, SiLU-and-mul and attention
+# patched in (notebook 03) on both sides; and labkit's serving forward on the same weights (the engine's
+# `ModelRunner` of notebook 05: merged projections, paged attention, and with int8/int4 weights each layer's norms,
+# adds, SwiGLU and RoPE folded into its GEMVs -- four GEMVs and attention per layer). The figures quote the engine
+# pass. The A/B passes that justify each of the engine's fusions, the full table of every pass and the top kernels
+# of every profiled step are in `notebooks/appendix/quantization_passes.py`.
+#
 # On the CPU profiles this section times the embedded model instead: there the quantised layers dequantise on
 # every call (no fused kernel), so they are *slower*: the speed-up is a property of the fused GPU kernels.
 # Each row carries its floor: the bytes the step must read as measured on the model (weights as held, the
@@ -203,34 +197,125 @@ if PROFILE == "gpu":
                             iters=SIZES["decode_iters"], runner="engine", bandwidth=bandwidth, breakdown=16)
     except Exception as e:
         print(f"engine pass failed: {type(e).__name__}: {e}")
-    ab_options = ({"fuse_layer_ops": False}, {"fuse_qkv_rope": False}, {"gemv_pdl": False})
-    ab_passes = [("int4", opts) for opts in ab_options] + [("int8", {"fuse_layer_ops": False})]
-    for method, opts in ab_passes:  # A/B passes: one option flipped against the default, in this run
-        try:
-            speed += speed_rows(big, methods=(method,), context_len=SIZES["context"], iters=SIZES["decode_iters"],
-                                runner="engine", bandwidth=bandwidth, breakdown=16, engine_options=opts)
-        except Exception as e:
-            print(f"engine A/B pass {method} {opts} failed: {type(e).__name__}: {e}")
-    del big
-    torch.cuda.empty_cache()
 else:
     cpu_bandwidth = measure_copy_bandwidth("cpu", nbytes=64 * 2**20, iters=5)
     print(f"CPU copy bandwidth {cpu_bandwidth / 1e9:.1f} GB/s (measured now)")
-    speed = speed_rows(model, methods=("int8", "int4", "int4+lm_head", "int4+int8_head", "fp8", "bnb-int8",
-                                       "bnb-nf4"),
-                       context_len=SIZES["context"], iters=SIZES["decode_iters"], bandwidth=cpu_bandwidth)
-speed_table = pd.DataFrame(speed).drop(columns=["samples_s", "breakdown"], errors="ignore")
+    speed = speed_rows(model, methods=("int8", "int4", "fp8", "bnb-nf4"), context_len=SIZES["context"],
+                       iters=SIZES["decode_iters"], bandwidth=cpu_bandwidth)
+TIMING_ORDER = ("eager", "cuda_graph", "engine_eager", "engine_graph")
+
+
+def pick_speed(method):
+    """The timing to quote for a method: the engine's graph-replayed forward, then HF's forward replayed as a
+    graph (patched over unpatched), then eager (each row's speed-up is over the bf16 step timed the same way).
+    GPTQ runs int4's format and kernel."""
+    key = "int4" if method == "gptq" else method
+    rows = [r for r in speed if r["method"] == key and r.get("status") == "ok" and not r.get("engine_options")]
+    return max(rows, key=lambda r: (TIMING_ORDER.index(r["timing"]), bool(r.get("patched")))) if rows else None
+
+
+quoted = [pick_speed(m) for m in dict.fromkeys(r["method"] for r in speed)]
+speed_table = pd.DataFrame([{"method": r["method"], "timed as": r["timing"] + (", patched" if r.get("patched")
+                                                                               else ""),
+                             "step (ms)": r["decode_ms"], "speed-up over bf16": r["speedup"],
+                             "floor (ms)": r.get("floor_ms"), "fraction of floor": r.get("frac_of_floor")}
+                            for r in quoted if r is not None])
 display(speed_table.round(3))
-# where each profiled step's device time goes (GPU: patched HF and engine passes): kernels per step, their summed
-# time, the device's busy time (the rest of the step is the gaps between kernels) and the top kernels
-steps_profiled, kernels_profiled = breakdown_tables(speed)
-if len(steps_profiled):
+# the quoted steps that were profiled: kernels per step, the device's busy time, and the timed step; the bar chart
+# splits each timed step into kernel categories and the time between kernels (each bar is the step's time)
+profiled = [r for r in quoted if r is not None and r.get("breakdown")]
+if profiled:
+    steps_profiled, _ = breakdown_tables(profiled)
     display(steps_profiled.round(3))
-    display(kernels_profiled.round(1))
-    # the same steps as bars: what the weights' bytes explain (matmul) and what they do not
-    plot_step_breakdown(speed)
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(profiled) + 1.6))
+    plot_step_breakdown(profiled, ax=ax)
+    ax.set_title("where a batch-1 decode step's time goes (Llama-3-8B shape)")
     plt.tight_layout()
     plt.show()
+if PROFILE == "gpu":
+    del big
+    torch.cuda.empty_cache()
+
+# %% [markdown]
+# ## Why the FP8 W8A8 step is slower than bf16
+# FP8 halves the weight bytes like int8, and Hopper multiplies e4m3 at twice the bf16 rate -- yet the FP8 step is
+# the slowest of the fused formats at batch 1. Two reasons, both visible in a profiler trace. **Kernels:** each
+# `Fp8Linear` quantises its activations per token in eager torch before `torch._scaled_mm`, and each of those ops
+# is a kernel launch that reads and writes the activations. **The GEMM:** cuBLAS's FP8 kernel is a tiled GEMM built
+# for many rows; at one row it does not stream its weights at the bandwidth a GEMV does. First, the ops of one
+# linear layer's forward, bf16 against FP8 (on this device: CUDA kernels on a GPU, aten operators on the CPU, each
+# of which is one kernel on a GPU):
+
+# %%
+fp8_ref = torch.nn.Linear(512, 512, bias=False, device="cuda" if PROFILE == "gpu" else "cpu",
+                          dtype=torch.bfloat16 if PROFILE == "gpu" else torch.float32)
+ops_bf16 = linear_ops(fp8_ref)
+ops_fp8 = linear_ops(Fp8Linear.from_linear(fp8_ref, backend="scaled_mm"))
+print(f"bf16 linear: {len(ops_bf16)} op(s): {ops_bf16}")
+print(f"FP8 linear:  {len(ops_fp8)} ops: {ops_fp8}")
+
+# %% [markdown]
+# Then the whole step, kernel by kernel: the code below profiles labkit's engine step for FP8 and for bf16
+# (`kernel_counts`: every kernel by name, calls per step and per layer, device time per step). It runs under the
+# `gpu` profile and records `quant.fp8_kernels_per_step`, `quant.bf16_kernels_per_step` and
+# `quant.fp8_gemm_ms_over_bf16_step`; on the CPU the table comes from the committed GPU record (its top kernels).
+
+# %%
+fp8_counts, bf16_counts, fp8_source = None, None, None
+if PROFILE == "gpu":
+    from labkit.experiments.batching import runner_step
+
+    big = random_model("llama-3-8b", device="cuda", dtype="bf16", seed=seed)
+    LAYERS = big.config.num_hidden_layers
+    for m in ("fp8", "base"):
+        qm = big if m == "base" else quantize(big, m)
+        step, runner = runner_step(qm, "decode", 1, SIZES["context"])
+        counts = kernel_counts(step, LAYERS)
+        fp8_counts, bf16_counts = (counts, bf16_counts) if m == "fp8" else (fp8_counts, counts)
+        del step, runner, qm
+    del big
+    torch.cuda.empty_cache()
+    fp8_source = "this run (every kernel)"
+else:
+    e = figs.get("quant.int8_decode_speedup")  # the committed GPU record of this notebook
+    gpu_rec = json.loads((REPO_ROOT / e["record"]).read_text()) if e and e["machine"] != "cpu" else None
+    if gpu_rec:
+        LAYERS = PRESETS["llama-3-8b"].num_layers
+        eng = {r["method"]: r for r in gpu_rec["data"]["speed"] if r.get("timing") == "engine_graph"
+               and not r.get("engine_options") and r.get("breakdown")}
+        if "fp8" in eng and "base" in eng:
+            fp8_counts = [dict(r, calls_per_layer=r["calls_per_step"] / LAYERS) for r in eng["fp8"]["breakdown"]["top"]]
+            bf16_counts = [dict(r, calls_per_layer=r["calls_per_step"] / LAYERS)
+                           for r in eng["base"]["breakdown"]["top"]]
+            fp8_kernels = eng["fp8"]["breakdown"]["kernels_per_step"]
+            bf16_kernels = eng["base"]["breakdown"]["kernels_per_step"]
+            fp8_step_ms, bf16_step_ms = eng["fp8"]["decode_ms"], eng["base"]["decode_ms"]
+            fp8_source = f"committed record {e['record']} ({gpu_rec['env']['device']}; its top kernels only)"
+if fp8_counts is not None:
+    if PROFILE == "gpu":
+        fp8_kernels = count_summary(fp8_counts, LAYERS)["kernels_per_step"]
+        bf16_kernels = count_summary(bf16_counts, LAYERS)["kernels_per_step"]
+        fp8_step_ms, bf16_step_ms = pick_speed("fp8")["decode_ms"], pick_speed("fp8")["decode_ms"] * pick_speed(
+            "fp8")["speedup"]
+    fp8_table = pd.DataFrame(fp8_counts)[["kernel", "category", "calls_per_step", "calls_per_layer",
+                                          "us_per_step"]]
+    print(f"FP8 engine decode step, batch 1: {fp8_source}")
+    display(fp8_table.head(16).round(2))
+    gemm = sum(r["us_per_step"] for r in fp8_counts if r["category"] == "matmul") / 1e3
+    quant_ops = sum(r["calls_per_step"] for r in fp8_counts if r["category"] != "matmul"
+                    and r["category"] != "attention")
+    display(Markdown(
+        f"**What the trace shows** ({fp8_source}). The FP8 step launches {fp8_kernels:,.0f} kernels, "
+        f"{fp8_kernels / LAYERS:.0f} per layer, against {bf16_kernels:,.0f} for the bf16 step "
+        f"({bf16_kernels / LAYERS:.0f} per layer). Of the FP8 kernels listed, {quant_ops:,.0f} per step are not "
+        f"GEMMs or attention, about {quant_ops / LAYERS:.0f} per layer: mostly the activation quantisation's casts, "
+        f"abs, amax, divides and clamps, besides the norms, RoPE and SiLU. The GEMMs alone (the FP8 linears and the "
+        f"bf16 LM head) take {gemm:.2f} ms per step, "
+        f"{gemm / bf16_step_ms:.2f} of the whole bf16 step ({bf16_step_ms:.2f} ms): at one token the tiled FP8 GEMM "
+        f"reads its weights more slowly than bf16's GEMV path, so even with the quantisation fused away FP8 would "
+        f"not win at batch 1. The step takes {fp8_step_ms:.2f} ms, {bf16_step_ms / fp8_step_ms:.2f}x the bf16 "
+        f"step's speed. FP8 W8A8 is a format for compute-bound batches (prefill, large decode batches), with the "
+        f"activation quantisation fused into the previous kernel."))
 
 # %% [markdown]
 # ### The LM head: the last bf16 weights of the step
@@ -252,18 +337,6 @@ if len(steps_profiled):
 # few 1e-4 of its perplexity.
 
 # %%
-TIMING_ORDER = ("eager", "cuda_graph", "engine_eager", "engine_graph")
-
-
-def pick_speed(method):
-    """The timing to quote for a method: the engine's graph-replayed forward, then HF's forward replayed as a
-    graph (patched over unpatched), then eager (each row's speed-up is over the bf16 step timed the same way).
-    GPTQ runs int4's format and kernel."""
-    key = "int4" if method == "gptq" else method
-    rows = [r for r in speed if r["method"] == key and r.get("status") == "ok" and not r.get("engine_options")]
-    return max(rows, key=lambda r: (TIMING_ORDER.index(r["timing"]), bool(r.get("patched")))) if rows else None
-
-
 trade = []
 for r in acc:
     if r.get("status") != "ok":
@@ -284,26 +357,38 @@ for _, row in trade.iterrows():
                 textcoords="offset points", xytext=(5, 4), fontsize=8)
 ax.set(xlabel="bits per weight held (scales included)", ylabel="held-out perplexity", xscale="log",
        title="perplexity against bytes per weight (embedded model)")
-ax.set_xticks([4, 8, 16, 32])
-ax.set_xticklabels(["4", "8", "16", "32"])
+ax.set_xticks([4, 8, 16, 32], ["4", "8", "16", "32"])
+ax.minorticks_off()
 plt.tight_layout()
 plt.show()
 
 # %% [markdown]
 # ## Precision: FP32 vs TF32 vs BF16 vs FP16 vs INT8 vs FP8
 # ### Throughput of a square matmul per dtype
-# On the H200 the tensor cores run bf16/fp16 at ~16x fp32's rate, TF32 (fp32 storage, 10-bit mantissa inside
-# the multiply) in between, and int8 / fp8 at twice bf16. On the CPU, what runs runs on vector units (and a
-# scalar reference kernel for fp8).
+# The datasheet says Hopper's tensor cores run bf16/fp16 at many times fp32's rate, TF32 in between, and int8 / fp8
+# at twice bf16. Measure the path you will actually call: `torch._int_mm` for int8 and `torch._scaled_mm` for
+# FP8 (on the CPU, what runs runs on vector units, and a scalar reference kernel for fp8). The ratio column is
+# each dtype's rate over bf16's in this run; under the `gpu` profile the int8 and FP8 ratios are recorded
+# (`quant.int8_matmul_vs_bf16`, `quant.fp8_matmul_vs_bf16`). The committed GPU record's rates follow this run's.
 
 # %%
 rates = pd.DataFrame(P.matmul_rates(SIZES["matmul_size"], iters=10))
+bf16_rate = rates.set_index("dtype")["tflops"].get("bf16")
+rates["vs bf16"] = rates["tflops"] / bf16_rate if bf16_rate else float("nan")
 display(rates.round(3))
+e = figs.get("quant.int8_decode_speedup")
+gpu_rates = (json.loads((REPO_ROOT / e["record"]).read_text())["data"].get("matmul_rates")
+             if e and e["machine"] != "cpu" and PROFILE != "gpu" else None)
+if gpu_rates:
+    gpu_rates = pd.DataFrame(gpu_rates)
+    gpu_rates["vs bf16"] = gpu_rates["tflops"] / gpu_rates.set_index("dtype")["tflops"]["bf16"]
+    print(f"committed GPU record ({e['record']}):")
+    display(gpu_rates.round(3))
 ok = rates.dropna(subset=["tflops"])
 fig, ax = plt.subplots(figsize=(6, 3))
 ax.bar(ok["dtype"], ok["tflops"])
 ax.set(ylabel="TFLOP/s (TOP/s for int8)", yscale="log",
-       title=f"{SIZES['matmul_size']}^3 matmul on {'the GPU' if PROFILE == 'gpu' else 'the CPU'}")
+       title=f"{SIZES['matmul_size']}^3 matmul on {'the GPU' if PROFILE == 'gpu' else 'the CPU'} (this run)")
 plt.tight_layout()
 plt.show()
 
@@ -331,7 +416,9 @@ for name, grp in accum.groupby("dtype"):
     ax.plot(grp["n"], grp["fp32_acc_rel_error"], "x--", label=f"{name} inputs, fp32 accumulator")
 ax.set(xscale="log", yscale="log", xlabel="terms summed", ylabel="mean relative error",
        title="sum of n values in [0.5, 1.5]")
-ax.legend(fontsize=7)
+ax.set_xticks(list(SIZES["sum_lengths"]), [str(n) for n in SIZES["sum_lengths"]])
+ax.minorticks_off()
+ax.legend(fontsize=7, bbox_to_anchor=(1.01, 1), loc="upper left")
 plt.tight_layout()
 plt.show()
 
@@ -370,6 +457,8 @@ rec = write_record("04_quantization", {
     "bandwidth_bytes_per_s": bandwidth, "bandwidth_source": bw_source, "predict": predict.to_dict("records"),
     "accuracy": acc,
     "speed": speed, "trade_off": trade.to_dict("records"), "matmul_rates": rates.to_dict("records"),
+    "fp8_kernel_counts": fp8_counts if PROFILE == "gpu" else None,
+    "bf16_kernel_counts": bf16_counts if PROFILE == "gpu" else None,
     "overflow": P.overflow_rows(), "accumulation": accum.to_dict("records"),
     "dtype_perplexity": dtype_ppl.to_dict("records"),
 })
@@ -418,18 +507,23 @@ if PROFILE == "gpu":
             record_figure(f"quant.{name}_decode_speedup_hf", hf[0]["speedup"], "x over bf16", rec,
                           note=f"llama-3-8b, batch 1, context {SIZES['context']}, CUDA-graph replay of HF's "
                           f"static-cache forward with labkit's Triton norms/SiLU/attention on both sides")
-    # each option's speed-up in one run: the step with it off over the step with it on (> 1: it pays)
-    for m, key, name in (("int4", "fuse_layer_ops", "layer_ops_fusion"), ("int4", "fuse_qkv_rope", "qkv_rope_fusion"),
-                         ("int4", "gemv_pdl", "gemv_pdl"),
-                         ("int8", "fuse_layer_ops", "layer_ops_fusion")):
-        default = pick_speed(m)
-        ab = [r for r in speed_ok if r["method"] == m and key in r.get("engine_options", {})]
-        if not ab or default is None or default["timing"] != "engine_graph":
-            continue
-        without, with_ = (default, ab[0]) if ab[0]["engine_options"][key] else (ab[0], default)
-        record_figure(f"quant.{m}_{name}_speedup", without["decode_ms"] / with_["decode_ms"], "x", rec,
-                      note=f"llama-3-8b {m}, batch 1, engine graph replays in one run: {key}=False "
-                      f"{without['decode_ms']:.3f} ms over {key}=True {with_['decode_ms']:.3f} ms")
+    fp8 = pick_speed("fp8")
+    if fp8 is not None:
+        record_figure("quant.fp8_decode_speedup", fp8["speedup"], "x over bf16", rec,
+                      note=f"llama-3-8b, batch 1, context {SIZES['context']}, FP8 W8A8 (Fp8Linear: per-token "
+                      f"activation scales in eager torch, torch._scaled_mm), {fp8['timing']}")
+    if fp8_counts is not None:
+        trace_note = "llama-3-8b engine decode step, batch 1, every kernel of a profiler trace (kernel_counts)"
+        record_figure("quant.fp8_kernels_per_step", fp8_kernels, "kernels", rec, note=trace_note)
+        record_figure("quant.bf16_kernels_per_step", bf16_kernels, "kernels", rec, note=trace_note)
+        record_figure("quant.fp8_gemm_ms_over_bf16_step", gemm / bf16_step_ms, "fraction", rec,
+                      note=trace_note + ": the FP8 GEMMs' device time over the whole bf16 step's time")
+    mm_rates = rates.set_index("dtype")["vs bf16"]
+    for d in ("int8", "fp8"):
+        if mm_rates.get(d) == mm_rates.get(d):
+            record_figure(f"quant.{d}_matmul_vs_bf16", mm_rates[d], "x bf16 rate", rec,
+                          note=f"{SIZES['matmul_size']}^3 matmul, "
+                          f"{'torch._int_mm' if d == 'int8' else 'torch._scaled_mm'} against bf16 in the same run")
 else:
     wb_note = "embedded model linear layers, float32 scales, measured bytes held over the same weights in bf16"
     record_figure("quant.int8_weight_bytes_ratio", by["int8"]["weight_bytes_ratio"], "ratio", rec, bar="<= 0.52",
@@ -440,26 +534,60 @@ print(f"record: {rec}")
 
 # %% [markdown]
 # ## Takeaways
-# * **Bytes are the lever for decode.** Weight-only int8 halves the bytes a decode step reads and int4 (GPTQ or
-#   RTN) cuts the linear layers to ~0.27 of bf16 with scales counted (~0.32 of the whole step with the LM head
-#   kept in bf16). Whether the step time follows depends on the kernel: the `gpu` profile's speed table puts each
-#   fused dequantise-in-register kernel against its bandwidth floor. Without fused kernels (the torch path,
-#   bitsandbytes on the CPU) the quantised layers are *slower* than float: the speed-up belongs to the kernel,
-#   not the format.
-# * **Accuracy:** int8 weight-only (and LLM.int8) moves held-out perplexity by a few 1e-4; FP8 on weights *and*
-#   activations by a few 1e-3; 4-bit formats by 1-2 % on this small model, with NF4 and GPTQ below plain RTN.
-#   GPTQ's calibration is paid once, offline, and its format and kernel are RTN's.
-# * **Memory:** 4-bit frees ~70 % of weight memory for KV cache and batch (notebook 02's lever); measure it with
-#   scales, zero-points and quant states included.
-# * **Precision for compute:** bf16 has fp32's range (no overflow in norms, softmax, long dot products) and is
-#   the default for inference and training; fp16's three extra mantissa bits do not pay for its 65504 ceiling
-#   without loss scaling. Whatever the storage dtype, accumulate in fp32 and keep softmax/RMSNorm statistics in
-#   fp32: the perplexity table shows bf16 and fp16 models lose almost nothing *because* HF does exactly that.
-#   TF32 runs fp32 matmuls on tensor cores with a 10-bit mantissa inside the multiply: a large speed-up (the
-#   matmul table on the GPU) where that precision suffices. INT8/FP8 *compute* (`_int_mm`, `_scaled_mm`,
-#   LLM.int8) raises tensor-core throughput over bf16 (2x on the datasheet; measured above), which helps
-#   compute-bound prefill and large batches; weight-only formats help memory-bound decode.
-# * **When to choose which:** serving at small batch → int4 weights (GPTQ/AWQ) with fused kernels, or int8 when
-#   accuracy must not move; large-batch or prefill-heavy on Hopper → FP8 weights and activations; fine-tuning
-#   → bf16 weights with fp32 master copies and accumulation (NF4 base weights for QLoRA); fp32 only as the
-#   reference.
+# Each sentence is rendered from `results/summary.json` and checked (`python -m labkit claims`): accuracy on the
+# embedded model, speed and bytes on the Llama-3-8B shape on the H200, each speed-up over the bf16 step timed the
+# same way (labkit's engine, CUDA-graph replays, batch 1, context 512).
+
+# %%
+show(
+    Claim("int8 weight-only moves held-out perplexity by {quant.int8_ppl_delta_frac:.3%}: below the 0.5% bar.",
+          "quant.int8_ppl_delta_frac < 0.005", machine="gpu"),
+    Claim("FP8 on weights and activations moves it by {quant.fp8_ppl_delta_frac:.2%}: more than weight-only int8 "
+          "({quant.int8_ppl_delta_frac:.3%}), because the activations are rounded too.",
+          "quant.int8_ppl_delta_frac < quant.fp8_ppl_delta_frac < 0.005", machine="gpu"),
+    Claim("4-bit costs more: plain round-to-nearest int4 {quant.int4_rtn_ppl_delta_frac:.1%}, GPTQ with the same "
+          "bits and kernel {quant.int4_calibrated_ppl_delta_frac:.1%}: calibration buys accuracy for free at decode.",
+          "quant.int4_calibrated_ppl_delta_frac < quant.int4_rtn_ppl_delta_frac < 0.05", machine="gpu"),
+    Claim("bitsandbytes NF4 lands at {quant.nf4_ppl_delta_frac:.1%}, below GPTQ on this model.",
+          "quant.nf4_ppl_delta_frac < quant.int4_calibrated_ppl_delta_frac", machine="gpu"),
+    Claim("Quantising the LM head to int4 as well raises int4's change to {quant.int4_lm_head_ppl_delta_frac:.1%}; "
+          "an int8 head keeps it at {quant.int4_int8_head_ppl_delta_frac:.1%}.",
+          "quant.int4_lm_head_ppl_delta_frac > 1.5 * quant.int4_int8_head_ppl_delta_frac", machine="gpu"),
+    Claim("Measured with scales: int8 holds {quant.int8_weight_bytes_ratio:.3f} and int4 "
+          "{quant.int4_weight_bytes_ratio:.3f} of the bf16 weight bytes of Llama-3-8B's linears.",
+          "quant.int8_weight_bytes_ratio <= 0.52 and quant.int4_weight_bytes_ratio <= 0.3", machine="gpu"),
+    Claim("At batch 1 the int8 decode step runs {quant.int8_decode_speedup:.2f}x and the int4 step "
+          "{quant.int4_decode_speedup:.2f}x the bf16 step (labkit's engine on the H200).",
+          "quant.int4_decode_speedup > quant.int8_decode_speedup > 1", machine="gpu"),
+    Claim("Neither reaches its bytes ratio: the layers, attention and LM head that stay in bf16, and the kernels' "
+          "distance from the bandwidth, keep int4 at {quant.int4_decode_speedup:.2f}x where its linears hold "
+          "{quant.int4_weight_bytes_ratio:.3f} of the bytes.",
+          "quant.int8_decode_speedup < 1 / quant.int8_weight_bytes_ratio and "
+          "quant.int4_decode_speedup < 1 / quant.int4_weight_bytes_ratio", machine="gpu"),
+    Claim("Through HF's forward (labkit's norms and attention patched in on both sides) the same weights give "
+          "{quant.int8_decode_speedup_hf:.2f}x for int8 and {quant.int4_decode_speedup_hf:.2f}x for int4: the "
+          "speed-up belongs to a step built around the fused GEMVs, not to the format.",
+          "quant.int8_decode_speedup_hf < quant.int8_decode_speedup and "
+          "quant.int4_decode_speedup_hf < quant.int4_decode_speedup", machine="gpu"),
+    Claim("The LM head is the last bf16 weight of an int4 step: an int8 head lifts the step to "
+          "{quant.int4_int8_head_decode_speedup:.2f}x and an int4 head to {quant.int4_lm_head_decode_speedup:.2f}x.",
+          "quant.int4_decode_speedup < quant.int4_int8_head_decode_speedup < quant.int4_lm_head_decode_speedup",
+          machine="gpu"),
+    Claim("int4's speed-up is not free: at {quant.int4_decode_speedup:.2f}x it costs "
+          "{quant.int4_rtn_ppl_delta_frac:.1%} perplexity, where int8's {quant.int8_decode_speedup:.2f}x costs "
+          "{quant.int8_ppl_delta_frac:.3%}.",
+          "quant.int4_rtn_ppl_delta_frac > 10 * quant.int8_ppl_delta_frac", machine="gpu"),
+)
+
+# %% [markdown]
+# * **Bytes are the lever for decode, the kernel decides whether they pay.** Without fused kernels (the torch
+#   path, bitsandbytes) the quantised layers are slower than bf16; with them, the step moves towards its bytes.
+# * **FP8 W8A8 at batch 1 is a lesson in kernels per step**: the section above counts them from a trace. Use it
+#   where the GEMMs are compute-bound (prefill, large batches), with the activation quantisation fused.
+# * **Precision for compute:** bf16 has fp32's range (no overflow in norms, softmax, long dot products); fp16's
+#   extra mantissa bits do not pay for its 65504 ceiling without loss scaling. Accumulate in fp32 and keep
+#   softmax/RMSNorm statistics in fp32, whatever the storage dtype. INT8 and FP8 *compute* help only through a
+#   kernel that reaches their rate: the matmul table shows what `torch._int_mm` and `torch._scaled_mm` reach here.
+# * **When to choose which:** serving at small batch: int4 weights (GPTQ/AWQ) with fused kernels, or int8 when
+#   accuracy must not move; fine-tuning: bf16 weights with fp32 master copies and accumulation (NF4 base weights
+#   for QLoRA); fp32 only as the reference.

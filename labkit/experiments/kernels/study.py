@@ -8,6 +8,8 @@
 * ``kv_quant_attention``: one layer's decode attention over a paged cache in bf16, int8 dequantised inside
   the kernel, and int8 dequantised to bf16 first (the algorithmic change without a kernel for it).
 * ``decode_steps``: one decode step of a Hugging Face model, plain and patched, as CUDA-graph replays.
+* ``norm_sweep`` / ``plot_bandwidth``: the fused add + RMSNorm against eager torch over row counts, in GB/s
+  against the copy bandwidth (the kernel notebook 03 reads line by line).
 """
 
 from __future__ import annotations
@@ -88,6 +90,17 @@ def matmul_rates(n: int | None = None, device=None, iters: int = 10) -> list[dic
     return rows
 
 
+# The int8 KV attention figure's one shape (issue 30/33): batch 16, context 4096, 32 query / 8 KV heads, d 128
+INT8_ATTN_SHAPE = {"seqs": 16, "heads": 32, "kv_heads": 8, "head_dim": 128, "context": 4096}
+INT8_ATTN_FIGURE = "kvcache.int8_attn_speedup_ctx4k_b16"
+
+
+def int8_attention_speedup(rows: list[dict]) -> float:
+    """bf16-cache time over int8-cache-read-in-the-kernel time, from ``kv_quant_attention`` rows (> 1: int8 wins)."""
+    by = {r["attention"]: r["us"] for r in rows}
+    return by["bf16 cache"] / by["int8 cache, dequantised in the kernel"]
+
+
 def kv_quant_attention(seqs: int, heads: int, kv_heads: int, head_dim: int, context: int, block_size: int = 16,
                        dtype: torch.dtype | None = None, device=None, iters: int = 20) -> list[dict]:
     """One layer's paged decode attention with the cache in bf16, int8 read by the kernel, and int8
@@ -141,3 +154,39 @@ def decode_steps(model: torch.nn.Module, batch_sizes: list[int], context: int, i
         rows.append({"batch": bs, "context": context, "plain ms": plain.median_ms, "patched ms": patched.median_ms,
                      "speed-up": plain.median_s / patched.median_s, "method": patched.method})
     return rows
+
+
+def norm_sweep(row_counts: list[int], hidden: int, dtype: torch.dtype, device, iters: int = 20,
+               compile_: bool = False) -> list[dict]:
+    """``bench_rmsnorm`` rows (fused add + RMSNorm and its eager form, plain RMSNorm and its eager form) at each
+    row count of ``[rows, hidden]``: time, bytes, GB/s and the kernel's error against float64."""
+    from labkit.experiments.kernels.cases import bench_rmsnorm
+
+    out = []
+    for n in row_counts:
+        for r in bench_rmsnorm((n, hidden), dtype, torch.device(device), iters=iters, compile_=compile_):
+            out.append({**r, "rows": n})
+    return out
+
+
+def plot_bandwidth(rows: list[dict], ceiling_gb_s: float, ax=None, title: str = "",
+                   impls=("triton_fused_residual", "eager_add_then_norm", "triton", "eager", "torch_compile"),
+                   datasheet_gb_s: float | None = None):
+    """GB/s against row count for each implementation in ``rows`` (``norm_sweep``), with the measured copy
+    bandwidth (and the datasheet's, if given) as the line no kernel can pass. Returns the axes."""
+    import matplotlib.pyplot as plt
+
+    ax = ax if ax is not None else plt.subplots(figsize=(6, 3.6))[1]
+    labels = {"triton_fused_residual": "labkit add+RMSNorm (1 kernel)", "eager_add_then_norm": "eager add, then norm",
+              "triton": "labkit RMSNorm", "eager": "eager RMSNorm (HF)", "torch_compile": "torch.compile RMSNorm"}
+    for impl in impls:
+        sub = [r for r in rows if r["impl"] == impl]
+        if sub:
+            ax.plot([r["rows"] for r in sub], [r["gb_s"] for r in sub], "o-", label=labels.get(impl, impl),
+                    lw=2 if impl.startswith("triton") else 1)
+    ax.axhline(ceiling_gb_s, color="black", ls="--", lw=1, label="copy bandwidth (measured)")
+    if datasheet_gb_s:
+        ax.axhline(datasheet_gb_s, color="gray", ls=":", lw=1, label="datasheet bandwidth")
+    ax.set(xscale="log", xlabel="rows (tokens)", ylabel="GB/s moved", title=title)
+    ax.legend(fontsize=7)
+    return ax

@@ -10,6 +10,7 @@ from labkit.experiments.quantization.compare import (
     method_options,
     plot_step_breakdown,
     speed_rows,
+    step_parts,
 )
 from labkit.experiments.quantization.metrics import (
     bytes_held,
@@ -24,5 +25,5 @@ from labkit.experiments.quantization.metrics import (
 )
 
 __all__ = ["precision", "BASELINE", "accuracy_rows", "breakdown_tables", "method_options", "plot_step_breakdown",
-           "speed_rows", "bytes_held", "bytes_per_weight", "decode_step_bytes", "decode_step_time",
+           "speed_rows", "step_parts", "bytes_held", "bytes_per_weight", "decode_step_bytes", "decode_step_time",
            "decode_weight_bytes", "heldout_perplexity", "layer_errors", "linear_weight_bytes", "peak_memory"]
