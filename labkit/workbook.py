@@ -142,20 +142,63 @@ def execute_notebook(nb: Path, out_dir: Path, profile: str, timeout: int = 1800)
     return time.perf_counter() - t0
 
 
-def _summary_markdown(figures: dict, timings: dict[str, float], profile: str) -> str:
-    lines = [f"# labkit workbook run ({profile} profile)", "", "| notebook | seconds |", "| --- | --- |"]
+_BAR = re.compile(r"^\s*(<=|>=|==|<|>)\s*(-?[0-9.]+(?:e-?[0-9]+)?)\s*$")
+
+
+def bar_holds(bar: str | None, value) -> bool | None:
+    """Whether ``value`` meets a bar written as ``'>= 2'``, ``'<= 0.15'`` or ``'true'``; None when the bar is
+    prose (``'< int4 RTN (0.0159)'``) or the value is not a number."""
+    if not bar:
+        return None
+    if bar.strip().lower() in ("true", "false"):
+        return value is (bar.strip().lower() == "true") if isinstance(value, bool) else None
+    m = _BAR.match(bar)
+    if m is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    op, x = m.group(1), float(m.group(2))
+    return {"<=": value <= x, ">=": value >= x, "==": value == x, "<": value < x, ">": value > x}[op]
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def summary_markdown(figures: dict, timings: dict[str, float], profile: str, committed: dict | None = None) -> str:
+    """``summary.md`` of a run: seconds per notebook, then one row per figure of the run with its machine, the
+    committed record of the same name from ``results/summary.json`` beside it (``committed``: name -> entry; the
+    GPU value beside a CPU figure), and each bar marked with the machine it applies to and whether it holds there.
+
+    A bar applies to the machine of the committed record that states it (the bars are the issue's, set for the GPU
+    runs); a bar only this run states applies to this run's machine.
+    """
+    committed = committed or {}
+    machines = sorted({e["machine"] for e in figures.values()})
+    lines = [f"# labkit workbook run ({profile} profile)", "",
+             f"This run measured on: {', '.join(machines) or 'nothing'}. Each figure's value from this run stands "
+             "beside the committed record of the same name (`results/summary.json`: GPU records come from GPU runs). "
+             "A bar holds on the machine named with it: a CPU value is not judged against a GPU bar.", "",
+             "| notebook | seconds |", "| --- | --- |"]
     lines += [f"| {name} | {s:.1f} |" for name, s in timings.items()]
-    lines += ["", "| figure | value | unit | bar | machine |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| **total** | {sum(timings.values()):.1f} |", "",
+              "| figure | this run | machine | committed record | unit | bar (machine it applies to) |",
+              "| --- | --- | --- | --- | --- | --- |"]
     for name, e in sorted(figures.items()):
-        v = e["value"]
-        v = f"{v:.4g}" if isinstance(v, float) else str(v)
-        lines.append(f"| `{name}` | {v} | {e['unit']} | {e.get('bar', '')} | {e['machine']} |")
+        c = committed.get(name)
+        other = f"{_fmt(c['value'])} ({c['machine']})" if c else "none yet"
+        bar_entry = c if c and c.get("bar") else (e if e.get("bar") else None)
+        bar = ""
+        if bar_entry:
+            held = bar_holds(bar_entry["bar"], bar_entry["value"])
+            mark = {True: "met", False: "not met", None: "see record"}[held]
+            bar = f"{bar_entry['bar']} on {bar_entry['machine']}: {mark}"
+        lines.append(f"| `{name}` | {_fmt(e['value'])} | {e['machine']} | {other} | {e['unit']} | {bar} |")
     return "\n".join(lines) + "\n"
 
 
 def run_workbook(profile: str = "auto", only: list[str] | None = None, out: str | Path = "out/workbook",
                  timeout: int = 1800) -> int:
-    """Execute the notebooks headless; write executed copies, records, ``figures.json`` and ``summary.md``.
+    """Execute the notebooks headless; write executed copies, records, ``figures.json``, ``summary.md`` and
+    ``index.html`` (every executed notebook as an HTML page, the summary, the capstone's answer: ``labkit.site``).
 
     Returns 0, or 1 after naming the notebook and cell that failed (the remaining notebooks still run).
     """
@@ -169,17 +212,28 @@ def run_workbook(profile: str = "auto", only: list[str] | None = None, out: str 
     if not nbs:
         print("no notebooks found in notebooks/", file=sys.stderr)
         return 1
-    failures, timings = [], {}
+    failures, timings, failed = [], {}, {}
+    t_run = time.perf_counter()
     for nb in tqdm(nbs, desc=f"workbook ({profile})", unit="notebook"):
+        t0 = time.perf_counter()
         try:
             timings[nb.stem] = execute_notebook(nb, out_dir, profile, timeout)
         except RuntimeError as e:
+            timings[nb.stem] = time.perf_counter() - t0
+            failed[nb.stem] = str(e)
             failures.append(str(e))
             print(f"FAILED: {e}", file=sys.stderr)
     fig_path = out_dir / "figures.json"
     figures = json.loads(fig_path.read_text()) if fig_path.exists() else {}
-    (out_dir / "summary.md").write_text(_summary_markdown(figures, timings, profile))
-    print(f"wrote {len(timings)} executed notebooks, {len(figures)} figures and summary.md to {out_dir}")
+    from labkit.bench import SUMMARY_PATH
+    from labkit.site import write_site
+
+    committed = json.loads(SUMMARY_PATH.read_text())["figures"] if SUMMARY_PATH.exists() else {}
+    (out_dir / "summary.md").write_text(summary_markdown(figures, timings, profile, committed))
+    index = write_site(out_dir, timings, failed)
+    print(f"wrote {len(timings)} executed notebooks, {len(figures)} figures, summary.md and {index} "
+          f"(open it in a browser: every notebook rendered, the summary, the capstone's answer); whole run "
+          f"{time.perf_counter() - t_run:.0f} s")
     for f in failures:
         print(f"FAILED: {f}", file=sys.stderr)
     return 1 if failures else 0

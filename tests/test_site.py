@@ -1,0 +1,132 @@
+"""index.html of a run: every executed notebook rendered, the summary and the capstone, one click from each other.
+
+The browser test opens the pages in a real headless Chromium (Debian's ``chromium`` and ``chromium-driver``,
+which ``.ci/run`` installs; Selenium from requirements.txt drives it) and checks that every notebook page and every
+plot image is there and loads. Outside CI it is skipped when no Chromium is installed; in CI it must run.
+"""
+
+import base64
+import io
+import os
+import shutil
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from labkit.site import write_site
+from labkit.workbook import bar_holds, summary_markdown
+
+
+def _png(color: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(2, 1.5))
+    ax.plot([0, 1], [0, 1], color=color)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _executed(path: Path, title: str, plots: int) -> None:
+    cells = [nbformat.v4.new_markdown_cell(f"# {title}\nwhat it asks")]
+    for i in range(plots):
+        c = nbformat.v4.new_code_cell(f"plot({i})", execution_count=i + 1)
+        c.outputs = [nbformat.v4.new_output("display_data", data={"image/png": _png(f"C{i}"), "text/plain": "fig"})]
+        cells.append(c)
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), str(path))
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    _executed(tmp_path / "05_batching.ipynb", "05 · Serving", plots=2)
+    _executed(tmp_path / "07_finetuning.ipynb", "07 · Fine-tuning", plots=1)
+    _executed(tmp_path / "08_capstone.ipynb", "08 · The answer", plots=1)
+    (tmp_path / "summary.md").write_text("# labkit workbook run (ci profile)\n\n| a | b |\n| --- | --- |\n| 1 | 2 |\n")
+    write_site(tmp_path, {"05_batching": 1.5, "07_finetuning": 2.0, "08_capstone": 0.5},
+               failures={"07_finetuning": "cell 3: boom"})
+    return tmp_path
+
+
+def test_site_pages_and_links(run_dir):
+    index = (run_dir / "index.html").read_text()
+    for page in ("05_batching.html", "07_finetuning.html", "08_capstone.html", "summary.html"):
+        assert (run_dir / page).exists()
+        assert f"href='{page}'" in index or f'href="{page}"' in index, page
+        text = (run_dir / page).read_text()
+        assert 'href="index.html"' in text and 'href="08_capstone.html"' in text  # one click back
+    assert "The answer to the scenario" in index and "failed: cell 3: boom" in index
+    assert (run_dir / "05_batching.html").read_text().count('src="data:image/png;base64,') == 2
+    assert "<table>" in (run_dir / "summary.html").read_text()
+
+
+def test_site_refuses_a_missing_folder(tmp_path):
+    with pytest.raises(ValueError, match="out_dir=.* is not a folder"):
+        write_site(tmp_path / "nope")
+
+
+def _chromium():
+    for browser, driver in (("/usr/bin/chromium", "/usr/bin/chromedriver"),):
+        if Path(browser).exists() and Path(driver).exists():
+            return browser, driver
+    b, d = shutil.which("chromium") or shutil.which("chromium-browser"), shutil.which("chromedriver")
+    return (b, d) if b and d else None
+
+
+def test_site_opens_in_headless_chromium(run_dir):
+    found = _chromium()
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must install chromium and chromium-driver (.ci/run does) for the browser test")
+        pytest.skip("no Chromium here: apt-get install chromium chromium-driver (as .ci/run does)")
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = found[0]
+    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        opts.add_argument(a)
+    driver = webdriver.Chrome(options=opts, service=Service(executable_path=found[1]))
+    try:
+        driver.get((run_dir / "index.html").as_uri())
+        assert "labkit workbook run" in driver.title
+        links = {a.get_attribute("href").rsplit("/", 1)[-1] for a in driver.find_elements(By.CSS_SELECTOR, "table a")}
+        assert links == {"05_batching.html", "07_finetuning.html", "08_capstone.html"}
+        expected = {"05_batching.html": ("05 · Serving", 2), "07_finetuning.html": ("07 · Fine-tuning", 1),
+                    "08_capstone.html": ("08 · The answer", 1)}
+        for page, (title, plots) in expected.items():
+            driver.get((run_dir / "index.html").as_uri())
+            driver.find_element(By.CSS_SELECTOR, f"table a[href='{page}']").click()  # one click from the index
+            assert title in driver.find_element(By.TAG_NAME, "h1").text
+            imgs = driver.find_elements(By.CSS_SELECTOR, ".jp-OutputArea img, .output img")
+            assert len(imgs) == plots, page
+            loaded = driver.execute_script(
+                "return Array.from(document.images).map(i => i.complete && i.naturalWidth > 0)")
+            assert loaded and all(loaded), f"{page}: an image did not load"
+            driver.find_element(By.CSS_SELECTOR, "nav.lk-nav a[href='summary.html']").click()
+            assert driver.find_elements(By.CSS_SELECTOR, "table td")
+    finally:
+        driver.quit()
+
+
+def test_summary_marks_bars_and_puts_the_gpu_value_beside():
+    figures = {"engine.x": {"value": 1.2, "unit": "x", "machine": "cpu", "record": "r.json", "bar": ">= 2"},
+               "engine.y": {"value": 0.5, "unit": "s", "machine": "cpu", "record": "r.json"}}
+    committed = {"engine.x": {"value": 2.35, "unit": "x", "machine": "NVIDIA H200", "record": "g.json", "bar": ">= 2"}}
+    md = summary_markdown(figures, {"05_batching": 10.0}, "cpu", committed)
+    row = next(ln for ln in md.splitlines() if "`engine.x`" in ln)
+    assert "| 1.2 | cpu | 2.35 (NVIDIA H200) |" in row and ">= 2 on NVIDIA H200: met" in row
+    row_y = next(ln for ln in md.splitlines() if "`engine.y`" in ln)
+    assert "none yet" in row_y
+    assert "| **total** | 10.0 |" in md
+
+
+def test_bar_holds():
+    assert bar_holds(">= 2", 2.35) is True and bar_holds("<= 0.15", 0.2) is False
+    assert bar_holds("true", True) is True and bar_holds("true", False) is False
+    assert bar_holds("< int4 RTN (0.0159)", 0.01) is None and bar_holds(None, 1.0) is None
