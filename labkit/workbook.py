@@ -163,29 +163,46 @@ def _fmt(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def summary_markdown(figures: dict, timings: dict[str, float], profile: str, committed: dict | None = None) -> str:
-    """``summary.md`` of a run: seconds per notebook, then one row per figure of the run with its machine, the
-    committed record of the same name from ``results/summary.json`` beside it (``committed``: name -> entry; the
-    GPU value beside a CPU figure), and each bar marked with the machine it applies to and whether it holds there.
+def _children_cpu_s() -> float:
+    """CPU seconds (user + system) of this process's finished children: a notebook's kernel once it exits. On a
+    machine shared with other work, a kernel's CPU time is closer to its time on an idle machine than the wall
+    clock is (a notebook that pins torch to one thread uses at most one core)."""
+    import resource
 
-    A bar applies to the machine of the committed record that states it (the bars are the issue's, set for the GPU
-    runs); a bar only this run states applies to this run's machine.
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def summary_markdown(figures: dict, timings: dict[str, float], profile: str, committed: dict | None = None,
+                     cpu_s: dict[str, float] | None = None) -> str:
+    """``summary.md`` of a run: seconds per notebook (wall clock, and the kernel's CPU seconds where given), then
+    one row per figure of the run with its machine, the committed record of the same name from
+    ``results/summary.json`` beside it (``committed``: name -> entry; the GPU value beside a CPU figure), and each
+    bar marked with the machine it applies to and whether it holds there.
+
+    A bar is judged on this run's value where this run is of the committed record's machine class (or nothing is
+    committed); else on the committed record's value, on its machine (the bars are the issue's, set for the GPU).
     """
+    from labkit.claims import machine_class
+
     committed = committed or {}
     machines = sorted({e["machine"] for e in figures.values()})
     lines = [f"# labkit workbook run ({profile} profile)", "",
              f"This run measured on: {', '.join(machines) or 'nothing'}. Each figure's value from this run stands "
              "beside the committed record of the same name (`results/summary.json`: GPU records come from GPU runs). "
              "A bar holds on the machine named with it: a CPU value is not judged against a GPU bar.", "",
-             "| notebook | seconds |", "| --- | --- |"]
-    lines += [f"| {name} | {s:.1f} |" for name, s in timings.items()]
-    lines += [f"| **total** | {sum(timings.values()):.1f} |", "",
+             "| notebook | seconds | kernel CPU seconds |", "| --- | --- | --- |"]
+    cpu_s = cpu_s or {}
+    lines += [f"| {name} | {s:.1f} | {cpu_s[name]:.1f} |" if name in cpu_s else f"| {name} | {s:.1f} | |"
+              for name, s in timings.items()]
+    lines += [f"| **total** | {sum(timings.values()):.1f} | {sum(cpu_s.values()):.1f} |", "",
               "| figure | this run | machine | committed record | unit | bar (machine it applies to) |",
               "| --- | --- | --- | --- | --- | --- |"]
     for name, e in sorted(figures.items()):
         c = committed.get(name)
         other = f"{_fmt(c['value'])} ({c['machine']})" if c else "none yet"
-        bar_entry = c if c and c.get("bar") else (e if e.get("bar") else None)
+        same_class = c is None or machine_class(c["machine"]) == machine_class(e["machine"])
+        bar_entry = e if e.get("bar") and (same_class or not c.get("bar")) else (c if c and c.get("bar") else None)
         bar = ""
         if bar_entry:
             held = bar_holds(bar_entry["bar"], bar_entry["value"])
@@ -212,10 +229,10 @@ def run_workbook(profile: str = "auto", only: list[str] | None = None, out: str 
     if not nbs:
         print("no notebooks found in notebooks/", file=sys.stderr)
         return 1
-    failures, timings, failed = [], {}, {}
+    failures, timings, failed, cpu_s = [], {}, {}, {}
     t_run = time.perf_counter()
     for nb in tqdm(nbs, desc=f"workbook ({profile})", unit="notebook"):
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _children_cpu_s()
         try:
             timings[nb.stem] = execute_notebook(nb, out_dir, profile, timeout)
         except RuntimeError as e:
@@ -223,13 +240,14 @@ def run_workbook(profile: str = "auto", only: list[str] | None = None, out: str 
             failed[nb.stem] = str(e)
             failures.append(str(e))
             print(f"FAILED: {e}", file=sys.stderr)
+        cpu_s[nb.stem] = _children_cpu_s() - cpu0
     fig_path = out_dir / "figures.json"
     figures = json.loads(fig_path.read_text()) if fig_path.exists() else {}
     from labkit.bench import SUMMARY_PATH
     from labkit.site import write_site
 
     committed = json.loads(SUMMARY_PATH.read_text())["figures"] if SUMMARY_PATH.exists() else {}
-    (out_dir / "summary.md").write_text(summary_markdown(figures, timings, profile, committed))
+    (out_dir / "summary.md").write_text(summary_markdown(figures, timings, profile, committed, cpu_s))
     index = write_site(out_dir, timings, failed)
     print(f"wrote {len(timings)} executed notebooks, {len(figures)} figures, summary.md and {index} "
           f"(open it in a browser: every notebook rendered, the summary, the capstone's answer); whole run "

@@ -123,7 +123,9 @@ def test_summary_marks_bars_and_puts_the_gpu_value_beside():
     assert "| 1.2 | cpu | 2.35 (NVIDIA H200) |" in row and ">= 2 on NVIDIA H200: met" in row
     row_y = next(ln for ln in md.splitlines() if "`engine.y`" in ln)
     assert "none yet" in row_y
-    assert "| **total** | 10.0 |" in md
+    assert "| **total** | 10.0 | 0.0 |" in md
+    gpu_run = {"engine.x": dict(figures["engine.x"], machine="NVIDIA H100", value=1.5)}
+    assert ">= 2 on NVIDIA H100: not met" in summary_markdown(gpu_run, {}, "gpu", committed)  # this run's value
 
 
 def test_bar_holds():
