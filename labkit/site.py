@@ -15,7 +15,7 @@ from pathlib import Path
 
 CAPSTONE_PREFIX = "08_"
 _STYLE = ("<style>.lk-nav{position:sticky;top:0;z-index:1000;background:#f4f4f4;border-bottom:1px solid #ccc;"
-          "padding:6px 12px;font:14px sans-serif}.lk-nav a{margin-right:12px}"
+          "padding:6px 12px;font:14px sans-serif}.lk-nav a{margin-right:12px;color:#0645ad;text-decoration:underline}"
           "body.lk-page{max-width:1100px;margin:auto;font:15px/1.5 sans-serif;padding:0 12px}"
           "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px}</style>")
 

@@ -21,7 +21,7 @@
 # model. The serving clock is **virtual**: each engine step is timed for real, but an idle server jumps to the next
 # arrival instead of sleeping (notebook 00 replays HF the same way, so the two compare on one footing).
 #
-# **Reading guide**: predict → correctness gate → load sweep (the answer to hint 3) → chunked prefill → CUDA graphs
+# **Reading guide**: CUDA-graph gate (GPU) → predict → greedy-output gate → load sweep (the answer to hint 3) → chunked prefill → CUDA graphs
 # → decode waterfall → offline throughput against HF `generate` → trade-off table → takeaways (checked claims).
 
 # %% tags=["parameters"]
@@ -112,15 +112,11 @@ print(f"{ceilings['device']}: measured copy bandwidth {bandwidth / 1e12:.3f} TB/
 elapsed("models loaded")
 
 # %% [markdown]
-# ## CUDA graphs replay the eager step (checked before anything is timed with them)
-# A captured decode step replays fixed kernels on fixed buffers, so it is right only if every step's inputs are
-# copied into those buffers, nothing in the step was computed on the host from the capture's values, and the
-# caller copies the logits out before the next replay overwrites them (the engine once handed back the graph's own
-# output buffer, so logits kept from an earlier step turned into the last step's: the cause found for its failed
-# graph test on the H200). Here a runner with
-# graphs for batches 1, 2 and 4 decodes batches of 3 (padded to 4), 1, 2 and 4 for three rounds, and each replayed
-# step is compared with the runner's eager forward of the same input, on the embedded model in float32 and on the
-# speed model in bfloat16. Every timing with graphs below assumes this passed; the notebook stops if it did not.
+# ## Correctness gate 1 (GPU): CUDA graphs replay the eager step
+# A captured decode step replays fixed kernels on fixed buffers: right only if every step's inputs are copied into
+# those buffers and the logits are copied out before the next replay. A runner with graphs for batches 1, 2 and 4
+# decodes batches of 3 (padded to 4), 1, 2 and 4 for three rounds; each replayed step must equal the eager forward
+# of the same input (float32 on the embedded model, bfloat16 on the speed model). The notebook stops if one does not.
 
 # %%
 if ON_GPU:
@@ -179,7 +175,7 @@ print(f"static batches of {B}: {useful_share:.0%} of decode slots do useful work
 elapsed("predict")
 
 # %% [markdown]
-# ## Correctness first: greedy tokens equal HF `generate`, whatever the scheduler did
+# ## Correctness gate 2: greedy tokens equal HF `generate`, whatever the scheduler did
 # Every request's greedy output must equal HF `generate` for that prompt *alone*, token for token, under each
 # scheduler, with prompts cut into chunks, with prefix caching, and with a KV cache so small that requests are
 # preempted and recomputed. (On the GPU this runs the Triton kernels and the CUDA graphs.)
