@@ -142,23 +142,6 @@ def execute_notebook(nb: Path, out_dir: Path, profile: str, timeout: int = 1800)
     return time.perf_counter() - t0
 
 
-_BAR = re.compile(r"^\s*(<=|>=|==|<|>)\s*(-?[0-9.]+(?:e-?[0-9]+)?)\s*$")
-
-
-def bar_holds(bar: str | None, value) -> bool | None:
-    """Whether ``value`` meets a bar written as ``'>= 2'``, ``'<= 0.15'`` or ``'true'``; None when the bar is
-    prose (``'< int4 RTN (0.0159)'``) or the value is not a number."""
-    if not bar:
-        return None
-    if bar.strip().lower() in ("true", "false"):
-        return value is (bar.strip().lower() == "true") if isinstance(value, bool) else None
-    m = _BAR.match(bar)
-    if m is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    op, x = m.group(1), float(m.group(2))
-    return {"<=": value <= x, ">=": value >= x, "==": value == x, "<": value < x, ">": value > x}[op]
-
-
 def _fmt(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
@@ -183,6 +166,7 @@ def summary_markdown(figures: dict, timings: dict[str, float], profile: str, com
     A bar is judged on this run's value where this run is of the committed record's machine class (or nothing is
     committed); else on the committed record's value, on its machine (the bars are the issue's, set for the GPU).
     """
+    from labkit.bench import bar_holds
     from labkit.claims import machine_class
 
     committed = committed or {}

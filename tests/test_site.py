@@ -14,8 +14,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from labkit.bench import bar_holds
 from labkit.site import write_site
-from labkit.workbook import bar_holds, summary_markdown
+from labkit.workbook import summary_markdown
 
 
 def _png(color: str) -> str:
@@ -155,3 +156,14 @@ def test_bar_holds():
     assert bar_holds(">= 2", 2.35) is True and bar_holds("<= 0.15", 0.2) is False
     assert bar_holds("true", True) is True and bar_holds("true", False) is False
     assert bar_holds("< int4 RTN (0.0159)", 0.01) is None and bar_holds(None, 1.0) is None
+
+
+def test_readme_table_marks_each_bar_with_its_machine(tmp_path):
+    from labkit.bench import summary_table
+
+    path = tmp_path / "summary.json"
+    path.write_text('{"figures": {"engine.x": {"value": 2.35, "unit": "x", "machine": "NVIDIA H200", "bar": ">= 2", '
+                    '"record": "results/h200/records/05_batching.json"}, "finetune.y": {"value": 0.2, "unit": "f", '
+                    '"machine": "cpu", "bar": "<= 0.15", "record": "results/cpu/records/07_finetuning.json"}}}')
+    table = summary_table(path)
+    assert "| >= 2 on NVIDIA H200: met |" in table and "| <= 0.15 on cpu: not met |" in table
