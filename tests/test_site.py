@@ -167,3 +167,23 @@ def test_readme_table_marks_each_bar_with_its_machine(tmp_path):
                     '"machine": "cpu", "bar": "<= 0.15", "record": "results/cpu/records/07_finetuning.json"}}}')
     table = summary_table(path)
     assert "| >= 2 on NVIDIA H200: met |" in table and "| <= 0.15 on cpu: not met |" in table
+
+
+def test_run_workbook_writes_summary_and_index(tmp_path, monkeypatch):
+    """``run_workbook`` (notebook execution stubbed): summary.md and index.html land in the output folder, a failed
+    notebook is named in both the exit code and the index."""
+    import labkit.workbook as wb
+
+    def fake_execute(nb, out_dir, profile, timeout):
+        _executed(out_dir / nb.name, f"{nb.stem[:2]} · stub", plots=1)
+        if nb.stem.startswith("07"):
+            raise RuntimeError(f"{nb.name} failed at cell 3: boom")
+        return 1.25
+
+    stubs = [Path("05_batching.ipynb"), Path("07_finetuning.ipynb")]
+    monkeypatch.setattr(wb, "list_notebooks", lambda only=None: stubs)
+    monkeypatch.setattr(wb, "execute_notebook", fake_execute)
+    assert wb.run_workbook(profile="ci", out=tmp_path) == 1
+    index = (tmp_path / "index.html").read_text()
+    assert "05_batching.html" in index and "07_finetuning.html" in index and "failed: 07_finetuning.ipynb" in index
+    assert "| 05_batching | 1.2 |" in (tmp_path / "summary.md").read_text()
