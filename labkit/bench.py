@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -259,13 +260,36 @@ def merge_figures(figures_path: Path | str, record_root: Path | str, summary_pat
     return summary
 
 
+_BAR = re.compile(r"^\s*(<=|>=|==|<|>)\s*(-?[0-9.]+(?:e-?[0-9]+)?)\s*$")
+
+
+def bar_holds(bar: str | None, value) -> bool | None:
+    """Whether ``value`` meets a bar written as ``'>= 2'``, ``'<= 0.15'`` or ``'true'``; None when the bar is
+    prose (``'< int4 RTN (0.0159)'``) or the value is not a number."""
+    if not bar:
+        return None
+    if bar.strip().lower() in ("true", "false"):
+        return value is (bar.strip().lower() == "true") if isinstance(value, bool) else None
+    m = _BAR.match(bar)
+    if m is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    op, x = m.group(1), float(m.group(2))
+    return {"<=": value <= x, ">=": value >= x, "==": value == x, "<": value < x, ">": value > x}[op]
+
+
 def summary_table(summary_path: Path | str = SUMMARY_PATH) -> str:
-    """The README's results table (markdown), generated from ``results/summary.json``."""
+    """The README's results table (markdown), generated from ``results/summary.json``: each bar is marked with
+    the machine it applies to (the figure's) and whether the figure meets it there."""
     summary = json.loads(Path(summary_path).read_text())
-    rows = ["| figure | value | unit | bar | machine | record |", "| --- | --- | --- | --- | --- | --- |"]
+    rows = ["| figure | value | unit | bar (machine it applies to) | machine | record |",
+            "| --- | --- | --- | --- | --- | --- |"]
     for name, e in summary["figures"].items():
         v = e["value"]
         v = f"{v:.4g}" if isinstance(v, float) else str(v)
-        rows.append(f"| `{name}` | {v} | {e['unit']} | {e.get('bar', '')} | {e['machine']} | "
+        bar = ""
+        if e.get("bar"):
+            held = {True: "met", False: "not met", None: "see record"}[bar_holds(e["bar"], e["value"])]
+            bar = f"{e['bar']} on {e['machine']}: {held}"
+        rows.append(f"| `{name}` | {v} | {e['unit']} | {bar} | {e['machine']} | "
                     f"[{Path(e['record']).name}]({e['record']}) |")
     return "\n".join(rows)

@@ -142,20 +142,64 @@ def execute_notebook(nb: Path, out_dir: Path, profile: str, timeout: int = 1800)
     return time.perf_counter() - t0
 
 
-def _summary_markdown(figures: dict, timings: dict[str, float], profile: str) -> str:
-    lines = [f"# labkit workbook run ({profile} profile)", "", "| notebook | seconds |", "| --- | --- |"]
-    lines += [f"| {name} | {s:.1f} |" for name, s in timings.items()]
-    lines += ["", "| figure | value | unit | bar | machine |", "| --- | --- | --- | --- | --- |"]
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds (user + system) of this process's finished children: a notebook's kernel once it exits. On a
+    machine shared with other work, a kernel's CPU time is closer to its time on an idle machine than the wall
+    clock is (a notebook that pins torch to one thread uses at most one core)."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def summary_markdown(figures: dict, timings: dict[str, float], profile: str, committed: dict | None = None,
+                     cpu_s: dict[str, float] | None = None) -> str:
+    """``summary.md`` of a run: seconds per notebook (wall clock, and the kernel's CPU seconds where given), then
+    one row per figure of the run with its machine, the committed record of the same name from
+    ``results/summary.json`` beside it (``committed``: name -> entry; the GPU value beside a CPU figure), and each
+    bar marked with the machine it applies to and whether it holds there.
+
+    A bar is judged on this run's value where this run is of the committed record's machine class (or nothing is
+    committed); else on the committed record's value, on its machine (the bars are the issue's, set for the GPU).
+    """
+    from labkit.bench import bar_holds
+    from labkit.claims import machine_class
+
+    committed = committed or {}
+    machines = sorted({e["machine"] for e in figures.values()})
+    lines = [f"# labkit workbook run ({profile} profile)", "",
+             f"This run measured on: {', '.join(machines) or 'nothing'}. Each figure's value from this run stands "
+             "beside the committed record of the same name (`results/summary.json`: GPU records come from GPU runs). "
+             "A bar holds on the machine named with it: a CPU value is not judged against a GPU bar.", "",
+             "| notebook | seconds | kernel CPU seconds |", "| --- | --- | --- |"]
+    cpu_s = cpu_s or {}
+    lines += [f"| {name} | {s:.1f} | {cpu_s[name]:.1f} |" if name in cpu_s else f"| {name} | {s:.1f} | |"
+              for name, s in timings.items()]
+    lines += [f"| **total** | {sum(timings.values()):.1f} | {sum(cpu_s.values()):.1f} |", "",
+              "| figure | this run | machine | committed record | unit | bar (machine it applies to) |",
+              "| --- | --- | --- | --- | --- | --- |"]
     for name, e in sorted(figures.items()):
-        v = e["value"]
-        v = f"{v:.4g}" if isinstance(v, float) else str(v)
-        lines.append(f"| `{name}` | {v} | {e['unit']} | {e.get('bar', '')} | {e['machine']} |")
+        c = committed.get(name)
+        other = f"{_fmt(c['value'])} ({c['machine']})" if c else "none yet"
+        same_class = c is None or machine_class(c["machine"]) == machine_class(e["machine"])
+        bar_entry = e if e.get("bar") and (same_class or not c.get("bar")) else (c if c and c.get("bar") else None)
+        bar = ""
+        if bar_entry:
+            held = bar_holds(bar_entry["bar"], bar_entry["value"])
+            mark = {True: "met", False: "not met", None: "see record"}[held]
+            bar = f"{bar_entry['bar']} on {bar_entry['machine']}: {mark}"
+        lines.append(f"| `{name}` | {_fmt(e['value'])} | {e['machine']} | {other} | {e['unit']} | {bar} |")
     return "\n".join(lines) + "\n"
 
 
 def run_workbook(profile: str = "auto", only: list[str] | None = None, out: str | Path = "out/workbook",
                  timeout: int = 1800) -> int:
-    """Execute the notebooks headless; write executed copies, records, ``figures.json`` and ``summary.md``.
+    """Execute the notebooks headless; write executed copies, records, ``figures.json``, ``summary.md`` and
+    ``index.html`` (every executed notebook as an HTML page, the summary, the capstone's answer: ``labkit.site``).
 
     Returns 0, or 1 after naming the notebook and cell that failed (the remaining notebooks still run).
     """
@@ -169,17 +213,29 @@ def run_workbook(profile: str = "auto", only: list[str] | None = None, out: str 
     if not nbs:
         print("no notebooks found in notebooks/", file=sys.stderr)
         return 1
-    failures, timings = [], {}
+    failures, timings, failed, cpu_s = [], {}, {}, {}
+    t_run = time.perf_counter()
     for nb in tqdm(nbs, desc=f"workbook ({profile})", unit="notebook"):
+        t0, cpu0 = time.perf_counter(), _children_cpu_s()
         try:
             timings[nb.stem] = execute_notebook(nb, out_dir, profile, timeout)
         except RuntimeError as e:
+            timings[nb.stem] = time.perf_counter() - t0
+            failed[nb.stem] = str(e)
             failures.append(str(e))
             print(f"FAILED: {e}", file=sys.stderr)
+        cpu_s[nb.stem] = _children_cpu_s() - cpu0
     fig_path = out_dir / "figures.json"
     figures = json.loads(fig_path.read_text()) if fig_path.exists() else {}
-    (out_dir / "summary.md").write_text(_summary_markdown(figures, timings, profile))
-    print(f"wrote {len(timings)} executed notebooks, {len(figures)} figures and summary.md to {out_dir}")
+    from labkit.bench import SUMMARY_PATH
+    from labkit.site import write_site
+
+    committed = json.loads(SUMMARY_PATH.read_text())["figures"] if SUMMARY_PATH.exists() else {}
+    (out_dir / "summary.md").write_text(summary_markdown(figures, timings, profile, committed, cpu_s))
+    index = write_site(out_dir, timings, failed)
+    print(f"wrote {len(timings)} executed notebooks, {len(figures)} figures, summary.md and {index} "
+          f"(open it in a browser: every notebook rendered, the summary, the capstone's answer); whole run "
+          f"{time.perf_counter() - t_run:.0f} s")
     for f in failures:
         print(f"FAILED: {f}", file=sys.stderr)
     return 1 if failures else 0

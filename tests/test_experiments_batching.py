@@ -15,6 +15,7 @@ from labkit.experiments.batching import (
     fifo_executions,
     fifo_sweep,
     hf_static_extrapolate,
+    hf_static_measured,
     runner_step,
     serve_sweep,
     token_gaps,
@@ -54,6 +55,17 @@ def test_fifo_sweep_replays_the_measured_services(tiny_model):
     assert queued["busy_frac"] == pytest.approx(1.0) and queued["requests_s"] == pytest.approx(capacity)
     assert slow["rate_req_s"] == pytest.approx(0.25 * capacity) and slow["busy_frac"] < 1
     assert slow["ttft_p50_s"] < queued["ttft_p50_s"] and slow["output_tokens"] == queued["output_tokens"]
+
+
+def test_hf_static_measured_counts_every_token_of_the_first_requests(tiny_model):
+    model, _ = tiny_model
+    wl = make_workload(5, 2.0, LengthDist.uniform(3, 9), LengthDist.uniform(2, 5), torch.arange(100, 3000), seed=2)
+    hf = hf_static_measured(model, wl, batch_size=2, num_requests=3)
+    assert hf["requests"] == 3 and hf["request_ids"] == [r.request_id for r in wl[:3]]
+    assert hf["output_tokens"] == sum(r.max_new_tokens for r in wl[:3]) and hf["total_s"] > 0
+    assert hf["output_tok_s"] == pytest.approx(hf["output_tokens"] / hf["total_s"])
+    with pytest.raises(ValueError, match="num_requests=6"):
+        hf_static_measured(model, wl, batch_size=2, num_requests=6)
 
 
 def test_greedy_check_decode_rate_and_sweep(tiny_model):

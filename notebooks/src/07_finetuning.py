@@ -40,6 +40,7 @@ import torch
 
 import labkit  # noqa: F401  (before anything imports triton)
 from labkit.bench import record_figure, write_record
+from labkit.claims import Claim, show
 from labkit.data import split_tokens
 from labkit.device import native_bf16
 from labkit.evaluate import relative_error
@@ -54,18 +55,21 @@ PROFILE = resolve_profile(profile)
 SIZES = {
     "ci": dict(batch=4, seq=64, steps=12, eval_seq=128, eval_windows=8, check_batch=2, check_seq=64,
                scale_layers=None),
-    "cpu": dict(batch=8, seq=128, steps=80, eval_seq=256, eval_windows=48, check_batch=4, check_seq=128,
+    # cpu: about a minute on an idle 2-core machine (the whole workbook's cpu run must fit 15 minutes)
+    "cpu": dict(batch=4, seq=128, steps=40, eval_seq=128, eval_windows=16, check_batch=2, check_seq=96,
                 scale_layers=None),
     "gpu": dict(batch=16, seq=512, steps=400, eval_seq=512, eval_windows=None, check_batch=8, check_seq=512,
                 scale_layers=4),
 }[PROFILE]
 DEVICE = "cuda" if PROFILE == "gpu" else "cpu"
-BF16 = native_bf16(DEVICE)  # bf16 recipes where the device multiplies bf16 natively, fp32 compute elsewhere
-if PROFILE == "ci":
-    # steps of a few ms on a shared 2-core runner: threads handing work to each other cost more than they save
+# bf16 recipes on the GPU; the CPU profiles compute them in fp32 (in one cpu-profile run on a CPU with bf16
+# instructions, the bf16 recipes' fine-tuning cell took ten minutes on a busy 2-core machine)
+BF16 = PROFILE == "gpu" and native_bf16(DEVICE)
+if PROFILE != "gpu":
+    # small steps on a 2-core machine: threads handing work to each other cost more than they save
     torch.set_num_threads(1)
-print(PROFILE, DEVICE, SIZES, f"{torch.get_num_threads()} CPU threads", "bf16 native" if BF16 else
-      "no native bf16: recipes compute in fp32")
+print(PROFILE, DEVICE, SIZES, f"{torch.get_num_threads()} CPU threads", "recipes in bf16" if BF16 else
+      "recipes compute in fp32")
 
 # %% [markdown]
 # ## Predict: the memory of one training step, against serving
@@ -78,15 +82,15 @@ print(PROFILE, DEVICE, SIZES, f"{torch.get_num_threads()} CPU threads", "bf16 na
 #
 # Recipes (`compare.recipe`): **full** = fp32 master weights, bf16 autocast, AdamW; **LoRA** = bf16 frozen base,
 # fp32 adapters on all seven linears of every layer (rank 8), AdamW; **QLoRA** = NF4 base (bf16 embeddings and
-# norms), the same adapters, 8-bit AdamW. On a CPU without bf16 instructions (AVX2 only; `native_bf16` says)
-# torch multiplies bf16 through a fallback about 100 times slower than fp32, so there the recipes compute in fp32
-# (fp32 base, no autocast) and only the memory checks below keep a bf16 variant; the GPU runs them as written.
+# norms), the same adapters, 8-bit AdamW. The GPU runs them as written; the CPU profiles compute them in fp32
+# (fp32 base, no autocast: bf16 on a CPU is slow, and without bf16 instructions torch falls back to a path about
+# 100 times slower), and the memory checks below keep two bf16 variants so the model is checked on both.
 
 # %%
 base_model, tok = load_model(device=DEVICE, dtype="fp32")
 spec = get_spec(base_model)
 B, S = SIZES["batch"], SIZES["seq"]
-setups = {m: C.recipe(m, B, S, device=DEVICE, lora_rank=lora_rank) for m in C.METHOD_NAMES}
+setups = {m: C.recipe(m, B, S, device=DEVICE, lora_rank=lora_rank, bf16=BF16) for m in C.METHOD_NAMES}
 predict = []
 for m, st in setups.items():
     mm = training_memory(spec, st)
@@ -156,11 +160,11 @@ print(f"LoRA at step 0 == pretrained: {same_at_init}; gradients only on adapters
 del check
 
 cb, cs = SIZES["check_batch"], SIZES["check_seq"]
-variants = [C.recipe(m, cb, cs, device=DEVICE, lora_rank=lora_rank) for m in C.METHOD_NAMES] + [
+variants = [C.recipe(m, cb, cs, device=DEVICE, lora_rank=lora_rank, bf16=BF16) for m in C.METHOD_NAMES] + [
     TrainSetup(method="full", precision="fp32", batch_size=cb, seq_len=cs, device=DEVICE),
     TrainSetup(method="full", precision="bf16-mixed", optimizer="adamw8bit", checkpointing=True, batch_size=cb,
                seq_len=cs, device=DEVICE),
-    C.recipe("lora", cb, cs, device=DEVICE, checkpointing=True, lora_rank=lora_rank),
+    C.recipe("lora", cb, cs, device=DEVICE, checkpointing=True, lora_rank=lora_rank, bf16=True),
 ]
 mem_rows = [C.memory_row(C.fresh(base_model), st, seed=seed) for st in variants]
 mem_table = pd.DataFrame(mem_rows)
@@ -225,14 +229,15 @@ for part in ["weights", "optimizer", "batch", "grads", "activations", "transient
 ax0.scatter(pred.index, [by[m]["measured_peak"] / 2**20 for m in pred.index], color="k", marker="_", s=900,
             label="measured peak", zorder=3)
 ax0.set_ylabel("MiB")
-ax0.set_title(f"peak of one step, batch {B} x {S}: predicted parts, measured total")
-ax0.legend(fontsize=8)
+ax0.set_ylim(0, 1.45 * max(bottom.max(), max(by[m]["measured_peak"] for m in pred.index)) / 2**20)
+ax0.set_title(f"peak of one step, batch {B} x {S}: predicted parts, measured total", fontsize=10)
+ax0.legend(fontsize=8, ncol=3, loc="upper right")
 for r in rows:
-    ax1.plot(pd.Series(r["train_losses"]).rolling(max(1, SIZES["steps"] // 20), min_periods=1).mean(),
+    ax1.plot(pd.Series(r["train_losses"]).rolling(max(1, SIZES["steps"] // 5), min_periods=1).mean(),
              label=r["method"])
 ax1.set_xlabel("step")
 ax1.set_ylabel("training loss (smoothed)")
-ax1.set_title("task_train")
+ax1.set_title(f"task_train (rolling mean over {max(1, SIZES['steps'] // 5)} steps)", fontsize=10)
 ax1.legend()
 plt.tight_layout()
 plt.show()
@@ -287,6 +292,7 @@ ax.barh(plan.configuration, plan.peak_per_gpu / 1e9, color=["tab:green" if f els
 ax.axvline(h200.mem_capacity / 1e9, color="k", ls="--", label=f"H200 ({h200.mem_capacity / 1e9:.0f} GB)")
 ax.set_xscale("log")
 ax.set_xlabel("peak memory per GPU (GB, log)")
+ax.set_title("GPT-3 175B, one 2048-token sequence per micro-batch: green fits one H200", fontsize=10)
 ax.invert_yaxis()
 ax.legend()
 plt.tight_layout()
@@ -318,25 +324,62 @@ record_figure("finetune.lora_heldout_loss_drop", by["lora"]["task_heldout_drop"]
               note=f"task_heldout loss before - after, {where}, lr {by['lora']['lr']}")
 record_figure("finetune.memory_model_rel_err", worst["rel_err"], "fraction", rec, bar="<= 0.15",
               note=f"max over {len(all_mem)} measured training steps (worst: {worst['setup']})")
+record_figure("finetune.lora_peak_mem_ratio_vs_full", by["lora"]["measured_peak"] / by["full"]["measured_peak"],
+              "ratio", rec, note=f"measured peak of one step, {where}; LoRA (frozen base) vs full fine-tuning")
+record_figure("finetune.lora_step_time_ratio_vs_full", by["lora"]["step_ms"] / by["full"]["step_ms"], "ratio", rec,
+              note=f"median step time, {where}")
+record_figure("finetune.full_task_loss_drop", by["full"]["task_heldout_drop"], "nats/token", rec,
+              note=f"task_heldout loss before - after, {where}, lr {by['full']['lr']}")
+gb = plan.set_index("configuration").peak_per_gpu / 1e9
+serve_row = plan.configuration.iloc[0]
+for name, row in (("gpt3_serve_peak_gb", serve_row),
+                  ("gpt3_full_ft_peak_gb", "full FT, bf16 autocast, AdamW"),
+                  ("gpt3_zero3_peak_gb", "full FT + ckpt, ZeRO-3 / FSDP over 64"),
+                  ("gpt3_lora_peak_gb", "LoRA r=8, bf16 base, ckpt"),
+                  ("gpt3_qlora_peak_gb", "QLoRA r=8, NF4 base, ckpt")):
+    record_figure(f"finetune.{name}", float(gb[row]), "GB per GPU", rec,
+                  note=f"memory model (checked above), GPT-3 175B, {row}, one 2048-token sequence per micro-batch")
+record_figure("finetune.h200_memory_gb", h200.mem_capacity / 1e9, "GB", rec, note="datasheet capacity")
+record_figure("finetune.full_ft_state_bytes_per_param",
+              float(predict.set_index("method").loc["full", "bytes/param (weights+grads+optim)"]), "bytes", rec,
+              note="fp32 master weights + fp32 gradients + two fp32 AdamW moments, per parameter (memory model)")
 print(f"record: {rec}")
 
 # %% [markdown]
 # ## Takeaways
-# * **Training memory is per parameter, not per token.** Full fine-tuning with AdamW in mixed precision holds
-#   16 bytes per parameter (fp32 weight, fp32 gradient, two fp32 moments) plus bf16 copies and activations; serving
-#   holds 2 bytes per parameter plus a KV cache. For the 175B that is 2.8 TB against 350 GB: the strategy starts with
-#   sharding (ZeRO-3 / FSDP over data-parallel ranks, which scales with the GPU count and communicates once per
-#   layer per step, off the per-token critical path) rather than with the decode-latency work of notebooks 02-05.
-# * **Activations are the other half, and they scale with tokens.** Activation checkpointing trades one extra
-#   forward (8N instead of 6N FLOPs per token) for keeping one tensor per layer; for small-vocabulary-to-width
-#   ratios the logits and their gradients are the largest single item (chunked cross-entropy removes them).
-# * **LoRA removes gradients and optimizer state, not weights or activations.** Trainable parameters fall to a few
-#   percent; the peak falls by the optimizer and gradient bytes; a step still runs forward and backward through
-#   every layer (~4N FLOPs per token instead of 6N), so it is not much faster. **QLoRA** shrinks the frozen weights
-#   to ~0.52 bytes per parameter (a 175B step fits one H200 by memory), at the cost of dequantising every weight in
-#   every forward and backward, and a quantised starting point.
-# * **8-bit AdamW** cuts the moments from 8 to ~2 bytes per parameter, the largest single saving for full
-#   fine-tuning; on the GPU it is one fused kernel, on the CPU (bitsandbytes' fallback) it dequantises per tensor.
-# * **Verify with the memory model.** Measured peaks agree with the op-by-op count within the table's error above,
-#   so the 175B rows are predictions from a checked model, not guesses; the loss curves and held-out losses show
-#   the task improves while the general split shows how much is forgotten.
+# Each sentence with a number or a direction is a claim that `python -m labkit claims` checks against
+# `results/summary.json`, rendered from the figures (here: the embedded model on the CPU, and the memory model
+# checked above applied to the 175B). What changes for fine-tuning: training memory is **per parameter**, not per
+# token, so the strategy starts with sharding (ZeRO-3 / FSDP over data-parallel ranks: it communicates once per
+# layer per step, off the per-token critical path) rather than with the decode-latency work of notebooks 02-05;
+# activation checkpointing trades one extra forward for keeping one tensor per layer; 8-bit AdamW cuts the two
+# moments from 8 to about 2 bytes per parameter. **How to verify**: measure one step's peak against the memory model
+# (as here), the step's matmul FLOP rate against the measured ceiling, and the held-out loss before and after.
+
+# %%
+verdicts = show(
+    Claim("Full fine-tuning with AdamW holds {finetune.full_ft_state_bytes_per_param:.0f} bytes per parameter "
+          "before any activation: fp32 weights, fp32 gradients, two fp32 moments (serving in bf16 holds 2)",
+          "finetune.full_ft_state_bytes_per_param >= 16", machine="any"),
+    Claim("The memory model predicts every measured training step's peak within {finetune.memory_model_rel_err:.1%} "
+          "(the bar: 15%)", "finetune.memory_model_rel_err <= 0.15", machine="any"),
+    Claim("For the 175B, one GPU would need {finetune.gpt3_full_ft_peak_gb:,.0f} GB for full fine-tuning against "
+          "{finetune.gpt3_serve_peak_gb:,.0f} GB to serve it: a sharding problem first",
+          "finetune.gpt3_full_ft_peak_gb > 5 * finetune.gpt3_serve_peak_gb", machine="any"),
+    Claim("ZeRO-3 / FSDP over 64 GPUs brings it to {finetune.gpt3_zero3_peak_gb:.0f} GB per GPU, inside an H200's "
+          "{finetune.h200_memory_gb:.0f} GB", "finetune.gpt3_zero3_peak_gb < finetune.h200_memory_gb", machine="any"),
+    Claim("LoRA trains {finetune.lora_trainable_frac:.1%} of the parameters", "finetune.lora_trainable_frac < 0.05",
+          machine="any"),
+    Claim("and still lowers the task's held-out loss by {finetune.lora_heldout_loss_drop:.2f} nats per token "
+          "(full fine-tuning, same steps: {finetune.full_task_loss_drop:.2f})",
+          "finetune.lora_heldout_loss_drop > 0 and finetune.full_task_loss_drop > 0", machine="any"),
+    Claim("LoRA's step peaks at {finetune.lora_peak_mem_ratio_vs_full:.2f}x full fine-tuning's memory and QLoRA's "
+          "at {finetune.qlora_peak_mem_ratio_vs_full:.2f}x: the gradients and optimizer state go",
+          "finetune.lora_peak_mem_ratio_vs_full < 1 and finetune.qlora_peak_mem_ratio_vs_full < 1", machine="any"),
+    Claim("but a LoRA step still takes {finetune.lora_step_time_ratio_vs_full:.2f}x a full step's time: it runs "
+          "forward and backward through every layer", "finetune.lora_step_time_ratio_vs_full > 0.5", machine="any"),
+    Claim("For the 175B, LoRA on a bf16 base needs {finetune.gpt3_lora_peak_gb:.0f} GB, more than one H200 "
+          "holds", "finetune.gpt3_lora_peak_gb > finetune.h200_memory_gb", machine="any"),
+    Claim("while QLoRA's NF4 base brings it to {finetune.gpt3_qlora_peak_gb:.0f} GB: it fits one H200 by memory",
+          "finetune.gpt3_qlora_peak_gb < finetune.h200_memory_gb", machine="any"),
+)

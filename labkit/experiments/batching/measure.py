@@ -13,12 +13,15 @@
   inter-token gaps, throughput, busy fraction and memory
 * ``fifo_sweep``: the FIFO engine run once with every request queued, its per-request service replayed at each
   arrival rate (a FIFO server's service of a request does not depend on when it arrived)
-* ``hf_static_probe`` / ``hf_static_extrapolate``: HF ``generate`` in static batches, measured on one batch and
-  extrapolated to a whole offline workload (for workloads too long to run HF on in full)
+* ``hf_static_measured``: HF ``generate`` in static batches, measured in full on the first requests of an offline
+  workload (the baseline of the offline comparison: measured, never extrapolated)
+* ``hf_static_probe`` / ``hf_static_extrapolate``: HF ``generate`` measured on one batch and extrapolated to a
+  whole workload (kept for ``bench serve``; a headline ratio uses ``hf_static_measured``)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import time
@@ -44,7 +47,7 @@ from labkit.engine import (
     summarize,
 )
 from labkit.evaluate import relative_error
-from labkit.experiments.baseline import Execution, replay_fifo, run_generate
+from labkit.experiments.baseline import Execution, replay_fifo, run_generate, serve_static
 from labkit.kvcache import PagedKVCache
 from labkit.model import FusionPlan
 from labkit.profiling import ProfileResult, profile_run
@@ -342,6 +345,23 @@ def fifo_sweep(model, workload: list[RequestSpec], loads: Sequence[float], slo: 
 
 
 # --- HF generate in static batches --------------------------------------------------------------------------------
+def hf_static_measured(model, workload: list[RequestSpec], batch_size: int, num_requests: int,
+                       pad_token_id: int = 0) -> dict:
+    """HF ``generate`` in static batches of ``batch_size`` on the first ``num_requests`` requests of ``workload``
+    (all queued at once), every token generated and timed: output tokens/s over the seconds ``generate`` ran.
+
+    Returns ``{'requests', 'batch_size', 'output_tokens', 'total_s', 'output_tok_s', 'request_ids'}``; serve the
+    same ``request_ids`` with the engine to compare like with like."""
+    if not 1 <= num_requests <= len(workload):
+        raise ValueError(f"num_requests={num_requests} must be between 1 and len(workload)={len(workload)}")
+    sub = [dataclasses.replace(r, arrival_s=0.0) for r in workload[:num_requests]]
+    run_generate(model, [sub[0].prompt_ids], 2, pad_token_id)  # warm-up
+    _, busy = serve_static(model, sub, batch_size, pad_token_id)
+    tokens = sum(r.max_new_tokens for r in sub)
+    return {"requests": len(sub), "batch_size": batch_size, "output_tokens": tokens, "total_s": busy,
+            "output_tok_s": tokens / busy, "request_ids": [r.request_id for r in sub]}
+
+
 def hf_static_probe(model, workload: list[RequestSpec], batch_size: int, probe_tokens: int,
                     pad_token_id: int = 0) -> dict:
     """Time HF ``generate`` on the first ``batch_size`` prompts of ``workload`` for ``probe_tokens`` tokens:
