@@ -145,7 +145,7 @@ def test_sampled_end_to_end_follows_target():
         seconds = torch.softmax(tgt(torch.tensor([[*prompt, t] for t in range(5)]))[:, -1], -1)
     joint = (p1[:, None] * seconds).flatten()
     g = torch.Generator().manual_seed(1)
-    dec = SpeculativeDecoder(tgt, DraftModelProposer(draft, num_blocks=32, block_size=4), k=3, num_blocks=32,
+    dec = SpeculativeDecoder(tgt, DraftModelProposer(draft, num_blocks=256, block_size=4), k=3, num_blocks=256,
                              block_size=4)
     counts = torch.zeros(25)
     for _ in range(100):
@@ -154,7 +154,7 @@ def test_sampled_end_to_end_follows_target():
             counts[o[0] * 5 + o[1]] += 1
     assert 0 < dec.stats.accepted < dec.stats.proposed
     assert chi_square(counts, joint) < 51.2
-    assert dec.cache.allocator.num_free == 32
+    assert dec.cache.allocator.num_free == 256
 
 
 def test_bad_input(target):
