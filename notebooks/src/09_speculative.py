@@ -33,6 +33,7 @@ PROFILE = resolve_profile(profile)
 import matplotlib.pyplot as plt
 import pandas as pd
 import torch
+from transformers import AutoTokenizer
 
 import labkit  # noqa: F401  (sets up Triton for the host before anything imports it)
 from labkit.bench import record_figure, write_record
@@ -40,7 +41,7 @@ from labkit.data import split_tokens
 from labkit.engine.proposers import DraftModelProposer, PromptLookupProposer
 from labkit.experiments import speculative as S
 from labkit.model import from_config, load_checkpoint
-from labkit.models import DATA_DIR, load_model
+from labkit.models import DATA_DIR, EMBEDDED_MODEL_DIR
 
 SIZES = {"ci": dict(prompts=2, prompt_len=48, new=8, ks=[2], batches=[1, 4], iters=2),
          "cpu": dict(prompts=6, prompt_len=96, new=32, ks=[1, 2, 4], batches=[1, 4, 16, 64], iters=5),
@@ -80,13 +81,13 @@ display(pred.round(3))
 
 # %%
 target = load_checkpoint(dtype=torch.float32, device=DEVICE)
-_, tok = load_model()
+tok = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
 draft = load_checkpoint(DATA_DIR / "pydocs-llama-draft", dtype=torch.float32, device=DEVICE)
 heldout = split_tokens("heldout", tok)
 step = len(heldout) // SIZES["prompts"]
 prompts = [heldout[i * step:i * step + SIZES["prompt_len"]].tolist() for i in range(SIZES["prompts"])]
 N = SIZES["new"]
-base_out, base_stats, base_s = S.run_decoder(target, None, [prompts[0]], 0, N)  # warm-up
+S.run_decoder(target, None, prompts[:1], 0, N)  # warm-up
 rows, outs = [], {}
 base_out, base_stats, base_s = S.run_decoder(target, None, prompts[:1], 0, N)
 for name, make in (("draft", lambda: DraftModelProposer(draft)), ("prompt_lookup", PromptLookupProposer)):
