@@ -55,7 +55,8 @@ the same corpus and with the same tokenizer.
 | held-out perplexity | **{ppl:.2f}** (the target's: 23.39; unigram baseline {uni:.1f}) |
 
 ```
-python scripts/train_draft_model.py --steps {steps} --batch {batch} --seq-len {seq_len} --lr {lr}
+python scripts/train_draft_model.py --steps {steps} --batch {batch} --seq-len {seq_len} --lr {lr} \\
+    --warmup {warmup} --eval-every {eval_every}
 ```
 Record: `results/model/records/train_draft_model.json`. What it is for, and how often the target accepts its
 tokens: `notebooks/09_speculative.ipynb`.
@@ -85,7 +86,8 @@ def main() -> None:
     (args.out / "README.md").write_text(CARD.replace("{arch}", ARCH).replace("{training}", TRAINING).format(
         params=params, ratio=TINY.num_params / params, embed=DRAFT.vocab_size * DRAFT.hidden_size, mb=mb,
         steps=args.steps, batch=args.batch, seq_len=args.seq_len, tokens=args.steps * args.batch * args.seq_len,
-        lr=args.lr, train_s=res["train_s"], best_step=res["best_step"], ppl=res["heldout_ppl_fp32"],
+        lr=args.lr, warmup=args.warmup, eval_every=args.eval_every, train_s=res["train_s"],
+        best_step=res["best_step"], ppl=res["heldout_ppl_fp32"],
         uni=res["unigram_ppl"]))
     RECORD.parent.mkdir(parents=True, exist_ok=True)
     record = {"env": environment(), "args": {k: str(v) for k, v in vars(args).items()}, "params": params, **res}
