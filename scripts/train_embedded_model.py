@@ -54,14 +54,15 @@ def heldout_loss(model, heldout: torch.Tensor, seq_len: int) -> float:
     return math.log(ppl)
 
 
-def train(args) -> dict:
+def train(args, spec=TINY) -> dict:
+    """Train a model of ``spec`` (the embedded model's shape by default; the draft model passes its own)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(args.seed)
     tok = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
     train_ids, heldout_ids = split_tokens("train", tok), split_tokens("heldout", tok)
-    config = TINY.to_hf_config()
+    config = spec.to_hf_config()
     config.pad_token_id, config.bos_token_id, config.eos_token_id = (
         tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
     config.attention_dropout = args.attn_dropout

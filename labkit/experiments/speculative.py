@@ -1,0 +1,107 @@
+"""What notebook 09 runs: the speedup model of speculative decoding, acceptance rates, the verify cost ratio and the
+measured speedup (``labkit.engine.speculative``).
+
+The model (Leviathan et al. 2023, section 3). With per-token acceptance probability α, independent, a step that
+proposes ``k`` tokens emits ``E = 1 + α + ... + α^k = (1 - α^(k+1)) / (1 - α)`` tokens on average (the accepted
+run plus the target's own token). The step costs ``k`` draft steps and one target forward over ``k + 1`` tokens:
+in units of a plain 1-token target step, ``k·c_draft + c_verify(k)``. So
+
+    speedup = E / (k·c_draft + c_verify(k)).
+
+At batch 1 on a GPU a target step reads every weight to make one token, so ``c_verify(k)`` is close to 1: the
+``k`` extra rows ride on the same weight read. As the batch grows the step becomes compute-bound, ``c_verify``
+tends to ``k + 1``, and the speedup falls below 1: where that happens is the batch size at which it stops paying.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from labkit.engine.proposers import Proposer
+from labkit.engine.speculative import SpecStats, SpeculativeDecoder
+from labkit.model.attention import AttentionMetadata
+from labkit.model.model import CausalLM
+
+
+def expected_tokens_per_step(alpha: float, k: int) -> float:
+    """``(1 - α^(k+1)) / (1 - α)``: tokens one verify step emits on average (``k + 1`` at α = 1)."""
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"alpha={alpha} must be in [0, 1]")
+    return float(k + 1) if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def predicted_speedup(alpha: float, k: int, verify_cost: float, draft_cost: float = 0.0) -> float:
+    """Tokens per unit of plain-step time relative to plain decoding: ``E / (k·draft_cost + verify_cost)``;
+    costs in units of one plain 1-token target step."""
+    return expected_tokens_per_step(alpha, k) / (k * draft_cost + verify_cost)
+
+
+def alpha_from_tokens_per_step(tokens_per_step: float, k: int) -> float:
+    """Invert ``expected_tokens_per_step`` by bisection: the α a measured mean of emitted tokens implies."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens_per_step(mid, k) < tokens_per_step else (lo, mid)
+    return (lo + hi) / 2
+
+
+def run_decoder(target: CausalLM, proposer: Proposer | None, prompts: Sequence[Sequence[int]], k: int,
+                max_new_tokens: int, num_blocks: int = 512) -> tuple[list[list[int]], SpecStats, float]:
+    """Greedy generation with ``proposer`` (``None``: plain decoding); ``(outputs, stats, seconds)``."""
+    dec = SpeculativeDecoder(target, proposer, k=k, num_blocks=num_blocks)
+    sync(target.device)
+    t0 = time.perf_counter()
+    out = dec.generate(prompts, max_new_tokens)
+    sync(target.device)
+    return out, dec.stats, time.perf_counter() - t0
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def verify_cost_ratio(model: CausalLM, k: int, batch: int = 1, context: int = 512, iters: int = 10,
+                      block_size: int = 16) -> dict:
+    """Time of one target forward over ``k + 1`` tokens per sequence against one over 1 token per sequence, for
+    ``batch`` sequences of ``context`` cached tokens; median seconds and their ratio ``c_verify(k)``."""
+    from labkit.bench import time_fn
+
+    cache = model.make_cache(batch * ((context + k + 1) // block_size + 2), block_size)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    for s in range(batch):
+        cache.allocate(s, torch.randint(0, vocab, (context + k + 1,), generator=g).tolist())
+
+    def step(q: int):
+        ids, pos, meta = AttentionMetadata.from_cache(cache, list(range(batch)), [q] * batch)
+        return lambda: model.lm_head(model.model(ids, pos, cache, meta))
+
+    one, many = step(1), step(k + 1)
+    t1 = time_fn(one, model.device, warmup=2, iters=iters).median_s
+    tk = time_fn(many, model.device, warmup=2, iters=iters).median_s
+    return {"k": k, "batch": batch, "context": context, "t_1token_s": t1, "t_verify_s": tk, "ratio": tk / t1}
+
+
+def draft_cost_ratio(target: CausalLM, draft: CausalLM, context: int = 128, iters: int = 10) -> float:
+    """A 1-token draft step over a 1-token target step at batch 1 (``c_draft``)."""
+    t = verify_cost_ratio(target, 0, 1, context, iters)["t_1token_s"]
+    d = verify_cost_ratio(draft, 0, 1, context, iters)["t_1token_s"]
+    return d / t
+
+
+def stop_paying_batch(alpha: float, k: int, verify_ratios: dict[int, float], draft_cost: float = 0.0) -> int | None:
+    """The smallest measured batch size whose predicted speedup is below 1 (``None``: it pays at every one)."""
+    for b in sorted(verify_ratios):
+        if predicted_speedup(alpha, k, verify_ratios[b], draft_cost) < 1:
+            return b
+    return None
+
+
+def wasted_flops_fraction(alpha: float, k: int) -> float:
+    """Share of the verify forward's token rows whose result is thrown away: ``1 - E / (k + 1)``."""
+    return 1 - expected_tokens_per_step(alpha, k) / (k + 1)
