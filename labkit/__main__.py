@@ -8,6 +8,7 @@
     python -m labkit docs [--check]                   # docs/api.md from the exported names' docstrings
     python -m labkit bench kernels|serve|decode [ARGS...]  # the kernel, serving and decode benchmarks
     python -m labkit claims [--write]                 # check every notebook claim against results/summary.json
+    python -m labkit exercises [--status FILE]        # every exercise and this learner's status
 """
 
 from __future__ import annotations
@@ -104,6 +105,13 @@ def _docs(args) -> int:
     return 1 if (args.check and stale) else 0
 
 
+def _exercises(args) -> int:
+    from labkit.exercises import report
+
+    print(report(args.status))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from labkit import __version__
 
@@ -140,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--out", default=None, help="the page to write (default: docs/api.md of the repository)")
     d.add_argument("--check", action="store_true", help="only report whether the page is out of date; exit 1 if so")
     d.set_defaults(fn=_docs)
+    ex = sub.add_parser("exercises", help="list the exercises of notebooks 01-08 with your status (pass, fail, "
+                                          "not tried)")
+    ex.add_argument("--status", default=None, help="the status file (default: $LABKIT_EXERCISES_STATUS or "
+                                                   "~/.labkit/exercises.json)")
+    ex.set_defaults(fn=_exercises)
     args = ap.parse_args(argv)
     try:
         return args.fn(args)
