@@ -62,19 +62,20 @@ def tensor_diff(expected: torch.Tensor, actual: Any, rtol: float = 1e-5, atol: f
     if not n_bad:
         return None
     idx = bad.nonzero().tolist()
-    err = (a - e).abs().nan_to_num(nan=float("inf"))
-    worst = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape)) if e.dim() else ()
     lines = [f"{n_bad} of {e.numel()} elements differ (tolerance rtol={rtol:g}, atol={atol:g})",
-             "first at " + ", ".join(str(list(i)) for i in idx[:show]) + (" ..." if n_bad > show else "")]
+             "first at " + ", ".join(str(i) for i in idx[:show]) + (" ..." if n_bad > show else "")]
     if e.dim() >= 1:
         rows = sorted({i[0] for i in idx})
-        lines.append(f"in {len(rows)} of {e.shape[0]} rows along dim 0" + (f": {rows[:8]}" if len(rows) < e.shape[0]
-                                                                            else ""))
-    n_nan = int(torch.isnan(a[bad]).sum())
-    if n_nan:
-        lines.append(f"{n_nan} of them are NaN (never written? out-of-range load?)")
-    lines.append(f"max abs error {float(err[worst]) if e.dim() else float(err):.4g} at {list(worst)}: "
-                 f"expected {float(e[worst]):.6g}, got {float(a[worst]):.6g}")
+        lines.append(f"in {len(rows)} of {e.shape[0]} rows along dim 0"
+                     + (f": {rows[:8]}" + (" ..." if len(rows) > 8 else "") if len(rows) < e.shape[0] else ""))
+    nan = bad & torch.isnan(a)
+    if nan.any():
+        lines.append(f"{int(nan.sum())} of them are NaN (never written? a masked-off or out-of-range load?)")
+    err = torch.where(bad & ~nan, (a - e).abs(), torch.full_like(a, -1.0))
+    if (err >= 0).any():
+        at = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape)) if e.dim() else ()
+        lines.append(f"max abs error {float(err[at]):.4g} at {list(at)}: expected {float(e[at]):.6g}, "
+                     f"got {float(a[at]):.6g}")
     return "\n".join(lines)
 
 
@@ -119,6 +120,12 @@ def diff(expected: Any, actual: Any, rtol: float = 1e-9, path: str = "") -> str 
             return f"{where}expected {len(expected)} items, got {len(actual)}: {_short(actual)}"
         return None
     return None if actual == expected else f"{where}expected {_short(expected)}, got {_short(actual)}"
+
+
+def whole_diff(expected: Any, actual: Any) -> str | None:
+    """For small answers (a list of rows): both in full, then where they first differ."""
+    d = diff(expected, actual)
+    return None if d is None else f"expected {expected!r}\ngot      {_short(actual)}\nfirst difference: {d}"
 
 
 def trace_diff(expected: list[tuple[str, Any]], actual: list[tuple[str, Any]]) -> str | None:

@@ -46,37 +46,42 @@ def _allocator_cases() -> list[Case]:
 
 
 def _run_allocator(cls, data):
-    """Drive an allocator class through ``ops``; the trace holds num_free and, per allocate, the ids in terms of
-    the order they were first handed out (so another free-list order still matches when the sharing is right)."""
+    """Drive an allocator class through ``ops``. Blocks are named by *handle*, the order they were handed out in,
+    so another free-list order still matches; incref/free pick among the handles still referenced (by the
+    checker's own count), and a block whose last reference went is freed and incref'd once more: both must raise."""
     n, ops = data
     a = cls(n)
-    names: dict[int, int] = {}  # learner id -> reference id, learned from the blocks allocate returned
+    handles: list[int] = []  # this implementation's block id of each handle
+    counts: list[int] = []  # references of each handle, counted by the checker
     trace = [("construct", {"num_free": a.num_free})]
-    refs = [0] * n  # reference counts as the reference allocator will have them, by reference id
     for op, arg in ops:
+        live = [h for h, c in enumerate(counts) if c > 0]
         if op == "allocate":
             kind, got = _outcome(a.allocate, arg)
             obs = {"outcome": kind}
             if kind == "ok":
                 got = list(got)
-                ok = len(got) == arg and len(set(got)) == arg and all(isinstance(b, int) and 0 <= b < n for b in got)
-                obs["returned distinct ids in 0..n-1"] = ok
-                if ok:
-                    obs["handed out a block in use"] = any(refs[names[b]] > 0 for b in got if b in names)
-                    for b in got:
-                        names.setdefault(b, len(names))
-                        refs[names[b]] = 1
-        else:  # incref / free act on the (arg mod k)-th block handed out so far: the same block in both runs
-            if not names:
-                continue
-            inv = {v: k for k, v in names.items()}
-            target = arg % len(names)
-            kind, _ = _outcome(getattr(a, op), inv[target])
-            obs = {"outcome": kind}
-            if kind == "ok":
-                refs[target] += 1 if op == "incref" else -1
-        obs["num_free"] = a.num_free
-        trace.append((f"{op}({arg})" if op == "allocate" else f"{op}(block #{arg % len(names)} handed out)", obs))
+                in_use = {handles[h] for h in live}
+                obs["returned n distinct ids in 0..num_blocks-1"] = (
+                    len(got) == arg and len(set(got)) == arg and all(isinstance(b, int) and 0 <= b < n for b in got))
+                obs["returned a block still in use"] = any(b in in_use for b in got)
+                handles += got
+                counts += [1] * len(got)
+            obs["num_free"] = a.num_free
+            trace.append((f"allocate({arg})", obs))
+            continue
+        if not live:
+            continue
+        h = live[arg % len(live)]
+        kind, _ = _outcome(getattr(a, op), handles[h])
+        if kind == "ok":
+            counts[h] += 1 if op == "incref" else -1
+        trace.append((f"{op}(block handed out #{h})", {"outcome": kind, "num_free": a.num_free}))
+        if op == "free" and kind == "ok" and counts[h] == 0:
+            for again in ("free", "incref"):  # the block is free now: a double free and a share of it must raise
+                kind, _ = _outcome(getattr(a, again), handles[h])
+                trace.append((f"{again}(block handed out #{h}) again, now that it is free",
+                              {"outcome": kind, "num_free": a.num_free}))
     return trace
 
 
@@ -144,28 +149,33 @@ def _cow_cases() -> list[Case]:
 
 
 def _run_cow(cls, data):
-    """Trace each sequence's table (block ids renamed in order of first appearance), num_free and the copies."""
+    """Trace each live sequence's table, num_free and the copies after every call. Block ids are renamed afresh at
+    every step, in order of appearance across the tables, so the trace compares which blocks are shared by which
+    sequences, not which ids an allocator picked."""
     nb, bs, ops = data
     c = cls(nb, bs)
-    names: dict[int, int] = {}
     live: list[str] = []
-
-    def name(b):
-        return names.setdefault(b, len(names))
-
     trace = []
     for op in ops:
         before = len(c.copies)
         kind, _ = _outcome(getattr(c, op[0]), *op[1:])
         if kind == "ok":
             if op[0] in ("allocate", "fork"):
-                live.append(op[-2] if op[0] == "allocate" else op[2])
+                live.append(op[1] if op[0] == "allocate" else op[2])
             elif op[0] == "free":
                 live.remove(op[1])
-        obs = {"outcome": kind, "num_free": c.num_free,
-               "copies made by this call": [(name(s), name(d)) for s, d in c.copies[before:]]}
-        for s in live:
-            obs[f"block table of {s}"] = [name(b) for b in c.block_table(s)]
+        tables = {s: list(c.block_table(s)) for s in live}
+        names: dict[int, str] = {}
+        for t in tables.values():
+            for b in t:
+                names.setdefault(b, f"B{len(names)}")
+        obs = {"outcome": kind}
+        for s, t in tables.items():
+            obs[f"block table of {s}"] = [names[b] for b in t]
+        obs["copies made by this call (src, dst)"] = [(names.get(s, "a block no table holds"),
+                                                       names.get(d, "a block no table holds"))
+                                                      for s, d in c.copies[before:]]
+        obs["num_free"] = c.num_free
         trace.append((f"{op[0]}({', '.join(map(repr, op[1:]))})", obs))
     return trace
 

@@ -11,7 +11,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from labkit.exercises.core import Case, Exercise, register
+from labkit.exercises.core import Case, Exercise, register, whole_diff
 
 
 @dataclass(frozen=True)
@@ -106,8 +106,9 @@ def _run_step(fn, data):
 
 register(Exercise(
     "05.schedule_step", "one continuous-batching step under a token budget", schedule_step, _step_cases,
-    _run_step, hint="decodes first, then prefills under way, then admissions; every row spends budget; stop "
-                    "admitting at the first request that does not fit (no skipping ahead)"))
+    _run_step, whole_diff,
+    hint="decodes first, then prefills under way, then admissions; every row spends budget; stop admitting at the "
+         "first request that does not fit (no skipping ahead)"))
 
 
 def reserve_decodes(running: list[Req], free_blocks: int, block_size: int) -> tuple[list[str], list[str]]:
@@ -167,6 +168,6 @@ def _run_decodes(fn, data):
 
 register(Exercise(
     "05.decode_slots", "decode slots with preemption of the youngest when blocks run out", reserve_decodes,
-    _decode_cases, _run_decodes,
+    _decode_cases, _run_decodes, whole_diff,
     hint="a new block is needed only when the token lands at offset 0 of a block; preempt from the end of running "
          "(youngest), free its blocks, and stop if the victim is the request you were serving"))
