@@ -499,3 +499,21 @@ def test_max_batch_right_and_without_headroom():
 
 def test_exercise_sources_live_beside_the_notebook_sources():
     assert EXERCISE_DIR.is_dir() and len(list(EXERCISE_DIR.glob("0[1-8]_*.py"))) == 8
+
+
+@pytest.mark.notebooks
+def test_exercise_cells_run_headless_as_the_workbook_runner_runs_them(tmp_path):
+    """Every exercise cell of notebooks 01-08, in one notebook, under papermill with the runner's environment: the
+    skeletons are replaced by the solutions and every check passes."""
+    from labkit.workbook import NOTEBOOK_DIR, _render, execute_notebook, notebook_from_percent
+
+    src = '# %% tags=["parameters"]\nprofile = "ci"\n' + "".join(exercise_source(f"{i:02d}") for i in range(1, 9))
+    nb = tmp_path / "src" / "99_exercises.ipynb"
+    nb.parent.mkdir()
+    nb.write_text(_render(notebook_from_percent(src)))
+    assert NOTEBOOK_DIR.is_dir()
+    execute_notebook(nb, tmp_path / "out", profile="ci", timeout=300)
+    out = json.loads((tmp_path / "out" / nb.name).read_text())
+    text = "".join("".join(o.get("text", "")) for c in out["cells"] for o in c.get("outputs", []))
+    assert text.count("checking labkit's reference solution instead") == len(NAMES), text
+    assert text.count("cases passed") == len(NAMES), text
