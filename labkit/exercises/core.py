@@ -64,7 +64,7 @@ def tensor_diff(expected: torch.Tensor, actual: Any, rtol: float = 1e-5, atol: f
     idx = bad.nonzero().tolist()
     lines = [f"{n_bad} of {e.numel()} elements differ (tolerance rtol={rtol:g}, atol={atol:g})",
              "first at " + ", ".join(str(i) for i in idx[:show]) + (" ..." if n_bad > show else "")]
-    if e.dim() >= 1:
+    if e.dim() >= 2:
         rows = sorted({i[0] for i in idx})
         lines.append(f"in {len(rows)} of {e.shape[0]} rows along dim 0"
                      + (f": {rows[:8]}" + (" ..." if len(rows) > 8 else "") if len(rows) < e.shape[0] else ""))
@@ -129,12 +129,22 @@ def whole_diff(expected: Any, actual: Any) -> str | None:
 
 
 def trace_diff(expected: list[tuple[str, Any]], actual: list[tuple[str, Any]]) -> str | None:
-    """Compare two traces of ``(step, observation)``: the first step whose observation differs."""
+    """Compare two traces of ``(step, observation)``: the first step whose observation differs, and (when short)
+    the whole observation of that step on both sides."""
     for i, ((step, e), (_, a)) in enumerate(zip(expected, actual)):
         d = diff(e, a)
         if d:
             done = "; ".join(s for s, _ in expected[max(0, i - 4):i])
-            return (f"at step {i + 1} ({step})" + (f", after ... {done}" if done else "") + f"\n{d}")
+            out = f"at step {i + 1} ({step})" + (f", after ... {done}" if done else "") + f"\n{d}"
+            if len(repr(e)) <= 400:
+                out += f"\nexpected after this step: {_state(e)}\nyours after this step:    {_state(a)}"
+            return out
     if len(actual) < len(expected):
         return f"your run stopped after {len(actual)} of {len(expected)} steps"
     return None
+
+
+def _state(obs: Any) -> str:
+    if isinstance(obs, dict):
+        return "; ".join(f"{k} {v}" for k, v in obs.items())
+    return _short(obs)

@@ -39,7 +39,7 @@ def _allocator_cases() -> list[Case]:
                 ops.append(("free", rng.randrange(n)))
         cases.append(Case(f"{n} blocks, {len(ops)} random allocate / incref / free calls (some must raise)",
                           (n, ops)))
-    cases.insert(0, Case("3 blocks: allocate 2, share one, free it twice, allocate 2",
+    cases.insert(0, Case("3 blocks: allocate 2, share one, free it twice (a third free must raise), allocate 2",
                          (3, [("allocate", 2), ("incref", 0), ("free", 0), ("free", 0), ("allocate", 2),
                               ("allocate", 1), ("free", 1), ("free", 1)])))
     return cases
