@@ -133,6 +133,7 @@ def test_tensor_diff_says_which_elements_differ():
     msg = tensor_diff(e, a)
     assert "2 of 12 elements differ" in msg and "[1, 2]" in msg and "[2, 3]" in msg
     assert "1 of them are NaN" in msg and "max abs error" in msg and "expected 6" in msg
+    assert "  ....\n  ..x.\n  ...N" in msg  # the picture: one line per row
     assert "shape" in tensor_diff(e, e[:2]) and tensor_diff(e, e.clone()) is None
 
 

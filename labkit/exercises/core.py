@@ -71,12 +71,36 @@ def tensor_diff(expected: torch.Tensor, actual: Any, rtol: float = 1e-5, atol: f
     nan = bad & torch.isnan(a)
     if nan.any():
         lines.append(f"{int(nan.sum())} of them are NaN (never written? a masked-off or out-of-range load?)")
+    lines += error_map(bad, nan)
     err = torch.where(bad & ~nan, (a - e).abs(), torch.full_like(a, -1.0))
     if (err >= 0).any():
         at = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape)) if e.dim() else ()
         lines.append(f"max abs error {float(err[at]):.4g} at {list(at)}: expected {float(e[at]):.6g}, "
                      f"got {float(a[at]):.6g}")
     return "\n".join(lines)
+
+
+def error_map(bad: torch.Tensor, nan: torch.Tensor, width: int = 64, max_lines: int = 8) -> list[str]:
+    """A picture of where the wrong elements are, as Triton-Puzzles draws it: ``.`` right, ``x`` wrong, ``N`` NaN;
+    one line per row (of the last two dims flattened), one character per run of columns when a row is long."""
+    if bad.dim() >= 2:
+        b, n = bad.reshape(-1, bad.shape[-1]), nan.reshape(-1, bad.shape[-1])
+        per = -(-b.shape[1] // width)
+    else:  # 1-D: wrap the elements over up to max_lines lines of width characters
+        per = max(1, -(-bad.numel() // (width * max_lines)))
+        b, n = bad.reshape(1, -1), nan.reshape(1, -1)
+    chars = []
+    for r in range(min(b.shape[0], max_lines)):
+        row = "".join("N" if n[r, c:c + per].any() else "x" if b[r, c:c + per].any() else "."
+                      for c in range(0, b.shape[1], per))
+        chars.append(row)
+    if bad.dim() < 2:
+        chars = [chars[0][i:i + width] for i in range(0, len(chars[0]), width)]
+    unit = "1 element" if per == 1 else f"{per} elements"
+    head = f"where (. right, x wrong, N NaN; one character = {unit}" + (
+        ", one line = one row)" if bad.dim() >= 2 else ")")
+    more = [f"  ... {b.shape[0] - max_lines} more rows"] if bad.dim() >= 2 and b.shape[0] > max_lines else []
+    return [head] + ["  " + c for c in chars[:max_lines]] + more
 
 
 def _short(x: Any, n: int = 300) -> str:
