@@ -56,3 +56,25 @@ register(Exercise(
     "01.kv_bytes", "KV-cache bytes of a model at a batch and context", kv_cache_bytes, _kv_cases,
     lambda fn, c: fn(*c),
     hint="K and V, every layer, one vector of head_dim per KV head (grouped-query attention has fewer KV heads)"))
+
+
+def decode_floor(spec: ModelSpec, batch: int, context: int, dtype: str, bandwidth: float) -> float:
+    """Solution: the bandwidth floor of one decode step (seconds): every weight read once (the embedding table
+    only as a tied LM head), plus the KV cache of ``batch`` sequences of ``context`` tokens, over ``bandwidth``."""
+    return (spec.decode_weight_bytes(dtype) + batch * spec.kv_bytes(context, dtype)) / bandwidth
+
+
+def _floor_cases() -> list[Case]:
+    tied = ModelSpec(name="small-tied (embeddings shared with the LM head)", vocab_size=49152, hidden_size=2048,
+                     num_layers=30, num_heads=32, num_kv_heads=2, intermediate_size=8192, tie_embeddings=True)
+    rows = [("llama-3-8b", 1, 512, "bf16", 4.8e12), ("llama-3-8b", 64, 512, "bf16", 3.35e12),
+            (tied, 7, 3000, "bf16", 1.0e12), ("llama-3-70b", 16, 4096, "fp8", 4.8e12),
+            ("gpt3-175b", 3, 2048, "int8", 3.35e12), ("llama-2-7b", 1, 1, "fp32", 80e9)]
+    return [Case(f"{get_spec(s).name}: batch={b}, context={c}, {d}, {bw / 1e12:.2f} TB/s", (get_spec(s), b, c, d, bw))
+            for s, b, c, d, bw in rows]
+
+
+register(Exercise(
+    "01.decode_floor", "the bandwidth floor of one decode step", decode_floor, _floor_cases, lambda fn, c: fn(*c),
+    hint="a decode step reads each weight once, except the embedding table (one row per token) unless it is tied "
+         "to the LM head; plus every sequence's KV cache"))

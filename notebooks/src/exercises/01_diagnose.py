@@ -49,3 +49,22 @@ def kv_cache_bytes(spec, batch, context, dtype):
 
 # %%
 check("01.kv_bytes", kv_cache_bytes)
+
+# %% [markdown]
+# ### Exercise 01.decode_floor (15 minutes)
+# Decode at small batch is memory-bound, so its floor is the bytes a step must read over memory bandwidth. Write
+# `decode_floor(spec, batch, context, dtype, bandwidth)`, the seconds of one decode step at that floor:
+#
+# * every weight is read once, except the embedding table: a step reads only one row of it per token, so leave it
+#   out, unless the model ties it to the LM head (`spec.tie_embeddings`), which reads it in full;
+#   `spec.num_params` counts every parameter, `spec.embedding_params` the table;
+# * plus the KV cache of `batch` sequences of `context` tokens (your `kv_cache_bytes` above).
+
+# %%
+def decode_floor(spec, batch, context, dtype, bandwidth):
+    # TODO: bytes of one step over the bandwidth
+    raise NotImplementedError("fill in decode_floor")
+
+
+# %%
+check("01.decode_floor", decode_floor)
