@@ -528,3 +528,50 @@ def test_decode_floor_right_and_reading_the_whole_embedding_table():
 
     _passes("01.decode_floor", floor)
     _fails("01.decode_floor", lambda *a: floor(*a, skip_table=False), "llama-3-8b", "expected")
+
+
+@triton.jit
+def softmax_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=float("-inf"))
+    e = tl.exp(x - tl.max(x, axis=0))
+    tl.store(out_ptr + row * n_cols + cols, e / tl.sum(e, axis=0), mask=mask)
+
+
+@triton.jit
+def softmax_kernel_pads_zeros(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    e = tl.exp(x - tl.max(x, axis=0))
+    tl.store(out_ptr + row * n_cols + cols, e / tl.sum(e, axis=0), mask=mask)
+
+
+@triton.jit
+def softmax_kernel_no_max(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=float("-inf"))
+    e = tl.exp(x)
+    tl.store(out_ptr + row * n_cols + cols, e / tl.sum(e, axis=0), mask=mask)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+def test_softmax_kernel_right_wrong_padding_and_without_the_maximum():
+    _passes("03.softmax", softmax_kernel)
+    _fails("03.softmax", softmax_kernel_pads_zeros, "x [3, 37]", "elements differ")
+    _fails("03.softmax", softmax_kernel_no_max, "NaN")
+
+
+def test_int8_quantize_right_and_with_the_full_byte_range():
+    def q8(w, qmax=127):
+        amax = w.abs().amax(1)
+        scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+        return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+    _passes("04.int8_quantize", q8)
+    _fails("04.int8_quantize", lambda w: q8(w, 255), "scale: ", "elements differ")

@@ -1,4 +1,4 @@
-"""Notebook 03 (kernels): an RMSNorm and a SwiGLU (``silu(gate) * up``) Triton kernel, written from a skeleton.
+"""Notebook 03 (kernels): RMSNorm, SwiGLU (``silu(gate) * up``) and softmax Triton kernels, written from skeletons.
 
 The learner passes a ``@triton.jit`` kernel with the signature the task gives; the checker launches it (one program
 per row for RMSNorm, blocks of ``BLOCK`` elements for SwiGLU) on irregular sizes, outputs filled with NaN first, so
@@ -16,6 +16,7 @@ from labkit.device import default_device
 from labkit.exercises.core import Case, Exercise, register, tensor_diff
 from labkit.kernels.rms_norm import rms_norm
 from labkit.kernels.silu_and_mul import silu_and_mul
+from labkit.kernels.softmax import softmax
 
 
 def _is_kernel(fn) -> bool:
@@ -80,3 +81,26 @@ register(Exercise(
     "03.silu_and_mul", "SwiGLU activation kernel: out = silu(gate) * up, elementwise in blocks", silu_and_mul,
     _swiglu_cases, _run_swiglu, _compare_fp32,
     hint="silu(g) = g * sigmoid(g) = g / (1 + exp(-g)); the last block is partial: mask offsets >= n_elements"))
+
+
+def _softmax_cases() -> list[Case]:
+    sizes = [(2, 16, 1.0), (3, 37, 1.0), (4, 100, 30.0), (1, 1, 1.0), (5, 513, 60.0)]
+    return [Case(f"x [{r}, {c}] float32, values up to about {int(4 * m)} in size", (r, c, m)) for r, c, m in sizes]
+
+
+def _run_softmax(fn, data):
+    rows, cols, scale = data
+    g = torch.Generator().manual_seed(rows * 100 + cols)
+    x = (torch.randn(rows, cols, generator=g) * scale).to(default_device())
+    if not _is_kernel(fn):
+        return fn(x)
+    out = torch.full_like(x, float("nan"))
+    fn[(rows,)](x, out, cols, BLOCK=_next_pow2(cols))
+    return out
+
+
+register(Exercise(
+    "03.softmax", "row-wise softmax Triton kernel, safe from overflow", softmax, _softmax_cases, _run_softmax,
+    _compare_fp32,
+    hint="padding columns must not count: load them as -inf, not 0; subtract the row maximum before exp, or "
+         "large values overflow to inf"))

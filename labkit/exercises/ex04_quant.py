@@ -1,9 +1,9 @@
-"""Notebook 04 (quantisation): int4 group quantisation and its inverse, in labkit's packed format.
+"""Notebook 04 (quantisation): int8 per-channel quantisation, int4 group quantisation and its inverse.
 
 Format (``labkit.kernels.quantized_matmul.packing``): per group of ``group_size`` inputs of a row, ``w = (q - zero)
 * scale`` with integer codes ``q`` in [0, 15]; ``packed`` uint8 ``[N, K // 2]`` holds ``q[n, 2j]`` in the low nibble
 and ``q[n, 2j + 1]`` in the high nibble of byte ``j``; ``scales`` and ``zeros`` ``[N, K // group_size]``. The
-solutions are labkit's ``quantize_int4`` and ``dequantize_int4``.
+solutions are labkit's ``quantize_int8``, ``quantize_int4`` and ``dequantize_int4``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from labkit.exercises.core import Case, Exercise, register, tensor_diff
 from labkit.kernels.quantized_matmul.packing import dequantize_int4, unpack_int4
-from labkit.quant.weight_only import quantize_int4
+from labkit.quant.weight_only import quantize_int4, quantize_int8
 
 SHAPES = [(1, 8, 4), (3, 32, 8), (5, 96, 32), (17, 256, 128), (64, 128, 64)]
 
@@ -74,3 +74,35 @@ register(Exercise(
     _dequant_cases, _run_dequant, lambda e, a: tensor_diff(e, a, rtol=1e-6, atol=1e-7),
     hint="byte j of a row holds column 2j in its low 4 bits and 2j+1 in its high 4 bits; group g of a row covers "
          "columns g*group_size .. (g+1)*group_size - 1"))
+
+
+def _int8_cases() -> list[Case]:
+    return [Case(f"weight [{n}, {k}] float32" + (", one row all zeros" if z else ""), (n, k, z))
+            for n, k, z in ((1, 5, False), (4, 33, True), (17, 256, False), (3, 7, True), (64, 100, True))]
+
+
+def _run_int8(fn, data):
+    n, k, zero_row = data
+    w = _weight(n, k)
+    if zero_row:
+        w[-1] = 0.0
+    return fn(w)
+
+
+def _compare_int8(expected, actual):
+    if not (isinstance(actual, (tuple, list)) and len(actual) == 2):
+        return f"expected a tuple (q, scale), got {type(actual).__name__}"
+    (q, scale), (a_q, a_scale) = expected, actual
+    d = tensor_diff(scale, a_scale, rtol=1e-6, atol=0)
+    if d:
+        return f"scale: {d}"
+    if not isinstance(a_q, torch.Tensor) or a_q.dtype != torch.int8:
+        return f"q: expected an int8 tensor, got {getattr(a_q, 'dtype', type(a_q).__name__)}"
+    d = tensor_diff(q.float(), a_q.float(), rtol=0, atol=0)
+    return None if d is None else f"q: {d}"
+
+
+register(Exercise(
+    "04.int8_quantize", "int8 per-output-channel symmetric quantisation: weight -> (q, scale)",
+    quantize_int8, _int8_cases, _run_int8, _compare_int8,
+    hint="one scale per row: max |w| / 127 (1 for a row of zeros); q = round(w / scale), clamped to [-127, 127]"))

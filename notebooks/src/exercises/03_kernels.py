@@ -50,3 +50,22 @@ def silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, n_elements, BLOCK: tl.constex
 
 # %%
 check("03.silu_and_mul", silu_and_mul_kernel)
+
+# %% [markdown]
+# ### Exercise 03.softmax (20 minutes)
+# Softmax over each row of `x` `[n_rows, n_cols]` (contiguous, float32), one program per row, `BLOCK` the next
+# power of two at or above `n_cols`. Two traps the check looks for: the padding columns past `n_cols` must not
+# count in the sum (what should a masked load return for them?), and some rows hold large values: `exp` of them
+# overflows unless you subtract the row's maximum first.
+
+# %%
+@triton.jit
+def softmax_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    # TODO: load the row (masked), subtract its maximum, exp, divide by the sum, store (masked)
+    raise NotImplementedError("fill in softmax_kernel")
+
+
+# %%
+check("03.softmax", softmax_kernel)
