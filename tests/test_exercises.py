@@ -575,3 +575,13 @@ def test_int8_quantize_right_and_with_the_full_byte_range():
 
     _passes("04.int8_quantize", q8)
     _fails("04.int8_quantize", lambda w: q8(w, 255), "scale: ", "elements differ")
+
+
+def test_a_half_filled_function_that_fails_otherwise_is_a_failure_not_untried():
+    def half(tokens, d_in, d_out, bytes_per_el, peak_flops, bandwidth):
+        if tokens < 0:
+            raise NotImplementedError("the negative case")
+        return tokens * None
+
+    r = _check("01.linear_roofline", half)
+    assert r.status == "fail" and "TypeError" in r.message, r.message
