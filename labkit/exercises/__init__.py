@@ -1,7 +1,7 @@
 """Exercises: the learner writes the key pieces of each technique; labkit checks them against its own code.
 
-Each notebook 01-08 ends with two exercises (``notebooks/src/exercises/NN_<name>.py``, appended when the notebooks
-are built): a task, a skeleton cell that raises ``NotImplementedError``, and a check cell::
+Each notebook 01-08 ends with two or three exercises (``notebooks/src/exercises/NN_<name>.py``, appended when the
+notebooks are built): a task, a skeleton cell that raises ``NotImplementedError``, and a check cell::
 
     from labkit.exercises import check
     check("02.allocator", MyAllocator)

@@ -108,8 +108,13 @@ def _short(x: Any, n: int = 300) -> str:
     return s if len(s) <= n else s[:n] + " ..."
 
 
+NOTE = "note: "
+"""Dict keys starting with this are shown in a report but never compared (what an exception said, say)."""
+
+
 def diff(expected: Any, actual: Any, rtol: float = 1e-9, path: str = "") -> str | None:
-    """Compare nested values (numbers with ``rtol``, tensors elementwise, lists step by step, dicts by key)."""
+    """Compare nested values (numbers with ``rtol``, tensors elementwise, lists step by step, dicts by key, except
+    keys starting with ``NOTE``)."""
     where = f"{path}: " if path else ""
     if isinstance(expected, torch.Tensor):
         d = tensor_diff(expected, actual)
@@ -127,6 +132,8 @@ def diff(expected: Any, actual: Any, rtol: float = 1e-9, path: str = "") -> str 
         if not isinstance(actual, dict):
             return f"{where}expected a dict with keys {sorted(expected)}, got {_short(actual)}"
         for k in expected:
+            if isinstance(k, str) and k.startswith(NOTE):
+                continue
             if k not in actual:
                 return f"{where}missing key {k!r}"
             d = diff(expected[k], actual[k], rtol, f"{path}[{k!r}]" if path else repr(k))

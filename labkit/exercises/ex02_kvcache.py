@@ -9,19 +9,24 @@ from __future__ import annotations
 
 import random
 
-from labkit.exercises.core import Case, Exercise, register, trace_diff
+from labkit.exercises.core import NOTE, Case, Exercise, register, trace_diff
 from labkit.kvcache.block_allocator import BlockAllocator
 from labkit.kvcache.paged import PagedKVCache
 
 
 def _outcome(f, *args):
-    """('ok', value) or ('error', 'raises'): a full cache, a double free, an unknown sequence must raise."""
+    """('ok', value) or ('error', what it said): a full cache, a double free, an unknown sequence must raise."""
     try:
         return "ok", f(*args)
     except NotImplementedError:
         raise
-    except (RuntimeError, ValueError, KeyError, IndexError, AssertionError):  # raising is the right answer here
-        return "error", "raises"
+    except (RuntimeError, ValueError, KeyError, IndexError, AssertionError) as e:  # raising can be the right answer
+        return "error", f"{type(e).__name__}: {e}"[:160]
+
+
+def _obs(kind: str, value) -> dict:
+    """An observation's outcome, with what an exception said as a note (shown, never compared)."""
+    return {"outcome": kind, NOTE + "raised": value} if kind == "error" else {"outcome": kind}
 
 
 def _allocator_cases() -> list[Case]:
@@ -58,7 +63,7 @@ def _run_allocator(cls, data):
         live = [h for h, c in enumerate(counts) if c > 0]
         if op == "allocate":
             kind, got = _outcome(a.allocate, arg)
-            obs = {"outcome": kind}
+            obs = _obs(kind, got)
             if kind == "ok":
                 got = list(got)
                 in_use = {handles[h] for h in live}
@@ -73,15 +78,15 @@ def _run_allocator(cls, data):
         if not live:
             continue
         h = live[arg % len(live)]
-        kind, _ = _outcome(getattr(a, op), handles[h])
+        kind, said = _outcome(getattr(a, op), handles[h])
         if kind == "ok":
             counts[h] += 1 if op == "incref" else -1
-        trace.append((f"{op}(block handed out #{h})", {"outcome": kind, "num_free": a.num_free}))
+        trace.append((f"{op}(block handed out #{h})", {**_obs(kind, said), "num_free": a.num_free}))
         if op == "free" and kind == "ok" and counts[h] == 0:
             for again in ("free", "incref"):  # the block is free now: a double free and a share of it must raise
-                kind, _ = _outcome(getattr(a, again), handles[h])
+                kind, said = _outcome(getattr(a, again), handles[h])
                 trace.append((f"{again}(block handed out #{h}) again, now that it is free",
-                              {"outcome": kind, "num_free": a.num_free}))
+                              {**_obs(kind, said), "num_free": a.num_free}))
     return trace
 
 
@@ -158,7 +163,7 @@ def _run_cow(cls, data):
     trace = []
     for op in ops:
         before = len(c.copies)
-        kind, _ = _outcome(getattr(c, op[0]), *op[1:])
+        kind, said = _outcome(getattr(c, op[0]), *op[1:])
         if kind == "ok":
             if op[0] in ("allocate", "fork"):
                 live.append(op[1] if op[0] == "allocate" else op[2])
@@ -169,7 +174,7 @@ def _run_cow(cls, data):
         for t in tables.values():
             for b in t:
                 names.setdefault(b, f"B{len(names)}")
-        obs = {"outcome": kind}
+        obs = _obs(kind, said)
         for s, t in tables.items():
             obs[f"block table of {s}"] = [names[b] for b in t]
         obs["copies made by this call (src, dst)"] = [(names.get(s, "a block no table holds"),
