@@ -585,3 +585,13 @@ def test_a_half_filled_function_that_fails_otherwise_is_a_failure_not_untried():
 
     r = _check("01.linear_roofline", half)
     assert r.status == "fail" and "TypeError" in r.message, r.message
+
+
+def test_skeleton_source_gives_back_the_cell_to_start_again():
+    from labkit.exercises import skeleton_source
+
+    src = skeleton_source("02.cow")
+    assert src.startswith("from labkit.kvcache.block_allocator import BlockAllocator") and "class MyBlockTables" in src
+    assert 'raise NotImplementedError("fill in softmax_kernel")' in skeleton_source("03.softmax")
+    with pytest.raises(ValueError, match="02.cow"):
+        skeleton_source("02.nothing")

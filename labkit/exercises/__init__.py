@@ -13,7 +13,7 @@ that was not filled in is replaced by the solution, and the check says so. ``pyt
 exercise with this learner's status (``labkit.exercises.status``).
 """
 
-from labkit.exercises.cells import exercise_source
+from labkit.exercises.cells import exercise_source, skeleton_source
 from labkit.exercises.core import REGISTRY, Exercise, tensor_diff
 from labkit.exercises.status import load_status, status_file
 
@@ -53,5 +53,5 @@ def report(status_path=None) -> str:
     return "\n".join(rows)
 
 
-__all__ = ["Exercise", "check", "exercise_source", "exercises", "load_status", "report", "solution", "status_file",
-           "tensor_diff"]
+__all__ = ["Exercise", "check", "exercise_source", "exercises", "load_status", "report", "skeleton_source", "solution",
+           "status_file", "tensor_diff"]

@@ -34,3 +34,15 @@ def exercise_source(stem: str, directory: Path = EXERCISE_DIR) -> str:
 def checked_names(stem: str, directory: Path = EXERCISE_DIR) -> list[str]:
     """The exercise names the check cells of notebook ``stem`` pass to ``check``, in order."""
     return _CHECK.findall(exercise_source(stem, directory))
+
+
+def skeleton_source(name: str, directory: Path = EXERCISE_DIR) -> str:
+    """The skeleton cell of exercise ``name`` as the notebook ships it: to start again, paste it over your cell."""
+    cells = re.split(r"^# %%.*$", exercise_source(name[:2], directory), flags=re.M)
+    for i, cell in enumerate(cells):
+        if _CHECK.search(cell) and _CHECK.search(cell).group("name") == name:
+            code = [c for c in cells[:i] if c.strip() and not c.lstrip().startswith("# ")]
+            if code:
+                return code[-1].strip("\n") + "\n"
+    raise ValueError(f"exercise {name!r} has no skeleton cell in {directory}; allowed: "
+                     f"{[n for nn in range(1, 9) for n in checked_names(f'{nn:02d}', directory)]}")
