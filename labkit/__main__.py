@@ -9,6 +9,7 @@
     python -m labkit bench kernels|serve|decode [ARGS...]  # the kernel, serving and decode benchmarks
     python -m labkit claims [--write]                 # check every notebook claim against results/summary.json
     python -m labkit lab [ARGS...]                    # jupyter lab on notebooks/ (--allow-root when run as root)
+    python -m labkit exercises [--status FILE]        # every exercise and this learner's status
 """
 
 from __future__ import annotations
@@ -126,6 +127,13 @@ def _lab(args) -> int:
     return subprocess.call(cmd, env={**LAB_ENV, **os.environ})
 
 
+def _exercises(args) -> int:
+    from labkit.exercises import report
+
+    print(report(args.status))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from labkit import __version__
 
@@ -165,6 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     la = sub.add_parser("lab", help="jupyter lab on notebooks/ (passes --allow-root when run as root)")
     la.add_argument("rest", nargs=argparse.REMAINDER, help="more jupyter lab arguments, e.g. --no-browser")
     la.set_defaults(fn=_lab)
+    ex = sub.add_parser("exercises", help="list the exercises of notebooks 01-08 with your status (pass, fail, "
+                                          "not tried)")
+    ex.add_argument("--status", default=None, help="the status file (default: $LABKIT_EXERCISES_STATUS or "
+                                                   "~/.labkit/exercises.json)")
+    ex.set_defaults(fn=_exercises)
     args = ap.parse_args(argv)
     try:
         return args.fn(args)

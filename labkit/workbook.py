@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from labkit.device import environ
+from labkit.exercises.cells import exercise_source
 from labkit.models import REPO_ROOT
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
@@ -89,7 +90,7 @@ def build_notebooks(check: bool = False) -> list[str]:
     stale = []
     for src in sorted(SOURCE_DIR.glob("[0-9][0-9]_*.py")):
         target = NOTEBOOK_DIR / (src.stem + ".ipynb")
-        text = _render(notebook_from_percent(src.read_text()))
+        text = _render(notebook_from_percent(src.read_text() + exercise_source(src.stem)))  # + its exercises
         if not target.exists() or target.read_text() != text:
             stale.append(target.name)
             if not check:

@@ -1,0 +1,57 @@
+"""Exercises: the learner writes the key pieces of each technique; labkit checks them against its own code.
+
+Each notebook 01-08 ends with two or three exercises (``notebooks/src/exercises/NN_<name>.py``, appended when the
+notebooks are built): a task, a skeleton cell that raises ``NotImplementedError``, and a check cell::
+
+    from labkit.exercises import check
+    check("02.allocator", MyAllocator)
+
+``check`` runs the learner's function, class or Triton kernel and labkit's solution on the same irregular cases,
+prints which passed and, for the first failure, the expected and actual values (for tensors: which elements differ
+and by how much). It never prints the solution. Under ``python -m labkit run`` and CI (non-interactive) a skeleton
+that was not filled in is replaced by the solution, and the check says so. ``python -m labkit exercises`` lists every
+exercise with this learner's status (``labkit.exercises.status``).
+"""
+
+from labkit.exercises.cells import exercise_source, skeleton_source
+from labkit.exercises.core import REGISTRY, Exercise, tensor_diff
+from labkit.exercises.status import load_status, status_file
+
+
+def check(name: str, impl, **options):
+    """Check ``impl`` against exercise ``name`` and print the report; see ``labkit.exercises.checker.check`` (imported
+    here on first use: building notebooks needs this package, not the kernels and models the exercises load)."""
+    from labkit.exercises.checker import check as _check
+
+    return _check(name, impl, **options)
+
+
+def exercises() -> list[Exercise]:
+    """Every exercise in notebook order."""
+    from labkit.exercises import catalogue  # noqa: F401  (registers them)
+
+    return sorted(REGISTRY.values(), key=lambda e: e.name.split(".")[0])
+
+
+def solution(name: str):
+    """labkit's reference implementation of exercise ``name`` (to read after solving it)."""
+    from labkit.exercises.checker import get_exercise
+
+    return get_exercise(name).solution
+
+
+def report(status_path=None) -> str:
+    """A table of every exercise with the learner's status: pass, fail or not tried."""
+    stored, all_ex = load_status(status_path), exercises()
+    rows = [f"{'exercise':<22} {'status':<10} {'cases':<7} title"]
+    for ex in all_ex:
+        s = stored.get(ex.name, {})
+        cases = f"{s['passed']}/{s['total']}" if "total" in s else ""
+        rows.append(f"{ex.name:<22} {s.get('status', 'not tried'):<10} {cases:<7} {ex.title}")
+    done = sum(1 for ex in all_ex if stored.get(ex.name, {}).get("status") == "pass")
+    rows.append(f"\n{done} of {len(all_ex)} passed; status kept in {status_file(status_path)}")
+    return "\n".join(rows)
+
+
+__all__ = ["Exercise", "check", "exercise_source", "exercises", "load_status", "report", "skeleton_source", "solution",
+           "status_file", "tensor_diff"]

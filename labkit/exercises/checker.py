@@ -1,0 +1,155 @@
+"""The checker behind every exercise: run the learner's code and the reference on the same irregular cases.
+
+An ``Exercise`` names its ``solution`` (labkit's own code where it exists), its ``cases`` (built from a seeded
+generator, irregular on purpose: odd sizes, ragged batches, shared blocks) and a ``run(impl, case)`` that drives an
+implementation through one case and returns what it observed (a value, a tensor, or a trace of steps). ``check``
+runs the solution and the learner's code through the same ``run``, compares, prints which cases passed and, for
+the first one that failed, the expected and actual values (for tensors: how many elements differ, where, and the
+largest error); it never prints the solution.
+
+Non-interactive runs (``python -m labkit run``, CI: the runner sets ``LABKIT_PROFILE``; or ``LABKIT_EXERCISES=
+solutions``) meet skeletons that still raise ``NotImplementedError``: there ``check`` checks the solution instead
+and says so, so the workbook's main job stays green and still proves every checker runs.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from labkit.exercises import catalogue  # noqa: F401  (registers every exercise)
+from labkit.exercises.core import REGISTRY, Exercise, diff
+from labkit.exercises.status import record_status
+
+_PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)  # labkit/: frames inside it are not the learner's
+
+
+class ExerciseError(AssertionError):
+    """The reference solution failed its own checker in a non-interactive run: a labkit bug, not the learner's."""
+
+
+@dataclass
+class Result:
+    """What ``check`` found: ``status`` is 'pass', 'fail' or 'not tried'; ``message`` the report it printed."""
+
+    name: str
+    status: str
+    passed: int
+    total: int
+    message: str
+    used_solution: bool = False
+    failures: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return self.status == "pass"
+
+    def __repr__(self) -> str:
+        return f"Result({self.name!r}, {self.status!r}, {self.passed}/{self.total})"
+
+
+def get_exercise(name: str) -> Exercise:
+    if name not in REGISTRY:
+        raise ValueError(f"exercise {name!r} is unknown; allowed: {sorted(REGISTRY)}")
+    return REGISTRY[name]
+
+
+# --- running ------------------------------------------------------------------------------------------------
+def _is_not_implemented(exc: BaseException, impl: Any) -> bool:
+    """The skeleton's ``NotImplementedError``, even wrapped: Triton's interpreter wraps a kernel's exceptions, and
+    its compiler (on a GPU) refuses ``raise`` altogether, so a kernel whose source still raises it counts too."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, NotImplementedError) or "NotImplementedError" in repr(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return "raise NotImplementedError" in (getattr(impl, "src", None) or "")  # a @triton.jit kernel's source
+
+
+def _learner_frame(exc: BaseException) -> str:
+    """The last traceback line that is not inside labkit or torch: where in the learner's code it raised."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith(_PACKAGE_DIR) and "site-packages" not in f.filename]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f"\n  at {f.filename}:{f.lineno}: {f.line}" if f.line else ""
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text[:120] if text else type(exc).__name__
+
+
+def run_cases(ex: Exercise, impl: Any) -> tuple[int, int, list[str], BaseException | None]:
+    """Run every case until the first failure: (passed, total, report lines, the exception the impl raised)."""
+    compare = ex.compare or diff
+    cases = ex.cases()
+    lines, passed = [], 0
+    for i, case in enumerate(cases, 1):
+        expected = ex.run(ex.solution, case.data)
+        try:
+            actual = ex.run(impl, case.data)
+        except Exception as e:  # the learner's code raised: show what and where, then stop
+            lines.append(f"  FAILED case {i}/{len(cases)}: {case.label}")
+            lines.append(f"    your code raised {type(e).__name__}: {e}{_learner_frame(e)}")
+            return passed, len(cases), lines, e
+        problem = compare(expected, actual)
+        if problem:
+            lines.append(f"  FAILED case {i}/{len(cases)}: {case.label}")
+            lines += ["    " + ln for ln in problem.split("\n")]
+            if ex.hint:
+                lines.append(f"    hint: {ex.hint}")
+            return passed, len(cases), lines, None
+        passed += 1
+        lines.append(f"  passed case {i}/{len(cases)}: {case.label}")
+    return passed, len(cases), lines, None
+
+
+def non_interactive() -> bool:
+    """True under the workbook runner (it sets ``LABKIT_PROFILE``) or with ``LABKIT_EXERCISES=solutions``."""
+    return bool(os.environ.get("LABKIT_PROFILE")) or os.environ.get("LABKIT_EXERCISES") == "solutions"
+
+
+def check(name: str, impl: Any, *, verbose: bool = True, record: bool | None = None,
+          status_path: str | os.PathLike | None = None, solution_if_skeleton: bool | None = None) -> Result:
+    """Check ``impl`` (a function, class or Triton kernel, as the exercise asks) against exercise ``name``.
+
+    Prints which cases passed and the first that failed (expected vs actual) unless ``verbose=False``; returns a
+    ``Result`` (truthy on a pass). ``record`` (default: when interactive) stores the status for ``python -m labkit
+    exercises`` in ``status_path`` (default ``labkit.exercises.status.status_file()``). ``solution_if_skeleton``
+    (default: when non-interactive) checks the reference solution when ``impl`` is still the skeleton.
+    """
+    ex = get_exercise(name)
+    auto = non_interactive()
+    record = (not auto) if record is None else record
+    solution_if_skeleton = auto if solution_if_skeleton is None else solution_if_skeleton
+    passed, total, lines, exc = run_cases(ex, impl)
+    used_solution = False
+    if exc is not None and _is_not_implemented(exc, impl):
+        if solution_if_skeleton:
+            used_solution = True
+            passed, total, lines, exc = run_cases(ex, ex.solution)
+            lines.insert(0, "  the skeleton is not filled in and this run is non-interactive: checking labkit's "
+                            "reference solution instead")
+            status = "pass" if passed == total else "fail"
+        else:
+            lines = [f"  not tried yet: your code still raises NotImplementedError ({_reason(exc)}); {total} cases "
+                     f"wait"]
+            status = "not tried"
+    else:
+        status = "pass" if passed == total else "fail"
+    head = f"{ex.name}: {ex.title}"
+    tail = (f"all {total} cases passed" if status == "pass" else
+            f"{passed} of {total} cases passed" if status == "fail" else "")
+    message = "\n".join([head, *lines] + ([tail] if tail else []))
+    if verbose:
+        print(message)
+    if record and not used_solution:
+        record_status(ex.name, status, passed, total, status_path)
+    if used_solution and status != "pass":
+        raise ExerciseError(f"labkit's reference solution of {ex.name} fails its own checker:\n{message}")
+    return Result(ex.name, status, passed, total, message, used_solution,
+                  [ln for ln in lines if "FAILED" in ln])

@@ -1,0 +1,71 @@
+# %% [markdown]
+# ## Exercises
+#
+# Write two of this notebook's kernels yourself, in the style of Triton-Puzzles. The check launches your kernel on
+# irregular sizes (rows and lengths that are not powers of two), with the output filled with NaN first, and
+# compares with labkit's kernel: it prints how many elements differ, where, and the largest error (an element that
+# stays NaN was never written). On a CPU the kernels run through Triton's interpreter, in seconds.
+# `python -m labkit exercises` lists your progress.
+#
+# ### Exercise 03.rms_norm (25 minutes)
+# One program per row of `x` `[n_rows, n_cols]` (contiguous, float32): load the row, compute
+# `out = x / sqrt(mean(x^2) + eps) * w` with the mean over the `n_cols` real columns, store it. `BLOCK` is the next
+# power of two at or above `n_cols`, so mask the columns past `n_cols` on every load and store.
+#
+# Useful: `tl.program_id(0)`, `tl.arange(0, BLOCK)`, `tl.load(ptr + offsets, mask=..., other=0.0)`,
+# `tl.sum(v, axis=0)`, `tl.sqrt`, `tl.store(ptr + offsets, v, mask=...)`.
+
+# %%
+import labkit  # noqa: F401  (sets TRITON_INTERPRET=1 on a CPU-only machine, before triton is imported)
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    # TODO: load the row (masked), its mean square, normalise, multiply by w, store (masked)
+    raise NotImplementedError("fill in rms_norm_kernel")
+
+
+# %%
+from labkit.exercises import check
+
+check("03.rms_norm", rms_norm_kernel)
+
+# %% [markdown]
+# ### Exercise 03.silu_and_mul (15 minutes)
+# SwiGLU's activation, elementwise over `n_elements` values: `out = silu(gate) * up`, with
+# `silu(g) = g * sigmoid(g) = g / (1 + exp(-g))`. The grid has `ceil(n_elements / BLOCK)` programs; program `p`
+# handles elements `p * BLOCK .. p * BLOCK + BLOCK - 1` of the flattened tensors, and the last block is partial.
+
+# %%
+@triton.jit
+def silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    # TODO: offsets of this block, a mask, load gate and up, compute, store
+    raise NotImplementedError("fill in silu_and_mul_kernel")
+
+
+# %%
+check("03.silu_and_mul", silu_and_mul_kernel)
+
+# %% [markdown]
+# ### Exercise 03.softmax (20 minutes)
+# Softmax over each row of `x` `[n_rows, n_cols]` (contiguous, float32), one program per row, `BLOCK` the next
+# power of two at or above `n_cols`. Two traps the check looks for: the padding columns past `n_cols` must not
+# count in the sum (what should a masked load return for them?), and some rows hold large values: `exp` of them
+# overflows unless you subtract the row's maximum first.
+
+# %%
+@triton.jit
+def softmax_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    # TODO: load the row (masked), subtract its maximum, exp, divide by the sum, store (masked)
+    raise NotImplementedError("fill in softmax_kernel")
+
+
+# %%
+check("03.softmax", softmax_kernel)

@@ -1,0 +1,597 @@
+"""Exercises: every checker passes labkit's solution and a learner's correct answer written another way, and fails
+with a useful message on the notebook's skeleton and on plausible wrong answers (an off-by-one, a missing scale,
+a wrong mask, a skipped queue)."""
+
+import importlib.util
+import json
+import math
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from labkit.exercises import check, exercise_source, exercises, report
+from labkit.exercises.cells import EXERCISE_DIR, checked_names
+from labkit.exercises.checker import ExerciseError
+from labkit.exercises.core import REGISTRY, Case, Exercise, tensor_diff
+from labkit.kvcache import CacheFullError
+from labkit.models import dtype_bytes
+from labkit.parallel.cost_model import memory_per_device
+
+NAMES = [ex.name for ex in exercises()]
+
+
+@pytest.fixture(autouse=True)
+def interactive(monkeypatch, tmp_path):
+    """Run as a learner would: no runner environment, status in a temporary file."""
+    monkeypatch.delenv("LABKIT_PROFILE", raising=False)
+    monkeypatch.delenv("LABKIT_EXERCISES", raising=False)
+    monkeypatch.setenv("LABKIT_EXERCISES_STATUS", str(tmp_path / "status.json"))
+
+
+def _check(name, impl, **kw):
+    return check(name, impl, verbose=False, **kw)
+
+
+# --- the registry and the notebooks -----------------------------------------------------------------------------
+def test_every_notebook_01_to_08_has_at_least_two_exercises_with_checkers():
+    for nn in [f"{i:02d}" for i in range(1, 9)]:
+        names = checked_names(nn)
+        assert len(names) >= 2, f"notebook {nn} has {names}"
+        assert all(n in REGISTRY and n.startswith(nn + ".") for n in names), names
+    assert sorted(n for nn in range(1, 9) for n in checked_names(f"{nn:02d}")) == sorted(NAMES)
+
+
+def test_exercise_cells_are_appended_to_the_built_notebooks():
+    from labkit.workbook import NOTEBOOK_DIR, build_notebooks
+
+    assert build_notebooks(check=True) == []  # the committed notebooks include the cells
+    nb = json.loads((NOTEBOOK_DIR / "02_kv_cache.ipynb").read_text())
+    sources = ["".join(c["source"]) for c in nb["cells"]]
+    assert any('check("02.cow", MyBlockTables)' in s for s in sources)
+    assert exercise_source("09_nothing") == ""
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_solution_passes(name):
+    r = _check(name, REGISTRY[name].solution)
+    assert r.status == "pass" and r.passed == r.total >= 5, r.message
+
+
+def _skeletons(nn: str, tmp_path):
+    """The notebook's skeleton cells, imported from a file (Triton needs the source of a kernel), and the
+    ``{exercise: object}`` its check cells pass."""
+    src = exercise_source(nn)
+    code = [c for c in re.split(r"^# %%.*$", src, flags=re.M) if c.strip() and not c.lstrip().startswith("# ")]
+    body = "\n\n".join(c for c in code if "check(" not in c)
+    path = tmp_path / f"skeleton_{nn}.py"
+    path.write_text(body)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    calls = re.findall(r"""check\(\s*["'](\d\d\.\w+)["']\s*,\s*(\w+)\s*\)""", src)
+    return {name: getattr(mod, var) for name, var in calls}
+
+
+@pytest.mark.parametrize("nn", [f"{i:02d}" for i in range(1, 9)])
+def test_skeleton_is_not_tried_for_a_learner_and_replaced_by_the_solution_in_a_headless_run(nn, tmp_path,
+                                                                                            monkeypatch, capsys):
+    status = tmp_path / "status.json"
+    for name, skeleton in _skeletons(nn, tmp_path).items():
+        r = _check(name, skeleton, status_path=status)
+        assert r.status == "not tried" and "NotImplementedError" in r.message, r.message
+        assert json.loads(status.read_text())[name]["status"] == "not tried"
+        monkeypatch.setenv("LABKIT_PROFILE", "ci")  # what the workbook runner sets
+        r = check(name, skeleton, status_path=status)
+        monkeypatch.delenv("LABKIT_PROFILE")
+        assert r.status == "pass" and r.used_solution, r.message
+        assert "reference solution instead" in capsys.readouterr().out
+        assert json.loads(status.read_text())[name]["status"] == "not tried"  # a headless run records nothing
+
+
+def test_a_failing_solution_fails_a_headless_run(monkeypatch):
+    ex = Exercise("99.broken", "broken", solution=lambda: 1, cases=lambda: [Case("one", None)],
+                  run=lambda fn, _: fn(), compare=lambda e, a: "always wrong")
+    REGISTRY[ex.name] = ex
+    try:
+        monkeypatch.setenv("LABKIT_EXERCISES", "solutions")
+
+        def skeleton():
+            raise NotImplementedError
+
+        with pytest.raises(ExerciseError, match="99.broken"):
+            check("99.broken", skeleton, verbose=False)
+    finally:
+        del REGISTRY[ex.name]
+
+
+def test_unknown_exercise_names_the_allowed_ones():
+    with pytest.raises(ValueError, match="02.allocator"):
+        check("02.alocator", object)
+
+
+def test_status_is_recorded_and_listed(tmp_path, capsys):
+    from labkit.__main__ import main
+
+    status = tmp_path / "s.json"
+    assert _check("07.lora_merge", REGISTRY["07.lora_merge"].solution, status_path=status)
+    assert not _check("07.lora_forward", lambda *a: a[0], status_path=status)
+    assert main(["exercises", "--status", str(status)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"07.lora_merge\s+pass\s+5/5", out) and re.search(r"07.lora_forward\s+fail\s+0/5", out)
+    assert re.search(r"01.kv_bytes\s+not tried", out) and f"1 of {len(NAMES)} passed" in out
+    assert f"1 of {len(NAMES)} passed" in report(status)
+
+
+def test_tensor_diff_says_which_elements_differ():
+    e = torch.arange(12.0).view(3, 4)
+    a = e.clone()
+    a[1, 2], a[2, 3] = 100.0, float("nan")
+    msg = tensor_diff(e, a)
+    assert "2 of 12 elements differ" in msg and "[1, 2]" in msg and "[2, 3]" in msg
+    assert "1 of them are NaN" in msg and "max abs error" in msg and "expected 6" in msg
+    assert "  ....\n  ..x.\n  ...N" in msg  # the picture: one line per row
+    assert "shape" in tensor_diff(e, e[:2]) and tensor_diff(e, e.clone()) is None
+
+
+# --- plausible answers, right and wrong --------------------------------------------------------------------------
+def _fails(name, impl, *needles):
+    r = _check(name, impl)
+    assert r.status == "fail", r.message
+    assert "FAILED case" in r.message, r.message
+    for n in needles:
+        assert n in r.message, f"{n!r} not in\n{r.message}"
+    return r
+
+
+def _passes(name, impl):
+    r = _check(name, impl)
+    assert r.status == "pass", r.message
+
+
+# 01
+def test_roofline_without_two_flops_per_multiply_add_fails():
+    def roofline(t, i, o, b, peak, bw):
+        flops, nbytes = t * i * o, (i * o + t * (i + o)) * b
+        return flops, nbytes, max(flops / peak, nbytes / bw), "compute" if flops / peak >= nbytes / bw else "memory"
+
+    _fails("01.linear_roofline", roofline, "expected", "ratio 0.5")
+
+
+def test_kv_bytes_with_query_heads_instead_of_kv_heads_fails():
+    def kv(spec, batch, context, dtype):
+        return 2 * spec.num_layers * spec.num_heads * spec.head_dim * dtype_bytes(dtype) * batch * context
+
+    def kv_right(spec, batch, context, dtype):
+        return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype_bytes(dtype) * batch * context
+
+    _fails("01.kv_bytes", kv, "expected", "llama-3-8b")
+    _passes("01.kv_bytes", kv_right)
+
+
+# 02
+class StackAllocator:
+    """A learner's allocator: a LIFO free list (other ids than labkit's), right otherwise."""
+
+    def __init__(self, num_blocks):
+        self.free_list, self.refs = list(range(num_blocks))[::-1], [0] * num_blocks
+
+    def allocate(self, n):
+        if n > len(self.free_list):
+            raise CacheFullError(f"{n} > {len(self.free_list)}")
+        out = [self.free_list.pop() for _ in range(n)]
+        for b in out:
+            self.refs[b] = 1
+        return out
+
+    def incref(self, block):
+        if self.refs[block] < 1:
+            raise ValueError("free block")
+        self.refs[block] += 1
+
+    def free(self, block):
+        if self.refs[block] < 1:
+            raise ValueError("double free")
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            self.free_list.append(block)
+
+    @property
+    def num_free(self):
+        return len(self.free_list)
+
+
+class NoDoubleFreeCheck(StackAllocator):
+    def free(self, block):
+        self.refs[block] -= 1
+        if self.refs[block] <= 0:
+            self.free_list.append(block)
+
+
+class PartialAllocate(StackAllocator):
+    def allocate(self, n):  # takes what it can before noticing: the cache is left changed
+        out = []
+        for _ in range(n):
+            if not self.free_list:
+                raise CacheFullError("full")
+            out.append(self.free_list.pop())
+            self.refs[out[-1]] = 1
+        return out
+
+
+def test_allocator_right_with_other_ids_wrong_without_double_free_or_atomic_allocate():
+    _passes("02.allocator", StackAllocator)
+    _fails("02.allocator", NoDoubleFreeCheck, "again, now that it is free", "outcome", "expected 'error', got 'ok'")
+    _fails("02.allocator", PartialAllocate, "num_free")
+
+
+class LearnerTables:
+    """A learner's block tables with copy on write, on the stack allocator."""
+
+    def __init__(self, num_blocks, block_size, cow=True):
+        self.bs, self.a, self.tables, self.lengths, self.copies = block_size, StackAllocator(num_blocks), {}, {}, []
+        self.cow = cow
+
+    def allocate(self, seq_id, num_tokens):
+        self.tables[seq_id] = self.a.allocate(math.ceil(num_tokens / self.bs))
+        self.lengths[seq_id] = num_tokens
+
+    def append(self, seq_id):
+        table, n = self.tables[seq_id], self.lengths[seq_id]
+        partial, shared = n % self.bs != 0, self.a.refs[table[-1]] > 1
+        need = (0 if partial else 1) + (1 if (self.cow and partial and shared) else 0)
+        if need > self.a.num_free:
+            raise CacheFullError("full")
+        if self.cow and partial and shared:
+            (new,) = self.a.allocate(1)
+            self.copies.append((table[-1], new))
+            self.a.free(table[-1])
+            table[-1] = new
+        if not partial:
+            table += self.a.allocate(1)
+        self.lengths[seq_id] = n + 1
+
+    def fork(self, parent, child):
+        for b in self.tables[parent]:
+            self.a.incref(b)
+        self.tables[child], self.lengths[child] = list(self.tables[parent]), self.lengths[parent]
+
+    def free(self, seq_id):
+        for b in self.tables.pop(seq_id):
+            self.a.free(b)
+        del self.lengths[seq_id]
+
+    def block_table(self, seq_id):
+        return self.tables[seq_id]
+
+    @property
+    def num_free(self):
+        return self.a.num_free
+
+
+class NoCopyOnWrite(LearnerTables):
+    def __init__(self, num_blocks, block_size):
+        super().__init__(num_blocks, block_size, cow=False)
+
+
+def test_block_tables_right_with_copy_on_write_wrong_without():
+    _passes("02.cow", LearnerTables)
+    _fails("02.cow", NoCopyOnWrite, "block table of b", "append('b')")
+
+
+# 03
+@triton.jit
+def rms_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    tl.store(out_ptr + row * n_cols + cols, x * rstd * w, mask=mask)
+
+
+@triton.jit
+def rms_kernel_mean_over_block(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / BLOCK + eps)
+    tl.store(out_ptr + row * n_cols + cols, x * rstd * w, mask=mask)
+
+
+@triton.jit
+def rms_kernel_no_eps(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols)
+    tl.store(out_ptr + row * n_cols + cols, x * rstd * w, mask=mask)
+
+
+def test_rms_norm_kernel_right_and_wrong():
+    _passes("03.rms_norm", rms_kernel)
+    r = _fails("03.rms_norm", rms_kernel_mean_over_block, "elements differ", "max abs error", "x [3, 33]")
+    assert r.passed == 1  # n_cols 8 is a power of two: BLOCK == n_cols there
+    _fails("03.rms_norm", rms_kernel_no_eps, "eps=0.5")
+
+
+@triton.jit
+def swiglu_kernel(gate_ptr, up_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_elements
+    g = tl.load(gate_ptr + offs, mask=mask, other=0.0)
+    u = tl.load(up_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, g * tl.sigmoid(g) * u, mask=mask)
+
+
+@triton.jit
+def swiglu_kernel_off_by_one(gate_ptr, up_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_elements - 1
+    g = tl.load(gate_ptr + offs, mask=mask, other=0.0)
+    u = tl.load(up_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, g * tl.sigmoid(g) * u, mask=mask)
+
+
+def test_swiglu_kernel_right_and_wrong_mask():
+    _passes("03.silu_and_mul", swiglu_kernel)
+    _fails("03.silu_and_mul", swiglu_kernel_off_by_one, "1 of 1 elements differ", "NaN")
+
+
+# 04
+def _learner_quantize(weight, group_size, high_first=False):
+    n, k = weight.shape
+    w = weight.float().view(n, k // group_size, group_size)
+    lo, hi = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
+    scale = (hi - lo) / 15
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zero = torch.round(-lo / scale).clamp(0, 15)
+    q = torch.round(w / scale[..., None] + zero[..., None]).clamp(0, 15).to(torch.uint8).view(n, k)
+    first, second = (q[:, 1::2], q[:, 0::2]) if high_first else (q[:, 0::2], q[:, 1::2])
+    return first | (second << 4), scale.to(weight.dtype), zero.to(weight.dtype)
+
+
+def test_int4_quantize_right_and_with_nibbles_swapped():
+    _passes("04.int4_quantize", _learner_quantize)
+    _fails("04.int4_quantize", lambda w, g: _learner_quantize(w, g, high_first=True), "codes q", "elements differ")
+
+
+def _learner_dequantize(packed, scales, zeros, group_size, fixed_zero=None):
+    q = torch.stack([packed & 15, packed >> 4], -1).view(packed.shape[0], -1).float()
+    n, k = q.shape
+    z = zeros if fixed_zero is None else torch.full_like(zeros, fixed_zero)
+    return ((q.view(n, k // group_size, group_size) - z[..., None]) * scales[..., None]).view(n, k)
+
+
+def test_int4_dequantize_right_and_with_a_fixed_zero_point():
+    _passes("04.int4_dequantize", _learner_dequantize)
+    _fails("04.int4_dequantize", lambda *a: _learner_dequantize(*a, fixed_zero=8.0), "elements differ")
+
+
+# 05
+def _learner_step(running, waiting, budget, max_seqs, free, bs, skip_ahead=False, chunk=True):
+    rows = [(r.id, 1) for r in running if r.num_computed >= r.prompt_len][:budget]
+    budget -= len(rows)
+    for r in running:
+        if r.num_computed < r.prompt_len and budget > 0:
+            n = min(r.prompt_len - r.num_computed, budget)
+            rows.append((r.id, n))
+            budget -= n
+    count = len(running)
+    for r in waiting:
+        need = -(-r.prompt_len // bs)
+        if budget <= 0 or count >= max_seqs:
+            break
+        if need > free:
+            if skip_ahead:
+                continue
+            break
+        n = min(r.prompt_len, budget) if chunk else r.prompt_len
+        rows.append((r.id, n))
+        budget, free, count = budget - n, free - need, count + 1
+    return rows
+
+
+def test_schedule_step_right_and_wrong():
+    _passes("05.schedule_step", _learner_step)
+    _fails("05.schedule_step", lambda *a: _learner_step(*a, skip_ahead=True), "does not fit", "got 1")
+    _fails("05.schedule_step", lambda *a: _learner_step(*a, chunk=False), "chunked prefill", "expected 63, got 100",
+           "expected [('a', 1), ('b', 63)]")
+
+
+def _learner_reserve(running, free, bs, victim_index=-1):
+    alive, scheduled, preempted = list(running), [], []
+    for r in running:
+        if r not in alive or r.num_computed < r.prompt_len:
+            continue
+        need = 1 if (r.num_tokens - 1) % bs == 0 else 0
+        while need > free:
+            v = alive.pop(victim_index)
+            preempted.append(v.id)
+            free += -(-(v.num_tokens - (1 if v.num_computed >= v.prompt_len else 0)) // bs)
+            if v is r:
+                break
+        if r in alive:
+            free -= need
+            scheduled.append(r.id)
+    return scheduled, preempted
+
+
+def test_decode_slots_right_and_preempting_the_oldest():
+    _passes("05.decode_slots", _learner_reserve)
+    _fails("05.decode_slots", lambda *a: _learner_reserve(*a, victim_index=0), "preempted", "expected")
+
+
+# 06
+def test_column_parallel_right_and_with_a_strided_shard():
+    def col(x, w, b, tp, strided=False):
+        out = w.shape[0] // tp
+        rows = [slice(r, None, tp) if strided else slice(r * out, (r + 1) * out) for r in range(tp)]
+        return [F.linear(x, w[s], None if b is None else b[s]) for s in rows]
+
+    _passes("06.column_parallel", col)
+    _fails("06.column_parallel", lambda *a: col(*a, strided=True), "rank 0", "elements differ")
+
+
+def test_row_parallel_right_and_with_the_bias_on_every_rank():
+    def row(xs, w, b, tp, bias_per_rank=False):
+        k = w.shape[1] // tp
+        parts = [F.linear(xs[r], w[:, r * k:(r + 1) * k], b if bias_per_rank else None) for r in range(tp)]
+        y = sum(parts)
+        return parts, y if (b is None or bias_per_rank) else y + b
+
+    _passes("06.row_parallel", row)
+    _fails("06.row_parallel", lambda *a: row(*a, bias_per_rank=True), "partial outputs by rank", "rank")
+
+
+# 07
+def test_lora_forward_right_and_without_the_scale():
+    def fwd(x, w, b, a, bb, alpha, scaled=True):
+        s = alpha / a.shape[0] if scaled else 1.0
+        return F.linear(x, w, b) + s * (x @ a.T @ bb.T)
+
+    _passes("07.lora_forward", fwd)
+    r = _fails("07.lora_forward", lambda *a: fwd(*a, scaled=False), "elements differ")
+    assert r.passed == 1  # alpha / r = 1 in the first case
+
+
+def test_lora_merge_right_and_scaled_by_alpha_not_alpha_over_r():
+    def merge(w, a, b, alpha, by_rank=True):
+        return w + (alpha / a.shape[0] if by_rank else alpha) * b @ a
+
+    _passes("07.lora_merge", merge)
+    _fails("07.lora_merge", lambda *a: merge(*a, by_rank=False), "elements differ", "rank 4")
+
+
+# 08
+def _learner_memory(spec, tp, pp, kv_tokens, dtype="bf16", kv_dtype=None, replicate_kv=True):
+    layers = math.ceil(spec.num_layers / pp)
+    table = spec.vocab_size * spec.hidden_size
+    tables = 2 * table if pp == 1 and not spec.tie_embeddings else table
+    mats = layers * (spec.attn_params_per_layer + spec.mlp_params_per_layer) + tables
+    weights = (mats / tp + layers * spec.norm_params_per_layer) * dtype_bytes(dtype)
+    heads = max(1, spec.num_kv_heads // tp) if replicate_kv else spec.num_kv_heads / tp
+    kv = 2 * layers * heads * spec.head_dim * dtype_bytes(kv_dtype or dtype) * kv_tokens
+    return {"weights": weights, "kv": kv}
+
+
+def test_memory_per_gpu_right_and_without_kv_head_replication():
+    _passes("08.memory_per_gpu", _learner_memory)
+    _fails("08.memory_per_gpu", lambda *a: _learner_memory(*a, replicate_kv=False), "'kv': expected", "TP8")
+
+
+def test_max_batch_right_and_without_headroom():
+    def mb(spec, tp, context, gpu, dtype="bf16", kv_dtype=None, headroom=0.9, use_headroom=True):
+        m0 = memory_per_device(spec, tp, 1, 0, dtype, kv_dtype)["weights"]
+        per = memory_per_device(spec, tp, 1, context, dtype, kv_dtype)["kv"]
+        return max(0, int(((headroom if use_headroom else 1.0) * gpu - m0) // per))
+
+    _passes("08.max_batch", mb)
+    _fails("08.max_batch", lambda *a: mb(*a, use_headroom=False), "expected")
+
+
+def test_exercise_sources_live_beside_the_notebook_sources():
+    assert EXERCISE_DIR.is_dir() and len(list(EXERCISE_DIR.glob("0[1-8]_*.py"))) == 8
+
+
+@pytest.mark.notebooks
+def test_exercise_cells_run_headless_as_the_workbook_runner_runs_them(tmp_path):
+    """Every exercise cell of notebooks 01-08, in one notebook, under papermill with the runner's environment: the
+    skeletons are replaced by the solutions and every check passes."""
+    from labkit.workbook import NOTEBOOK_DIR, _render, execute_notebook, notebook_from_percent
+
+    src = '# %% tags=["parameters"]\nprofile = "ci"\n' + "".join(exercise_source(f"{i:02d}") for i in range(1, 9))
+    nb = tmp_path / "src" / "99_exercises.ipynb"
+    nb.parent.mkdir()
+    nb.write_text(_render(notebook_from_percent(src)))
+    assert NOTEBOOK_DIR.is_dir()
+    execute_notebook(nb, tmp_path / "out", profile="ci", timeout=300)
+    out = json.loads((tmp_path / "out" / nb.name).read_text())
+    text = "".join("".join(o.get("text", "")) for c in out["cells"] for o in c.get("outputs", []))
+    assert text.count("checking labkit's reference solution instead") == len(NAMES), text
+    assert text.count("cases passed") == len(NAMES), text
+
+
+def test_decode_floor_right_and_reading_the_whole_embedding_table():
+    def floor(spec, batch, context, dtype, bw, skip_table=True):
+        params = spec.num_params - (spec.embedding_params if skip_table and not spec.tie_embeddings else 0)
+        kv = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * batch * context
+        return (params + kv) * dtype_bytes(dtype) / bw
+
+    _passes("01.decode_floor", floor)
+    _fails("01.decode_floor", lambda *a: floor(*a, skip_table=False), "llama-3-8b", "expected")
+
+
+@triton.jit
+def softmax_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=float("-inf"))
+    e = tl.exp(x - tl.max(x, axis=0))
+    tl.store(out_ptr + row * n_cols + cols, e / tl.sum(e, axis=0), mask=mask)
+
+
+@triton.jit
+def softmax_kernel_pads_zeros(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    e = tl.exp(x - tl.max(x, axis=0))
+    tl.store(out_ptr + row * n_cols + cols, e / tl.sum(e, axis=0), mask=mask)
+
+
+@triton.jit
+def softmax_kernel_no_max(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=float("-inf"))
+    e = tl.exp(x)
+    tl.store(out_ptr + row * n_cols + cols, e / tl.sum(e, axis=0), mask=mask)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+def test_softmax_kernel_right_wrong_padding_and_without_the_maximum():
+    _passes("03.softmax", softmax_kernel)
+    _fails("03.softmax", softmax_kernel_pads_zeros, "x [3, 37]", "elements differ")
+    _fails("03.softmax", softmax_kernel_no_max, "NaN")
+
+
+def test_int8_quantize_right_and_with_the_full_byte_range():
+    def q8(w, qmax=127):
+        amax = w.abs().amax(1)
+        scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+        return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+    _passes("04.int8_quantize", q8)
+    _fails("04.int8_quantize", lambda w: q8(w, 255), "scale: ", "elements differ")
+
+
+def test_a_half_filled_function_that_fails_otherwise_is_a_failure_not_untried():
+    def half(tokens, d_in, d_out, bytes_per_el, peak_flops, bandwidth):
+        if tokens < 0:
+            raise NotImplementedError("the negative case")
+        return tokens * None
+
+    r = _check("01.linear_roofline", half)
+    assert r.status == "fail" and "TypeError" in r.message, r.message
+
+
+def test_skeleton_source_gives_back_the_cell_to_start_again():
+    from labkit.exercises import skeleton_source
+
+    src = skeleton_source("02.cow")
+    assert src.startswith("from labkit.kvcache.block_allocator import BlockAllocator") and "class MyBlockTables" in src
+    assert 'raise NotImplementedError("fill in softmax_kernel")' in skeleton_source("03.softmax")
+    with pytest.raises(ValueError, match="02.cow"):
+        skeleton_source("02.nothing")
