@@ -8,6 +8,8 @@
   steps replayed from CUDA graphs (cuda_graph.py); ``ModelInput`` (model_input.py) is one step's inputs
 * ``SamplingParams`` / ``Sampler`` (sampling.py), requests and outputs (sequence.py), workloads (workload.py) and
   serving metrics (metrics.py)
+* speculative decoding (speculative.py, proposers.py): ``SpeculativeDecoder`` verifies the guesses of a
+  ``PromptLookupProposer`` or a ``DraftModelProposer`` in one target forward, with the exact acceptance rule
 
     from labkit.engine import LLMEngine, SamplingParams
     engine = LLMEngine(model, tokenizer, max_num_seqs=64)
@@ -19,6 +21,7 @@ from labkit.engine.llm_engine import CLOCKS, EngineConfig, EngineStats, LLMEngin
 from labkit.engine.metrics import SLO, RequestMetrics, percentile, summarize
 from labkit.engine.model_input import ModelInput
 from labkit.engine.model_runner import KERNELS, ModelRunner
+from labkit.engine.proposers import DraftModelProposer, PromptLookupProposer, Proposer
 from labkit.engine.sampling import Sampler, SamplingParams
 from labkit.engine.scheduler import (
     PREEMPTION_MODES,
@@ -31,6 +34,7 @@ from labkit.engine.scheduler import (
     make_scheduler,
 )
 from labkit.engine.sequence import FinishReason, Request, RequestOutput, Sequence, SequenceStatus, TokenOutput
+from labkit.engine.speculative import SpecStats, SpeculativeDecoder, accept
 from labkit.engine.workload import LengthDist, RequestSpec, at_rate, make_workload
 
 __all__ = ["LLMEngine", "EngineConfig", "EngineStats", "ServeResult", "CLOCKS", "SamplingParams", "Sampler",
@@ -38,4 +42,5 @@ __all__ = ["LLMEngine", "EngineConfig", "EngineStats", "ServeResult", "CLOCKS", 
            "FIFOScheduler", "StaticBatchScheduler", "ContinuousBatchingScheduler", "ScheduledBatch", "make_scheduler",
            "SCHEDULERS", "PREEMPTION_MODES", "ModelRunner", "ModelInput", "KERNELS", "StepGraphs",
            "default_graph_batch_sizes", "default_graph_token_sizes", "RequestMetrics", "SLO", "percentile",
-           "summarize", "LengthDist", "RequestSpec", "make_workload", "at_rate"]
+           "summarize", "LengthDist", "RequestSpec", "make_workload", "at_rate",
+           "SpeculativeDecoder", "SpecStats", "accept", "Proposer", "PromptLookupProposer", "DraftModelProposer"]
