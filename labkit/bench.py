@@ -242,9 +242,13 @@ def record_figure(name: str, value, unit: str, record: Path | str, bar: str | No
     return entry
 
 
-def merge_figures(figures_path: Path | str, record_root: Path | str, summary_path: Path | str = SUMMARY_PATH) -> dict:
+def merge_figures(figures_path: Path | str, record_root: Path | str, summary_path: Path | str = SUMMARY_PATH,
+                  replace_gpu: bool = False) -> dict:
     """Merge a run's ``figures.json`` into ``results/summary.json``, re-pointing each record path at
-    ``record_root`` (the folder the run's output was committed to). Returns the merged summary."""
+    ``record_root`` (the folder the run's output was committed to). Returns the merged summary.
+
+    A figure the summary holds from a GPU is kept when the run measured it on the CPU (the answer is about GPUs;
+    the CPU value stays in the run's record), unless ``replace_gpu``."""
     figures = json.loads(Path(figures_path).read_text())
     summary_path = Path(summary_path)
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {"figures": {}}
@@ -253,6 +257,9 @@ def merge_figures(figures_path: Path | str, record_root: Path | str, summary_pat
         parts = rec.parts
         rel = Path(*parts[parts.index("records"):]) if "records" in parts else Path(rec.name)
         entry = dict(entry, record=(Path(record_root) / rel).as_posix())
+        old = summary["figures"].get(name)
+        if old and old.get("machine") != "cpu" and entry.get("machine") == "cpu" and not replace_gpu:
+            continue
         summary["figures"][name] = entry
     summary["figures"] = dict(sorted(summary["figures"].items()))
     summary_path.parent.mkdir(parents=True, exist_ok=True)

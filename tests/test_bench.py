@@ -48,3 +48,18 @@ def test_git_commit_prefers_the_commit_given(monkeypatch):
     assert git_commit() == "abc1234"  # a copied tree's .git may be older than the code that runs
     monkeypatch.delenv("LABKIT_GIT_COMMIT")
     assert git_commit() != "abc1234"
+
+
+def test_merge_keeps_a_gpu_figure_over_a_cpu_measurement(tmp_path):
+    summary = tmp_path / "summary.json"
+    gpu = {"value": 2.0, "unit": "x", "machine": "NVIDIA H200", "record": "results/h200/records/a.json"}
+    summary.write_text(json.dumps({"figures": {"a.x": gpu}}))
+    run = tmp_path / "run"
+    run.mkdir()
+    cpu = {"value": 0.5, "unit": "x", "machine": "cpu", "record": str(run / "records" / "a.json")}
+    (run / "figures.json").write_text(json.dumps({"a.x": cpu, "a.y": dict(cpu, value=7)}))
+    merged = merge_figures(run / "figures.json", "results/cpu", summary_path=summary)
+    assert merged["figures"]["a.x"] == gpu  # the CPU value stays in the run's record only
+    assert merged["figures"]["a.y"]["record"] == "results/cpu/records/a.json"
+    merged = merge_figures(run / "figures.json", "results/cpu", summary_path=summary, replace_gpu=True)
+    assert merged["figures"]["a.x"]["machine"] == "cpu"

@@ -40,3 +40,17 @@ def test_comm_fits_and_plots():
     plot_timeline([_rank(0, 0.2, 0.8, 1.0, 10), _rank(1, 0.4, 0.6, 1.1, 30)], "forward", 2, b)
     assert len(a.get_lines()) == 3 and len(b.patches) == 4
     plt.close(fig)
+
+
+def test_case_175b_text_is_rendered_from_the_cost_model():
+    from labkit.experiments.parallelism.report import case_175b_text
+    from labkit.hardware import get_hardware
+    from labkit.parallel import cost_model as cm
+
+    text = case_175b_text(batch=32, context=2048)
+    tp8 = next(r for r in cm.worked_example_175b(get_hardware("h200"), 32, 2048) if r["layout"] == "TP8 x PP1")
+    assert f"holds {tp8['weights_gb']:.0f} GB of weights per GPU" in text
+    assert "On 80 GB H100s that does not fit" in text and "H200s it fits" in text
+    assert "193 all-reduces" in text  # 2 per layer x 96 layers + the embedding's
+    small = case_175b_text(batch=8, context=128)  # a small KV cache fits both cards: no advice to shrink it
+    assert "would have to shrink" not in small

@@ -24,7 +24,7 @@ preemption or prefix caching while speculating) and runs eagerly (no CUDA graphs
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -110,10 +110,8 @@ class SpeculativeDecoder:
             self.cache.append_slots(sid, [x, *prop])
         lens = [1 + len(p) for p in proposals]
         ids, pos, meta = AttentionMetadata.from_cache(self.cache, list(seq_ids), lens)
-        meta.check(ids.shape[0])
-        self.target.check_cache(self.cache)
-        h = self.target.model(ids, pos, self.cache, meta)
-        logits = self.target.lm_head(h).float()
+        meta = replace(meta, rows=torch.arange(ids.shape[0], device=ids.device))  # logits of every row
+        logits = self.target.forward_paged(ids, pos, self.cache, meta)
         return list(logits.split(lens))
 
     @torch.inference_mode()

@@ -80,6 +80,12 @@ TECHNIQUES = [
          latency=["parallel.pp_bubble_measured", "parallel.pp_bubble_formula"], throughput=[], memory=[],
          use="across nodes, when the model or its KV cache outgrows one node",
          avoid="to cut latency: a token still passes every stage, and few micro-batches leave a bubble"),
+    dict(technique="speculative decoding", tier="computation", accuracy=["spec.greedy_matches_plain"],
+         latency=["spec.measured_speedup_b1", "spec.predicted_speedup"],
+         throughput=["spec.stop_paying_batch", "spec.verify_cost_ratio_k4"],
+         memory=["spec.draft_weight_mb"],
+         use="latency-bound decode at small batch with a draft that agrees often (alpha high, draft cheap)",
+         avoid="large batches, where decode is no longer bandwidth-bound and rejected guesses cost real compute"),
 ]
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -79,7 +80,8 @@ def verify_cost_ratio(model: CausalLM, k: int, batch: int = 1, context: int = 51
 
     def step(q: int):
         ids, pos, meta = AttentionMetadata.from_cache(cache, list(range(batch)), [q] * batch)
-        return lambda: model.lm_head(model.model(ids, pos, cache, meta))
+        meta = replace(meta, rows=torch.arange(ids.shape[0], device=ids.device))  # every row's logits, as verify
+        return lambda: model.forward_paged(ids, pos, cache, meta)
 
     one, many = step(1), step(k + 1)
     t1 = time_fn(one, model.device, warmup=2, iters=iters).median_s

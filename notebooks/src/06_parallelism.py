@@ -29,11 +29,13 @@ import time
 import matplotlib.pyplot as plt
 import pandas as pd
 import torch
+from IPython.display import Markdown, display
 
 import labkit  # noqa: F401
 from labkit.bench import record_figure, time_fn, write_record
 from labkit.experiments import parallelism as ex
 from labkit.experiments.parallelism import bubble_table, comm_fits, plot_comm, plot_timeline, pp_bubble, pp_check
+from labkit.experiments.parallelism.report import case_175b_text
 from labkit.hardware import get_hardware
 from labkit.models import PRESETS, REPO_ROOT, TINY, human_bytes, load_model
 from labkit.parallel import cost_model as cm
@@ -229,9 +231,9 @@ print(f"overlap: all-reduce of {human_bytes(ov['bytes'])} {ov['comm'] * 1e3:.2f}
 # measures the same overlap with two half-batches on two communicators.
 #
 # ## The 175B case
-# GPT-3 175B in bf16: 350 GB of weights, and (96 layers x 96 KV heads x 128) a KV cache of 4.7 MB per token, so
-# 32 sequences of 2048 tokens hold 309 GB of KV. The cost model (roofline floor per stage plus ring collectives
-# over the published link bandwidths) for nodes of 8 GPUs:
+# GPT-3 175B in bf16 on nodes of 8 GPUs, through the cost model (roofline floor per stage plus ring collectives
+# over the published link bandwidths). The reading below the tables is rendered from the same cost model, so its
+# numbers cannot drift from them.
 
 # %%
 for hw_name in ("h200", "h100"):
@@ -246,15 +248,10 @@ q8 = cm.tp_comm(PRESETS["gpt3-175b"], 16, 32, "ib-ndr", "int8")
 print(f"TP16 across InfiniBand: {q['time_s'] * 1e3:.1f} ms of all-reduce per step in bf16, "
       f"{q8['time_s'] * 1e3:.1f} ms with int8 communication")
 
+# %%
+display(Markdown("Reading the tables:\n\n" + case_175b_text(batch=32, context=2048)))
+
 # %% [markdown]
-# Reading the tables:
-#
-# * **Weights and KV per GPU.** TP8 on one node holds 44 GB of weights per GPU; the KV cache of 32 x 2048 tokens
-#   adds 39 GB. On 80 GB H100s that does not fit (the KV cache would have to shrink: paging, int8 KV, a smaller
-#   batch); on 141 GB H200s it does.
-# * **TP inside a node.** Each decode step does 2 x 96 + 1 all-reduces. On NVLink they are latency-bound
-#   (microseconds each), a fifth to a quarter of the step. Across nodes (TP16 over InfiniBand) each costs ~5x
-#   more and communication dominates: never stretch TP over the node boundary.
 # * **PP across nodes.** A stage boundary sends `batch x hidden` once per step: kilobytes, microseconds. PP adds
 #   memory (16 GPUs hold twice the KV) but not speed for memory-bound decode: a step still reads every weight once
 #   per micro-batch, and the bubble means a token must pass all stages before the next one starts.
@@ -357,8 +354,8 @@ else:
 #   The 175B recommendation is the planner's (next cell), the same one notebook 08 quotes.
 
 # %%
-from labkit.claims import Claim, show  # noqa: E402
 from labkit.bench import output_dir  # noqa: E402
+from labkit.claims import Claim, show  # noqa: E402
 from labkit.plan import SCENARIO_175B, recommend  # noqa: E402
 
 fresh = output_dir() / "records" / "format_gemm.json"

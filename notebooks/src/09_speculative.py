@@ -168,6 +168,9 @@ rec = write_record("09_speculative", {"sizes": SIZES, "acceptance": rows, "verif
                                       "gpu_verify_cost": None if gpu_cost is None else gpu_cost.to_dict("records"),
                                       "c_draft": c_draft, "predicted": predicted, "measured": measured,
                                       "stop_paying_batch": stop})
+record_figure("spec.greedy_matches_plain", all(o == plain for o in outs.values()), "bool", rec,
+              note="greedy output of every proposer and k against plain decoding, token for token")
+record_figure("spec.draft_weight_mb", draft_mb, "MB", rec, note="the draft model's bf16 weights, held beside the target")
 record_figure("spec.acceptance_rate_draft", alpha["draft"], "fraction", rec, note=f"greedy, k={K}, embedded model")
 record_figure("spec.acceptance_rate_prompt_lookup", alpha["prompt_lookup"], "fraction", rec,
               note=f"greedy, k={K}, embedded model")

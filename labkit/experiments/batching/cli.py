@@ -101,14 +101,16 @@ def _decode(args) -> int:
 
     model, _, source, label = _load(args)
     spec, dtype = get_spec(model), next(model.parameters()).dtype
-    bw = measure_ceilings(next(model.parameters()).device, iters=5)["copy_bytes_per_s"]
+    ceilings = measure_ceilings(next(model.parameters()).device, iters=5)
+    bw, sheet = ceilings["copy_bytes_per_s"], ceilings["datasheet_bytes_per_s"]
     rows = []
     for b in args.batch:
         kw = _engine_kwargs(args)
         kw.update(max_num_seqs=b, max_num_batched_tokens=max(b, 8192), max_model_len=None)
         r = decode_rate(model, b, args.context, args.steps, source, **kw)
         floor_bytes = spec.decode_weight_bytes(dtype) + b * spec.kv_bytes(r["context"], dtype)
-        r.update(floor_s=floor_bytes / bw, mbu=floor_bytes * r["tok_s"] / b / bw)
+        r.update(floor_bytes=floor_bytes, floor_s=floor_bytes / bw, mbu=floor_bytes * r["tok_s"] / b / bw,
+                 mbu_datasheet=floor_bytes * r["tok_s"] / b / sheet if sheet else None)
         if not args.no_hf:
             r.update(hf_static_decode(model, b, args.context, args.steps, source, args.seed))
         rows.append(r)
@@ -119,9 +121,33 @@ def _decode(args) -> int:
             if r.get(f"hf_{mode}_tok_s"):
                 print(f"  HF generate ({mode}): {r[f'hf_{mode}_tok_s']:.1f} tokens/s -> engine "
                       f"{r['tok_s'] / r[f'hf_{mode}_tok_s']:.2f}x")
-    path = write_record(args.name, {"model": label, "bandwidth_bytes_per_s": bw, "rows": rows}, out_dir=args.out)
+    path = write_record(args.name, {"model": label, "bandwidth_bytes_per_s": bw, "datasheet_bytes_per_s": sheet,
+                                    "context": args.context, "rows": rows}, out_dir=args.out)
     print(f"record: {path}")
+    if args.figures:
+        decode_figures(rows, path, args.out)
     return 0
+
+
+def decode_figures(rows: list[dict], record, out_dir) -> dict:
+    """Figures of a ``bench decode`` run, per batch ``b``: ``engine.decode_b{b}_mbu`` (bytes a step must read,
+    weights + KV, over step time over the datasheet bandwidth; the copy bandwidth measured in the same run where
+    there is no datasheet) and ``engine.speedup_vs_hf_compiled_b{b}`` (engine tok/s over HF ``generate`` with the
+    static cache and ``torch.compile``, same prompts, same process), where measured."""
+    from labkit.bench import record_figure
+
+    out = {}
+    for r in rows:
+        b = r["batch"]
+        mbu, basis = (r["mbu_datasheet"], "datasheet") if r.get("mbu_datasheet") else (r["mbu"], "measured copy")
+        out[f"engine.decode_b{b}_mbu"] = record_figure(
+            f"engine.decode_b{b}_mbu", mbu, f"fraction of {basis} bandwidth", record, bar=">= 0.80",
+            out_dir=out_dir, note=f"bench decode, batch {b}, context {r['context']}, end to end")
+        if r.get("hf_static+compile_tok_s"):
+            out[f"engine.speedup_vs_hf_compiled_b{b}"] = record_figure(
+                f"engine.speedup_vs_hf_compiled_b{b}", r["tok_s"] / r["hf_static+compile_tok_s"], "x", record,
+                out_dir=out_dir, note="engine over HF generate (static cache + torch.compile), same prompts, one run")
+    return out
 
 
 def hf_static_decode(model, batch: int, context: int, steps: int, source, seed: int = 0) -> dict:
@@ -193,6 +219,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--context", type=int, default=512)
     d.add_argument("--steps", type=int, default=32)
     d.add_argument("--no-hf", action="store_true", help="skip HF generate (static cache, eager and compiled)")
+    d.add_argument("--figures", action="store_true",
+                   help="also record engine.decode_b*_mbu and engine.speedup_vs_hf_compiled_b* in figures.json")
     d.add_argument("--name", default="bench_decode", help="record name")
     d.set_defaults(fn=_decode)
     return ap

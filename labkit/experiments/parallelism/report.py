@@ -71,3 +71,34 @@ def plot_comm(rows: list[dict], fits: dict, ax) -> None:
     ax.set_xlabel("message bytes")
     ax.set_ylabel("time per op (us)")
     ax.legend(fontsize=7)
+
+
+def case_175b_text(batch: int = 32, context: int = 2048) -> str:
+    """The prose of notebook 06's 175B case, every number computed by ``labkit.parallel.cost_model`` (bf16 GPT-3
+    175B, ``batch`` sequences of ``context`` tokens, nodes of 8 GPUs): weights and KV, what TP8 holds per GPU and
+    whether it fits an H100 and an H200, the all-reduce count and share of a TP8 step on NVLink, and TP16 over
+    InfiniBand against it."""
+    from labkit.hardware import get_hardware
+    from labkit.models import PRESETS
+    from labkit.parallel import cost_model as cm
+
+    spec = PRESETS["gpt3-175b"]
+    rows = {hw: {r["layout"]: r for r in cm.worked_example_175b(get_hardware(hw), batch, context)}
+            for hw in ("h100", "h200")}
+    tp8, tp16 = rows["h200"]["TP8 x PP1"], rows["h200"]["TP16 x PP1"]
+    fits = {hw: "fits" if rows[hw]["TP8 x PP1"]["fits"] else "does not fit" for hw in rows}
+    shares = sorted(rows[hw]["TP8 x PP1"]["comm_frac"] for hw in rows)
+    per_token = spec.kv_bytes_per_token("bf16")
+    shrink = " (the KV cache would have to shrink: paging, int8 KV, a smaller batch)"
+    all_reduces = cm.tp_comm(spec, 8, batch)["all_reduces"]
+    return (f"GPT-3 175B in bf16: {spec.weight_bytes('bf16') / 1e9:.0f} GB of weights, and ({spec.num_layers} "
+            f"layers x {spec.num_kv_heads} KV heads x {spec.head_dim}) a KV cache of {per_token / 1e6:.1f} MB per "
+            f"token, so {batch} sequences of {context} tokens hold {per_token * batch * context / 1e9:.0f} GB of "
+            f"KV.\n\n"
+            f"* **Weights and KV per GPU.** TP8 on one node holds {tp8['weights_gb']:.0f} GB of weights per GPU; the "
+            f"KV cache of {batch} x {context} tokens adds {tp8['kv_gb']:.0f} GB. On 80 GB H100s that "
+            f"{fits['h100']}{shrink if fits['h100'] != 'fits' else ''}; on 141 GB H200s it {fits['h200']}.\n"
+            f"* **TP inside a node.** Each decode step does {all_reduces} all-reduces. On NVLink they are "
+            f"latency-bound (microseconds each), {shares[0]:.0%} to {shares[-1]:.0%} of the step. Across nodes "
+            f"(TP16 over InfiniBand) they cost {tp16['tp_comm_s'] / tp8['tp_comm_s']:.1f}x more and communication "
+            f"is {tp16['comm_frac']:.0%} of the step: never stretch TP over the node boundary.")
