@@ -110,7 +110,10 @@ def signature(obj, name: str) -> str:
               for p in sig.parameters.values()]
     ret = sig.return_annotation
     ret = inspect.Signature.empty if prefix else (_Shown(ret) if isinstance(ret, str) else ret)
-    return _wrap(prefix + name, _ADDRESS.sub("", str(sig.replace(parameters=params, return_annotation=ret))))
+    text = _ADDRESS.sub("", str(sig.replace(parameters=params, return_annotation=ret)))
+    # a default under the checkout reads the same in every clone: PosixPath('<repo>/x') -> REPO_ROOT / 'x'
+    text = re.sub(rf"\w*Path\('{re.escape(str(REPO_ROOT))}/([^']*)'\)", r"REPO_ROOT / '\1'", text)
+    return _wrap(prefix + name, text)
 
 
 def _wrap(head: str, sig: str) -> str:
