@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+import runpy
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_embedded_model import train  # noqa: E402
+from labkit.bench import environment
+from labkit.models import DATA_DIR, REPO_ROOT, TINY, ModelSpec, count_parameters
 
-from labkit.bench import environment  # noqa: E402
-from labkit.models import DATA_DIR, REPO_ROOT, TINY, ModelSpec, count_parameters  # noqa: E402
+# the embedded model's training loop, from the script beside this one (scripts/ is not a package)
+train = runpy.run_path(str(Path(__file__).with_name("train_embedded_model.py")))["train"]
 
 DRAFT = ModelSpec(name="pydocs-llama-draft", vocab_size=8192, hidden_size=128, num_layers=2, num_heads=2,
                   num_kv_heads=1, head_dim=64, intermediate_size=384, tie_embeddings=True, max_position=2048,
