@@ -177,6 +177,9 @@ class HostGraphs(StepGraphs):
     def _synchronize(self) -> None:
         pass
 
+    def _reserved(self, empty_cache: bool = False) -> int:
+        return 0
+
 
 def host_graph_runner(model, cache, monkeypatch, sizes=(1, 2, 4), token_sizes=(), **kw) -> ModelRunner:
     runner = ModelRunner(model, cache, cuda_graphs=False, **kw)

@@ -94,7 +94,11 @@ class StepGraphs:
                                         self.static_shape[1])
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.logits: dict[GraphKey, torch.Tensor] = {}
+        # device memory the captures reserved (their shared pool): measured from an emptied allocator cache, since
+        # torch.cuda.graph empties it as each capture starts (a delta from a full cache can come out negative)
+        before = self._reserved(empty_cache=True)
         self._capture()
+        self.pool_bytes = self._reserved() - before
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -127,6 +131,11 @@ class StepGraphs:
 
     def _synchronize(self) -> None:
         torch.cuda.synchronize(self.runner.device)
+
+    def _reserved(self, empty_cache: bool = False) -> int:
+        if empty_cache:
+            torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved(self.runner.device)
 
     def _static_input(self, key: GraphKey) -> ModelInput:
         s, n, t = self.static, key.seqs, key.tokens

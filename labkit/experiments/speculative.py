@@ -67,10 +67,17 @@ def sync(device: torch.device) -> None:
 
 @torch.inference_mode()
 def verify_cost_ratio(model: CausalLM, k: int, batch: int = 1, context: int = 512, iters: int = 10,
-                      block_size: int = 16) -> dict:
+                      block_size: int = 16, kernels: str = "auto", cuda_graph: bool = False) -> dict:
     """Time of one target forward over ``k + 1`` tokens per sequence against one over 1 token per sequence, for
-    ``batch`` sequences of ``context`` cached tokens; median seconds and their ratio ``c_verify(k)``."""
+    ``batch`` sequences of ``context`` cached tokens; median seconds and their ratio ``c_verify(k)``.
+
+    ``kernels``: the model's ``FusionPlan`` for the measurement ('auto': the engine's choice for the device, Triton
+    on CUDA). ``cuda_graph``: time graph replays, as the engine runs its steps (a step that cannot be captured is
+    timed eagerly; ``timed`` says which)."""
     from labkit.bench import time_fn
+    from labkit.model import FusionPlan
+
+    model.use(FusionPlan.named(kernels, model.device, model.config).fit(model.config))
 
     cache = model.make_cache(batch * ((context + k + 1) // block_size + 2), block_size)
     vocab = model.config.vocab_size
@@ -84,9 +91,18 @@ def verify_cost_ratio(model: CausalLM, k: int, batch: int = 1, context: int = 51
         return lambda: model.forward_paged(ids, pos, cache, meta)
 
     one, many = step(1), step(k + 1)
-    t1 = time_fn(one, model.device, warmup=2, iters=iters).median_s
-    tk = time_fn(many, model.device, warmup=2, iters=iters).median_s
-    return {"k": k, "batch": batch, "context": context, "t_1token_s": t1, "t_verify_s": tk, "ratio": tk / t1}
+    timed = "cuda_graph" if cuda_graph else "eager"
+    try:
+        t1 = time_fn(one, model.device, warmup=2, iters=iters, cuda_graph=cuda_graph).median_s
+        tk = time_fn(many, model.device, warmup=2, iters=iters, cuda_graph=cuda_graph).median_s
+    except RuntimeError:  # a capture the step does not survive: time it as launched
+        if not cuda_graph:
+            raise
+        timed = "eager (capture failed)"
+        t1 = time_fn(one, model.device, warmup=2, iters=iters).median_s
+        tk = time_fn(many, model.device, warmup=2, iters=iters).median_s
+    return {"k": k, "batch": batch, "context": context, "t_1token_s": t1, "t_verify_s": tk, "ratio": tk / t1,
+            "plan": "triton" if model.plan.attention == "triton" else "torch", "timed": timed}
 
 
 def draft_cost_ratio(target: CausalLM, draft: CausalLM, context: int = 128, iters: int = 10) -> float:

@@ -296,20 +296,26 @@ prefix_saving_frac = prefix_runs[True].sharing_saving_frac
 # %%
 sys_prompt = split_tokens("heldout", tok, max_tokens=4 * block_size + 5)[: 4 * block_size + 5].tolist()
 users = sample_prompts(tok, 4, 8, seed=seed + 3)
-pc_out, pc_stats = {}, {}
+pc_out, pc_stats, pc_ttft = {}, {}, {}
 for on in (False, True):
     engine = LLMEngine(model, num_blocks=48, block_size=block_size, enable_prefix_caching=on)
     engine.generate([sys_prompt], SamplingParams(max_tokens=1), progress=False)  # the system prompt was served before
     outs = engine.generate([sys_prompt + u for u in users], SamplingParams(max_tokens=12, ignore_eos=True),
                            progress=False)
     pc_out[on] = [o.output_token_ids for o in outs]
-    pc_stats[on] = engine.result().stats  # of the second run only: each generate starts fresh statistics
-    del engine
+    res = engine.result()  # of the second run only: each generate starts fresh statistics
+    pc_stats[on] = res.stats
+    pc_ttft[on] = sum(m.ttft_s for m in res.metrics) / len(res.metrics)
+    del engine, res
 print("outputs identical with and without prefix caching:", pc_out[True] == pc_out[False])
 assert pc_out[True] == pc_out[False]
 print(f"prefill tokens computed: {pc_stats[False]['admitted_tokens']} -> {pc_stats[True]['admitted_tokens']} "
       f"({pc_stats[True]['prefix_hit_tokens']} taken from the cache); peak blocks "
       f"{pc_stats[False]['peak_blocks_used']} -> {pc_stats[True]['peak_blocks_used']}")
+prefix_ttft_speedup = pc_ttft[False] / pc_ttft[True]
+prefix_prefill_saved = 1 - pc_stats[True]["admitted_tokens"] / pc_stats[False]["admitted_tokens"]
+print(f"mean time to first token {pc_ttft[False] * 1e3:.1f} ms -> {pc_ttft[True] * 1e3:.1f} ms "
+      f"({prefix_ttft_speedup:.2f}x); prefill tokens saved: {prefix_prefill_saved:.0%}")
 
 # %% [markdown]
 # ## Over-subscription: preemption by recompute and by swap
@@ -484,6 +490,11 @@ record_figure("kvcache.engine_matches_hf", paged_out == hf_out, "bool", rec)
 record_figure("kvcache.preemption_outputs_identical", all(same.values()), "bool", rec,
               note="recompute and swap against an unconstrained run")
 record_figure("kvcache.prefix_outputs_identical", pc_out[True] == pc_out[False], "bool", rec)
+record_figure("kvcache.prefix_ttft_speedup", prefix_ttft_speedup, "x (mean TTFT without / with)", rec,
+              note=f"embedded model, {len(users)} requests extending a {len(sys_prompt)}-token system prompt served "
+                   "before, all admitted at once")
+record_figure("kvcache.prefix_prefill_saved_frac", prefix_prefill_saved, "fraction of prefill tokens", rec,
+              note="prompt tokens the engine did not compute because their blocks were cached (same requests)")
 record_figure("kvcache.prefix_saving_frac", prefix_saving_frac, "fraction of KV memory", rec,
               note=f"{system_prompt_len}-token shared system prompt, prefix caching on")
 record_figure("kvcache.int8_ppl_delta_frac", abs(quant_rows[1]["ppl delta"]), "relative perplexity change", rec,

@@ -43,10 +43,11 @@ from labkit.experiments.kernels import bench as kb
 from labkit.experiments.kernels.study import (FUSION_BYTES, INT8_ATTN_FIGURE, INT8_ATTN_SHAPE, decode_steps,
                                              int8_attention_speedup, kv_quant_attention, matmul_rates, norm_sweep,
                                              operator_costs, plot_bandwidth)
+from labkit.experiments.quantization.metrics import peak_memory
 from labkit.hardware import measure_ceilings
 from labkit.kernels.patch import patch_model, patch_summary, unpatch
 from labkit.kernels.rms_norm import _rms_norm_kernel, rms_norm_ref
-from labkit.models import REPO_ROOT, load_model, random_model
+from labkit.models import REPO_ROOT, human_bytes, load_model, random_model
 
 torch.manual_seed(seed)
 DEVICE = torch.device("cuda" if PROFILE == "gpu" else "cpu")
@@ -217,9 +218,14 @@ with torch.no_grad():
     print(patch_summary(tiny))
     got_tokens = tiny.generate(ids, max_new_tokens=SIZES["new_tokens"], do_sample=False)
     logits_err = relative_error(tiny(ids).logits, ref_logits)
+    patched_peak = peak_memory(lambda: tiny(ids), DEVICE)["peak_bytes"]
     unpatch(tiny)
+    plain_peak = peak_memory(lambda: tiny(ids), DEVICE)["peak_bytes"]
 assert torch.equal(got_tokens, ref_tokens)
 print(f"patched greedy output identical ({SIZES['new_tokens']} tokens); logits rel. error {logits_err:.1e}")
+fused_peak_ratio = patched_peak / plain_peak
+print(f"peak tensor memory of one forward: {human_bytes(plain_peak)} plain, {human_bytes(patched_peak)} patched "
+      f"({fused_peak_ratio:.2f}x): fusion saves traffic, not capacity")
 
 # %% [markdown]
 # ## Fusion: predicted against measured
@@ -350,6 +356,9 @@ for name, value in figures.items():
     if value == value:  # NaN where a baseline is absent (bitsandbytes, cuDNN on the CPU)
         record_figure(name, value, unit, rec, bar=kb.BARS[name], note=note)
     print(f"{name:40s} {value:8.3f}   bar {kb.BARS[name] or '-'}")
+record_figure("kernels.fused_peak_memory_ratio", fused_peak_ratio, "x (patched / plain peak tensor memory)", rec,
+              note=f"one forward of the embedded model over {ids.shape[1]} tokens, {DEVICE}, labkit kernels patched "
+                   "in against HF's modules")
 if PROFILE == "gpu":  # one shape, one figure (notebook 02 refers to it); the CPU's interpreter would mislead
     record_figure(INT8_ATTN_FIGURE, int8_attn, "x (bf16 KV time / int8 KV time)", rec, bar=">= 1.7",
                   note=f"paged decode attention, one layer, {SIZES['kv']}, block 16, int8 K/V with a scale per "

@@ -271,6 +271,9 @@ cont_vs_static = top.loc["continuous", "output_tok_s"] / top.loc[f"static batch 
 cont_vs_fifo = top.loc["continuous", "output_tok_s"] / top.loc["FIFO", "output_tok_s"]
 grouped_vs_static = (top.loc[GROUPED, "output_tok_s"] / top.loc[f"static batch {B}", "output_tok_s"]
                      if GROUPED in top.index else None)
+cont_kv_used = top.loc["continuous", "peak_kv_bytes"] / top.loc["continuous", "kv_capacity_bytes"]
+static_kv_used = top.loc[f"static batch {B}", "peak_kv_bytes"] / top.loc[f"static batch {B}", "kv_capacity_bytes"]
+print(f"peak KV memory in use: continuous {cont_kv_used:.0%} of the cache, static {static_kv_used:.0%}")
 print(f"{top_load}, same KV memory: continuous batching delivers {cont_vs_static:.2f}x static batching's and "
       f"{cont_vs_fifo:.2f}x FIFO's output tokens/s (predicted against static: up to {1 / useful_share:.1f}x)"
       + (f"; admitting in groups: {grouped_vs_static:.2f}x static's" if grouped_vs_static else ""))
@@ -486,6 +489,9 @@ if grouped_vs_static is not None:
                        "a prefill")
 record_figure("engine.continuous_vs_fifo_throughput", cont_vs_fifo, "x", rec,
               note=f"same KV memory, {top_load}; FIFO replayed from one engine run")
+record_figure("engine.continuous_peak_kv_used_frac", cont_kv_used, "fraction of the KV cache", rec,
+              note=f"peak KV bytes in use over the cache's capacity, continuous batching, {top_load}; static batch "
+                   f"{B}: {static_kv_used:.3f}")
 elapsed("records written")
 
 # %% [markdown]

@@ -283,6 +283,11 @@ for path in mg:
 # %%
 fwd = btab[(btab.kind == "forward") & (btab.stages == SIZES["pp_worlds"][0])]
 row_m = fwd[fwd.m == min(4, max(SIZES["ms"]))].iloc[0]
+row_1 = fwd[fwd.m == 1].iloc[0]
+pp_gain = float(row_m.m * row_1.total_s / row_m.total_s)  # m micro-batches of work in row_m's time
+pp_stage_frac = max(r["stage_param_bytes"] for r in pp_res) / pp_res[0]["model_param_bytes"]
+print(f"PP {pp_world}: throughput x{pp_gain:.2f} at m={int(row_m.m)} against m=1; the largest stage holds "
+      f"{pp_stage_frac:.0%} of the weights")
 trade = pd.DataFrame([
     {"technique": f"TP {w} (hand-written)", "logits rel err": r["logits rel err"],
      "latency (CPU, ms/forward)": r["forward ms (TP)"],
@@ -328,6 +333,12 @@ record_figure("parallel.pp_bubble_measured", float(row_m.bubble_measured), "frac
               note=f"forward-only GPipe, {pp_world} gloo stages, m={int(row_m.m)}, mean idle share over stages")
 record_figure("parallel.pp_bubble_formula", float(row_m.bubble_formula), "fraction", rec,
               note=f"(p-1)/(m+p-1) at p={pp_world}, m={int(row_m.m)}")
+record_figure("parallel.pp_max_stage_weight_frac", pp_stage_frac, "fraction of the model's weights", rec,
+              note=f"largest of {pp_world} stages' parameter bytes over the whole model's (tied embeddings held by "
+                   "the first and last stage)")
+record_figure("parallel.pp_microbatch_throughput_gain", pp_gain, "x", rec,
+              note=f"forward-only GPipe, {pp_world} gloo stages: tokens/s at m={int(row_m.m)} micro-batches over "
+                   "m=1 (the same micro-batch size)")
 ar = fits["all_reduce"]
 if "alpha_us" in ar:
     record_figure("parallel.gloo_allreduce_alpha_us", ar["alpha_us"], "us", rec, note="2 gloo ranks, this CPU")

@@ -120,7 +120,7 @@ print(f"draft step / target step at batch 1: c_d = {c_draft:.3f}")
 gpu_cost = None
 if PROFILE == "gpu":
     big = from_config("llama-3-8b", device=DEVICE, dtype=torch.bfloat16)
-    gpu_cost = pd.DataFrame([S.verify_cost_ratio(big, 4, b, context=512, iters=SIZES["iters"])
+    gpu_cost = pd.DataFrame([S.verify_cost_ratio(big, 4, b, context=512, iters=SIZES["iters"], cuda_graph=True)
                              for b in SIZES["batches"]])
     display(gpu_cost.round(5))
     del big

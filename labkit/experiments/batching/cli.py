@@ -133,7 +133,8 @@ def decode_figures(rows: list[dict], record, out_dir) -> dict:
     """Figures of a ``bench decode`` run, per batch ``b``: ``engine.decode_b{b}_mbu`` (bytes a step must read,
     weights + KV, over step time over the datasheet bandwidth; the copy bandwidth measured in the same run where
     there is no datasheet) and ``engine.speedup_vs_hf_compiled_b{b}`` (engine tok/s over HF ``generate`` with the
-    static cache and ``torch.compile``, same prompts, same process), where measured."""
+    static cache and ``torch.compile``, same prompts, same process), where measured, and
+    ``engine.cuda_graph_pool_mb_b{b}`` (the memory the step graphs reserved) where the engine captured them."""
     from labkit.bench import record_figure
 
     out = {}
@@ -143,6 +144,10 @@ def decode_figures(rows: list[dict], record, out_dir) -> dict:
         out[f"engine.decode_b{b}_mbu"] = record_figure(
             f"engine.decode_b{b}_mbu", mbu, f"fraction of {basis} bandwidth", record, bar=">= 0.80",
             out_dir=out_dir, note=f"bench decode, batch {b}, context {r['context']}, end to end")
+        if r.get("graph_pool_bytes") is not None:
+            out[f"engine.cuda_graph_pool_mb_b{b}"] = record_figure(
+                f"engine.cuda_graph_pool_mb_b{b}", r["graph_pool_bytes"] / 1e6, "MB", record, out_dir=out_dir,
+                note=f"device memory the engine's CUDA-graph captures reserved (graph batch sizes up to {b})")
         if r.get("hf_static+compile_tok_s"):
             out[f"engine.speedup_vs_hf_compiled_b{b}"] = record_figure(
                 f"engine.speedup_vs_hf_compiled_b{b}", r["tok_s"] / r["hf_static+compile_tok_s"], "x", record,

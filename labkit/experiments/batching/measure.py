@@ -176,7 +176,8 @@ def decode_rate(model, batch_size: int, context: int, steps: int, source, warmup
     row = {"batch": batch_size, "context": context + warmup + steps // 2, "steps": steps,
            "tok_s": batch_size * steps / sum(times), "step_median_s": sorted(times)[len(times) // 2],
            "cuda_graphs": bool(engine.runner.graph_batch_sizes), "kernels": "triton" if engine.runner.use_triton
-           else "torch", "replay_step_s": None}
+           else "torch", "replay_step_s": None,
+           "graph_pool_bytes": engine.runner.graphs.pool_bytes if engine.runner.graph_batch_sizes else None}
     if replay and engine.runner.graph_batch_sizes:
         bs = min(b for b in engine.runner.graph_batch_sizes if b >= batch_size)
         replay_fn = partial(engine.runner.graphs.replay, bs)

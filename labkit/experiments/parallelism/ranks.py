@@ -208,7 +208,8 @@ def tp_demo(rank: int, world_size: int) -> dict:
 def pp_check(rank: int, world_size: int, prompt_ids: torch.Tensor, max_new_tokens: int = 8,
              num_microbatches: int = 2, train: bool = True, torch_api: bool = True, model_path=None) -> dict:
     """Pipeline stages of the embedded model against the unsharded model: GPipe forward logits, micro-batched
-    greedy decoding, ``torch.distributed.pipelining``'s GPipe, and (``train``) gradients under GPipe and 1F1B."""
+    greedy decoding, ``torch.distributed.pipelining``'s GPipe, and (``train``) gradients under GPipe and 1F1B.
+    ``stage_param_bytes``: the weights this rank holds, beside ``model_param_bytes`` of the whole model."""
     device = rank_device()
     model = load_model_on(model_path, device)
     ids = prompt_ids.to(device)
@@ -223,8 +224,10 @@ def pp_check(rank: int, world_size: int, prompt_ids: torch.Tensor, max_new_token
         ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         model.zero_grad(set_to_none=True)
     tied_group = dist.new_group([0, world_size - 1]) if world_size > 1 else None  # collective: every rank
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     stage = build_stage(model, rank, world_size)
-    out = {"rank": rank, "layers": list(stage.layer_ids), "ref_tokens": ref_tokens}
+    out = {"rank": rank, "layers": list(stage.layer_ids), "ref_tokens": ref_tokens, "model_param_bytes": model_bytes,
+           "stage_param_bytes": sum(p.numel() * p.element_size() for p in stage.parameters())}
     logits, stats = gpipe_forward(stage, ids, num_microbatches)
     out["forward_stats"] = stats.to_dict()
     if stage.is_last:
