@@ -77,7 +77,9 @@ def quantize_kv(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Ten
     qmax = INT8_MAX if fmt.name == "int8" else FP8_MAX
     # A vector of zeros gets scale 1 (any positive scale reproduces it exactly) instead of a 0/0.
     amax = xf.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    # times the float32 reciprocal, not "/ qmax": CUDA divides a tensor by a Python scalar as a multiplication by
+    # its reciprocal and the CPU does not, so "/ qmax" stores different bytes on the two devices
+    scale = torch.where(amax > 0, amax * (1.0 / qmax), torch.ones_like(amax))
     y = xf / scale.unsqueeze(-1)
     if fmt.name == "int8":
         q = y.round().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
