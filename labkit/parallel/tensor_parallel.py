@@ -140,17 +140,19 @@ class VocabParallelEmbedding(nn.Module):
     zeros, and one all-reduce adds the rank that owns each id).
     """
 
-    def __init__(self, weight: torch.Tensor, vocab_start: int, group):
+    def __init__(self, weight: torch.Tensor, vocab_start: int, group, num_embeddings: int | None = None):
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.vocab_start, self.vocab_end = vocab_start, vocab_start + weight.shape[0]
         self.group = group
+        # the whole vocabulary (every rank's rows), as nn.Embedding reports it: what the engine checks ids against
+        self.num_embeddings = num_embeddings if num_embeddings is not None else self.vocab_end
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, group) -> VocabParallelEmbedding:
         tp, rank = dist.get_world_size(group), dist.get_rank(group)
         rows = shard_range(emb.num_embeddings, tp, rank, "vocab_size")
-        return cls(emb.weight.detach()[rows].clone(), rows.start, group)
+        return cls(emb.weight.detach()[rows].clone(), rows.start, group, emb.num_embeddings)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
