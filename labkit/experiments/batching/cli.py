@@ -134,7 +134,8 @@ def decode_figures(rows: list[dict], record, out_dir) -> dict:
     weights + KV, over step time over the datasheet bandwidth; the copy bandwidth measured in the same run where
     there is no datasheet) and ``engine.speedup_vs_hf_compiled_b{b}`` (engine tok/s over HF ``generate`` with the
     static cache and ``torch.compile``, same prompts, same process), where measured, and
-    ``engine.cuda_graph_pool_mb_b{b}`` (the memory the step graphs reserved) where the engine captured them."""
+    ``engine.cuda_graph_pool_mb_b{b}`` (the memory the step graphs reserved) and ``engine.decode_b{b}_host_frac``
+    (the share of the step the replayed graph does not account for) where the engine captured them."""
     from labkit.bench import record_figure
 
     out = {}
@@ -144,6 +145,11 @@ def decode_figures(rows: list[dict], record, out_dir) -> dict:
         out[f"engine.decode_b{b}_mbu"] = record_figure(
             f"engine.decode_b{b}_mbu", mbu, f"fraction of {basis} bandwidth", record, bar=">= 0.80",
             out_dir=out_dir, note=f"bench decode, batch {b}, context {r['context']}, end to end")
+        if r.get("replay_step_s"):
+            out[f"engine.decode_b{b}_host_frac"] = record_figure(
+                f"engine.decode_b{b}_host_frac", 1 - r["replay_step_s"] / r["step_median_s"], "fraction of the step",
+                record, out_dir=out_dir, note=f"batch {b}: 1 - (the captured step replayed alone) / (the engine's "
+                "step end to end): host work the GPU waits for")
         if r.get("graph_pool_bytes") is not None:
             out[f"engine.cuda_graph_pool_mb_b{b}"] = record_figure(
                 f"engine.cuda_graph_pool_mb_b{b}", r["graph_pool_bytes"] / 1e6, "MB", record, out_dir=out_dir,
