@@ -233,9 +233,15 @@ def run_workbook(profile: str = "auto", only: list[str] | None = None, out: str 
 
     committed = json.loads(SUMMARY_PATH.read_text())["figures"] if SUMMARY_PATH.exists() else {}
     (out_dir / "summary.md").write_text(summary_markdown(figures, timings, profile, committed, cpu_s))
-    index = write_site(out_dir, timings, failed)
-    print(f"wrote {len(timings)} executed notebooks, {len(figures)} figures, summary.md and {index} "
-          f"(open it in a browser: every notebook rendered, the summary, the capstone's answer); whole run "
+    try:
+        index = write_site(out_dir, timings, failed)
+    except Exception as e:  # noqa: BLE001 -- the notebooks' results are written; say what failed, not a traceback
+        index = None
+        failures.append(f"the site (index.html) could not be written: {type(e).__name__}: {e} (the executed "
+                        f"notebooks, records, figures.json and summary.md are in {out_dir})")
+    site = f"{index} (open it in a browser: every notebook rendered, the summary, the capstone's answer)" if index \
+        else "no site"
+    print(f"wrote {len(timings)} executed notebooks, {len(figures)} figures, summary.md and {site}; whole run "
           f"{time.perf_counter() - t_run:.0f} s")
     for f in failures:
         print(f"FAILED: {f}", file=sys.stderr)

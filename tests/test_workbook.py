@@ -59,3 +59,19 @@ def test_readme_results_table_is_generated_from_summary():
 
     readme = (REPO_ROOT / "README.md").read_text()
     assert summary_table(SUMMARY_PATH) in readme, "run `python -m labkit readme`"
+
+
+def test_a_site_that_cannot_be_written_fails_the_run_with_a_message(tmp_path, monkeypatch, capsys):
+    import labkit.site
+    import labkit.workbook as wb
+
+    monkeypatch.setattr(wb, "execute_notebook", lambda nb, out_dir, profile, timeout: 0.1)
+
+    def no_templates(*args, **kwargs):
+        raise ValueError("No template sub-directory with name 'lab'")
+
+    monkeypatch.setattr(labkit.site, "write_site", no_templates)
+    assert wb.run_workbook(profile="ci", only=["09"], out=tmp_path) == 1
+    err = capsys.readouterr().err
+    assert "the site (index.html) could not be written: ValueError: No template" in err
+    assert (tmp_path / "summary.md").exists()  # what the notebooks produced is still there
