@@ -4,8 +4,8 @@ preparation, sampling, postprocessing), profiled with cProfile over ``--steps`` 
 
     python research/host_step_profile.py --batch 64 --steps 50 --out DIR
 
-Writes ``DIR/records/host_step_profile.json``: milliseconds of host work a step, and the cumulative milliseconds a step of the
-engine's main functions.
+Writes ``DIR/records/host_step_profile.json``: milliseconds of host work a step, and the cumulative milliseconds a
+step of the engine's main functions.
 """
 
 from __future__ import annotations

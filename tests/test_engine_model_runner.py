@@ -135,7 +135,8 @@ def test_int4_layers_take_in_their_norms_and_residual_adds(tiny_model, prompts, 
     qmodel.model.layers = qmodel.model.layers[:2]
     qmodel.config.num_hidden_layers = 2
     layers, steps = len(qmodel.model.layers), 2  # two decode steps: the interpreter is slow
-    fused, separate = (decode_logits(qmodel, prompts[1][:4], steps, fuse, fuse_qkv_rope=False) for fuse in (True, False))
+    fused, separate = (decode_logits(qmodel, prompts[1][:4], steps, fuse, fuse_qkv_rope=False)
+                       for fuse in (True, False))
     # per layer and decode step: q/k/v and gate/up with their norms, o and down with residual adds
     assert inside.count(["norm"]) == 2 * steps * layers and inside.count(["residual"]) == steps * layers
     assert inside.count(["residual", "swiglu"]) == steps * layers
