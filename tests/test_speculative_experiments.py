@@ -31,5 +31,8 @@ def test_verify_cost_ratio_runs():
     cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                       num_heads=2, num_kv_heads=1, head_dim=16)
     m = from_config(cfg, dtype=torch.float32)
-    r = S.verify_cost_ratio(m, 4, batch=2, context=20, iters=2)
+    before = m.plan
+    r = S.verify_cost_ratio(m, 4, batch=2, context=20, iters=2, kernels="triton")
     assert r["t_1token_s"] > 0 and r["t_verify_s"] > 0 and r["ratio"] > 0
+    assert r["plan"] == "triton" and r["timed"] == "eager"
+    assert m.plan == before  # the measurement's plan does not outlive it

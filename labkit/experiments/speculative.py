@@ -73,12 +73,12 @@ def verify_cost_ratio(model: CausalLM, k: int, batch: int = 1, context: int = 51
 
     ``kernels``: the model's ``FusionPlan`` for the measurement ('auto': the engine's choice for the device, Triton
     on CUDA). ``cuda_graph``: time graph replays, as the engine runs its steps (a step that cannot be captured is
-    timed eagerly; ``timed`` says which)."""
+    timed eagerly; ``timed`` says which). The model's own plan is restored afterwards."""
     from labkit.bench import time_fn
     from labkit.model import FusionPlan
 
-    model.use(FusionPlan.named(kernels, model.device, model.config).fit(model.config))
-
+    previous = model.plan
+    plan = model.use(FusionPlan.named(kernels, model.device, model.config).fit(model.config))
     cache = model.make_cache(batch * ((context + k + 1) // block_size + 2), block_size)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -90,19 +90,21 @@ def verify_cost_ratio(model: CausalLM, k: int, batch: int = 1, context: int = 51
         meta = replace(meta, rows=torch.arange(ids.shape[0], device=ids.device))  # every row's logits, as verify
         return lambda: model.forward_paged(ids, pos, cache, meta)
 
-    one, many = step(1), step(k + 1)
-    timed = "cuda_graph" if cuda_graph else "eager"
+    def medians(graph: bool) -> tuple[float, float]:
+        return tuple(time_fn(f, model.device, warmup=2, iters=iters, cuda_graph=graph).median_s
+                     for f in (step(1), step(k + 1)))
+
     try:
-        t1 = time_fn(one, model.device, warmup=2, iters=iters, cuda_graph=cuda_graph).median_s
-        tk = time_fn(many, model.device, warmup=2, iters=iters, cuda_graph=cuda_graph).median_s
-    except RuntimeError:  # a capture the step does not survive: time it as launched
-        if not cuda_graph:
-            raise
-        timed = "eager (capture failed)"
-        t1 = time_fn(one, model.device, warmup=2, iters=iters).median_s
-        tk = time_fn(many, model.device, warmup=2, iters=iters).median_s
+        try:
+            (t1, tk), timed = medians(cuda_graph), "cuda_graph" if cuda_graph else "eager"
+        except RuntimeError:  # a capture the step does not survive: time it as launched
+            if not cuda_graph:
+                raise
+            (t1, tk), timed = medians(False), "eager (capture failed)"
+    finally:
+        model.use(previous)
     return {"k": k, "batch": batch, "context": context, "t_1token_s": t1, "t_verify_s": tk, "ratio": tk / t1,
-            "plan": "triton" if model.plan.attention == "triton" else "torch", "timed": timed}
+            "plan": "triton" if plan.attention == "triton" else "torch", "timed": timed}
 
 
 def draft_cost_ratio(target: CausalLM, draft: CausalLM, context: int = 128, iters: int = 10) -> float:
