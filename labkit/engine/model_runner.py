@@ -114,10 +114,14 @@ class ModelRunner:
     def prepare(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int], num_decode: int,
                 pad_to: int | None = None, width: int | None = None, pad_tokens: int | None = None) -> ModelInput:
         """A ``ModelInput`` computing the next ``num_tokens[i]`` uncomputed tokens of each sequence (slots
-        reserved already). ``pad_to`` adds padding sequences (no tokens, context 1, scratch-block tables) and as
-        many token rows, ``pad_tokens`` pads the token rows to that count instead (scratch slot, position 0);
-        ``width`` fixes the block-table width."""
+        reserved already). ``pad_to`` adds padding sequences (context 1, scratch-block tables) and as many token
+        rows (scratch slot, position 0); ``pad_tokens`` pads the token rows to that count instead; ``width`` fixes
+        the block-table width. A padded all-decode step stays all-decode (each padding sequence decodes its one
+        padding row), exactly as the captured decode graph of ``pad_to`` rows runs it: the same attention kernel,
+        so an eager step and its replay are comparable row for row."""
         step = self._collect(seq_ids, num_tokens)
+        if pad_to is not None and pad_tokens is None and num_decode == len(seq_ids):
+            num_decode = pad_to
         return self._to_device(list(seq_ids), *step, list(num_tokens), num_decode, pad_to, width, pad_tokens)
 
     def _collect(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> tuple[list, ...]:
