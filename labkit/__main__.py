@@ -10,6 +10,7 @@
     python -m labkit claims [--write]                 # check every notebook claim against results/summary.json
     python -m labkit lab [ARGS...]                    # jupyter lab on notebooks/ (--allow-root when run as root)
     python -m labkit exercises [--status FILE]        # every exercise and this learner's status
+    python -m labkit gpu-check record|table ...       # rows of scripts/gpu_check.sh, and their table
 """
 
 from __future__ import annotations
@@ -119,6 +120,26 @@ def lab_command(rest: list[str], uid: int | None = None) -> list[str]:
     return [sys.executable, "-m", "jupyter", "lab", str(NOTEBOOKS), *root, *rest]
 
 
+def _gpu_check(args) -> int:
+    import json
+
+    from labkit import gpu_check
+
+    if args.action == "record":
+        before = json.loads(Path(args.before).read_text()) if args.before and Path(args.before).exists() else {}
+        row = gpu_check.stage_row(args.stage, args.rc, args.seconds, Path(args.log), Path(args.run), before)
+        gpu_check.append_row(Path(args.out), row)
+        print(f"{row['stage']}: {row['status']} in {row['seconds']:.0f} s"
+              + (f", {row['false_claims']} false claims, {row['figures_written']} figures" if "notebook" in row
+                 else ""))
+        return 0
+    rows = gpu_check.merge_rows([Path(p) for p in args.files])
+    print(gpu_check.table(rows))
+    if args.write:
+        Path(args.write).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
 def _lab(args) -> int:
     import subprocess
 
@@ -178,6 +199,14 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--status", default=None, help="the status file (default: $LABKIT_EXERCISES_STATUS or "
                                                    "~/.labkit/exercises.json)")
     ex.set_defaults(fn=_exercises)
+    g = sub.add_parser("gpu-check", help="scripts/gpu_check.sh's rows: record one stage, or print the table")
+    g.add_argument("action", choices=("record", "table"))
+    g.add_argument("files", nargs="*", help="table: gpu_check.json files of one machine and commit")
+    g.add_argument("--write", default=None, help="table: also write the merged rows to this file")
+    for flag, kind in (("--stage", str), ("--rc", int), ("--seconds", float), ("--log", str), ("--run", str),
+                       ("--out", str), ("--before", str)):
+        g.add_argument(flag, type=kind, default=None, help="record: " + flag[2:])
+    g.set_defaults(fn=_gpu_check)
     args = ap.parse_args(argv)
     try:
         return args.fn(args)

@@ -1,0 +1,134 @@
+"""The gpu-profile check: the GPU tests and every notebook, in stages that each fit a short device lease, one table.
+
+``scripts/gpu_check.sh`` runs the stages (``tests``: ``pytest -m gpu``; ``NN``: ``python -m labkit run --profile gpu
+--only NN``), each under its own time limit, and carries on past a failure. After each stage it calls ``python -m
+labkit gpu-check record``, which appends one row to ``gpu_check.json``: the stage, pass / fail / timeout, seconds
+(a notebook's own execution time, from the run's ``summary.md``), false claims (the notebook's claims evaluated
+against the figures the run wrote, so a claim after the first false one is counted too) and the figures it wrote.
+``python -m labkit gpu-check table FILE...`` merges the rows of several device calls (one machine, one commit)
+and prints the table that ``results/README.md`` shows for each machine.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+from labkit.models import REPO_ROOT
+
+STATUSES = ("pass", "fail", "timeout")
+_PYTEST = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)")
+
+
+def _notebook_stem(stage: str) -> str:
+    from labkit.workbook import list_notebooks
+
+    (nb,) = list_notebooks([stage])
+    return nb.stem
+
+
+def _figures(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _notebook_seconds(run_dir: Path, stem: str) -> float | None:
+    """The notebook's execution seconds from the run's ``summary.md`` (``| stem | seconds | ...``)."""
+    md = run_dir / "summary.md"
+    if not md.exists():
+        return None
+    m = re.search(rf"^\| {re.escape(stem)} \| ([0-9.]+) \|", md.read_text(), re.M)
+    return float(m.group(1)) if m else None
+
+
+def false_claims(stem: str, figures: dict) -> list[str]:
+    """Claims of notebook ``stem`` that do not hold (or cannot be evaluated) on ``figures`` (a run's
+    ``figures.json``), the committed summary standing in for figures of another machine class: their sentences."""
+    from labkit.claims import collect, evaluate, load_summary, machine_class
+
+    src = REPO_ROOT / "notebooks" / "src" / f"{stem}.py"
+    here = machine_class(next(iter(figures.values()))["machine"]) if figures else None
+    summary = load_summary()
+    return [f"{where}: {v.sentence} ({v.problem or c.condition})"
+            for where, c in collect([src])
+            if (v := evaluate(c, figures, summary, here=here)).holds is not True]
+
+
+def stage_row(stage: str, rc: int, seconds: float, log: Path, run_dir: Path, before: dict) -> dict:
+    """One row of the table for a finished stage: ``rc`` its exit status (124 / 137: killed at its limit),
+    ``log`` its output, ``run_dir`` the workbook run's folder (``before``: its ``figures.json`` before the stage)."""
+    from labkit.bench import git_commit, machine_tag
+
+    text = log.read_text(errors="replace") if log.exists() else ""
+    row = {"stage": stage, "machine": machine_tag(), "commit": git_commit(),
+           "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "seconds": round(seconds, 1)}
+    timed_out = rc in (124, 137)
+    if stage == "tests":
+        counts = {k.rstrip("s") if k.startswith("error") else k: int(n) for n, k in _PYTEST.findall(text[-2000:])}
+        ok = rc == 0 and counts.get("failed", 0) == 0 and counts.get("error", 0) == 0
+        row.update(kind="tests", counts=counts, status="timeout" if timed_out else ("pass" if ok else "fail"),
+                   detail=next((ln for ln in reversed(text.splitlines()) if _PYTEST.search(ln)), "")[:300])
+        return row
+    stem = _notebook_stem(stage)
+    figures = _figures(run_dir / "figures.json")
+    written = sorted(n for n, e in figures.items() if before.get(n) != e)
+    failed = re.search(rf"FAILED: {re.escape(stem)}\.ipynb failed at (.*)", text)
+    claims = false_claims(stem, figures)
+    status = "timeout" if timed_out else ("fail" if failed or (rc != 0 and "site" not in text[-600:]) else "pass")
+    row.update(kind="notebook", notebook=stem, status=status, false_claims=len(claims), false_claim_text=claims,
+               figures_written=len(written), detail=failed.group(1)[:400] if failed else "",
+               notebook_seconds=_notebook_seconds(run_dir, stem))
+    if row["notebook_seconds"] is not None and status != "timeout":
+        row["seconds"] = row["notebook_seconds"]
+    return row
+
+
+def append_row(path: Path, row: dict) -> None:
+    rows = json.loads(path.read_text()) if path.exists() else []
+    rows.append(row)
+    path.write_text(json.dumps(rows, indent=1))
+
+
+def merge_rows(paths: list[Path]) -> list[dict]:
+    """Rows of several ``gpu_check.json`` files, the last row of each stage kept, in stage order (tests first).
+    Refuses rows of different machines or commits: the table is one machine at one commit."""
+    last: dict[str, dict] = {}
+    for p in paths:
+        for row in json.loads(Path(p).read_text()):
+            last[row["stage"]] = row
+    machines = {r["machine"] for r in last.values()}
+    commits = {r["commit"] for r in last.values()}
+    if len(machines) > 1 or len(commits) > 1:
+        raise ValueError(f"rows of machines {sorted(machines)} and commits {sorted(commits)}: one table is one "
+                         "machine at one commit; merge each separately")
+    return [last[k] for k in sorted(last, key=lambda s: (s != "tests", s))]
+
+
+def table(rows: list[dict]) -> str:
+    """The markdown table: stage, status, seconds, false claims, figures written, what failed; then the totals."""
+    if not rows:
+        return "(no stage has run)"
+    lines = [f"{rows[0]['machine']}, commit {rows[0]['commit'][:9]}, {rows[-1]['utc'][:10]}", "",
+             "| stage | result | seconds | false claims | figures written | what failed |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if r["kind"] == "tests":
+            c = r.get("counts", {})
+            what = ", ".join(f"{v} {k}" for k, v in c.items())
+            lines.append(f"| `pytest -m gpu` | {r['status']} | {r['seconds']:.0f} | | | {what} |")
+        else:
+            lines.append(f"| {r['notebook']} | {r['status']} | {r['seconds']:.0f} | {r['false_claims']} | "
+                         f"{r['figures_written']} | {r['detail'].replace('|', '/')} |")
+    nbs = [r for r in rows if r["kind"] == "notebook"]
+    passed = sum(r["status"] == "pass" and r["false_claims"] == 0 for r in nbs)
+    lines += ["", f"Notebooks passing: {passed} of {len(nbs)}; notebook time {sum(r['seconds'] for r in nbs):.0f} s "
+              f"(longest {max((r['seconds'] for r in nbs), default=0):.0f} s)."]
+    return "\n".join(lines)
+
+
+def summary_figures(rows: list[dict]) -> dict:
+    """``workbook.gpu_notebooks_passed`` and ``workbook.gpu_run_seconds`` of a merged table."""
+    nbs = [r for r in rows if r["kind"] == "notebook"]
+    return {"workbook.gpu_notebooks_passed": sum(r["status"] == "pass" and r["false_claims"] == 0 for r in nbs),
+            "workbook.gpu_run_seconds": round(sum(r["seconds"] for r in nbs), 1)}
