@@ -1,0 +1,58 @@
+"""The gpu-profile check's rows and table (labkit.gpu_check), on logs and run folders made here."""
+
+import json
+
+import pytest
+
+from labkit import gpu_check
+
+
+def _run_dir(tmp_path, figures: dict, seconds: float | None = None):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "figures.json").write_text(json.dumps(figures))
+    if seconds is not None:
+        (run / "summary.md").write_text(f"| notebook | seconds |\n| --- | --- |\n| 01_diagnose | {seconds} | 3.0 |\n")
+    return run
+
+
+def test_tests_stage_counts_and_status(tmp_path):
+    log = tmp_path / "tests.log"
+    log.write_text("....\n79 passed, 3 skipped in 92.10s (0:01:32)\n")
+    row = gpu_check.stage_row("tests", 0, 95.0, log, _run_dir(tmp_path, {}), {})
+    assert row["status"] == "pass" and row["counts"] == {"passed": 79, "skipped": 3}
+    log.write_text("F...\n1 failed, 78 passed in 90.00s\n")
+    assert gpu_check.stage_row("tests", 1, 95.0, log, tmp_path / "run", {})["status"] == "fail"
+    assert gpu_check.stage_row("tests", 124, 420.0, log, tmp_path / "run", {})["status"] == "timeout"
+
+
+def test_notebook_stage_reads_failure_seconds_and_new_figures(tmp_path):
+    fig = {"diagnose.a": {"value": 1.0, "unit": "x", "machine": "cpu", "record": "r.json"},
+           "other.b": {"value": 2.0, "unit": "x", "machine": "cpu", "record": "r.json"}}
+    run = _run_dir(tmp_path, fig, seconds=41.5)
+    log = tmp_path / "01.log"
+    log.write_text("FAILED: 01_diagnose.ipynb failed at cell 7 ('x = 1'): AssertionError: boom\n")
+    row = gpu_check.stage_row("01", 1, 60.0, log, run, before={"other.b": fig["other.b"]})
+    assert row["status"] == "fail" and "cell 7" in row["detail"]
+    assert row["figures_written"] == 1 and row["seconds"] == 41.5 and row["notebook"] == "01_diagnose"
+    log.write_text("wrote 1 executed notebooks\n")
+    assert gpu_check.stage_row("01", 0, 60.0, log, run, before={})["status"] == "pass"
+
+
+def test_merge_keeps_the_last_row_per_stage_and_refuses_mixed_machines(tmp_path):
+    base = {"machine": "NVIDIA H100 80GB HBM3", "commit": "abc", "utc": "2026-12-06T00:00:00Z", "kind": "notebook",
+            "false_claims": 0, "figures_written": 3, "detail": ""}
+    a = [dict(base, stage="02", notebook="02_kv_cache", status="fail", seconds=60.0),
+         dict(base, stage="tests", kind="tests", status="pass", seconds=90.0, counts={"passed": 3})]
+    b = [dict(base, stage="02", notebook="02_kv_cache", status="pass", seconds=61.0)]
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    rows = gpu_check.merge_rows([pa, pb])
+    assert [r["stage"] for r in rows] == ["tests", "02"] and rows[1]["status"] == "pass"
+    text = gpu_check.table(rows)
+    assert "| 02_kv_cache | pass | 61 | 0 | 3 |" in text and "Notebooks passing: 1 of 1" in text
+    assert gpu_check.summary_figures(rows) == {"workbook.gpu_notebooks_passed": 1, "workbook.gpu_run_seconds": 61.0}
+    pb.write_text(json.dumps([dict(b[0], machine="NVIDIA H200")]))
+    with pytest.raises(ValueError, match="one machine at one commit"):
+        gpu_check.merge_rows([pa, pb])
