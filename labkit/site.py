@@ -89,9 +89,14 @@ def write_site(out_dir: Path | str, timings: dict[str, float] | None = None,
     summary = mistune.html(summary_md.read_text()) if summary_md.exists() else "<p>No summary.md in this run.</p>"
     (out / "summary.html").write_text(_page("labkit run: summary", summary, _nav(pages, "summary.html")))
 
+    from labkit.workbook import stale_executed
+
+    stale = stale_executed(out)
     rows = []
     for stem, (title, _) in rendered.items():
         status = f"failed: {html.escape(failures[stem])}" if stem in failures else "ran"
+        if f"{stem}.ipynb" in stale:
+            status += f"; {html.escape(stale[f'{stem}.ipynb'])}"
         secs = f"{timings[stem]:.1f}" if stem in timings else ""
         rows.append(f"<tr><td><a href='{stem}.html'>{html.escape(stem)}</a></td><td>{html.escape(title)}</td>"
                     f"<td>{secs}</td><td>{status}</td></tr>")
