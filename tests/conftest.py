@@ -1,9 +1,15 @@
 """Shared fixtures: the embedded model, loaded once per test session."""
 
+import os
+
 import pytest
 import torch
 
 import labkit  # noqa: F401  (sets TRITON_INTERPRET before anything imports triton)
+
+if os.environ.get("PYTEST_XDIST_WORKER") and not torch.cuda.is_available():
+    # pytest -n N: the workers share the machine's cores; a torch thread pool per worker only oversubscribes them
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
