@@ -53,12 +53,33 @@ def test_profiles_and_selection():
         list_notebooks(["42"])
 
 
-def test_readme_results_table_is_generated_from_summary():
-    from labkit.bench import SUMMARY_PATH, summary_table
-    from labkit.models import REPO_ROOT
+def test_readmes_results_table_and_unmet_bars_are_generated_from_summary():
+    """README.md's results table and its list of bars not met, and results/README.md's list, are what
+    ``python -m labkit readme`` writes from results/summary.json."""
+    from labkit.bench import SUMMARY_PATH
+    from labkit.figures import summary_table, unmet_bars
+    from labkit.workbook import readme_blocks
 
-    readme = (REPO_ROOT / "README.md").read_text()
-    assert summary_table(SUMMARY_PATH) in readme, "run `python -m labkit readme`"
+    for path, text in readme_blocks().items():
+        assert path.read_text() == text, f"{path} is out of date: run `python -m labkit readme`"
+    readme = next(iter(readme_blocks()))
+    assert summary_table(SUMMARY_PATH) in readme.read_text()
+    for bar in unmet_bars():  # every bar not met is listed, per machine
+        assert f"`{bar['figure']}`" in readme.read_text().split("<!-- bars:begin -->")[1]
+
+
+def test_unmet_bars_are_listed_per_machine(tmp_path):
+    import json
+
+    from labkit.figures import unmet_bars_markdown
+
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"format": 2, "figures": {"a.x": {"unit": "x", "bar": ">= 2", "machines": {
+        "h100": {"value": 1.5, "machine": "NVIDIA H100 80GB HBM3", "record": "results/h100/records/a.json", "run": "r"},
+        "h200": {"value": 2.5, "machine": "NVIDIA H200", "record": "results/h200/records/a.json", "run": "s"}}}}}))
+    md = unmet_bars_markdown(path, link_root="results/")
+    assert "1 bars not met" in md and "- **h100** (NVIDIA H100 80GB HBM3):" in md and "h200" not in md
+    assert "  - `a.x` 1.5 against >= 2 ([a.json](h100/records/a.json))" in md
 
 
 def test_a_site_that_cannot_be_written_fails_the_run_with_a_message(tmp_path, monkeypatch, capsys):
