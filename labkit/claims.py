@@ -383,7 +383,7 @@ def show(*items: Claim | str, title: str = "Takeaways") -> list[ClaimCheck]:
         lines.append(f"- {first.sentence if first else c.text} <sub>{'; '.join(marks) or 'no figure yet'}</sub>")
         for v in here + before:
             if shown is not None and v is not shown and v.status in ("holds", "false") and v.sentence != shown.sentence:
-                lines.append(f"  - {v.machine}: {v.sentence}")
+                lines.append(f"  - {v.machine} {'this run' if id(v) in mine else 'committed'}: {v.sentence}")
     display(Markdown("\n".join(lines)))
     if os.environ.get("LABKIT_PROFILE") == "gpu":
         assert not bad, "claims not holding on this run's figures: " + "; ".join(

@@ -98,6 +98,58 @@ def build_notebooks(check: bool = False) -> list[str]:
     return stale
 
 
+# --- numbers typed into the prose ---------------------------------------------------------------------------------
+_NUMBER = re.compile(r"(?<![\w.\-^/=<>])\d[\d,]*(?:\.\d+)?(?:e-?\d+)?(?:\s*(?:%|x\b|×)|\s*[-–]\s*\d+(?:\.\d+)?%?)?"
+                     r"(?![\w^]|-[a-zA-Z]|/\d)")
+_NUMBER_WORDS = re.compile(
+    r"\b(?:(?:about|around|roughly|nearly|almost|over|under|some|more than|less than|at least|at most)\s+(?:a |an )?"
+    r"(?:hundred|thousand|million|dozen|half|third|quarter|fifth|tenth|one|two|three|four|five|six|seven|eight|nine|ten"
+    r"|twice)\b|(?:one|two|three|four|five|six|seven|eight|nine|ten|a hundred|hundreds|thousands) times\b"
+    r"|one (?:\w+ )?in (?:two|three|four|five|six|ten)\b|hundreds of\b|thousands of\b"
+    r"|a (?:fifth|quarter|tenth|third) of\b)",
+    re.I)
+_NOT_FINDINGS = [re.compile(p) for p in (
+    r"`[^`]*`", r"\$\$.*?\$\$", r"\$[^$]*\$", r"\]\([^)]*\)", r"https?://\S+",  # code, math, link targets
+    r"\b(?:[Nn]otebooks?|[Hh]ints?|[Ii]ssues?|[Ff]ollow-ups?|[Gg]ate|[Tt]echnique|[Ss]tage|[Ss]tep)\s+\d+"
+    r"(?:\s*(?:[-–,]|and|or)\s*\d+)*",  # references to notebooks, hints, sections
+    r"(?<![\w.\-])0\d(?:\s*[-–]\s*0\d)?\b",  # notebooks by number: 02-06
+    r"\((?:19|20)\d\d\)|\b(?:19|20)\d\d\b", r"^\s*\d+\.\s", r"\(\d\)",  # years, enumerations
+    r"\bbatch(?:es)?(?: of)? \d+(?:(?:,| and| to) \d+)*", r"\bcontext(?: of)? \d+",  # the notebook's sizes
+    r"\b\d[\d,]* (?:cached |prompt |output )?tokens\b(?!/)", r"\b\d+(?:/\d+)?(?:-| )bits?\b", r"\bper \d+\b",
+    r"\b\d+\s*x\s*\d+(?:\s*x\s*\d+)*\b", r"\b(?:TP|PP|rank|ranks)\s+\d+",  # shapes, layouts
+    r"\b\d+ (?:query |KV )?heads\b")]
+
+
+def markdown_numbers(source: Path | str, allowed: tuple[str, ...] = ()) -> list[tuple[int, str, str]]:
+    """The numbers typed into the markdown cells of a notebook source (``# %% [markdown]``), as ``(line, number,
+    text)``: digits (``587``, ``1e-7``, ``4x``, ``20-38%``) and approximate number words ("about a hundred", "hundreds
+    of", "one in four"). A measured finding in the prose must be a claim or rendered from figures instead.
+
+    Not counted: the title line, code (inline and fenced), math, link targets, references to notebooks, hints and
+    sections, years, list numbering, and the notebook's sizes (batch N, context N, N tokens, N bits, per N, shapes
+    N x M, TP N, N heads). ``allowed``: phrases (definitions, datasheet and paper numbers, model shapes) whose numbers
+    are not findings either."""
+    out, markdown, fence = [], False, False
+    for i, line in enumerate(Path(source).read_text().splitlines(), 1):
+        if line.startswith("# %%"):
+            markdown, fence = "[markdown]" in line, False
+            continue
+        if not markdown or line.startswith("# # "):
+            continue
+        text = re.sub(r"^# ?", "", line)
+        if text.strip().startswith("```"):
+            fence = not fence
+            continue
+        if fence:
+            continue
+        masked = text
+        for pattern in [*(re.compile(re.escape(a)) for a in allowed), *_NOT_FINDINGS]:
+            masked = pattern.sub(lambda m: " " * len(m.group(0)), masked)
+        found = sorted([*_NUMBER.finditer(masked), *_NUMBER_WORDS.finditer(masked)], key=lambda m: m.start())
+        out += [(i, m.group(0), text) for m in found]
+    return out
+
+
 def list_notebooks(only: list[str] | None = None) -> list[Path]:
     """Notebooks in reading order, optionally those whose number or name is in ``only``."""
     nbs = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))

@@ -260,8 +260,8 @@ pd.DataFrame([
 
 # %% [markdown]
 # ## Takeaways
-# Each sentence is rendered from this run's figures (or, marked, from the committed records of another machine)
-# and checked: ✓ means its condition holds.
+# Each sentence is rendered from this run's figures and from each machine's committed records, and checked on each:
+# ✓ means its condition holds there. A sentence marked "stated" is configuration, not a claim.
 
 # %%
 show(

@@ -287,7 +287,8 @@ print(f"int8 KV read in the kernel: {int8_attn:.3f}x the bf16 cache's speed at {
 # At batch 1 a linear reads every weight once for 2 FLOPs each. int8 halves the bytes and int4 quarters them --
 # if the dequantisation happens in registers. Dequantising to a bf16 copy first (the torch path) and bitsandbytes
 # (built for memory savings, not decode speed) show the other outcome. Each implementation cycles through several
-# copies of its weights, as a decode step reads each layer once (otherwise the H200's 50 MB L2 would hold them).
+# copies of its weights, as a decode step reads each layer once (otherwise the 50 MB L2 of an H100 or H200 would hold
+# them).
 
 # %%
 gemv = table[table.kernel == "gemv"][["impl", "shape", "median_us", "gb_s", "frac_of_ceiling", "rel_err"]]
@@ -367,8 +368,9 @@ if PROFILE == "gpu":  # one shape, one figure (notebook 02 refers to it); the CP
 
 # %% [markdown]
 # ## Takeaways
-# Each sentence is rendered from `results/summary.json` and checked (`python -m labkit claims`); the mark says
-# whether it holds and which record it comes from.
+# Each sentence is rendered from the figures of this run and of each machine in `results/summary.json`, and checked
+# on each (`python -m labkit claims`); the marks say where it holds and which record it comes from. Where a GEMV falls
+# short of its bytes ratio, dequantising costs instructions and latency that bytes alone do not predict.
 
 # %%
 show(

@@ -317,10 +317,10 @@ elapsed("chunked prefill")
 
 # %% [markdown]
 # ## CUDA graphs: the launch gaps, before and after
-# At batch 1 a decode step is hundreds of small kernels; launched one by one from Python, the device waits between
-# them. The engine captures one decode step per batch-size bucket as a CUDA graph (static input buffers, batch
-# padded to the bucket, block tables padded to `max_model_len`) and replays it (and, under continuous batching,
-# one step with prefill chunks per token-count bucket). The profiler shows an eager and a replayed decode step.
+# At batch 1 a decode step is many small kernels (notebook 01 counts them); launched one by one from Python, the
+# device waits between them. The engine captures one decode step per batch-size bucket as a CUDA graph (static input
+# buffers, batch padded to the bucket, block tables padded to `max_model_len`) and replays it (and, under continuous
+# batching, one step with prefill chunks per token-count bucket). The profiler shows an eager and a replayed decode step.
 
 # %%
 profiles = {}
@@ -497,14 +497,15 @@ elapsed("records written")
 # %% [markdown]
 # ## Takeaways
 # Each sentence with a number or a direction below is a claim that `python -m labkit claims` checks against
-# `results/summary.json`; it is rendered from the figures and marked with where they come from. A claim about the
-# GPU shows the committed H200 record on a CPU run (the CPU's own figures are in this run's `summary.md`).
+# `results/summary.json`, on every machine it applies to; it is rendered from the figures and marked with where they
+# come from. A claim about the GPU shows each committed GPU's record on a CPU run (the CPU's own figures are in this
+# run's `summary.md`); a claim comparing two notebooks' figures is checked only on figures of one run.
 #
 # The mechanisms behind them: FIFO pays a whole weight read per token and queues everyone behind one request;
 # static batches share the read but idle while their longest member finishes; continuous batching admits and
 # retires at every step, and paging lets it admit because blocks are allocated as sequences grow (when they run
 # out, the youngest request is preempted and recomputed, never dropped). Chunked prefill bounds the stall a long
-# prompt causes to everyone decoding. CUDA graphs remove the launch gaps between a step's hundreds of kernels.
+# prompt causes to everyone decoding. CUDA graphs remove the launch gaps between a step's kernels.
 # **How to verify in production**: the same instruments as here: TTFT / TPOT / end-to-end percentiles and goodput
 # under an SLO as load rises, the busy fraction, and a profiler trace of a decode step (gaps = launch overhead).
 

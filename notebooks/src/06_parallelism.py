@@ -140,7 +140,7 @@ assert max(r["plan_vs_hand_rel_err"] for r in dt) < 1e-5
 
 # %% [markdown]
 # Whether TP is faster than one process here depends on two numbers: the matmul time it splits and the
-# 17 all-reduces it adds (about a hundred microseconds each over gloo, measured below). The embedded model is so
+# 17 all-reduces it adds (each with the gloo latency measured below). The embedded model is so
 # small that the two are of the same order, and other processes on the machine move the balance from run to
 # run. On GPUs the same trade decides: TP pays when each GPU's share of the weights takes longer to read than an
 # all-reduce takes.
@@ -351,8 +351,8 @@ else:
 # ## Takeaways
 #
 # * **Correctness first, then speed.** Hand-written Megatron TP (2 and 4 ranks, KV heads replicated at 4), the
-#   DTensor plan, and GPipe/1F1B pipelines all reproduce the single-process logits to ~1e-7 in float32 and the
-#   same greedy tokens; training gradients agree too.
+#   DTensor plan, and GPipe/1F1B pipelines all reproduce the single-process logits within 1e-5 in float32 (the
+#   claims below give the errors) and the same greedy tokens; training gradients agree too.
 # * **TP puts communication on every layer's critical path**: 2 all-reduces per layer, `tokens x hidden` each,
 #   exactly the bytes the cost model predicts. It is the tool for latency *inside* a node (NVLink); across nodes
 #   it is dominated by the link.

@@ -83,8 +83,8 @@ print(PROFILE, DEVICE, SIZES, f"{torch.get_num_threads()} CPU threads", "recipes
 # Recipes (`compare.recipe`): **full** = fp32 master weights, bf16 autocast, AdamW; **LoRA** = bf16 frozen base,
 # fp32 adapters on all seven linears of every layer (rank 8), AdamW; **QLoRA** = NF4 base (bf16 embeddings and
 # norms), the same adapters, 8-bit AdamW. The GPU runs them as written; the CPU profiles compute them in fp32
-# (fp32 base, no autocast: bf16 on a CPU is slow, and without bf16 instructions torch falls back to a path about
-# 100 times slower), and the memory checks below keep two bf16 variants so the model is checked on both.
+# (fp32 base, no autocast: bf16 on a CPU is slow, and without bf16 instructions torch falls back to a much slower
+# path), and the memory checks below keep two bf16 variants so the model is checked on both.
 
 # %%
 base_model, tok = load_model(device=DEVICE, dtype="fp32")

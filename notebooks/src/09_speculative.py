@@ -185,13 +185,13 @@ if gpu_cost is not None:
 
 # %% [markdown]
 # ## Takeaways
-# The speedup is `E / (k·c_d + c(k))`: it needs a high α **and** a verify step that costs about one plain step.
-# On the CPU neither holds here (the embedded model is too small for a batch-1 step to be bandwidth-bound, and the
-# draft, trained for a quarter of an hour on a CPU, agrees with the target on about one token in four): the
-# model predicts a slowdown and the measurement agrees. On the GPU the premise holds for the target: the
-# Llama-3-8B shape, on the engine's Triton kernels replayed as CUDA graphs, verifies k + 1 tokens for about the
-# price of one at batch 1 (`spec.verify_cost_ratio_k4`, below), and the ratio grows with the batch (the record's
-# `gpu_verify_cost` table): the reason speculation stops paying as batches fill.
+# The speedup is `E / (k·c_d + c(k))`: it needs a high α **and** a verify step that costs close to one plain step.
+# On the CPU neither holds here: the embedded model is too small for a batch-1 step to be bandwidth-bound, and the
+# draft, trained briefly on a CPU, agrees with the target on the share of tokens below (`spec.acceptance_rate_draft`);
+# the claims below say what the model predicts and what was measured. On the GPU the premise is checked for the
+# target: the Llama-3-8B shape, on the engine's Triton kernels replayed as CUDA graphs, verifies k + 1 tokens at
+# batch 1 for the price the claim below measures (`spec.verify_cost_ratio_k4`), and the record's `gpu_verify_cost`
+# table gives the ratio at larger batches, where speculation stops paying once verification costs more.
 
 # %%
 from labkit.claims import Claim, show
