@@ -56,7 +56,7 @@ from labkit.conditions import (
     wording_problems,
     written_refusal,
 )
-from labkit.figures import machine_class
+from labkit.figures import class_order, machine_class, machine_figures, read_summary, summary_classes, write_summary
 from labkit.models import REPO_ROOT
 
 __all__ = ["MACHINES", "STATUSES", "Claim", "ClaimCheck", "ClaimError", "ClaimRefused", "RefusedClaim", "Verdict",
@@ -234,8 +234,6 @@ def evaluate(claim: Claim, figures: dict, machine: str | None = None, label: str
 def check(claim: Claim, summary: dict) -> list[Verdict]:
     """``claim`` on every machine class of ``summary`` (``labkit.figures.read_summary``) it applies to and that
     measured at least one of its figures."""
-    from labkit.figures import machine_figures, summary_classes
-
     out = []
     for c in summary_classes(summary):
         figs = machine_figures(summary, c)
@@ -273,8 +271,6 @@ def collect(sources: list[Path] | None = None) -> list[tuple[str, Claim | Refuse
 
 def load_summary(path: Path | str | None = None) -> dict:
     """``results/summary.json`` (or ``path``) in the current format (``labkit.figures.read_summary``)."""
-    from labkit.figures import read_summary
-
     return read_summary(path)
 
 
@@ -294,8 +290,6 @@ def report(checks: list[ClaimCheck], width: int = 72) -> str:
     classes = []
     for ch in checks:
         classes += [v.machine for v in ch.verdicts if v.machine not in classes]
-    from labkit.figures import class_order
-
     classes = class_order(classes)
     count = {s: sum(ch.status == s for ch in checks) for s in ("holds", "false", "refused", "unchecked")}
     lines = [f"{len(checks)} claims checked against results/summary.json on {', '.join(classes) or 'no machine'}: "
@@ -326,8 +320,6 @@ def _mark(v: Verdict) -> str:
 def _statement(text: str, by_class: dict, committed: dict) -> str:
     """A plain statement (configuration, arithmetic, a definition) rendered from the first machine that holds all
     its figures, this run's first; not checked."""
-    from labkit.figures import machine_figures, summary_classes
-
     names = [n for n, _, _ in fields(text)]
     pools = [(m, figs, "this run") for m, figs in by_class.items()]
     pools += [(m, machine_figures(committed, m), "committed") for m in summary_classes(committed)]
@@ -356,8 +348,6 @@ def show(*items: Claim | str, title: str = "Takeaways") -> list[ClaimCheck]:
     from IPython.display import Markdown, display
 
     from labkit.bench import output_dir
-    from labkit.figures import read_summary
-
     path = output_dir() / "figures.json"
     run = json.loads(path.read_text()) if path.exists() else {}
     by_class: dict[str, dict] = {}
@@ -396,7 +386,6 @@ def write_figures(checks: list[ClaimCheck], summary: Path | str | None = None) -
     (claims evaluated on at least one machine), ``workbook.claims_false`` and ``workbook.claims_vacuous`` (claims the
     checker refuses)."""
     from labkit.bench import RESULTS_DIR, SUMMARY_PATH, run_id, write_record
-    from labkit.figures import read_summary, write_summary
 
     summary = Path(summary or SUMMARY_PATH)
     rows = [{"where": ch.where, "text": ch.claim.text, "condition": ch.claim.condition, "machine": ch.claim.machine,

@@ -268,7 +268,8 @@ def wording_problems(text: str, condition: str) -> list[str]:
     words a field picks from the data excepted): 'faster' needs a ratio above 1 or an ordering of two figures,
     'no faster' a bound of at most 1.0 (or 'within N%'), 'slower' a ratio under 1, 'compute-bound' an intensity
     above a measured ridge figure and 'memory-bound' one below it, 'fits' and 'fewer' an upper bound, 'reaches'
-    and 'more' a lower one. Returns one message per problem (a claim's ``text`` and ``condition``)."""
+    and 'more' a lower one; their negations ('neither ... reaches', 'does not fit') the other way. Returns one message
+    per problem (a claim's ``text`` and ``condition``)."""
     words = re.sub(r"\s+", " ", "".join(lit for lit, *_ in string.Formatter().parse(text)).lower())
     pairs = []
     for left, op, right in comparisons(parse(condition)):
@@ -317,6 +318,10 @@ def wording_problems(text: str, condition: str) -> list[str]:
     if re.search(r"\breach(es)?\b(?! of\b)", words) and not re.search(r"\b(of|within|out of)(\W+\w+){0,3}\W+reach\b",
                                                                        words) and not negated and not up:
         problems.append("'reaches' needs a lower bound ('>=')")
+    if negated and not down:
+        problems.append(f"'{negated.group(0)}' needs an upper bound ('<')")
+    if re.search(r"\b(?:does not|do not|never) fits?\b", words) and not up:
+        problems.append("'does not fit' needs a lower bound ('>' a capacity)")
     if re.search(r"(?<!no )\bmore\b", words) and not up:
         problems.append("'more' needs a lower bound ('>' or two figures ordered)")
     if re.search(r"\bfewer\b", words) and not down:

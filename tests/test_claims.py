@@ -173,6 +173,9 @@ def test_bad_text_and_machine_are_refused():
     ("It fits one GPU", "m.need < m.capacity", None),
     ("It fits one GPU", "m.need >= 10", "'fits' needs an upper bound"),
     ("The kernel reaches 90% of the copy bandwidth", "k.frac < 0.95", "'reaches' needs a lower bound"),
+    ("Neither step reaches its bytes ratio", "k.w8 > 1", "needs an upper bound"),
+    ("Neither step reaches its bytes ratio", "k.w8 < 2", None),
+    ("It does not fit one GPU", "m.need_gb < 80", "'does not fit' needs a lower bound"),
     ("int8 needs more GPUs", "p.int8 <= 24", "'more' needs a lower bound"),
     ("int8 needs fewer GPUs", "p.int8 >= 24", "'fewer' needs an upper bound"),
     ("int8 needs {p.int8:if > p.bf16 then more else no more} GPUs", "k.speedup > 1", None),  # words from the data
@@ -258,3 +261,18 @@ def test_the_workbook_claims_hold():
     checks = C.check_all()
     assert not [ch for ch in checks if ch.status in ("false", "refused")], C.report(checks)
     assert sum(ch.status == "holds" for ch in checks) >= 60, C.report(checks)
+
+
+def test_the_cli_exits_1_on_a_false_or_refused_claim(monkeypatch, capsys):
+    from labkit.__main__ import main
+
+    s = summary(h200=("NVIDIA H200", "r", {"engine.speedup": 0.5}))
+    for cond, code in (("engine.speedup < 1", 0), ("engine.speedup > 1", 1), ("1 > 0", 1)):
+        try:
+            item = Claim("s", cond, machine="gpu")
+        except ClaimRefused as e:
+            item = RefusedClaim("s", cond, "gpu", str(e))
+        checks = [C.ClaimCheck(item, "09_x.py:1", [] if isinstance(item, RefusedClaim) else check(item, s))]
+        monkeypatch.setattr(C, "check_all", lambda checks=checks: checks)
+        assert main(["claims"]) == code, cond
+        assert "claims checked" in capsys.readouterr().out
