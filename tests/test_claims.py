@@ -276,3 +276,29 @@ def test_the_cli_exits_1_on_a_false_or_refused_claim(monkeypatch, capsys):
         monkeypatch.setattr(C, "check_all", lambda checks=checks: checks)
         assert main(["claims"]) == code, cond
         assert "claims checked" in capsys.readouterr().out
+
+
+def test_the_lessons_an_h100_contradicted_now_say_what_it_measured():
+    """At commit 16cb26f an H100 measured the int8 GEMV at 2.12x bf16 (03 said neither GEMV reaches its bytes
+    ratio), planned FP8 weights on as many GPUs as bf16 (08 said more) and recommended FP8 weights where the
+    committed 08 said bf16. The workbook's claims, checked on those numbers beside the H200's, hold on both and say
+    what each measured."""
+    layout = "5 x (TP4 x PP1), weights fp8, KV int8, batch <= 64"
+    h100 = {"kernels.w8_gemv_speedup_vs_bf16": 2.12, "kernels.w4_gemv_speedup_vs_bf16": 2.6,
+            "plan.gpus_175b_bf16": 20, "plan.gpus_175b_fp8": 20, "plan.gpus_175b_int8": 24,
+            "plan.gpus_175b_int4": 32, "plan.gpt3_175b_layout": layout, "parallel.recommended_175b_layout": layout}
+    s = summary(h100=("NVIDIA H100 80GB HBM3", "one-run", h100))
+    s["figures"] = {**s["figures"], **{n: f for n, f in read_summary()["figures"].items() if n not in h100}}
+    for n in h100:  # the H200's committed values beside the H100's
+        s["figures"][n]["machines"].update(read_summary()["figures"][n]["machines"])
+    claims = [c for w, c in collect() if w.startswith(("03_kernels.py", "08_capstone.py")) and isinstance(c, Claim)]
+    by_text = {c.text: check(c, s) for c in claims if set(c.figures()) & set(h100)}
+    assert by_text and all(v.status != "false" for vs in by_text.values() for v in vs), by_text
+    gemv = next(vs for t, vs in by_text.items() if "int8 GEMV runs" in t)
+    assert "the int8 GEMV reaches its 2x" in next(v.sentence for v in gemv if v.machine == "h100")
+    assert "the int8 GEMV falls short of its 2x" in next(v.sentence for v in gemv if v.machine == "h200")
+    formats = next(vs for t, vs in by_text.items() if "finds a plan for every weight format" in t)
+    assert "FP8 no more (20)" in next(v.sentence for v in formats if v.machine == "h100")
+    same = next(vs for t, vs in by_text.items() if "06 and 08" in t)
+    assert [(v.machine, v.status) for v in same] == [("h100", "holds"), ("h200", "cross-run")]
+    assert layout in same[0].sentence
