@@ -3,11 +3,11 @@
     python -m labkit run [--profile auto|ci|cpu|gpu] [--only NN ...] [--out DIR]
     python -m labkit ceilings [--out DIR]
     python -m labkit merge OUT_DIR RECORD_ROOT        # figures.json of a run -> results/summary.json
-    python -m labkit readme                           # regenerate the README's results table
+    python -m labkit readme                           # regenerate the READMEs' results table and unmet bars
     python -m labkit build-notebooks [--check]        # notebooks/src/*.py -> notebooks/*.ipynb
     python -m labkit docs [--check]                   # docs/api.md from the exported names' docstrings
     python -m labkit bench kernels|serve|decode [ARGS...]  # the kernel, serving and decode benchmarks
-    python -m labkit claims [--write]                 # check every notebook claim against results/summary.json
+    python -m labkit claims [--write]                 # every notebook claim x every machine of results/summary.json
     python -m labkit lab [ARGS...]                    # jupyter lab on notebooks/ (--allow-root when run as root)
     python -m labkit exercises [--status FILE]        # every exercise and this learner's status
     python -m labkit gpu-check record|table ...       # rows of scripts/gpu_check.sh, and their table
@@ -56,7 +56,7 @@ def _run(args) -> int:
 
 
 def _merge(args) -> int:
-    from labkit.bench import merge_figures
+    from labkit.figures import merge_figures
 
     s = merge_figures(Path(args.out_dir) / "figures.json", args.record_root)
     print(f"results/summary.json: {len(s['figures'])} figures")
@@ -88,11 +88,11 @@ def _bench(args) -> int:
 def _claims(args) -> int:
     from labkit.claims import check_all, report, write_figures
 
-    verdicts = check_all()
-    print(report(verdicts))
+    checks = check_all()
+    print(report(checks))
     if args.write:
-        print(f"wrote {write_figures(verdicts)}")
-    return 0 if all(v.holds is True for v in verdicts) else 1
+        print(f"wrote {write_figures(checks)}")
+    return 1 if any(ch.status in ("false", "refused") for ch in checks) else 0
 
 
 def _build(args) -> int:
@@ -176,13 +176,16 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("out_dir")
     m.add_argument("record_root")
     m.set_defaults(fn=_merge)
-    sub.add_parser("readme", help="regenerate the README results table").set_defaults(fn=_readme)
+    sub.add_parser("readme", help="regenerate the README results table and the READMEs' lists of bars not met"
+                   ).set_defaults(fn=_readme)
     be = sub.add_parser("bench", help="benchmarks: kernels (Triton vs torch), serve or decode (the engine)")
     be.add_argument("what", help="kernels, serve or decode")
     be.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of that benchmark (see its --help)")
     be.set_defaults(fn=_bench)
-    cl = sub.add_parser("claims", help="check every notebook claim against results/summary.json; exit 1 if one fails")
-    cl.add_argument("--write", action="store_true", help="also record workbook.claims_checked / claims_false")
+    cl = sub.add_parser("claims", help="check every notebook claim on every machine of results/summary.json it "
+                                       "applies to (a table claim x machine); exit 1 if one is false or refused")
+    cl.add_argument("--write", action="store_true",
+                    help="also record workbook.claims_checked / claims_false / claims_vacuous")
     cl.set_defaults(fn=_claims)
     b = sub.add_parser("build-notebooks", help="build notebooks/*.ipynb from notebooks/src/*.py")
     b.add_argument("--check", action="store_true", help="only report notebooks out of date; exit 1 if any")

@@ -1,13 +1,13 @@
-"""Timing, result records and the figures summary.
+"""Timing, result records and figures.
 
 Timing: CUDA events (through ``triton.testing.do_bench``, which also clears L2 between runs) on the GPU,
 optionally as CUDA-graph replays for launches shorter than ~50 us; ``perf_counter`` on the CPU. Always a warm-up,
 always the median with its spread, always the raw samples kept.
 
-Records: one JSON file per experiment, with the device name, library versions, git commit, the command that
-made it and the raw timings. Figures: each named number the workbook quotes, with its unit, machine and the
-record it came from, collected in ``figures.json`` of the run's output folder and merged into
-``results/summary.json`` (from which the README's table is generated).
+Records: one JSON file per experiment, with the device name, library versions, git commit, run id, the command that
+made it and the raw timings. Figures: each named number the workbook quotes, with its unit, machine, run, kind
+(measured or derived) and the record it came from, collected in ``figures.json`` of the run's output folder and
+merged into ``results/summary.json`` (``labkit.figures``: each figure's value per machine class, side by side).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -172,6 +171,7 @@ def environment() -> dict:
         "command": os.environ.get("LABKIT_COMMAND", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])),
         "profile": os.environ.get("LABKIT_PROFILE"),
         "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "run": run_id(),
     }
     try:
         import triton
@@ -220,11 +220,15 @@ def write_record(name: str, data: dict, out_dir: Path | str | None = None) -> Pa
 
 
 def record_figure(name: str, value, unit: str, record: Path | str, bar: str | None = None,
-                  out_dir: Path | str | None = None, note: str | None = None, machine: str | None = None) -> dict:
+                  out_dir: Path | str | None = None, note: str | None = None, machine: str | None = None,
+                  derived: bool = False) -> dict:
     """Add one named figure to ``figures.json`` of the run's output folder and return its entry.
 
     ``record`` is the record file the number comes from; ``bar`` states the issue's bar ("<= 0.04") if any;
-    ``machine``: where it was measured, when not this machine (a figure derived from a committed GPU record).
+    ``machine``: where it was measured, when not this machine (a figure derived from a committed GPU record);
+    ``derived``: the value is configuration or arithmetic fixed by the code (a request count, bytes per parameter of
+    a format, a roofline intensity, a datasheet number), not a measurement: a claim cannot rest on such figures
+    alone. Each entry carries the run it was recorded in (``run_id()``), so that claims compare figures of one run.
     """
     if "." not in name:
         raise ValueError(f"figure name {name!r} must be '<area>.<figure>', e.g. 'kvcache.paged_waste_frac'")
@@ -232,7 +236,8 @@ def record_figure(name: str, value, unit: str, record: Path | str, bar: str | No
     path = folder / "figures.json"
     figures = json.loads(path.read_text()) if path.exists() else {}
     value = value.item() if isinstance(value, torch.Tensor) else value
-    entry = {"value": value, "unit": unit, "machine": machine or machine_tag(), "record": str(record)}
+    entry = {"value": value, "unit": unit, "machine": machine or machine_tag(), "record": str(record),
+             "run": run_id(), "kind": "derived" if derived else "measured"}
     if bar:
         entry["bar"] = bar
     if note:
@@ -242,61 +247,23 @@ def record_figure(name: str, value, unit: str, record: Path | str, bar: str | No
     return entry
 
 
-def merge_figures(figures_path: Path | str, record_root: Path | str, summary_path: Path | str = SUMMARY_PATH,
-                  replace_gpu: bool = False) -> dict:
-    """Merge a run's ``figures.json`` into ``results/summary.json``, re-pointing each record path at
-    ``record_root`` (the folder the run's output was committed to). Returns the merged summary.
-
-    A figure the summary holds from a GPU is kept when the run measured it on the CPU (the answer is about GPUs;
-    the CPU value stays in the run's record), unless ``replace_gpu``."""
-    figures = json.loads(Path(figures_path).read_text())
-    summary_path = Path(summary_path)
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {"figures": {}}
-    for name, entry in figures.items():
-        rec = Path(entry["record"])
-        parts = rec.parts
-        rel = Path(*parts[parts.index("records"):]) if "records" in parts else Path(rec.name)
-        entry = dict(entry, record=(Path(record_root) / rel).as_posix())
-        old = summary["figures"].get(name)
-        if old and old.get("machine") != "cpu" and entry.get("machine") == "cpu" and not replace_gpu:
-            continue
-        summary["figures"][name] = entry
-    summary["figures"] = dict(sorted(summary["figures"].items()))
-    summary_path.parent.mkdir(parents=True, exist_ok=True)
-    summary_path.write_text(json.dumps(summary, indent=1) + "\n")
-    return summary
+# --- runs and machines ----------------------------------------------------------------------------------------
+_PROCESS_RUN: list[str] = []
 
 
-_BAR = re.compile(r"^\s*(<=|>=|==|<|>)\s*(-?[0-9.]+(?:e-?[0-9]+)?)\s*$")
+def new_run_id() -> str:
+    """A run id: the UTC start time and the commit of the code, ``2026-12-07T10:00:00Z@16cb26f0a1b2``."""
+    commit = git_commit()
+    head, dirty = (commit[:-6], "-dirty") if commit.endswith("-dirty") else (commit, "")
+    return f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}@{head[:12]}{dirty}"
 
 
-def bar_holds(bar: str | None, value) -> bool | None:
-    """Whether ``value`` meets a bar written as ``'>= 2'``, ``'<= 0.15'`` or ``'true'``; None when the bar is
-    prose (``'< int4 RTN (0.0159)'``) or the value is not a number."""
-    if not bar:
-        return None
-    if bar.strip().lower() in ("true", "false"):
-        return value is (bar.strip().lower() == "true") if isinstance(value, bool) else None
-    m = _BAR.match(bar)
-    if m is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    op, x = m.group(1), float(m.group(2))
-    return {"<=": value <= x, ">=": value >= x, "==": value == x, "<": value < x, ">": value > x}[op]
-
-
-def summary_table(summary_path: Path | str = SUMMARY_PATH) -> str:
-    """The README's results table (markdown), generated from ``results/summary.json``: each bar is marked with
-    the machine it applies to (the figure's) and whether the figure meets it there."""
-    summary = json.loads(Path(summary_path).read_text())
-    rows = ["| figure | value | unit | bar (machine it applies to) | machine | record |",
-            "| --- | --- | --- | --- | --- | --- |"]
-    for name, e in summary["figures"].items():
-        v = e["value"]
-        v = f"{v:.4g}" if isinstance(v, float) else str(v)
-        bar = ""
-        if e.get("bar"):
-            held = {True: "met", False: "not met", None: "see record"}[bar_holds(e["bar"], e["value"])]
-            bar = f"{e['bar']} on {e['machine']}: {held}"
-        rows.append(f"| `{name}` | {v} | {e['unit']} | {bar} | {e['machine']} | "
-                    f"[{Path(e['record']).name}]({e['record']}) |")
-    return "\n".join(rows)
+def run_id() -> str:
+    """The run a figure belongs to: ``$LABKIT_RUN_ID`` (``python -m labkit run`` sets one for all its notebooks),
+    else one id per process (a Jupyter kernel, a benchmark script), made on first use."""
+    given = os.environ.get("LABKIT_RUN_ID")
+    if given:
+        return given
+    if not _PROCESS_RUN:
+        _PROCESS_RUN.append(new_run_id())
+    return _PROCESS_RUN[0]

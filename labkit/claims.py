@@ -1,23 +1,34 @@
 """Claims: every sentence of the workbook that states a measured number or a direction, checked by code.
 
-A claim is a sentence, a condition over named figures and the machine class it holds on::
+A claim is a sentence, a condition over named figures and the machines it holds on::
 
     Claim("Paged KV holds {kvcache.max_seqs_ratio:.1f}x the sequences of a contiguous cache sized to the workload",
           "kvcache.max_seqs_ratio > 1", machine="any")
 
-* ``text`` is a ``str.format`` template whose fields are figure names (``{area.figure}`` with an optional format
-  spec), rendered from the figures' values, so a number in it cannot drift from the record.
+* ``text`` is a template whose fields are figure names (``{area.figure}`` with an optional format spec), rendered
+  from the figures' values, so a number in it cannot drift from the record. A field may pick its words from the
+  data instead of printing the value: ``{kernels.w8_gemv_speedup_vs_bf16:if >= 2 then reaches else falls short of}``
+  (``if OP OPERAND then WORDS else WORDS``; the operand is a number or another figure). Where a lesson's direction
+  differs between machines, the sentence says what each machine measured instead of stating one outcome.
 * ``condition`` is a Python expression over figure names: comparisons, arithmetic, ``and`` / ``or`` / ``not``,
   ``abs``, ``min``, ``max``, numbers, strings and booleans; nothing else is evaluated.
-* ``machine``: ``"gpu"`` (holds on the GPU records; a CPU run shows the committed GPU value and says so),
-  ``"cpu"``, or ``"any"`` (holds wherever the figure was measured).
+* ``machine``: ``"gpu"`` (holds on every GPU class the summary holds: ``h100``, ``h200``, ...), ``"cpu"``, or
+  ``"any"`` (every machine that measured all its figures).
 
-Notebooks declare their claims as literal ``Claim(...)`` calls in code cells and show them with ``show(...)``, which
-renders each sentence from the figures of the current run (or, for a claim of another machine class, from
-``results/summary.json``), marks whether it holds, and raises under the ``gpu`` profile when one does not.
-``python -m labkit claims`` reads every ``Claim(...)`` of ``notebooks/src/*.py`` without running anything,
-evaluates each against ``results/summary.json`` and exits 1 naming every false claim, every figure that is missing
-and every figure measured on another machine class than the claim's.
+Figures are kept per machine class (``labkit.figures.machine_class``) and carry the run that recorded them. A claim is
+evaluated on one machine at a time, from figures of that machine only, and all of them of one run: a comparison of
+figures from two runs (two notebooks run apart, a figure merged later) is flagged ``cross-run`` and not evaluated.
+
+The checker refuses (``ClaimRefused``, naming the rule) a claim that cannot fail or tests nothing: a condition that
+reads no figure (*vacuous*), a figure compared with itself (*self-compared*), a condition true whatever the figures'
+values (*tautological*), a condition that reads only figures the code sets (*derived-only*: configuration or
+arithmetic, recorded with ``record_figure(..., derived=True)``), and a boolean compared as a number
+(*boolean-as-number*). The first three are refused when the claim is written, the last two when it is checked.
+
+Notebooks declare their claims as literal ``Claim(...)`` calls in code cells and show them with ``show(...)``.
+``python -m labkit claims`` reads every ``Claim(...)`` of ``notebooks/src/*.py`` without running anything, checks
+each against every machine of ``results/summary.json`` it applies to, prints a table claim x machine and exits 1 on a
+false or refused claim.
 """
 
 from __future__ import annotations
@@ -26,29 +37,44 @@ import ast
 import json
 import math
 import os
-import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
+from labkit.conditions import (
+    ClaimError,
+    ClaimRefused,
+    bool_as_number,
+    check_name,
+    dotted,
+    evaluate_expression,
+    fields,
+    figure_names,
+    operand,
+    parse,
+    render,
+    word_choice,
+    wording_problems,
+    written_refusal,
+)
+from labkit.figures import class_order, machine_class, machine_figures, read_summary, summary_classes, write_summary
 from labkit.models import REPO_ROOT
 
+__all__ = ["MACHINES", "STATUSES", "Claim", "ClaimCheck", "ClaimError", "ClaimRefused", "RefusedClaim", "Verdict",
+           "check", "check_all", "collect", "evaluate", "load_summary", "machine_class", "render", "report", "show",
+           "wording_problems", "write_figures"]
+
 MACHINES = ("any", "gpu", "cpu")
-_FUNCTIONS = {"abs": abs, "min": min, "max": max}
-_COMPARE = {ast.Lt: lambda a, b: a < b, ast.LtE: lambda a, b: a <= b, ast.Gt: lambda a, b: a > b,
-            ast.GtE: lambda a, b: a >= b, ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b}
-_BINARY = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-           ast.Div: lambda a, b: a / b, ast.Pow: lambda a, b: a ** b}
+STATUSES = ("holds", "false", "missing", "cross-run", "refused")
+"""A claim on one machine: it holds, it is false, a figure is missing there, its figures come from different runs,
+or the checker refuses it."""
 
 
-class ClaimError(ValueError):
-    """A claim that cannot be evaluated: a bad condition, a missing figure, or a figure of another machine."""
-
-
+# --- claims -------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Claim:
-    """A sentence (``text``, a format template over figure names), the ``condition`` that makes it true, and the
-    ``machine`` class it holds on ('any', 'gpu', 'cpu')."""
+    """A sentence (``text``, a template over figure names), the ``condition`` that makes it true, and the machines
+    it holds on (``machine``: 'any', 'gpu', 'cpu'). Refused when written if the condition cannot fail
+    (``ClaimRefused``: vacuous, self-compared, tautological)."""
 
     text: str
     condition: str
@@ -59,116 +85,87 @@ class Claim:
             raise ValueError(f"text={self.text!r}: a claim needs its sentence")
         if self.machine not in MACHINES:
             raise ValueError(f"machine={self.machine!r} is unknown; allowed: {MACHINES}")
-        self.figures()  # refuse a bad condition when the claim is written, not when it is checked
-        for name in self.text_figures():
+        parse(self.condition)
+        for name, spec, _ in fields(self.text):
             if "." not in name:
                 raise ValueError(f"text field {{{name}}} is not a figure name ('area.figure')")
+            check_name(name)
+            word_choice(spec)
+        why = written_refusal(self.condition)
+        if why:
+            raise ClaimRefused(why)
+
+    def condition_figures(self) -> list[str]:
+        return list(dict.fromkeys(figure_names(parse(self.condition))))
+
+    def text_figures(self) -> list[str]:
+        """The figures the sentence renders, including those its word choices compare with."""
+        names = []
+        for name, spec, _ in fields(self.text):
+            names.append(name)
+            picked = word_choice(spec)
+            if picked and operand(picked[1]) is None:
+                names.append(picked[1])
+        return list(dict.fromkeys(names))
 
     def figures(self) -> list[str]:
         """Every figure the claim reads: the condition's and the text's, in order, without repeats."""
-        return list(dict.fromkeys(_figure_names(_parse(self.condition)) + self.text_figures()))
+        return list(dict.fromkeys(self.condition_figures() + self.text_figures()))
 
-    def text_figures(self) -> list[str]:
-        return [f for _, f, _, _ in string.Formatter().parse(self.text) if f]
+    def applies_to(self, machine: str) -> bool:
+        """Whether the claim is checked on figures of machine class ``machine``."""
+        return self.machine == "any" or (machine == "cpu") == (self.machine == "cpu")
+
+
+@dataclass(frozen=True)
+class RefusedClaim:
+    """A ``Claim(...)`` of a notebook source that the checker refused as written, with the reason."""
+
+    text: str
+    condition: str
+    machine: str
+    reason: str
 
 
 @dataclass
 class Verdict:
-    """A claim evaluated against figures: ``holds`` is None when it could not be evaluated (``problem`` says why)."""
+    """A claim evaluated on the figures of one machine class: ``status`` is one of ``STATUSES``."""
 
     claim: Claim
-    holds: bool | None
+    machine: str
+    status: str
     sentence: str
-    source: str  # where the figures came from: 'this run' or the summary's machine and record
+    source: str = ""  # where the figures came from: 'this run' or the records and run
     problem: str = ""
-    where: str = ""  # the notebook source that declares it (set by ``collect``)
+
+    @property
+    def holds(self) -> bool | None:
+        return {"holds": True, "false": False}.get(self.status)
 
 
-# --- conditions ---------------------------------------------------------------------------------------------------
-def _parse(condition: str) -> ast.Expression:
-    if not isinstance(condition, str) or not condition.strip():
-        raise ValueError(f"condition={condition!r}: need an expression over figure names, e.g. 'engine.x > 1'")
-    try:
-        tree = ast.parse(condition, mode="eval")
-    except SyntaxError as e:
-        raise ValueError(f"condition={condition!r} is not an expression: {e.msg}") from None
-    for node in ast.walk(tree):
-        if not isinstance(node, (ast.Expression, ast.Compare, ast.BoolOp, ast.BinOp, ast.UnaryOp, ast.Constant,
-                                 ast.Attribute, ast.Name, ast.Call, ast.Load, ast.And, ast.Or, ast.Not, ast.USub,
-                                 *_COMPARE, *_BINARY)):
-            raise ValueError(f"condition={condition!r}: {type(node).__name__} is not allowed (comparisons, "
-                             f"arithmetic, and/or/not, abs/min/max, constants and figure names)")
-        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and node.func.id in _FUNCTIONS):
-            raise ValueError(f"condition={condition!r}: only {sorted(_FUNCTIONS)} may be called")
-    return tree
+@dataclass
+class ClaimCheck:
+    """One claim of a notebook (``where``: file:line) checked on every machine it applies to."""
 
+    claim: Claim | RefusedClaim
+    where: str = ""
+    verdicts: list[Verdict] = field(default_factory=list)
 
-def _dotted(node: ast.AST) -> str | None:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        head = _dotted(node.value)
-        return f"{head}.{node.attr}" if head else None
-    return None
+    @property
+    def status(self) -> str:
+        """'refused', 'false', 'holds' (held on every machine where it was evaluated), or 'unchecked'."""
+        if isinstance(self.claim, RefusedClaim) or any(v.status == "refused" for v in self.verdicts):
+            return "refused"
+        if any(v.status == "false" for v in self.verdicts):
+            return "false"
+        return "holds" if any(v.status == "holds" for v in self.verdicts) else "unchecked"
 
-
-def _figure_names(tree: ast.AST) -> list[str]:
-    """The figure names a condition reads, in order: each outermost dotted name (not a called function's)."""
-    names: list[str] = []
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, (ast.Attribute, ast.Name)):
-            names.append(_dotted(node) or "")
-            return
-        if isinstance(node, ast.Call):
-            for a in node.args:
-                visit(a)
-            return
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
-    for n in names:
-        if "." not in n or "__" in n:
-            raise ValueError(f"{n!r} is not a figure name ('area.figure')")
-    return names
-
-
-def _evaluate(node: ast.AST, values: dict):
-    if isinstance(node, ast.Expression):
-        return _evaluate(node.body, values)
-    if isinstance(node, ast.Constant):
-        return node.value
-    if isinstance(node, (ast.Attribute, ast.Name)):
-        name = _dotted(node)
-        if name not in values:
-            raise ClaimError(f"figure {name!r} is not in the figures")
-        return values[name]
-    if isinstance(node, ast.Compare):
-        left = _evaluate(node.left, values)
-        for op, right_node in zip(node.ops, node.comparators):
-            right = _evaluate(right_node, values)
-            if not _COMPARE[type(op)](left, right):
-                return False
-            left = right
-        return True
-    if isinstance(node, ast.BoolOp):
-        parts = (_evaluate(v, values) for v in node.values)
-        return all(parts) if isinstance(node.op, ast.And) else any(parts)
-    if isinstance(node, ast.UnaryOp):
-        v = _evaluate(node.operand, values)
-        return (not v) if isinstance(node.op, ast.Not) else -v
-    if isinstance(node, ast.BinOp):
-        return _BINARY[type(node.op)](_evaluate(node.left, values), _evaluate(node.right, values))
-    if isinstance(node, ast.Call):
-        return _FUNCTIONS[node.func.id](*(_evaluate(a, values) for a in node.args))
-    raise ClaimError(f"cannot evaluate {ast.dump(node)}")
-
-
-# --- figures ------------------------------------------------------------------------------------------------------
-def machine_class(machine: str) -> str:
-    """'cpu' for a figure measured on the CPU, else 'gpu' (figures carry the GPU's name)."""
-    return "cpu" if machine == "cpu" else "gpu"
+    @property
+    def problem(self) -> str:
+        if isinstance(self.claim, RefusedClaim):
+            return self.claim.reason
+        return "; ".join(f"{v.machine}: {v.problem or 'condition ' + repr(v.claim.condition) + ' is false'}"
+                         for v in self.verdicts if v.status != "holds")
 
 
 def _value(entry: dict):
@@ -176,59 +173,86 @@ def _value(entry: dict):
     return float(v) if isinstance(v, str) and v.lower() in ("nan", "inf", "-inf") else v
 
 
-def _namespace(values: dict) -> dict:
-    """``{'area': SimpleNamespace(figure=value)}`` so that '{area.figure:.2f}' formats a figure's value."""
-    areas: dict[str, dict] = {}
-    for name, v in values.items():
-        area, _, rest = name.partition(".")
-        areas.setdefault(area, {})[rest] = v
-    return {a: SimpleNamespace(**kv) for a, kv in areas.items()}
-
-
-def evaluate(claim: Claim, figures: dict, fallback: dict | None = None, here: str | None = None) -> Verdict:
-    """Evaluate ``claim`` against ``figures`` (name -> summary entry with 'value' and 'machine').
-
-    A claim of one machine class reads each figure from ``figures`` when measured there on that class, else from
-    ``fallback`` (the committed summary) when that one was. ``here``: the machine class of the current run (figures
-    of this run are then labelled 'this run').
-    """
-    values, sources, problems = {}, set(), []
-    for name in claim.figures():
-        entry = None
-        for pool, label in ((figures, "this run" if here else None), (fallback or {}, None)):
-            e = pool.get(name)
-            if e is not None and (claim.machine == "any" or machine_class(e["machine"]) == claim.machine):
-                entry, src = e, label or f"{e['machine']}, {Path(e.get('record', '?')).name}"
-                break
-        if entry is None:
-            seen = figures.get(name) or (fallback or {}).get(name)
-            problems.append(f"{name} is missing" if seen is None else
-                            f"{name} was measured on {seen['machine']}, the claim holds on {claim.machine}")
-            continue
-        values[name], _ = _value(entry), sources.add(src)
-    source = "; ".join(sorted(sources))
-    if problems:
-        return Verdict(claim, None, claim.text, source, "; ".join(problems))
+def _partial(text: str, figures: dict) -> str:
+    """The sentence with the fields it can fill filled, the others as '…' (for a claim that is not evaluated)."""
     try:
-        holds = bool(_evaluate(_parse(claim.condition), values))
-        sentence = claim.text.format_map(_namespace(values))
+        return render(text, {n: _value(e) for n, e in figures.items()}, missing="…")
+    except (ClaimError, TypeError, ValueError):
+        return text
+
+
+def evaluate(claim: Claim, figures: dict, machine: str | None = None, label: str | None = None) -> Verdict:
+    """Evaluate ``claim`` on the figures of one machine class (name -> flat entry with ``value``, ``record``,
+    ``run``, ``kind``; ``labkit.figures.machine_figures``). ``label``: how to name their source ('this run').
+
+    Missing figures give 'missing'; figures of more than one run give 'cross-run'; a condition that reads only
+    derived figures, or uses a boolean as a number, is 'refused'; a NaN figure makes the claim false."""
+    machine = machine or "?"
+    absent = [n for n in claim.figures() if n not in figures]
+    partial = _partial(claim.text, figures)
+    if absent:
+        return Verdict(claim, machine, "missing", partial, label or "",
+                       f"{', '.join(absent)} {'is' if len(absent) == 1 else 'are'} not measured on {machine}"
+                       + (" in this run" if label == "this run" else ""))
+    entries = {n: figures[n] for n in claim.figures()}
+    runs = {n: e.get("run", "unknown") for n, e in entries.items()}
+    records = sorted({Path(str(e.get("record", "?"))).name for e in entries.values()})
+    source = label or f"{', '.join(records)} ({sorted(set(runs.values()))[0]})"
+    if len(set(runs.values())) > 1:
+        by_run: dict[str, list[str]] = {}
+        for n, r in runs.items():
+            by_run.setdefault(r, []).append(n)
+        return Verdict(claim, machine, "cross-run", partial, label or ", ".join(records),
+                       "figures of different runs: " + "; ".join(f"{', '.join(ns)} from run {r}"
+                                                                 for r, ns in by_run.items()))
+    values = {n: _value(e) for n, e in entries.items()}
+    tree = parse(claim.condition)
+    if any(v is None for v in values.values()):
+        none = [n for n, v in values.items() if v is None]
+        return Verdict(claim, machine, "false", claim.text, source, f"{', '.join(none)} is None (nothing was found)")
+    cond = claim.condition_figures()
+    if all(entries[n].get("kind") == "derived" for n in cond):
+        return Verdict(claim, machine, "refused", claim.text, source,
+                       f"refused (derived-only): condition {claim.condition!r} reads only figures the code sets "
+                       f"({', '.join(cond)}: configuration or arithmetic), not a measurement; state it as plain "
+                       f"text")
+    flag = bool_as_number(tree, values)
+    if flag:
+        return Verdict(claim, machine, "refused", claim.text, source,
+                       f"refused (boolean-as-number): {flag} is a boolean and the condition {claim.condition!r} "
+                       f"uses it as a number; write '{flag} == True' or '{flag}'")
+    try:
+        holds = bool(evaluate_expression(tree, values))
+        sentence = render(claim.text, values)
     except (ClaimError, TypeError, ValueError, ZeroDivisionError) as e:
-        return Verdict(claim, None, claim.text, source, f"{type(e).__name__}: {e}")
+        return Verdict(claim, machine, "refused", claim.text, source, f"cannot evaluate: {type(e).__name__}: {e}")
     if any(isinstance(v, float) and math.isnan(v) for v in values.values()):
         holds = False
-    return Verdict(claim, holds, sentence, source)
+    return Verdict(claim, machine, "holds" if holds else "false", sentence, source)
+
+
+def check(claim: Claim, summary: dict) -> list[Verdict]:
+    """``claim`` on every machine class of ``summary`` (``labkit.figures.read_summary``) it applies to and that
+    measured at least one of its figures."""
+    out = []
+    for c in summary_classes(summary):
+        figs = machine_figures(summary, c)
+        if claim.applies_to(c) and any(n in figs for n in claim.figures()):
+            out.append(evaluate(claim, figs, c))
+    return out
 
 
 # --- notebooks ----------------------------------------------------------------------------------------------------
-def collect(sources: list[Path] | None = None) -> list[tuple[str, Claim]]:
-    """Every literal ``Claim(...)`` call in the notebook sources, as ``(file:line, Claim)``, without running them.
-    A ``Claim`` whose arguments are not literals is an error: the checker could not read it."""
+def collect(sources: list[Path] | None = None) -> list[tuple[str, Claim | RefusedClaim]]:
+    """Every literal ``Claim(...)`` call in the notebook sources, as ``(file:line, Claim)``, without running them; a
+    claim the checker refuses as written comes back as a ``RefusedClaim``. A ``Claim`` whose arguments are not
+    literals is an error: the checker could not read it."""
     sources = sorted((REPO_ROOT / "notebooks" / "src").glob("[0-9][0-9]_*.py")) if sources is None else sources
     found = []
     for path in sources:
         tree = ast.parse(Path(path).read_text(), filename=str(path))
         for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and _dotted(node.func) in ("Claim", "claims.Claim"):
+            if isinstance(node, ast.Call) and dotted(node.func) in ("Claim", "claims.Claim"):
                 where = f"{Path(path).name}:{node.lineno}"
                 try:
                     args = [ast.literal_eval(a) for a in node.args]
@@ -236,80 +260,146 @@ def collect(sources: list[Path] | None = None) -> list[tuple[str, Claim]]:
                 except ValueError:
                     raise ValueError(f"{where}: Claim(...) arguments must be literals (the checker reads them "
                                      f"without running the notebook)") from None
-                found.append((where, Claim(*args, **kwargs)))
-    return found
+                try:
+                    found.append((where, Claim(*args, **kwargs)))
+                except ClaimRefused as e:
+                    given = dict(zip(("text", "condition", "machine"), args), **kwargs)
+                    found.append((where, RefusedClaim(given["text"], given["condition"], given.get("machine", "any"),
+                                                      str(e))))
+    return sorted(found, key=lambda wc: (wc[0].split(":")[0], int(wc[0].split(":")[1])))
 
 
 def load_summary(path: Path | str | None = None) -> dict:
-    from labkit.bench import SUMMARY_PATH
-
-    return json.loads(Path(path or SUMMARY_PATH).read_text())["figures"]
-
-
-def check_all(summary: Path | str | None = None, sources: list[Path] | None = None) -> list[Verdict]:
-    """Every claim of the notebooks evaluated against the committed summary."""
-    figures = load_summary(summary)
-    verdicts = []
-    for where, c in collect(sources):
-        v = evaluate(c, figures)
-        v.where = where
-        verdicts.append(v)
-    return verdicts
+    """``results/summary.json`` (or ``path``) in the current format (``labkit.figures.read_summary``)."""
+    return read_summary(path)
 
 
-def report(verdicts: list[Verdict]) -> str:
-    bad = [v for v in verdicts if v.holds is not True]
-    lines = [f"{len(verdicts)} claims checked against results/summary.json: {len(verdicts) - len(bad)} hold, "
-             f"{sum(v.holds is False for v in verdicts)} false, {sum(v.holds is None for v in verdicts)} "
-             f"not evaluable"]
-    for v in bad:
-        why = v.problem or f"condition {v.claim.condition!r} is false"
-        lines.append(f"  {'FALSE' if v.holds is False else 'UNCHECKED'} {v.where}: {v.sentence} -- {why}")
+def check_all(summary: Path | str | None = None, sources: list[Path] | None = None) -> list[ClaimCheck]:
+    """Every claim of the notebooks checked on every machine of the committed summary it applies to."""
+    data = load_summary(summary)
+    return [ClaimCheck(c, where, [] if isinstance(c, RefusedClaim) else check(c, data))
+            for where, c in collect(sources)]
+
+
+_CELL = {"holds": "holds", "false": "FALSE", "missing": "missing", "cross-run": "cross-run", "refused": "REFUSED"}
+
+
+def report(checks: list[ClaimCheck], width: int = 72) -> str:
+    """A table claim x machine (holds / FALSE / missing / cross-run / REFUSED; blank: the machine measured none of
+    its figures, or the claim is not about it), then every claim that is false, refused or evaluated nowhere."""
+    classes = []
+    for ch in checks:
+        classes += [v.machine for v in ch.verdicts if v.machine not in classes]
+    classes = class_order(classes)
+    count = {s: sum(ch.status == s for ch in checks) for s in ("holds", "false", "refused", "unchecked")}
+    lines = [f"{len(checks)} claims checked against results/summary.json on {', '.join(classes) or 'no machine'}: "
+             f"{count['holds']} hold, {count['false']} false, {count['refused']} refused, {count['unchecked']} "
+             f"evaluated on no machine (missing or cross-run figures)", ""]
+    wide = max([len(ch.where) for ch in checks] + [5])
+    head = f"{'where':<{wide}} | " + " | ".join(f"{c:<9}" for c in classes) + " | claim"
+    lines += [head, "-" * len(head)]
+    for ch in checks:
+        by = {v.machine: v.status for v in ch.verdicts}
+        cells = ["REFUSED" if isinstance(ch.claim, RefusedClaim) else _CELL.get(by.get(c, ""), "") for c in classes]
+        text = ch.claim.text if len(ch.claim.text) <= width else ch.claim.text[:width - 3] + "..."
+        lines.append(f"{ch.where:<{wide}} | " + " | ".join(f"{x:<9}" for x in cells) + f" | {text}")
+    bad = [ch for ch in checks if ch.status in ("false", "refused", "unchecked")]
+    if bad:
+        lines += ["", "Not holding:"]
+        for ch in bad:
+            lines.append(f"  {ch.status.upper()} {ch.where}: {ch.problem or 'no machine measured its figures'}")
     return "\n".join(lines)
 
 
-def show(*claims: Claim, title: str = "Takeaways"):
-    """Render claims in a notebook as a takeaway box, each sentence from the figures, marked by whether it holds.
+# --- notebooks: show and record -----------------------------------------------------------------------------------
+def _mark(v: Verdict) -> str:
+    return {"holds": "✓", "false": "✗ does not hold", "missing": "? not checked", "cross-run": "? not checked",
+            "refused": "✗ refused"}[v.status]
 
-    Figures come from this run's ``figures.json`` (``LABKIT_OUT``) and, for claims of the other machine class,
-    from ``results/summary.json``. Under the ``gpu`` profile a claim that is false or cannot be evaluated raises
-    ``AssertionError`` (the run fails); under ``ci`` and ``cpu`` it is shown as not holding in this run.
+
+def _statement(text: str, by_class: dict, committed: dict) -> str:
+    """A plain statement (configuration, arithmetic, a definition) rendered from the first machine that holds all
+    its figures, this run's first; not checked."""
+    names = [n for n, _, _ in fields(text)]
+    pools = [(m, figs, "this run") for m, figs in by_class.items()]
+    pools += [(m, machine_figures(committed, m), "committed") for m in summary_classes(committed)]
+    for m, figs, where in pools:
+        if all(n in figs for n in names):
+            try:
+                sentence = render(text, {n: _value(figs[n]) for n in names})
+            except (ClaimError, TypeError, ValueError):
+                continue
+            records = sorted({Path(str(figs[n].get("record", "?"))).name for n in names})
+            return f"- {sentence} <sub>stated, not a claim; {m} {where}" + (
+                f" ({', '.join(records)})" if records and where == "committed" else "") + "</sub>"
+    return f"- {text} <sub>stated, not a claim; no figure yet</sub>"
+
+
+def show(*items: Claim | str, title: str = "Takeaways") -> list[ClaimCheck]:
+    """Render claims in a notebook as a takeaway box: each sentence from the figures, marked per machine.
+
+    A claim is evaluated on this run's figures (``figures.json`` of ``LABKIT_OUT``) for each machine class it applies
+    to there, and on each committed machine of ``results/summary.json`` it applies to (another run: shown for
+    reference). Under the ``gpu`` profile a claim that is false or refused on this run's own figures raises
+    ``AssertionError`` (the run fails); a figure this run did not record (a notebook it did not run) is shown as not
+    checked. Under ``ci`` and ``cpu`` nothing raises. A plain string among the claims is a statement of
+    configuration or arithmetic (a constant is not a claim): rendered from the figures, not checked.
     """
     from IPython.display import Markdown, display
 
-    from labkit.bench import machine_tag, output_dir
-
+    from labkit.bench import output_dir
     path = output_dir() / "figures.json"
     run = json.loads(path.read_text()) if path.exists() else {}
-    here = machine_class(machine_tag())
-    verdicts = [evaluate(c, run, load_summary(), here=here) for c in claims]
-    lines = [f"**{title}**", ""]
-    for v in verdicts:
-        mark = {True: "✓", False: "✗ (does not hold in this run)", None: f"? ({v.problem})"}[v.holds]
-        lines.append(f"- {v.sentence} <sub>{mark}; {v.source or 'no figure'}</sub>")
+    by_class: dict[str, dict] = {}
+    for name, e in run.items():
+        by_class.setdefault(machine_class(e["machine"]), {})[name] = e
+    committed = read_summary()
+    lines, checks, bad = [f"**{title}**", ""], [], []
+    for c in items:
+        if isinstance(c, str):
+            lines.append(_statement(c, by_class, committed))
+            continue
+        here = [evaluate(c, figs, m, "this run") for m, figs in by_class.items()
+                if c.applies_to(m) and any(n in figs for n in c.figures())]
+        before = check(c, committed)
+        checks.append(ClaimCheck(c, "", here + before))
+        bad += [v for v in here if v.status in ("false", "refused")]
+        shown = next((v for v in here + before if v.status in ("holds", "false")), None)
+        mine = {id(v) for v in here}
+        marks = [f"{_mark(v)} {v.machine} {'this run' if id(v) in mine else 'committed'}"
+                 + (f" ({v.problem})" if v.problem else "" if id(v) in mine else f" ({v.source})")
+                 for v in here + before]
+        first = shown or next(iter(here + before), None)
+        lines.append(f"- {first.sentence if first else c.text} <sub>{'; '.join(marks) or 'no figure yet'}</sub>")
+        for v in here + before:
+            if shown is not None and v is not shown and v.status in ("holds", "false") and v.sentence != shown.sentence:
+                lines.append(f"  - {v.machine} {'this run' if id(v) in mine else 'committed'}: {v.sentence}")
     display(Markdown("\n".join(lines)))
     if os.environ.get("LABKIT_PROFILE") == "gpu":
-        bad = [v for v in verdicts if v.holds is not True]
-        assert not bad, "false claims: " + "; ".join(f"{v.claim.text!r} ({v.problem or v.claim.condition})"
-                                                     for v in bad)
-    return verdicts
+        assert not bad, "claims not holding on this run's figures: " + "; ".join(
+            f"{v.claim.text!r} on {v.machine} ({v.problem or v.claim.condition})" for v in bad)
+    return checks
 
 
-def write_figures(verdicts: list[Verdict], summary: Path | str | None = None) -> Path:
-    """Record the check (``workbook.claims_checked``, ``workbook.claims_false``) in a record beside the summary and
-    merge both figures into it."""
-    from labkit.bench import RESULTS_DIR, SUMMARY_PATH, write_record
+def write_figures(checks: list[ClaimCheck], summary: Path | str | None = None) -> Path:
+    """Record the check in a record beside the summary and merge its figures into it: ``workbook.claims_checked``
+    (claims evaluated on at least one machine), ``workbook.claims_false`` and ``workbook.claims_vacuous`` (claims the
+    checker refuses)."""
+    from labkit.bench import RESULTS_DIR, SUMMARY_PATH, run_id, write_record
 
     summary = Path(summary or SUMMARY_PATH)
-    rows = [{"where": v.where, "text": v.claim.text, "condition": v.claim.condition, "machine": v.claim.machine,
-             "sentence": v.sentence, "holds": v.holds, "problem": v.problem, "source": v.source} for v in verdicts]
+    rows = [{"where": ch.where, "text": ch.claim.text, "condition": ch.claim.condition, "machine": ch.claim.machine,
+             "status": ch.status, "problem": ch.problem,
+             "machines": {v.machine: {"status": v.status, "sentence": v.sentence, "source": v.source,
+                                      "problem": v.problem} for v in ch.verdicts}} for ch in checks]
     path = write_record("claims", {"claims": rows}, out_dir=RESULTS_DIR / "cpu")
-    data = json.loads(summary.read_text())
+    data = read_summary(summary)
     rel = path.relative_to(summary.parent.parent).as_posix() if summary.parent.parent in path.parents else str(path)
-    for name, value, unit in (("workbook.claims_checked", len(verdicts), "claims"),
-                              ("workbook.claims_false", sum(v.holds is not True for v in verdicts), "claims")):
-        data["figures"][name] = {"value": value, "unit": unit, "machine": "cpu", "record": rel,
-                                 **({"bar": "== 0"} if name.endswith("false") else {"bar": ">= 60"})}
-    data["figures"] = dict(sorted(data["figures"].items()))
-    summary.write_text(json.dumps(data, indent=1) + "\n")
+    counts = {"workbook.claims_checked": (sum(ch.status in ("holds", "false") for ch in checks), ">= 60"),
+              "workbook.claims_false": (sum(ch.status == "false" for ch in checks), "== 0"),
+              "workbook.claims_vacuous": (sum(ch.status == "refused" for ch in checks), "== 0")}
+    for name, (value, bar) in counts.items():
+        data["figures"][name] = {"unit": "claims", "kind": "measured", "bar": bar, "machines": {
+            "cpu": {"value": value, "machine": "cpu", "record": rel, "run": run_id()}}}
+    write_summary(data, summary)
     return path

@@ -104,8 +104,9 @@ def write_site(out_dir: Path | str, timings: dict[str, float] | None = None,
               f"</a> (notebook 08, rebuilt from the figures at every run).</p>") if capstone else \
         "<p>Notebook 08 (the capstone's answer) was not part of this run.</p>"
     body = (f"<h1>labkit workbook run</h1>{answer}<p><a href='summary.html'>Summary of the figures</a> (this run's "
-            f"values beside the committed GPU records).</p><h2>Executed notebooks</h2><table><tr><th>notebook</th>"
-            f"<th>title</th><th>seconds</th><th>status</th></tr>{''.join(rows)}</table>")
+            f"values beside each machine's committed value, each marked against its bar on its machine).</p>"
+            f"<h2>Executed notebooks</h2><table><tr><th>notebook</th><th>title</th><th>seconds</th><th>status</th>"
+            f"</tr>{''.join(rows)}</table>")
     index = out / "index.html"
     index.write_text(_page("labkit workbook run", body, _nav(pages, "index.html")))
     return index

@@ -98,6 +98,58 @@ def build_notebooks(check: bool = False) -> list[str]:
     return stale
 
 
+# --- numbers typed into the prose ---------------------------------------------------------------------------------
+_NUMBER = re.compile(r"(?<![\w.\-^/=<>])\d[\d,]*(?:\.\d+)?(?:e-?\d+)?(?:\s*(?:%|x\b|×)|\s*[-–]\s*\d+(?:\.\d+)?%?)?"
+                     r"(?![\w^]|-[a-zA-Z]|/\d)")
+_NUMBER_WORDS = re.compile(
+    r"\b(?:(?:about|around|roughly|nearly|almost|over|under|some|more than|less than|at least|at most)\s+(?:a |an )?"
+    r"(?:hundred|thousand|million|dozen|half|third|quarter|fifth|tenth|one|two|three|four|five|six|seven|eight|nine|ten"
+    r"|twice)\b|(?:one|two|three|four|five|six|seven|eight|nine|ten|a hundred|hundreds|thousands) times\b"
+    r"|one (?:\w+ )?in (?:two|three|four|five|six|ten)\b|hundreds of\b|thousands of\b"
+    r"|a (?:fifth|quarter|tenth|third) of\b)",
+    re.I)
+_NOT_FINDINGS = [re.compile(p) for p in (
+    r"`[^`]*`", r"\$\$.*?\$\$", r"\$[^$]*\$", r"\]\([^)]*\)", r"https?://\S+",  # code, math, link targets
+    r"\b(?:[Nn]otebooks?|[Hh]ints?|[Ii]ssues?|[Ff]ollow-ups?|[Gg]ate|[Tt]echnique|[Ss]tage|[Ss]tep)\s+\d+"
+    r"(?:\s*(?:[-–,]|and|or)\s*\d+)*",  # references to notebooks, hints, sections
+    r"(?<![\w.\-])0\d(?:\s*[-–]\s*0\d)?\b",  # notebooks by number: 02-06
+    r"\((?:19|20)\d\d\)|\b(?:19|20)\d\d\b", r"^\s*\d+\.\s", r"\(\d\)",  # years, enumerations
+    r"\bbatch(?:es)?(?: of)? \d+(?:(?:,| and| to) \d+)*", r"\bcontext(?: of)? \d+",  # the notebook's sizes
+    r"\b\d[\d,]* (?:cached |prompt |output )?tokens\b(?!/)", r"\b\d+(?:/\d+)?(?:-| )bits?\b", r"\bper \d+\b",
+    r"\b\d+\s*x\s*\d+(?:\s*x\s*\d+)*\b", r"\b(?:TP|PP|rank|ranks)\s+\d+",  # shapes, layouts
+    r"\b\d+ (?:query |KV )?heads\b")]
+
+
+def markdown_numbers(source: Path | str, allowed: tuple[str, ...] = ()) -> list[tuple[int, str, str]]:
+    """The numbers typed into the markdown cells of a notebook source (``# %% [markdown]``), as ``(line, number,
+    text)``: digits (``587``, ``1e-7``, ``4x``, ``20-38%``) and approximate number words ("about a hundred", "hundreds
+    of", "one in four"). A measured finding in the prose must be a claim or rendered from figures instead.
+
+    Not counted: the title line, code (inline and fenced), math, link targets, references to notebooks, hints and
+    sections, years, list numbering, and the notebook's sizes (batch N, context N, N tokens, N bits, per N, shapes
+    N x M, TP N, N heads). ``allowed``: phrases (definitions, datasheet and paper numbers, model shapes) whose numbers
+    are not findings either."""
+    out, markdown, fence = [], False, False
+    for i, line in enumerate(Path(source).read_text().splitlines(), 1):
+        if line.startswith("# %%"):
+            markdown, fence = "[markdown]" in line, False
+            continue
+        if not markdown or line.startswith("# # "):
+            continue
+        text = re.sub(r"^# ?", "", line)
+        if text.strip().startswith("```"):
+            fence = not fence
+            continue
+        if fence:
+            continue
+        masked = text
+        for pattern in [*(re.compile(re.escape(a)) for a in allowed), *_NOT_FINDINGS]:
+            masked = pattern.sub(lambda m: " " * len(m.group(0)), masked)
+        found = sorted([*_NUMBER.finditer(masked), *_NUMBER_WORDS.finditer(masked)], key=lambda m: m.start())
+        out += [(i, m.group(0), text) for m in found]
+    return out
+
+
 def list_notebooks(only: list[str] | None = None) -> list[Path]:
     """Notebooks in reading order, optionally those whose number or name is in ``only``."""
     nbs = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
@@ -205,40 +257,37 @@ def _children_cpu_s() -> float:
 def summary_markdown(figures: dict, timings: dict[str, float], profile: str, committed: dict | None = None,
                      cpu_s: dict[str, float] | None = None) -> str:
     """``summary.md`` of a run: seconds per notebook (wall clock, and the kernel's CPU seconds where given), then
-    one row per figure of the run with its machine, the committed record of the same name from
-    ``results/summary.json`` beside it (``committed``: name -> entry; the GPU value beside a CPU figure), and each
-    bar marked with the machine it applies to and whether it holds there.
-
-    A bar is judged on this run's value where this run is of the committed record's machine class (or nothing is
-    committed); else on the committed record's value, on its machine (the bars are the issue's, set for the GPU).
+    one row per figure of the run: this run's value with its machine class, and beside it each machine's committed
+    value from ``results/summary.json`` (``committed``: that summary, ``labkit.figures.read_summary``). Every value is
+    marked against the figure's bar on its own machine (✓ met, ✗ not met): a CPU value is never judged by a GPU's.
     """
-    from labkit.bench import bar_holds
-    from labkit.claims import machine_class
+    from labkit.figures import MARKS, bar_holds, class_order, format_value, machine_class
 
-    committed = committed or {}
+    committed = (committed or {}).get("figures", {})
+    classes = class_order(c for n in figures for c in committed.get(n, {}).get("machines", {}))
     machines = sorted({e["machine"] for e in figures.values()})
     lines = [f"# labkit workbook run ({profile} profile)", "",
              f"This run measured on: {', '.join(machines) or 'nothing'}. Each figure's value from this run stands "
-             "beside the committed record of the same name (`results/summary.json`: GPU records come from GPU runs). "
-             "A bar holds on the machine named with it: a CPU value is not judged against a GPU bar.", "",
+             "beside each machine's committed value of the same name (`results/summary.json` keeps one per machine "
+             "class). ✓ / ✗: the figure's bar is met / not met by that value, on that value's machine.", "",
              "| notebook | seconds | kernel CPU seconds |", "| --- | --- | --- |"]
     cpu_s = cpu_s or {}
     lines += [f"| {name} | {s:.1f} | {cpu_s[name]:.1f} |" if name in cpu_s else f"| {name} | {s:.1f} | |"
               for name, s in timings.items()]
     lines += [f"| **total** | {sum(timings.values()):.1f} | {sum(cpu_s.values()):.1f} |", "",
-              "| figure | this run | machine | committed record | unit | bar (machine it applies to) |",
-              "| --- | --- | --- | --- | --- | --- |"]
+              "| figure | unit | bar | this run | " + " | ".join(f"committed {c}" for c in classes) + " |",
+              "| --- | --- | --- | --- |" + " --- |" * len(classes)]
+
+    def cell(value, bar) -> str:
+        mark = MARKS[bar_holds(bar, value)]
+        return format_value(value) + (f" {mark}" if mark else "")
+
     for name, e in sorted(figures.items()):
-        c = committed.get(name)
-        other = f"{_fmt(c['value'])} ({c['machine']})" if c else "none yet"
-        same_class = c is None or machine_class(c["machine"]) == machine_class(e["machine"])
-        bar_entry = e if e.get("bar") and (same_class or not c.get("bar")) else (c if c and c.get("bar") else None)
-        bar = ""
-        if bar_entry:
-            held = bar_holds(bar_entry["bar"], bar_entry["value"])
-            mark = {True: "met", False: "not met", None: "see record"}[held]
-            bar = f"{bar_entry['bar']} on {bar_entry['machine']}: {mark}"
-        lines.append(f"| `{name}` | {_fmt(e['value'])} | {e['machine']} | {other} | {e['unit']} | {bar} |")
+        c = committed.get(name, {})
+        bar = e.get("bar") or c.get("bar", "")
+        cells = [cell(c["machines"][m]["value"], bar) if m in c.get("machines", {}) else "" for m in classes]
+        lines.append(f"| `{name}` | {e['unit']} | {bar} | {cell(e['value'], bar)} ({machine_class(e['machine'])}) | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -246,6 +295,8 @@ def run_workbook(profile: str = "auto", only: list[str] | None = None, out: str 
                  timeout: int = 1800) -> int:
     """Execute the notebooks headless; write executed copies, records, ``figures.json``, ``summary.md`` and
     ``index.html`` (every executed notebook as an HTML page, the summary, the capstone's answer: ``labkit.site``).
+    Every figure of the run carries one run id (``$LABKIT_RUN_ID`` when set, else the start time and commit), so
+    that a claim comparing figures of two notebooks compares one run's.
 
     Returns 0, or 1 after naming the notebook and cell that failed (the remaining notebooks still run).
     """
@@ -259,12 +310,17 @@ def run_workbook(profile: str = "auto", only: list[str] | None = None, out: str 
     if not nbs:
         print("no notebooks found in notebooks/", file=sys.stderr)
         return 1
+    from labkit.bench import new_run_id
+
     failures, timings, failed, cpu_s = [], {}, {}, {}
     t_run = time.perf_counter()
+    run = os.environ.get("LABKIT_RUN_ID") or new_run_id()  # one run id for every notebook of this run
+    print(f"run {run}")
     for nb in tqdm(nbs, desc=f"workbook ({profile})", unit="notebook"):
         t0, cpu0 = time.perf_counter(), _children_cpu_s()
         try:
-            timings[nb.stem] = execute_notebook(nb, out_dir, profile, timeout)
+            with environ(LABKIT_RUN_ID=run):
+                timings[nb.stem] = execute_notebook(nb, out_dir, profile, timeout)
         except RuntimeError as e:
             timings[nb.stem] = time.perf_counter() - t0
             failed[nb.stem] = str(e)
@@ -273,10 +329,10 @@ def run_workbook(profile: str = "auto", only: list[str] | None = None, out: str 
         cpu_s[nb.stem] = _children_cpu_s() - cpu0
     fig_path = out_dir / "figures.json"
     figures = json.loads(fig_path.read_text()) if fig_path.exists() else {}
-    from labkit.bench import SUMMARY_PATH
+    from labkit.figures import read_summary
     from labkit.site import write_site
 
-    committed = json.loads(SUMMARY_PATH.read_text())["figures"] if SUMMARY_PATH.exists() else {}
+    committed = read_summary()
     (out_dir / "summary.md").write_text(summary_markdown(figures, timings, profile, committed, cpu_s))
     try:
         index = write_site(out_dir, timings, failed)
@@ -293,14 +349,40 @@ def run_workbook(profile: str = "auto", only: list[str] | None = None, out: str 
     return 1 if failures else 0
 
 
-def update_readme_table(readme: Path = REPO_ROOT / "README.md") -> None:
-    """Replace the block between the results markers in the README with the table from results/summary.json."""
-    from labkit.bench import summary_table
+BARS_BEGIN, BARS_END = "<!-- bars:begin -->", "<!-- bars:end -->"
+RESULTS_BEGIN, RESULTS_END = "<!-- results:begin -->", "<!-- results:end -->"
 
-    begin, end = "<!-- results:begin -->", "<!-- results:end -->"
-    text = readme.read_text()
+
+def _fill(text: str, begin: str, end: str, body: str, where: Path) -> str:
     if begin not in text or end not in text:
-        raise ValueError(f"{readme} has no {begin} ... {end} block to fill")
+        raise ValueError(f"{where} has no {begin} ... {end} block to fill")
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
-    readme.write_text(f"{head}{begin}\n{summary_table()}\n{end}{tail}")
+    return f"{head}{begin}\n{body}\n{end}{tail}"
+
+
+def readme_blocks(readme: Path = REPO_ROOT / "README.md", results_readme: Path = REPO_ROOT / "results" / "README.md",
+                  summary: Path | None = None) -> dict[Path, str]:
+    """What ``python -m labkit readme`` writes: the README with its results table and its list of bars not met,
+    and ``results/README.md`` with the same list (links relative to ``results/``), all from the summary."""
+    from labkit.bench import SUMMARY_PATH
+    from labkit.figures import summary_table, unmet_bars_markdown
+
+    summary = summary or SUMMARY_PATH
+    text = _fill(readme.read_text(), RESULTS_BEGIN, RESULTS_END, summary_table(summary), readme)
+    text = _fill(text, BARS_BEGIN, BARS_END, unmet_bars_markdown(summary), readme)
+    results = _fill(results_readme.read_text(), BARS_BEGIN, BARS_END,
+                    unmet_bars_markdown(summary, link_root="results/"), results_readme)
+    return {readme: text, results_readme: results}
+
+
+def update_readme_table(readme: Path = REPO_ROOT / "README.md",
+                        results_readme: Path = REPO_ROOT / "results" / "README.md") -> list[Path]:
+    """Regenerate, from results/summary.json, the README's results table and the lists of bars not met in the README
+    and in results/README.md; returns the files that changed."""
+    changed = []
+    for path, text in readme_blocks(readme, results_readme).items():
+        if path.read_text() != text:
+            path.write_text(text)
+            changed.append(path)
+    return changed

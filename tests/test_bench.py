@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from labkit.bench import Timing, merge_figures, record_figure, summary_table, time_fn, write_record
+from labkit.bench import SUMMARY_PATH, Timing, record_figure, time_fn, write_record
+from labkit.figures import committed_figures, machine_class, merge_figures, read_summary, summary_table
 
 
 def test_time_fn_cpu_counts_and_orders():
@@ -34,9 +35,14 @@ def test_records_figures_and_summary(tmp_path):
     record_figure("unit.x", 1.5, "s", rec, bar="<= 2", out_dir=tmp_path)
     with pytest.raises(ValueError, match="must be '<area>.<figure>'"):
         record_figure("nodot", 1, "s", rec, out_dir=tmp_path)
+    entry = json.loads((tmp_path / "figures.json").read_text())["unit.x"]
+    assert entry["kind"] == "measured" and entry["run"] and entry["run"] == body["env"]["run"]
+    record_figure("unit.n", 200, "requests", rec, out_dir=tmp_path, derived=True)
     summary = tmp_path / "summary.json"
     merged = merge_figures(tmp_path / "figures.json", "results/h200", summary_path=summary)
-    assert merged["figures"]["unit.x"]["record"] == "results/h200/records/unit.json"
+    cls = machine_class(entry["machine"])
+    assert merged["figures"]["unit.x"]["machines"][cls]["record"] == "results/h200/records/unit.json"
+    assert merged["figures"]["unit.n"]["kind"] == "derived" and merged["figures"]["unit.x"]["bar"] == "<= 2"
     table = summary_table(summary)
     assert "`unit.x`" in table and "<= 2" in table
 
@@ -50,16 +56,61 @@ def test_git_commit_prefers_the_commit_given(monkeypatch):
     assert git_commit() != "abc1234"
 
 
-def test_merge_keeps_a_gpu_figure_over_a_cpu_measurement(tmp_path):
+def test_merge_updates_only_the_merging_runs_machine(tmp_path):
     summary = tmp_path / "summary.json"
-    gpu = {"value": 2.0, "unit": "x", "machine": "NVIDIA H200", "record": "results/h200/records/a.json"}
-    summary.write_text(json.dumps({"figures": {"a.x": gpu}}))
+    gpu = {"value": 2.0, "machine": "NVIDIA H200", "record": "results/h200/records/a.json", "run": "g"}
+    summary.write_text(json.dumps({"format": 2, "figures": {"a.x": {"unit": "x", "kind": "measured",
+                                                                    "machines": {"h200": gpu}}}}))
     run = tmp_path / "run"
     run.mkdir()
-    cpu = {"value": 0.5, "unit": "x", "machine": "cpu", "record": str(run / "records" / "a.json")}
+    cpu = {"value": 0.5, "unit": "x", "machine": "cpu", "record": str(run / "records" / "a.json"), "run": "c",
+           "kind": "measured"}
     (run / "figures.json").write_text(json.dumps({"a.x": cpu, "a.y": dict(cpu, value=7)}))
     merged = merge_figures(run / "figures.json", "results/cpu", summary_path=summary)
-    assert merged["figures"]["a.x"] == gpu  # the CPU value stays in the run's record only
-    assert merged["figures"]["a.y"]["record"] == "results/cpu/records/a.json"
-    merged = merge_figures(run / "figures.json", "results/cpu", summary_path=summary, replace_gpu=True)
-    assert merged["figures"]["a.x"]["machine"] == "cpu"
+    assert merged["figures"]["a.x"]["machines"]["h200"] == gpu  # the GPU's value stays beside the CPU's
+    assert merged["figures"]["a.x"]["machines"]["cpu"] == {"value": 0.5, "machine": "cpu", "run": "c",
+                                                           "record": "results/cpu/records/a.json"}
+    h100 = dict(cpu, machine="NVIDIA H100 80GB HBM3", value=1.5, run="h")
+    (run / "figures.json").write_text(json.dumps({"a.x": h100}))
+    merged = merge_figures(run / "figures.json", "results/h100", summary_path=summary)
+    assert [m for m in merged["figures"]["a.x"]["machines"]] == ["h100", "h200", "cpu"]
+    assert merged["figures"]["a.x"]["machines"]["h200"]["value"] == 2.0  # two GPUs never overwrite each other
+
+
+def test_machine_classes():
+    assert machine_class("NVIDIA H100 80GB HBM3") == "h100" and machine_class("NVIDIA H200") == "h200"
+    assert machine_class("cpu") == "cpu"
+    assert machine_class("NVIDIA A100-SXM4-80GB") == "a100-sxm4-80gb"  # unknown: its own class, never a known one's
+    assert machine_class("NVIDIA H100 PCIe") == "h100-pcie"
+    assert machine_class("NVIDIA H100 80GB HBM3 + NVIDIA H200") == "h100+h200"  # derived from two machines' records
+    with pytest.raises(ValueError, match="need a device name"):
+        machine_class("")
+
+
+def test_a_summary_of_one_value_per_figure_is_upgraded(tmp_path):
+    old = {"figures": {"a.x": {"value": 2.0, "unit": "x", "machine": "NVIDIA H200", "record": "nowhere.json",
+                               "bar": ">= 1", "note": "n"}}}
+    (tmp_path / "s.json").write_text(json.dumps(old))
+    new = read_summary(tmp_path / "s.json")
+    assert new["format"] == 2
+    assert new["figures"]["a.x"] == {"unit": "x", "kind": "measured", "bar": ">= 1", "machines": {"h200": {
+        "value": 2.0, "machine": "NVIDIA H200", "record": "nowhere.json", "note": "n", "run": "legacy@unknown"}}}
+
+
+def test_committed_figures_prefer_one_machine(tmp_path):
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"format": 2, "figures": {"a.x": {"unit": "x", "kind": "measured", "machines": {
+        "h200": {"value": 2.0, "machine": "NVIDIA H200", "record": "r", "run": "g"},
+        "cpu": {"value": 0.5, "machine": "cpu", "record": "c", "run": "c"}}}}}))
+    assert committed_figures(("cpu",), path)["a.x"]["value"] == 0.5
+    assert committed_figures(("h100", "h200"), path)["a.x"]["value"] == 2.0
+    assert committed_figures(("h100",), path)["a.x"]["class"] in ("h200", "cpu")  # falls back to any holder
+
+
+def test_the_committed_summary_is_per_machine_and_every_figure_has_a_run():
+    summary = read_summary()
+    assert json.loads(SUMMARY_PATH.read_text())["format"] == 2, "migrate results/summary.json (read_summary)"
+    for name, f in summary["figures"].items():
+        assert f["kind"] in ("measured", "derived"), name
+        for cls, e in f["machines"].items():
+            assert machine_class(e["machine"]) == cls and e["run"], (name, cls)

@@ -7,6 +7,7 @@ plot image is there and loads. Outside CI it is skipped when no Chromium is inst
 
 import base64
 import io
+import json
 import os
 import shutil
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit.bench import bar_holds
+from labkit.figures import bar_holds
 from labkit.site import write_site
 from labkit.workbook import summary_markdown
 
@@ -138,35 +139,46 @@ def test_a_real_runs_site_opens_in_headless_chromium():
     check_site_in_browser(Path(os.environ["LABKIT_SITE_DIR"]))
 
 
-def test_summary_marks_bars_and_puts_the_gpu_value_beside():
+def test_summary_puts_each_machines_value_beside_and_marks_bars_on_their_machine():
     figures = {"engine.x": {"value": 1.2, "unit": "x", "machine": "cpu", "record": "r.json", "bar": ">= 2"},
                "engine.y": {"value": 0.5, "unit": "s", "machine": "cpu", "record": "r.json"}}
-    committed = {"engine.x": {"value": 2.35, "unit": "x", "machine": "NVIDIA H200", "record": "g.json", "bar": ">= 2"}}
+    committed = {"format": 2, "figures": {"engine.x": {"unit": "x", "bar": ">= 2", "machines": {
+        "h200": {"value": 2.35, "machine": "NVIDIA H200", "record": "g.json", "run": "a"},
+        "h100": {"value": 1.9, "machine": "NVIDIA H100 80GB HBM3", "record": "h.json", "run": "b"}}}}}
     md = summary_markdown(figures, {"05_batching": 10.0}, "cpu", committed)
+    assert "| figure | unit | bar | this run | committed h100 | committed h200 |" in md
     row = next(ln for ln in md.splitlines() if "`engine.x`" in ln)
-    assert "| 1.2 | cpu | 2.35 (NVIDIA H200) |" in row and ">= 2 on NVIDIA H200: met" in row
+    assert "| >= 2 | 1.2 ✗ (cpu) | 1.9 ✗ | 2.35 ✓ |" in row  # each value judged on its own machine
     row_y = next(ln for ln in md.splitlines() if "`engine.y`" in ln)
-    assert "none yet" in row_y
+    assert "| 0.5 (cpu) |  |  |" in row_y
     assert "| **total** | 10.0 | 0.0 |" in md
-    gpu_run = {"engine.x": dict(figures["engine.x"], machine="NVIDIA H100", value=1.5)}
-    assert ">= 2 on NVIDIA H100: not met" in summary_markdown(gpu_run, {}, "gpu", committed)  # this run's value
+    gpu_run = {"engine.x": dict(figures["engine.x"], machine="NVIDIA H200", value=2.5)}
+    assert "| 2.5 ✓ (h200) |" in summary_markdown(gpu_run, {}, "gpu", committed)
 
 
 def test_bar_holds():
     assert bar_holds(">= 2", 2.35) is True and bar_holds("<= 0.15", 0.2) is False
+    assert bar_holds("<= 0.15 (goal 0.08)", 0.1) is True  # a parenthesised remark does not make a bar prose
     assert bar_holds("true", True) is True and bar_holds("true", False) is False
     assert bar_holds("< int4 RTN (0.0159)", 0.01) is None and bar_holds(None, 1.0) is None
 
 
-def test_readme_table_marks_each_bar_with_its_machine(tmp_path):
-    from labkit.bench import summary_table
+def test_readme_table_has_one_column_per_machine(tmp_path):
+    from labkit.figures import summary_table
 
     path = tmp_path / "summary.json"
-    path.write_text('{"figures": {"engine.x": {"value": 2.35, "unit": "x", "machine": "NVIDIA H200", "bar": ">= 2", '
-                    '"record": "results/h200/records/05_batching.json"}, "finetune.y": {"value": 0.2, "unit": "f", '
-                    '"machine": "cpu", "bar": "<= 0.15", "record": "results/cpu/records/07_finetuning.json"}}}')
+    path.write_text(json.dumps({"format": 2, "figures": {
+        "engine.x": {"unit": "x", "bar": ">= 2", "machines": {
+            "h200": {"value": 2.35, "machine": "NVIDIA H200", "record": "results/h200/records/05.json", "run": "a"},
+            "h100": {"value": 1.5, "machine": "NVIDIA H100 80GB HBM3", "record": "results/h100/records/05.json",
+                     "run": "b"}}},
+        "finetune.y": {"unit": "f", "bar": "<= 0.15", "machines": {
+            "cpu": {"value": 0.2, "machine": "cpu", "record": "results/cpu/records/07.json", "run": "c"}}}}}))
     table = summary_table(path)
-    assert "| >= 2 on NVIDIA H200: met |" in table and "| <= 0.15 on cpu: not met |" in table
+    assert "| figure | unit | bar | h100 | h200 | cpu |" in table
+    assert ("| `engine.x` | x | >= 2 | [1.5](results/h100/records/05.json) ✗ | [2.35](results/h200/records/05.json) ✓ "
+            "|  |") in table
+    assert "| `finetune.y` | f | <= 0.15 |  |  | [0.2](results/cpu/records/07.json) ✗ |" in table
 
 
 def test_run_workbook_writes_summary_and_index(tmp_path, monkeypatch):

@@ -146,7 +146,8 @@ def _read(rel: str) -> tuple[dict | None, str]:
 
 def derived_figures() -> list[dict]:
     """Figures that committed GPU records hold but ``results/summary.json`` did not: ``{name, value, unit,
-    machine, source, note}`` each (recorded by notebook 08 with the source record's machine)."""
+    machine, source, note}`` each, and ``derived: True`` for arithmetic rather than a measurement (recorded by
+    notebook 08 with the source record's machine)."""
     out = []
     k, rel = _read("results/h200/records/03_kernels.json")
     if k is not None:
@@ -157,7 +158,8 @@ def derived_figures() -> list[dict]:
             out.append(dict(name="kernels.int8_kv_attn_speedup", value=bf["us"] / i8["us"], unit="x over bf16 KV",
                             machine=dev, source=rel, note="paged decode attention, int8 KV dequantised in the kernel"))
             out.append(dict(name="kernels.int8_kv_bytes_ratio", value=i8["cache MB read"] / bf["cache MB read"],
-                            unit="ratio", machine=dev, source=rel, note="KV bytes read, int8 (with scales) / bf16"))
+                            unit="ratio", machine=dev, source=rel, note="KV bytes read, int8 (with scales) / bf16",
+                            derived=True))
         flash = [r["rel_err"] for r in k["data"].get("rows", []) if r["kernel"] == "flash" and r["impl"] == "triton"
                  and r.get("rel_err") is not None]
         if flash:

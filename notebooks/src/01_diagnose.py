@@ -29,6 +29,7 @@ import labkit  # noqa: F401
 from labkit.bench import SUMMARY_PATH, output_dir, record_figure, write_record
 from labkit.claims import Claim, show
 from labkit.experiments.diagnose import profile_decode, regimes
+from labkit.figures import machine_figures, read_summary
 from labkit.hardware import KNOWN, detect, measure_ceilings, measured_hardware
 from labkit.models import PRESETS, get_spec, load_model, random_model
 from labkit.profiling import mbu, mfu, plot_roofline, plot_timeline, profile_run, roofline
@@ -60,7 +61,7 @@ here = measured_hardware(ceilings, detect())
 h200_sheet = KNOWN["h200"]
 h200_measured = None
 if SUMMARY_PATH.exists():  # the committed H200 record, quoted with its source
-    figs = json.loads(SUMMARY_PATH.read_text())["figures"]
+    figs = machine_figures(read_summary(), "h200")
     if "ceiling.copy_tb_s" in figs and "ceiling.bf16_mm_tflop_s" in figs:
         h200_measured = (figs["ceiling.bf16_mm_tflop_s"]["value"] * 1e12 / (figs["ceiling.copy_tb_s"]["value"] * 1e12),
                          figs["ceiling.copy_tb_s"]["record"])
@@ -267,10 +268,12 @@ rec = write_record("01_diagnose", {
 })
 record_figure("diagnose.decode_bs1_idle_frac", bs1["res"].idle_frac, "fraction of wall time", rec)
 record_figure("diagnose.decode_bs1_kernels_per_step", bs1["res"].kernels_per_step, "kernels", rec)
-record_figure("diagnose.decode_intensity", bs1["pred"].intensity, "FLOP/byte", rec,
-              note=f"decode batch 1, context {ctx}, {dtype}")
-record_figure("diagnose.prefill_intensity", prefill_rows[-1]["intensity (FLOP/B)"], "FLOP/byte", rec,
-              note=f"prefill of {prefill_rows[-1]['context']} tokens, {dtype}")
+record_figure("diagnose.decode_intensity", bs1["pred"].intensity, "FLOP/byte", rec, derived=True,
+              note=f"decode batch 1, context {ctx}, {dtype}: roofline arithmetic")
+record_figure("diagnose.prefill_intensity", prefill_rows[-1]["intensity (FLOP/B)"], "FLOP/byte", rec, derived=True,
+              note=f"prefill of {prefill_rows[-1]['context']} tokens, {dtype}: roofline arithmetic")
+record_figure("diagnose.ridge_flop_per_byte", ceilings["ridge_flop_per_byte"], "FLOP/byte", rec,
+              note=f"measured {ceilings['matmul_dtype']} matmul rate over measured copy bandwidth, this run")
 big = results[f"decode batch {SIZES['big_batch']}"]
 record_figure("diagnose.decode_big_batch_idle_frac", big["res"].idle_frac, "fraction of wall time", rec,
               note=f"decode only (prefill excluded), batch {SIZES['big_batch']}, context {ctx}")
@@ -292,20 +295,22 @@ print(f"record: {rec}")
 
 # %%
 show(
-    Claim("Decode at batch 1 does {diagnose.decode_intensity:.1f} FLOP per byte moved: memory-bound by a wide "
-          "margin (an H200's ridge point is near 160 FLOP/byte)", "diagnose.decode_intensity < 10", machine="any"),
-    Claim("Prefill of a long prompt does {diagnose.prefill_intensity:.0f} FLOP per byte: compute-bound on a GPU",
-          "diagnose.prefill_intensity > 300", machine="gpu"),
+    Claim("Decode at batch 1 does {diagnose.decode_intensity:.1f} FLOP per byte moved, under this machine's "
+          "measured ridge point of {diagnose.ridge_flop_per_byte:.0f} FLOP/byte: memory-bound",
+          "diagnose.decode_intensity < diagnose.ridge_flop_per_byte", machine="any"),
+    Claim("Prefill of a long prompt does {diagnose.prefill_intensity:.0f} FLOP per byte, above the GPU's measured "
+          "ridge point of {diagnose.ridge_flop_per_byte:.0f}: compute-bound",
+          "diagnose.prefill_intensity > diagnose.ridge_flop_per_byte", machine="gpu"),
     Claim("In HF eager decode at batch 1 on the GPU the device is idle {diagnose.decode_bs1_idle_frac:.0%} of the "
-          "time: the gap to the floor is host overhead, not slow kernels", "diagnose.decode_bs1_idle_frac > 0.5",
+          "time: more of each step waits on the host than runs kernels", "diagnose.decode_bs1_idle_frac > 0.5",
           machine="gpu"),
-    Claim("HF eager decode launches {diagnose.decode_bs1_kernels_per_step:.0f} kernels per step on the GPU",
+    Claim("HF eager decode launches {diagnose.decode_bs1_kernels_per_step:.0f} kernels per step on the GPU, over 500",
           "diagnose.decode_bs1_kernels_per_step > 500", machine="gpu"),
     Claim("The host time between kernels does not follow the work: x{diagnose.idle_ratio_2x_batch:.2f} when the "
-          "batch doubles (overhead-bound)", "diagnose.idle_ratio_2x_batch < 1.6 and diagnose.regime_idle == "
-          "'overhead-bound'", machine="any"),
-    Claim("HF's dynamic cache copies the whole KV cache as it grows: the copy time grows "
-          "x{diagnose.copy_ratio_2x_context:.2f} when the context doubles ({diagnose.regime_copy})",
+          "batch doubles, under x1.6 (overhead-bound)", "diagnose.idle_ratio_2x_batch < 1.6 and "
+          "diagnose.regime_idle == 'overhead-bound'", machine="any"),
+    Claim("With HF's dynamic cache, memory-copy time grows x{diagnose.copy_ratio_2x_context:.2f} when the context "
+          "doubles, over x1.15: it grows with the cache ({diagnose.regime_copy})",
           "diagnose.copy_ratio_2x_context > 1.15", machine="any"),
 )
 

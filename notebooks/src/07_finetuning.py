@@ -83,8 +83,8 @@ print(PROFILE, DEVICE, SIZES, f"{torch.get_num_threads()} CPU threads", "recipes
 # Recipes (`compare.recipe`): **full** = fp32 master weights, bf16 autocast, AdamW; **LoRA** = bf16 frozen base,
 # fp32 adapters on all seven linears of every layer (rank 8), AdamW; **QLoRA** = NF4 base (bf16 embeddings and
 # norms), the same adapters, 8-bit AdamW. The GPU runs them as written; the CPU profiles compute them in fp32
-# (fp32 base, no autocast: bf16 on a CPU is slow, and without bf16 instructions torch falls back to a path about
-# 100 times slower), and the memory checks below keep two bf16 variants so the model is checked on both.
+# (fp32 base, no autocast: bf16 on a CPU is slow, and without bf16 instructions torch falls back to a much slower
+# path), and the memory checks below keep two bf16 variants so the model is checked on both.
 
 # %%
 base_model, tok = load_model(device=DEVICE, dtype="fp32")
@@ -315,7 +315,7 @@ rec = write_record("07_finetuning", {
     "plan_175b": plan.to_dict("records"),
 })
 where = f"embedded model, {DEVICE}, batch {B} x {S}, {SIZES['steps']} steps"
-record_figure("finetune.lora_trainable_frac", by["lora"]["trainable_frac"], "fraction", rec,
+record_figure("finetune.lora_trainable_frac", by["lora"]["trainable_frac"], "fraction", rec, derived=True,
               note=f"rank {lora_rank} on all 7 linears of every layer, over all parameters incl. adapters")
 record_figure("finetune.qlora_peak_mem_ratio_vs_full", by["qlora"]["measured_peak"] / by["full"]["measured_peak"],
               "ratio", rec, note=f"measured peak of one step, {where}; QLoRA NF4 + 8-bit AdamW vs full "
@@ -337,11 +337,11 @@ for name, row in (("gpt3_serve_peak_gb", serve_row),
                   ("gpt3_zero3_peak_gb", "full FT + ckpt, ZeRO-3 / FSDP over 64"),
                   ("gpt3_lora_peak_gb", "LoRA r=8, bf16 base, ckpt"),
                   ("gpt3_qlora_peak_gb", "QLoRA r=8, NF4 base, ckpt")):
-    record_figure(f"finetune.{name}", float(gb[row]), "GB per GPU", rec,
+    record_figure(f"finetune.{name}", float(gb[row]), "GB per GPU", rec, derived=True,
                   note=f"memory model (checked above), GPT-3 175B, {row}, one 2048-token sequence per micro-batch")
-record_figure("finetune.h200_memory_gb", h200.mem_capacity / 1e9, "GB", rec, note="datasheet capacity")
+record_figure("finetune.h200_memory_gb", h200.mem_capacity / 1e9, "GB", rec, note="datasheet capacity", derived=True)
 record_figure("finetune.full_ft_state_bytes_per_param",
-              float(predict.set_index("method").loc["full", "bytes/param (weights+grads+optim)"]), "bytes", rec,
+              float(predict.set_index("method").loc["full", "bytes/param (weights+grads+optim)"]), "bytes", rec, derived=True,
               note="fp32 master weights + fp32 gradients + two fp32 AdamW moments, per parameter (memory model)")
 print(f"record: {rec}")
 
@@ -358,28 +358,23 @@ print(f"record: {rec}")
 
 # %%
 verdicts = show(
-    Claim("Full fine-tuning with AdamW holds {finetune.full_ft_state_bytes_per_param:.0f} bytes per parameter "
-          "before any activation: fp32 weights, fp32 gradients, two fp32 moments (serving in bf16 holds 2)",
-          "finetune.full_ft_state_bytes_per_param >= 16", machine="any"),
+    "Full fine-tuning with AdamW holds {finetune.full_ft_state_bytes_per_param:.0f} bytes per parameter before any "
+    "activation: fp32 weights, fp32 gradients, two fp32 moments (serving in bf16 holds 2)",
     Claim("The memory model predicts every measured training step's peak within {finetune.memory_model_rel_err:.1%} "
           "(the bar: 15%)", "finetune.memory_model_rel_err <= 0.15", machine="any"),
-    Claim("For the 175B, one GPU would need {finetune.gpt3_full_ft_peak_gb:,.0f} GB for full fine-tuning against "
-          "{finetune.gpt3_serve_peak_gb:,.0f} GB to serve it: a sharding problem first",
-          "finetune.gpt3_full_ft_peak_gb > 5 * finetune.gpt3_serve_peak_gb", machine="any"),
-    Claim("ZeRO-3 / FSDP over 64 GPUs brings it to {finetune.gpt3_zero3_peak_gb:.0f} GB per GPU, inside an H200's "
-          "{finetune.h200_memory_gb:.0f} GB", "finetune.gpt3_zero3_peak_gb < finetune.h200_memory_gb", machine="any"),
-    Claim("LoRA trains {finetune.lora_trainable_frac:.1%} of the parameters", "finetune.lora_trainable_frac < 0.05",
-          machine="any"),
-    Claim("and still lowers the task's held-out loss by {finetune.lora_heldout_loss_drop:.2f} nats per token "
-          "(full fine-tuning, same steps: {finetune.full_task_loss_drop:.2f})",
+    "The memory model applied to the 175B: one GPU would need {finetune.gpt3_full_ft_peak_gb:,.0f} GB for full "
+    "fine-tuning against {finetune.gpt3_serve_peak_gb:,.0f} GB to serve it; ZeRO-3 / FSDP over 64 GPUs brings it to "
+    "{finetune.gpt3_zero3_peak_gb:.0f} GB per GPU (an H200 holds {finetune.h200_memory_gb:.0f} GB)",
+    "LoRA (rank 8 on every linear) trains {finetune.lora_trainable_frac:.1%} of the parameters",
+    Claim("LoRA lowers the task's held-out loss by {finetune.lora_heldout_loss_drop:.2f} nats per token, full "
+          "fine-tuning in the same steps by {finetune.full_task_loss_drop:.2f}: both learn the task",
           "finetune.lora_heldout_loss_drop > 0 and finetune.full_task_loss_drop > 0", machine="any"),
     Claim("LoRA's step peaks at {finetune.lora_peak_mem_ratio_vs_full:.2f}x full fine-tuning's memory and QLoRA's "
-          "at {finetune.qlora_peak_mem_ratio_vs_full:.2f}x: the gradients and optimizer state go",
+          "at {finetune.qlora_peak_mem_ratio_vs_full:.2f}x (no gradients or optimizer state for the frozen weights)",
           "finetune.lora_peak_mem_ratio_vs_full < 1 and finetune.qlora_peak_mem_ratio_vs_full < 1", machine="any"),
-    Claim("but a LoRA step still takes {finetune.lora_step_time_ratio_vs_full:.2f}x a full step's time: it runs "
-          "forward and backward through every layer", "finetune.lora_step_time_ratio_vs_full > 0.5", machine="any"),
-    Claim("For the 175B, LoRA on a bf16 base needs {finetune.gpt3_lora_peak_gb:.0f} GB, more than one H200 "
-          "holds", "finetune.gpt3_lora_peak_gb > finetune.h200_memory_gb", machine="any"),
-    Claim("while QLoRA's NF4 base brings it to {finetune.gpt3_qlora_peak_gb:.0f} GB: it fits one H200 by memory",
-          "finetune.gpt3_qlora_peak_gb < finetune.h200_memory_gb", machine="any"),
+    Claim("A LoRA step still takes {finetune.lora_step_time_ratio_vs_full:.2f}x a full step's time, over half: "
+          "forward and backward still run through every layer", "finetune.lora_step_time_ratio_vs_full > 0.5",
+          machine="any"),
+    "The memory model for the 175B with LoRA on a bf16 base: {finetune.gpt3_lora_peak_gb:.0f} GB per GPU; with "
+    "QLoRA's NF4 base: {finetune.gpt3_qlora_peak_gb:.0f} GB (an H200 holds {finetune.h200_memory_gb:.0f} GB)",
 )
