@@ -30,6 +30,7 @@ def interactive(monkeypatch, tmp_path):
     monkeypatch.delenv("LABKIT_PROFILE", raising=False)
     monkeypatch.delenv("LABKIT_EXERCISES", raising=False)
     monkeypatch.setenv("LABKIT_EXERCISES_STATUS", str(tmp_path / "status.json"))
+    monkeypatch.setenv("LABKIT_OUT", str(tmp_path / "run"))  # an empty run: measurements from the committed records
 
 
 def _check(name, impl, **kw):
@@ -121,8 +122,10 @@ def test_status_is_recorded_and_listed(tmp_path, capsys):
     assert not _check("07.lora_forward", lambda *a: a[0], status_path=status)
     assert main(["exercises", "--status", str(status)]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"07.lora_merge\s+pass\s+5/5", out) and re.search(r"07.lora_forward\s+fail\s+0/5", out)
-    assert re.search(r"01.kv_bytes\s+not tried", out) and f"1 of {len(NAMES)} passed" in out
+    assert re.search(r"07.lora_merge\s+implement\s+pass\s+5/5", out), out
+    assert re.search(r"07.lora_forward\s+implement\s+fail\s+0/5", out), out
+    assert re.search(r"01.kv_bytes\s+implement\s+not tried", out) and f"1 of {len(NAMES)} passed" in out
+    assert "12 implement" not in out and "implement, 0 decide, 0 predict-then-measure" in out
     assert f"1 of {len(NAMES)} passed" in report(status)
 
 
