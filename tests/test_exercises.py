@@ -1,8 +1,10 @@
 """Exercises: every checker passes labkit's solution and a learner's correct answer written another way, and fails
 with a useful message on the notebook's skeleton and on plausible wrong answers (an off-by-one, a missing scale,
-a wrong mask, a skipped queue)."""
+a wrong mask, a skipped queue), never printing the solution; predict-then-measure checks set the prediction against
+this run's record or the committed one and say which."""
 
 import importlib.util
+import inspect
 import json
 import math
 import re
@@ -16,12 +18,13 @@ import triton.language as tl
 from labkit.exercises import check, exercise_source, exercises, report
 from labkit.exercises.cells import EXERCISE_DIR, checked_names
 from labkit.exercises.checker import ExerciseError
-from labkit.exercises.core import REGISTRY, Case, Exercise, tensor_diff
+from labkit.exercises.core import REGISTRY, Case, Exercise, Prediction, tensor_diff
 from labkit.kvcache import CacheFullError
-from labkit.models import dtype_bytes
+from labkit.models import REPO_ROOT, dtype_bytes
 from labkit.parallel.cost_model import memory_per_device
 
 NAMES = [ex.name for ex in exercises()]
+NOTEBOOKS = [f"{i:02d}" for i in range(10)]
 
 
 @pytest.fixture(autouse=True)
@@ -38,12 +41,12 @@ def _check(name, impl, **kw):
 
 
 # --- the registry and the notebooks -----------------------------------------------------------------------------
-def test_every_notebook_01_to_08_has_at_least_two_exercises_with_checkers():
-    for nn in [f"{i:02d}" for i in range(1, 9)]:
+def test_every_notebook_00_to_09_has_exercises_with_checkers():
+    for nn in NOTEBOOKS:
         names = checked_names(nn)
-        assert len(names) >= 2, f"notebook {nn} has {names}"
+        assert names, f"notebook {nn} has no exercise"
         assert all(n in REGISTRY and n.startswith(nn + ".") for n in names), names
-    assert sorted(n for nn in range(1, 9) for n in checked_names(f"{nn:02d}")) == sorted(NAMES)
+    assert sorted(n for nn in NOTEBOOKS for n in checked_names(nn)) == sorted(NAMES)
 
 
 def test_exercise_cells_are_appended_to_the_built_notebooks():
@@ -53,7 +56,8 @@ def test_exercise_cells_are_appended_to_the_built_notebooks():
     nb = json.loads((NOTEBOOK_DIR / "02_kv_cache.ipynb").read_text())
     sources = ["".join(c["source"]) for c in nb["cells"]]
     assert any('check("02.cow", MyBlockTables)' in s for s in sources)
-    assert exercise_source("09_nothing") == ""
+    assert exercise_source("99_nothing") == ""
+    assert 'check("00.fifo_p99_ttft", fifo_p99_ttft)' in exercise_source("00_baseline")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -77,7 +81,7 @@ def _skeletons(nn: str, tmp_path):
     return {name: getattr(mod, var) for name, var in calls}
 
 
-@pytest.mark.parametrize("nn", [f"{i:02d}" for i in range(1, 9)])
+@pytest.mark.parametrize("nn", NOTEBOOKS)
 def test_skeleton_is_not_tried_for_a_learner_and_replaced_by_the_solution_in_a_headless_run(nn, tmp_path,
                                                                                             monkeypatch, capsys):
     status = tmp_path / "status.json"
@@ -125,7 +129,7 @@ def test_status_is_recorded_and_listed(tmp_path, capsys):
     assert re.search(r"07.lora_merge\s+implement\s+pass\s+5/5", out), out
     assert re.search(r"07.lora_forward\s+implement\s+fail\s+0/5", out), out
     assert re.search(r"01.kv_bytes\s+implement\s+not tried", out) and f"1 of {len(NAMES)} passed" in out
-    assert "12 implement" not in out and "implement, 0 decide, 0 predict-then-measure" in out
+    assert "predict-then-measure" in out
     assert f"1 of {len(NAMES)} passed" in report(status)
 
 
@@ -502,16 +506,16 @@ def test_max_batch_right_and_without_headroom():
 
 
 def test_exercise_sources_live_beside_the_notebook_sources():
-    assert EXERCISE_DIR.is_dir() and len(list(EXERCISE_DIR.glob("0[1-8]_*.py"))) == 8
+    assert EXERCISE_DIR.is_dir() and len(list(EXERCISE_DIR.glob("0[0-9]_*.py"))) == 10
 
 
 @pytest.mark.notebooks
 def test_exercise_cells_run_headless_as_the_workbook_runner_runs_them(tmp_path):
-    """Every exercise cell of notebooks 01-08, in one notebook, under papermill with the runner's environment: the
-    skeletons are replaced by the solutions and every check passes."""
+    """Every exercise cell of notebooks 00-09, in one notebook, under papermill with the runner's environment: the
+    skeletons are replaced by the solutions and every check passes (predictions set against the committed records)."""
     from labkit.workbook import NOTEBOOK_DIR, _render, execute_notebook, notebook_from_percent
 
-    src = '# %% tags=["parameters"]\nprofile = "ci"\n' + "".join(exercise_source(f"{i:02d}") for i in range(1, 9))
+    src = '# %% tags=["parameters"]\nprofile = "ci"\n' + "".join(exercise_source(nn) for nn in NOTEBOOKS)
     nb = tmp_path / "src" / "99_exercises.ipynb"
     nb.parent.mkdir()
     nb.write_text(_render(notebook_from_percent(src)))
@@ -521,6 +525,7 @@ def test_exercise_cells_run_headless_as_the_workbook_runner_runs_them(tmp_path):
     text = "".join("".join(o.get("text", "")) for c in out["cells"] for o in c.get("outputs", []))
     assert text.count("checking labkit's reference solution instead") == len(NAMES), text
     assert text.count("cases passed") == len(NAMES), text
+    assert text.count("predict then measure:") >= sum(ex.kind == "predict-then-measure" for ex in exercises()), text
 
 
 def test_decode_floor_right_and_reading_the_whole_embedding_table():
@@ -598,3 +603,134 @@ def test_skeleton_source_gives_back_the_cell_to_start_again():
     assert 'raise NotImplementedError("fill in softmax_kernel")' in skeleton_source("03.softmax")
     with pytest.raises(ValueError, match="02.cow"):
         skeleton_source("02.nothing")
+
+
+def _solution_lines(name):
+    """The code lines of an exercise's solution (its docstring and comments left out): none may reach a report."""
+    src = inspect.getsource(REGISTRY[name].solution)
+    doc = inspect.getdoc(REGISTRY[name].solution) or ""
+    return [ln.strip() for ln in src.splitlines()[1:] if len(ln.strip()) > 20 and ln.strip() not in doc
+            and not ln.strip().startswith(("#", '"""')) and ("=" in ln or "return" in ln)]
+
+
+def _judged_fails(name, impl, *needles):
+    """A plausible wrong answer: it fails, the report shows expected and actual, and never the solution."""
+    r = _fails(name, impl, "expected", *needles)
+    leaked = [ln for ln in _solution_lines(name) if ln in r.message]
+    assert not leaked, f"the report of {name} shows the solution's code: {leaked}"
+    if isinstance(REGISTRY[name], Prediction):
+        assert "predict then measure: waits until every case passes" in r.message and not r.measurements
+    return r
+
+
+def test_fifo_p99_right_and_without_the_prefill_or_the_load_in_the_log():
+    def fifo(n, rate, service, prefill, with_prefill=True, log_rho=True):
+        rho = rate * service
+        if rho >= 1:
+            wait = (n - 1) * 0.99 * (service - 1 / rate)
+        else:
+            wait = max(0.0, -service / (1 - rho) * math.log(0.01 / (rho if log_rho else 1)))
+        return wait + (prefill if with_prefill else 0)
+
+    _passes("00.fifo_p99_ttft", fifo)
+    _judged_fails("00.fifo_p99_ttft", lambda *a: fifo(*a, with_prefill=False), "half capacity")
+    _judged_fails("00.fifo_p99_ttft", lambda *a: fifo(*a, log_rho=False), "ratio")
+
+
+def test_static_vs_fifo_right_and_pricing_the_partial_batch_as_a_full_one():
+    def static(lens, batch, step_s, partial_right=True):
+        groups = [lens[i:i + batch] for i in range(0, len(lens), batch)]
+        t = sum(max(g) * step_s[len(g) if partial_right else batch] for g in groups)
+        fifo = sum(lens) * step_s[1]
+        return {"fifo_s": fifo, "static_s": t, "speedup": fifo / t,
+                "useful_slot_frac": sum(lens) / sum(len(g) * max(g) for g in groups),
+                "choice": "static" if t < fifo else "FIFO"}
+
+    _passes("00.static_vs_fifo", static)
+    _judged_fails("00.static_vs_fifo", lambda *a: static(*a, partial_right=False), "static_s", "one long request")
+
+
+def test_spec_speedup_right_and_without_the_draft_cost():
+    def speedup(alpha, k, c, c_d=0.0, draft=True):
+        e = sum(alpha ** i for i in range(k + 1))
+        return {"tokens_per_step": e, "speedup": e / ((k * c_d if draft else 0) + c)}
+
+    _passes("09.spec_speedup", speedup)
+    _judged_fails("09.spec_speedup", lambda *a: speedup(*a, draft=False), "'speedup'")
+
+
+def test_best_k_right_and_speculating_when_it_only_breaks_even():
+    def best(alpha, costs, c_d=0.0, strict=True):
+        out = {}
+        for b, table in costs.items():
+            rows = [(k, (k + 1 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)) / (k * c_d + c))
+                    for k, c in sorted(table.items())]
+            k, s = max(rows, key=lambda r: (r[1], -r[0]))
+            out[b] = (k, s) if (s > 1 if strict else s >= 1) else (0, 1.0)
+        return out
+
+    _passes("09.best_k", best)
+    _judged_fails("09.best_k", lambda *a: best(*a, strict=False), "a tie at exactly 1x")
+
+
+PREDICTIONS = [ex.name for ex in exercises() if ex.kind == "predict-then-measure"]
+
+
+@pytest.mark.parametrize("name", PREDICTIONS)
+def test_a_passing_prediction_is_set_against_the_committed_records_when_this_run_has_none(name):
+    r = _check(name, REGISTRY[name].solution)
+    assert r.status == "pass" and r.measurements, r.message
+    for m in r.measurements:
+        assert "error" not in m and m["source"].startswith("the committed results/"), m
+        assert isinstance(m["inside"], bool)
+    assert r.message.count("why they differ: ") == len(r.measurements)
+    assert "predict then measure:" in r.message and ("measured:" in r.message or "the planner:" in r.message)
+
+
+def test_a_run_that_recorded_the_figure_is_used_before_the_committed_record(tmp_path, monkeypatch):
+    """This run's record (here: the committed 09 record with other measured speed-ups) wins, and the check says so."""
+    run = tmp_path / "run"
+    (run / "records").mkdir(parents=True)
+    rec = json.loads((REPO_ROOT / "results/cpu/records/09_speculative.json").read_text())
+    rec["data"]["measured"] = {"draft": 0.5, "prompt_lookup": 2.0}
+    (run / "records" / "09_speculative.json").write_text(json.dumps(rec))
+    (run / "figures.json").write_text(json.dumps({"spec.measured_speedup_b1": {
+        "value": 0.5, "unit": "ratio", "machine": "cpu", "record": str(run / "records" / "09_speculative.json")}}))
+    monkeypatch.setenv("LABKIT_OUT", str(run))
+    r = _check("09.spec_speedup", REGISTRY["09.spec_speedup"].solution)
+    assert [m["measured"] for m in r.measurements] == [0.5, 2.0], r.message
+    assert all(m["source"].startswith("this run's ") for m in r.measurements), r.message
+    assert "measured / predicted" in r.message
+
+
+def test_no_measurement_anywhere_is_said_not_raised(tmp_path, monkeypatch):
+    import labkit.exercises.measured as measured
+
+    monkeypatch.setattr(measured, "SUMMARY", tmp_path / "no-summary.json")
+    r = _check("00.fifo_p99_ttft", REGISTRY["00.fifo_p99_ttft"].solution)
+    assert r.status == "pass" and not r.measurements
+    assert "no measurement to compare with" in r.message and "baseline.fifo_ttft_p99_peak_s" in r.message
+
+
+def test_a_learner_s_own_prediction_is_the_one_compared(tmp_path):
+    def fifo(n, rate, service, prefill):  # right on every case, written another way
+        rho = rate * service
+        if rho < 1:
+            return prefill + max(0.0, service * math.log(100 * rho) / (1 - rho))
+        return prefill + 0.99 * (n - 1) * (service - 1 / rate)
+
+    r = _check("00.fifo_p99_ttft", fifo)
+    assert r.status == "pass" and "your prediction:" in r.message and "labkit's prediction" not in r.message
+    assert len(r.measurements) >= 2  # one per load of the sweep
+
+
+def test_the_headless_check_of_a_prediction_uses_labkit_s_and_says_so(monkeypatch, capsys):
+    monkeypatch.setenv("LABKIT_PROFILE", "ci")
+
+    def skeleton(*a):
+        raise NotImplementedError
+
+    r = check("00.fifo_p99_ttft", skeleton)
+    out = capsys.readouterr().out
+    assert r.status == "pass" and r.used_solution and "labkit's prediction:" in out and "why they differ" in out
+
