@@ -734,3 +734,80 @@ def test_the_headless_check_of_a_prediction_uses_labkit_s_and_says_so(monkeypatc
     out = capsys.readouterr().out
     assert r.status == "pass" and r.used_solution and "labkit's prediction:" in out and "why they differ" in out
 
+
+def test_classify_ops_right_and_strict_at_the_ridge():
+    def classify(ops, peak, bw, factor=5.0, strict=False):
+        out = {}
+        for r in ops:
+            floor = max(r["flops"] / peak, r["bytes"] / bw)
+            intensity = math.inf if r["bytes"] == 0 else r["flops"] / r["bytes"]
+            if floor == 0 or r["time_s"] / floor > factor:
+                out[r["op"]] = "launch-bound"
+            else:
+                above = intensity > peak / bw if strict else intensity >= peak / bw
+                out[r["op"]] = "compute-bound" if above else "memory-bound"
+        return out
+
+    _passes("01.classify_ops", classify)
+    _judged_fails("01.classify_ops", lambda *a: classify(*a, strict=True), "exactly at the ridge",
+                  "expected 'compute-bound', got 'memory-bound'")
+
+
+def test_paged_capacity_right_and_averaged_over_requests():
+    def capacity(prompts, outputs, budget, slab, bs, over_steps=True):
+        if over_steps:
+            steps = [(p + t) for p, o in zip(prompts, outputs) for t in range(1, o + 1)]
+            held = sum(math.ceil(x / bs) * bs for x in steps) / len(steps)
+        else:
+            held = sum(math.ceil((p + o / 2) / bs) * bs for p, o in zip(prompts, outputs)) / len(prompts)
+        return {"contiguous_seqs": budget // slab, "paged_seqs": budget / held,
+                "ratio": budget / held / (budget // slab)}
+
+    _passes("02.paged_capacity", capacity)
+    _judged_fails("02.paged_capacity", lambda *a: capacity(*a, over_steps=False), "paged_seqs")
+
+
+def test_int8_kv_speedup_right_and_without_the_scales():
+    def kv(seqs, heads, kv_heads, dim, ctx, scale_bytes=4, scales=True):
+        cache = 2 * seqs * ctx * kv_heads * dim
+        qo = 4 * seqs * heads * dim
+        int8 = cache + (2 * seqs * ctx * kv_heads * scale_bytes if scales else 0) + qo
+        return {"bf16_bytes": 2 * cache + qo, "int8_bytes": int8, "speedup": (2 * cache + qo) / int8}
+
+    _passes("03.int8_kv_speedup", kv)
+    _judged_fails("03.int8_kv_speedup", lambda *a: kv(*a, scales=False), "int8_bytes")
+
+
+def test_gpus_for_slo_right_and_rounding_replicas_down():
+    def gpus(spec, batch, ctx, w, kv, gpu, rate, out_mean, tpot, headroom=0.9, per_node=8, ceil=True):
+        kv_tok = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype_bytes(kv)
+        need = spec.num_params * dtype_bytes(w) + batch * ctx * kv_tok
+        tp = next((t for t in (1, 2, 4, 8) if t <= per_node and spec.num_heads % t == 0
+                   and need <= t * headroom * gpu), None)
+        if tp is None:
+            return {"kv_bytes_per_token": kv_tok, "mem_per_gpu": None, "tp": None, "replicas": None, "gpus": None}
+        reps = (math.ceil if ceil else math.floor)(rate * out_mean * tpot / batch)
+        return {"kv_bytes_per_token": kv_tok, "mem_per_gpu": need / tp, "tp": tp, "replicas": reps,
+                "gpus": tp * reps}
+
+    _passes("08.gpus_175b", gpus)
+    _judged_fails("08.gpus_175b", lambda *a: gpus(*a, ceil=False), "'replicas'")
+
+
+def test_the_175b_kv_per_token_is_the_issue_s_4_5_mib():
+    from labkit.models import get_spec
+
+    out = REGISTRY["08.gpus_175b"].solution(get_spec("gpt3-175b"), 1, 1, "bf16", "bf16", 141e9, 1.0, 1, 0.1)
+    assert out["kv_bytes_per_token"] == 2 * 96 * 12288 * 2 == 4.5 * 2**20
+
+
+def test_a_measurement_from_a_record_of_another_shape_is_reported_not_raised(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    (run / "records").mkdir(parents=True)
+    (run / "records" / "01_diagnose.json").write_text(json.dumps({"env": {}, "data": {"no": "regimes"}}))
+    (run / "figures.json").write_text(json.dumps({"diagnose.regime_matmul": {
+        "value": "x", "unit": "regime", "machine": "cpu", "record": str(run / "records" / "01_diagnose.json")}}))
+    monkeypatch.setenv("LABKIT_OUT", str(run))
+    r = _check("01.classify_ops", REGISTRY["01.classify_ops"].solution)
+    assert r.status == "pass" and "no measurement to compare with" in r.message, r.message
+
