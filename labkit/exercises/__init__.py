@@ -1,7 +1,10 @@
 """Exercises: the learner writes the key pieces of each technique; labkit checks them against its own code.
 
-Each notebook 01-08 ends with two or three exercises (``notebooks/src/exercises/NN_<name>.py``, appended when the
-notebooks are built): a task, a skeleton cell that raises ``NotImplementedError``, and a check cell::
+The notebooks end with exercises (``notebooks/src/exercises/NN_<name>.py``, appended when the notebooks are built)
+of three kinds (``core.KINDS``): *implement* a piece of labkit, *decide* (a choice and the numbers behind it),
+and *predict-then-measure* (a number from first principles, then compared with a measurement of the run or the
+committed records, with the gap explained). Each is a task, a skeleton cell that raises ``NotImplementedError``, and
+a check cell::
 
     from labkit.exercises import check
     check("02.allocator", MyAllocator)
@@ -14,7 +17,7 @@ exercise with this learner's status (``labkit.exercises.status``).
 """
 
 from labkit.exercises.cells import exercise_source, skeleton_source
-from labkit.exercises.core import REGISTRY, Exercise, tensor_diff
+from labkit.exercises.core import KINDS, REGISTRY, Exercise, tensor_diff
 from labkit.exercises.status import load_status, status_file
 
 
@@ -43,13 +46,14 @@ def solution(name: str):
 def report(status_path=None) -> str:
     """A table of every exercise with the learner's status: pass, fail or not tried."""
     stored, all_ex = load_status(status_path), exercises()
-    rows = [f"{'exercise':<22} {'status':<10} {'cases':<7} title"]
+    rows = [f"{'exercise':<22} {'kind':<21} {'status':<10} {'cases':<7} title"]
     for ex in all_ex:
         s = stored.get(ex.name, {})
         cases = f"{s['passed']}/{s['total']}" if "total" in s else ""
-        rows.append(f"{ex.name:<22} {s.get('status', 'not tried'):<10} {cases:<7} {ex.title}")
+        rows.append(f"{ex.name:<22} {ex.kind:<21} {s.get('status', 'not tried'):<10} {cases:<7} {ex.title}")
     done = sum(1 for ex in all_ex if stored.get(ex.name, {}).get("status") == "pass")
-    rows.append(f"\n{done} of {len(all_ex)} passed; status kept in {status_file(status_path)}")
+    kinds = ", ".join(f"{sum(ex.kind == k for ex in all_ex)} {k}" for k in KINDS)
+    rows.append(f"\n{done} of {len(all_ex)} passed ({kinds}); status kept in {status_file(status_path)}")
     return "\n".join(rows)
 
 

@@ -45,4 +45,4 @@ def skeleton_source(name: str, directory: Path = EXERCISE_DIR) -> str:
             if code:
                 return code[-1].strip("\n") + "\n"
     raise ValueError(f"exercise {name!r} has no skeleton cell in {directory}; allowed: "
-                     f"{[n for nn in range(1, 9) for n in checked_names(f'{nn:02d}', directory)]}")
+                     f"{[n for nn in range(10) for n in checked_names(f'{nn:02d}', directory)]}")

@@ -7,6 +7,11 @@ runs the solution and the learner's code through the same ``run``, compares, pri
 the first one that failed, the expected and actual values (for tensors: how many elements differ, where, and the
 largest error); it never prints the solution.
 
+A predict-then-measure exercise (``core.Prediction``) that passes its cases then sets the prediction against a
+measurement (``labkit.exercises.measured``: this run's figures, else the committed records, and it says which): the
+predicted and measured numbers, their ratio against the stated band, and why they differ. The band informs; it does
+not fail the check (a first-principles model is allowed to miss, as long as the gap is explained).
+
 Non-interactive runs (``python -m labkit run``, CI: the runner sets ``LABKIT_PROFILE``; or ``LABKIT_EXERCISES=
 solutions``) meet skeletons that still raise ``NotImplementedError``: there ``check`` checks the solution instead
 and says so, so the workbook's main job stays green and still proves every checker runs.
@@ -21,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from labkit.exercises import catalogue  # noqa: F401  (registers every exercise)
-from labkit.exercises.core import REGISTRY, Exercise, diff
+from labkit.exercises.core import REGISTRY, Exercise, Prediction, diff
 from labkit.exercises.status import record_status
 
 _PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)  # labkit/: frames inside it are not the learner's
@@ -42,6 +47,7 @@ class Result:
     message: str
     used_solution: bool = False
     failures: list[str] = field(default_factory=list)
+    measurements: list[dict] = field(default_factory=list)  # predict-then-measure: what was compared, and the band
 
     def __bool__(self) -> bool:
         return self.status == "pass"
@@ -108,6 +114,44 @@ def run_cases(ex: Exercise, impl: Any) -> tuple[int, int, list[str], BaseExcepti
     return passed, len(cases), lines, None
 
 
+def _show(value: Any, unit: str = "") -> str:
+    if isinstance(value, float):
+        text = f"{value:.4g}"
+    elif isinstance(value, dict):
+        text = "{" + ", ".join(f"{k}: {_show(v)}" for k, v in value.items()) + "}"
+    else:
+        text = str(value)
+    return f"{text} {unit}".rstrip()
+
+
+def measure_lines(ex: Prediction, impl: Any, whose: str) -> tuple[list[str], list[dict]]:
+    """Run ``impl`` on the inputs of each measurement of ``ex`` and compare: report lines and one dict per row."""
+    try:
+        rows = ex.measure()
+    except (LookupError, TypeError, ValueError) as e:  # no record, or one of an older shape
+        return [f"  predict then measure: no measurement to compare with ({e})"], []
+    if not rows:
+        return ["  predict then measure: no measurement to compare with in this run or the committed records"], []
+    lines, out = [], []
+    for m in rows:
+        try:
+            predicted = m.pick(ex.run(impl, m.inputs))
+        except Exception as e:  # the inputs of a real run can differ from the cases: show, never hide
+            lines.append(f"  predict then measure: {m.what}: your code raised {type(e).__name__}: {e}")
+            out.append({"what": m.what, "error": f"{type(e).__name__}: {e}"})
+            continue
+        inside, verdict = m.compare(predicted)
+        width = max(len(whose) + 11, len(m.measured_as)) + 1
+        lines += [f"  predict then measure: {m.what}",
+                  f"    {whose + ' prediction:':<{width}} {_show(predicted, m.unit)}",
+                  f"    {m.measured_as + ':':<{width}} {_show(m.measured, m.unit)}  (from {m.source})",
+                  f"    {verdict}",
+                  f"    why they differ: {m.explain(predicted, m.measured)}"]
+        out.append({"what": m.what, "predicted": predicted, "measured": m.measured, "inside": inside,
+                    "source": m.source})
+    return lines, out
+
+
 def non_interactive() -> bool:
     """True under the workbook runner (it sets ``LABKIT_PROFILE``) or with ``LABKIT_EXERCISES=solutions``."""
     return bool(os.environ.get("LABKIT_PROFILE")) or os.environ.get("LABKIT_EXERCISES") == "solutions"
@@ -144,7 +188,14 @@ def check(name: str, impl: Any, *, verbose: bool = True, record: bool | None = N
     head = f"{ex.name}: {ex.title}"
     tail = (f"all {total} cases passed" if status == "pass" else
             f"{passed} of {total} cases passed" if status == "fail" else "")
-    message = "\n".join([head, *lines] + ([tail] if tail else []))
+    measured, compared = [], []
+    if isinstance(ex, Prediction) and ex.measure is not None:
+        if status == "pass":
+            measured, compared = measure_lines(ex, ex.solution if used_solution else impl,
+                                               "labkit's" if used_solution else "your")
+        elif status == "fail":
+            measured = ["  predict then measure: waits until every case passes"]
+    message = "\n".join([head, *lines] + ([tail] if tail else []) + measured)
     if verbose:
         print(message)
     if record and not used_solution:
@@ -152,4 +203,4 @@ def check(name: str, impl: Any, *, verbose: bool = True, record: bool | None = N
     if used_solution and status != "pass":
         raise ExerciseError(f"labkit's reference solution of {ex.name} fails its own checker:\n{message}")
     return Result(ex.name, status, passed, total, message, used_solution,
-                  [ln for ln in lines if "FAILED" in ln])
+                  [ln for ln in lines if "FAILED" in ln], compared)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -32,10 +32,71 @@ class Exercise:
     run: Callable[[Any, Any], Any]
     compare: Callable[[Any, Any], str | None] | None = None
     hint: str = ""
+    kind: ClassVar[str] = "implement"  # what the learner does: see KINDS
 
     @property
     def notebook(self) -> str:
         return self.name.split(".")[0]
+
+
+KINDS = ("implement", "decide", "predict-then-measure")
+"""What an exercise asks: *implement* a piece of labkit (an allocator, a kernel, a scheduler step); *decide* (a group
+size, a split, a rank, a k: the answer is a choice and the numbers that justify it); *predict-then-measure* (a number
+from first principles, which the check then sets against a measurement of the run or the committed records)."""
+
+
+@dataclass
+class Decision(Exercise):
+    """An exercise whose answer is a choice, returned with the numbers that justify it."""
+
+    kind: ClassVar[str] = "decide"
+
+
+@dataclass
+class Measurement:
+    """One measured number a prediction is set against.
+
+    ``inputs`` is what the learner's function gets (as a case's data, through the exercise's ``run``) and ``pick``
+    takes the predicted number out of what it returned. ``measured`` is the measurement (or, as ``measured_as``
+    says, the reference it is set against), ``source`` where it comes from (this run's figures or the committed
+    records, and the machine), ``tolerance`` the stated band on ``measured / predicted - 1`` (``None``: not a number,
+    ``judge`` compares), and ``explain(predicted, measured)`` says why the two differ (what the first-principles
+    model leaves out).
+    """
+
+    what: str
+    inputs: Any
+    measured: Any
+    unit: str
+    source: str
+    tolerance: float | None
+    explain: Callable[[Any, Any], str]
+    pick: Callable[[Any], Any] = lambda obs: obs
+    judge: Callable[[Any, Any], tuple[bool, str]] | None = None  # for non-numbers: (agrees, what it compared)
+    measured_as: str = "measured"  # what the other side is, when it is not a measurement (the planner's answer)
+
+    def compare(self, predicted: Any) -> tuple[bool, str]:
+        """Whether ``predicted`` is inside the stated band around the measurement, and the line that says so."""
+        if self.judge is not None:
+            return self.judge(predicted, self.measured)
+        if not isinstance(predicted, (int, float)) or isinstance(predicted, bool) or not predicted:
+            return False, f"the prediction {predicted!r} is not a non-zero number"
+        ratio = self.measured / predicted
+        inside = abs(ratio - 1) <= self.tolerance
+        return inside, (f"{self.measured_as} / predicted = {ratio:.3g}: {'inside' if inside else 'outside'} the "
+                        f"stated band of ±{self.tolerance:.0%}")
+
+
+@dataclass
+class Prediction(Exercise):
+    """A prediction from first principles: checked on cases like any exercise, then compared with a measurement.
+
+    ``measure()`` returns the ``Measurement`` list to compare with (empty, or raising ``LookupError`` with the
+    reason, when neither this run nor the committed records hold one).
+    """
+
+    measure: Callable[[], list[Measurement]] | None = None
+    kind: ClassVar[str] = "predict-then-measure"
 
 
 REGISTRY: dict[str, Exercise] = {}

@@ -1,4 +1,5 @@
-"""Notebook 02 (KV cache): a block allocator with reference counts, and block tables with fork and copy on write.
+"""Notebook 02 (KV cache): a block allocator with reference counts, block tables with fork and copy on write, and
+a prediction of how many more sequences a paged cache runs (set against the notebook's simulation).
 
 The solutions are labkit's own ``BlockAllocator`` and ``PagedKVCache`` (bookkeeping only, ``allocate_pools=False``).
 Block ids are compared up to a renaming: a learner's allocator may hand out other ids, as long as the same blocks
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 import random
 
-from labkit.exercises.core import NOTE, Case, Exercise, register, trace_diff
+from labkit.exercises.core import NOTE, Case, Exercise, Measurement, Prediction, register, trace_diff
+from labkit.exercises.measured import data_of, figure
 from labkit.kvcache.block_allocator import BlockAllocator
 from labkit.kvcache.paged import PagedKVCache
 
@@ -190,3 +192,59 @@ register(Exercise(
     _cow_cases, _run_cow, trace_diff,
     hint="fork shares every block (incref); append copies the last block first only if it is shared AND partly "
          "full; a full last block means a new block, never a copy"))
+
+
+def paged_capacity(prompt_lens: list[int], output_lens: list[int], budget_tokens: int, slab_tokens: int,
+                   block_size: int) -> dict:
+    """Solution: how many sequences a KV budget of ``budget_tokens`` slots holds at once, contiguous (a slab of
+    ``slab_tokens`` per sequence) and paged (whole blocks of ``block_size`` as the sequence grows).
+
+    A request of prompt ``p`` and output ``o`` decodes for ``o`` steps; at its step ``t`` (1..o) it holds ``p + t``
+    token slots, rounded up to whole blocks. The paged capacity is the budget over the slots a running sequence holds
+    *averaged over steps* (a long request is running for more steps, so it weighs more), not over requests."""
+    contiguous = budget_tokens // slab_tokens
+    held = sum(-(-(p + t) // block_size) * block_size for p, o in zip(prompt_lens, output_lens)
+               for t in range(1, o + 1))
+    paged = budget_tokens / (held / sum(output_lens))
+    return {"contiguous_seqs": contiguous, "paged_seqs": paged, "ratio": paged / contiguous}
+
+
+def _capacity_cases() -> list[Case]:
+    cases = [Case("one request: prompt 5, output 3, blocks of 4, budget 64, slabs of 16", ([5], [3], 64, 16, 4)),
+             Case("two requests, a short and a long one: the long one weighs 50x", ([10, 10], [2, 100], 4096, 128, 16)),
+             Case("blocks of 1 token (no rounding)", ([7, 30, 2], [9, 1, 40], 1000, 50, 1))]
+    for seed, (n, bs, budget) in enumerate(((50, 16, 65536), (333, 8, 100_000), (1000, 32, 1 << 20))):
+        rng = random.Random(seed)
+        p = [max(1, round(rng.lognormvariate(4.5, 1.0))) for _ in range(n)]
+        o = [max(1, round(rng.lognormvariate(5.3, 1.0))) for _ in range(n)]
+        cases.append(Case(f"{n} log-normal requests (means ~150 / ~330), blocks of {bs}, budget {budget}, slabs of "
+                          f"the longest request ({max(a + b for a, b in zip(p, o))})",
+                          (p, o, budget, max(a + b for a, b in zip(p, o)), bs)))
+    return cases
+
+
+def _capacity_measure() -> list[Measurement]:
+    _, rec, source = figure("kvcache.max_seqs_ratio_vs_workload_max")
+    data = data_of(rec, "notebook 02's capacity simulation")
+    mix, bs = data["mix"], data["block_size"]
+    p, o = mix["prompt_lens"], mix["output_lens"]
+    budget, slab = data["sizes"]["sim_budget_tokens"], data["workload_max_len"]
+    measured = data["paged"]["mean_running_saturated"] / data["contiguous"]["mean_running_saturated"]
+    naive = budget / (sum(-(-(a + b / 2) // bs) * bs for a, b in zip(p, o)) / len(p)) / (budget // slab)
+
+    def explain(pred, meas):
+        return (f"averaged over requests instead of steps (each holding its prompt and half its output) the model "
+                f"would say {naive:.2f}x: long requests stay longer, so the running mix is longer than the request "
+                f"mix. What is left: in the simulation a request joins holding only its prompt's blocks, the "
+                f"youngest are preempted when blocks run out, and the mean counts only steps where requests wait; "
+                f"the contiguous side is exact ({budget} // {slab} = {budget // slab} slabs)")
+    return [Measurement(f"paged / contiguous sequences running at once ({len(p)} requests, budget {budget} slots, "
+                        f"slabs of {slab}, blocks of {bs})", (p, o, budget, slab, bs), measured, "x", source, 0.25,
+                        explain, pick=lambda obs: obs["ratio"])]
+
+
+register(Prediction(
+    "02.paged_capacity", "predict how many more sequences a paged cache runs than contiguous slabs",
+    paged_capacity, _capacity_cases, lambda fn, c: fn(list(c[0]), list(c[1]), *c[2:]), measure=_capacity_measure,
+    hint="contiguous = budget // slab; paged = budget / (sum over requests and their decode steps t of "
+         "ceil((p + t) / block) x block, divided by the number of steps, sum of o)"))

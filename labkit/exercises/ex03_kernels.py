@@ -1,4 +1,5 @@
-"""Notebook 03 (kernels): RMSNorm, SwiGLU (``silu(gate) * up``) and softmax Triton kernels, written from skeletons.
+"""Notebook 03 (kernels): RMSNorm, SwiGLU (``silu(gate) * up``) and softmax Triton kernels, written from skeletons;
+and the int8 KV cache's attention speed-up predicted from bytes, then set against the measured kernels.
 
 The learner passes a ``@triton.jit`` kernel with the signature the task gives; the checker launches it (one program
 per row for RMSNorm, blocks of ``BLOCK`` elements for SwiGLU) on irregular sizes, outputs filled with NaN first, so
@@ -13,7 +14,8 @@ import torch
 
 import labkit  # noqa: F401  (sets TRITON_INTERPRET before triton is imported on a CPU-only host)
 from labkit.device import default_device
-from labkit.exercises.core import Case, Exercise, register, tensor_diff
+from labkit.exercises.core import Case, Exercise, Measurement, Prediction, register, tensor_diff
+from labkit.exercises.measured import NoMeasurement, committed_record, figure
 from labkit.kernels.rms_norm import rms_norm
 from labkit.kernels.silu_and_mul import silu_and_mul
 from labkit.kernels.softmax import softmax
@@ -104,3 +106,66 @@ register(Exercise(
     _compare_fp32,
     hint="padding columns must not count: load them as -inf, not 0; subtract the row maximum before exp, or "
          "large values overflow to inf"))
+
+
+def int8_kv_attention(seqs: int, heads: int, kv_heads: int, head_dim: int, context: int,
+                      scale_bytes: int = 4) -> dict:
+    """Solution: bytes one decode step of paged attention moves with the KV cache in bf16 and in int8 (one
+    ``scale_bytes`` scale per token, KV head and tensor), and the speed-up the bytes predict for a kernel that
+    stays bandwidth-bound. Both read the bf16 query and write the bf16 output (``seqs x heads x head_dim`` each)."""
+    qo = 2 * seqs * heads * head_dim * 2
+    tokens = seqs * context * kv_heads  # (token, KV head) pairs, for K and for V
+    bf16 = 2 * tokens * head_dim * 2 + qo
+    int8 = 2 * tokens * (head_dim + scale_bytes) + qo
+    return {"bf16_bytes": bf16, "int8_bytes": int8, "speedup": bf16 / int8}
+
+
+def _int8_kv_cases() -> list[Case]:
+    rows = [(16, 32, 8, 128, 4096, 4, "Llama-3-8B shape, batch 16, context 4096 (the notebook's GPU shape)"),
+            (1, 32, 8, 128, 1, 4, "one token of context: the query and output weigh as much as the cache"),
+            (3, 4, 2, 64, 100, 4, "the ci shape: 3 x 4 heads, 2 KV heads, dim 64, context 100"),
+            (7, 64, 8, 128, 777, 2, "70B-like GQA 8:1, bf16 scales"), (2, 12, 12, 96, 333, 4, "MHA, head dim 96"),
+            (32, 96, 96, 128, 2048, 4, "GPT-3 175B shape: 96 heads, no GQA")]
+    return [Case(f"{label}: seqs={s}, heads={h}, kv_heads={k}, head_dim={d}, context={c}, scale {b} B",
+                 (s, h, k, d, c, b)) for s, h, k, d, c, b, label in rows]
+
+
+GPU_KV_HEADS = {"heads": 32, "kv_heads": 8, "head_dim": 128}  # the GPU shape of notebook 03 (INT8_ATTN_SHAPE)
+
+
+def _int8_kv_measure() -> list[Measurement]:
+    try:  # recorded only by a gpu-profile run: the CPU times Triton's interpreter, not the kernel
+        _, rec, source = figure("kvcache.int8_attn_speedup_ctx4k_b16")
+        data = rec["data"]
+        shape, shape_from = data["kv_shape"], "this run's shape"
+    except (NoMeasurement, KeyError, TypeError):
+        rec, source = committed_record("results/h200/records/03_kernels.json")
+        data = rec["data"]
+        shape, shape_from = data.get("kv_shape"), "the record's shape"
+    rows = {r["attention"]: r for r in data["kv_quant_attention"]}
+    bf, i8 = rows["bf16 cache"], rows["int8 cache, dequantised in the kernel"]
+    if shape is None:  # an older record without its shape: the GPU head layout, tokens from the bf16 bytes read
+        tokens = bf["cache MB read"] * 1e6 / (2 * GPU_KV_HEADS["kv_heads"] * GPU_KV_HEADS["head_dim"] * 2)
+        shape = dict(GPU_KV_HEADS, seqs=round(tokens / 4096), context=4096)
+        shape_from = "the shape inferred from the record's bf16 bytes (32 / 8 heads, dim 128, context 4096)"
+    args = tuple(shape[k] for k in ("seqs", "heads", "kv_heads", "head_dim", "context"))
+
+    def explain(pred, meas):
+        if i8["GB/s"] > 0.8 * bf["GB/s"]:
+            how = "both stay near the bandwidth, so the bytes are the time"
+        else:
+            how = ("the int8 kernel is no longer bandwidth-bound: dequantising (a multiply per element, a scale load "
+                   "per token and head, more registers per program) takes the time the bytes saved")
+        return (f"the bf16 kernel read its cache at {bf['GB/s']:,.0f} GB/s and the int8 one at {i8['GB/s']:,.0f} "
+                f"GB/s: {how}. Halving the bytes halves the floor; only a kernel that reaches the floor gets the "
+                f"speed-up")
+    shown = ", ".join(f"{k}={shape[k]}" for k in ("seqs", "heads", "kv_heads", "head_dim", "context"))
+    return [Measurement(f"int8 KV decode attention speed-up over bf16 ({shown}; {shape_from})", args,
+                        bf["us"] / i8["us"], "x", source, 0.25, explain, pick=lambda obs: obs["speedup"])]
+
+
+register(Prediction(
+    "03.int8_kv_speedup", "predict the int8 KV cache's decode-attention speed-up over bf16 from the bytes moved",
+    int8_kv_attention, _int8_kv_cases, lambda fn, c: fn(*c), measure=_int8_kv_measure,
+    hint="K and V: seqs x context x kv_heads x head_dim each, 2 bytes in bf16, 1 in int8 plus one scale per "
+         "(token, KV head) for K and for V; the query and output: seqs x heads x head_dim x 2 bytes each, both sides"))

@@ -68,3 +68,29 @@ def decode_floor(spec, batch, context, dtype, bandwidth):
 
 # %%
 check("01.decode_floor", decode_floor)
+
+# %% [markdown]
+# ### Exercise 01.classify_ops (predict, then measure; 20 minutes)
+# A profile gives each row's time; the roofline gives its FLOPs and bytes. Write
+# `classify_ops(ops, peak_flops, bandwidth, overhead_factor=5.0)` that labels each row of a profile table, each
+# `{"op", "time_s", "flops", "bytes"}`, and returns `{op: bound}`:
+#
+# * its floor is the larger of `flops / peak_flops` and `bytes / bandwidth`;
+# * `"launch-bound"` when the measured time is more than `overhead_factor` times its floor, or the floor is 0:
+#   neither FLOPs nor bytes explain the time, a per-call cost does (launches, dispatch, the host);
+# * otherwise `"compute-bound"` when its intensity `flops / bytes` reaches the ridge point `peak_flops / bandwidth`
+#   (no bytes at all counts as above it), else `"memory-bound"`.
+#
+# The check then classifies this run's decode step, category by category (time per step at the regimes test's base
+# point; FLOPs and bytes from the roofline), and compares your labels with what the regimes test concluded by
+# doubling the batch and the context. Predict first: which categories will one profile get wrong, and why?
+
+# %%
+def classify_ops(ops, peak_flops, bandwidth, overhead_factor=5.0):
+    out = {}
+    # TODO: a floor per row, then launch-, compute- or memory-bound
+    raise NotImplementedError("fill in classify_ops")
+
+
+# %%
+check("01.classify_ops", classify_ops)

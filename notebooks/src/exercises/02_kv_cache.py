@@ -94,3 +94,28 @@ class MyBlockTables:
 
 # %%
 check("02.cow", MyBlockTables)
+
+# %% [markdown]
+# ### Exercise 02.paged_capacity (predict, then measure; 20 minutes)
+# The simulation above ran a request mix through the same KV memory twice: contiguous slabs and paged blocks.
+# Predict the ratio before reading it: write `paged_capacity(prompt_lens, output_lens, budget_tokens, slab_tokens,
+# block_size)` returning `{"contiguous_seqs", "paged_seqs", "ratio"}`:
+#
+# * contiguous: every running sequence holds a slab of `slab_tokens`, so `budget_tokens // slab_tokens` run at once;
+# * paged: a request with prompt `p` and output `o` decodes for `o` steps; at its step `t` (1 to `o`) it holds
+#   `p + t` token slots, rounded up to whole blocks of `block_size`. Average what a running sequence holds **over
+#   steps** (every step of every request counts once: sum the slots held at each step, divide by the number of
+#   steps, `sum(output_lens)`), then `paged_seqs = budget_tokens / that average`;
+# * `ratio = paged_seqs / contiguous_seqs`.
+#
+# Why over steps and not over requests? The check prints what the per-request average would have predicted, beside
+# the simulation's measured ratio.
+
+# %%
+def paged_capacity(prompt_lens, output_lens, budget_tokens, slab_tokens, block_size):
+    # TODO: slabs; then the step-weighted average of the slots a running sequence holds
+    raise NotImplementedError("fill in paged_capacity")
+
+
+# %%
+check("02.paged_capacity", paged_capacity)

@@ -69,3 +69,27 @@ def softmax_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
 
 # %%
 check("03.softmax", softmax_kernel)
+
+# %% [markdown]
+# ### Exercise 03.int8_kv_speedup (predict, then measure; 15 minutes)
+# Decode attention reads the whole KV cache once per step, so an int8 cache should be about twice as fast as a bf16
+# one. Predict exactly how much, from bytes: write `int8_kv_attention(seqs, heads, kv_heads, head_dim, context,
+# scale_bytes=4)` returning `{"bf16_bytes", "int8_bytes", "speedup"}` for one step:
+#
+# * K and V each hold `seqs x context x kv_heads x head_dim` elements: 2 bytes each in bf16, 1 in int8;
+# * int8 adds one scale of `scale_bytes` per token and KV head, for K and for V;
+# * both read the bf16 query and write the bf16 output, `seqs x heads x head_dim` elements each;
+# * `speedup = bf16_bytes / int8_bytes`: what a kernel that stays bandwidth-bound would gain.
+#
+# The check then compares your prediction with the measured int8-in-kernel speed-up at the GPU shape (this run's,
+# under the `gpu` profile; otherwise the committed H200 record) and prints how fast each kernel read its bytes.
+# Decide before running it: what would it mean if the measurement fell far short of the bytes?
+
+# %%
+def int8_kv_attention(seqs, heads, kv_heads, head_dim, context, scale_bytes=4):
+    # TODO: bytes of each cache format, plus the query and the output
+    raise NotImplementedError("fill in int8_kv_attention")
+
+
+# %%
+check("03.int8_kv_speedup", int8_kv_attention)

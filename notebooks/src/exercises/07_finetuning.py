@@ -1,40 +1,35 @@
 # %% [markdown]
 # ## Exercises
 #
-# LoRA keeps the base weight `W` `[out, in]` frozen and learns a low-rank update: `A` `[r, in]` and `B` `[out, r]`,
-# scaled by `alpha / r`. Both checks compare with labkit's `LoRALinear`. `python -m labkit exercises` lists your
+# The check runs your code and labkit's on the same irregular cases and prints which passed and, for the first that
+# failed, what was expected and what you returned (never labkit's code). `python -m labkit exercises` lists your
 # progress.
 #
-# ### Exercise 07.lora_forward (10 minutes)
-# `lora_forward(x, weight, bias, lora_a, lora_b, alpha)`: `x` `[..., in]` to `[..., out]`: the base layer
-# (`weight`, and `bias` when it is not `None`) plus the update `x A^T B^T` scaled by `alpha / r`, where
-# `r = lora_a.shape[0]`.
+# ### Exercise 07.lora_rank (decide; 20 minutes)
+# A LoRA adapter of rank `r` on a linear `[in -> out]` trains `r x (in + out)` numbers, and each trained number
+# costs `bytes_per_trainable` bytes of training state (16 with AdamW: an fp32 copy, its gradient, two fp32 moments).
+# A rank sweep gives a held-out loss per rank. Choose the rank: write
+# `choose_lora_rank(spec, losses, budget_bytes, targets, bytes_per_trainable=16, loss_tolerance=0.0)` returning
+# `{"table": {r: {"trainable_params", "bytes", "loss"}}, "choice": r}`:
+#
+# * `losses` maps each rank of the sweep to its loss; `targets` names the adapted linears of every layer among
+#   `q_proj, k_proj, v_proj, o_proj` (attention: `q` is `hidden -> num_heads x head_dim`, `k` and `v` are
+#   `hidden -> num_kv_heads x head_dim`, `o` the reverse of `q`) and `gate_proj, up_proj, down_proj` (MLP:
+#   `hidden -> intermediate_size` and back); every one of the `spec.num_layers` layers has them;
+# * the choice is the **smallest** rank whose state fits `budget_bytes` and whose loss is within `loss_tolerance`
+#   of the best loss among the ranks that fit (`None` when no rank fits).
+#
+# The cases include a sweep where the largest rank overfits and models whose `head_dim` is not
+# `hidden_size / num_heads`.
 
 # %%
-import torch
-import torch.nn.functional as F
-
-
-def lora_forward(x, weight, bias, lora_a, lora_b, alpha):
-    # TODO
-    raise NotImplementedError("fill in lora_forward")
+def choose_lora_rank(spec, losses, budget_bytes, targets, bytes_per_trainable=16, loss_tolerance=0.0):
+    table = {}
+    # TODO: trainable parameters and bytes per rank, then the rank to train
+    raise NotImplementedError("fill in choose_lora_rank")
 
 
 # %%
 from labkit.exercises import check
 
-check("07.lora_forward", lora_forward)
-
-# %% [markdown]
-# ### Exercise 07.lora_merge (10 minutes)
-# For inference the adapter can be folded into the weight: `lora_merge(weight, lora_a, lora_b, alpha)` returns the
-# `[out, in]` weight that gives the same output as base + adapter with a single matmul (no extra latency).
-
-# %%
-def lora_merge(weight, lora_a, lora_b, alpha):
-    # TODO
-    raise NotImplementedError("fill in lora_merge")
-
-
-# %%
-check("07.lora_merge", lora_merge)
+check("07.lora_rank", choose_lora_rank)

@@ -51,3 +51,30 @@ def max_batch(spec, tp, context, gpu_bytes, dtype="bf16", kv_dtype=None, headroo
 
 # %%
 check("08.max_batch", max_batch)
+
+# %% [markdown]
+# ### Exercise 08.gpus_175b (predict, then measure; 25 minutes)
+# Count the scenario's GPUs by hand, then compare with the planner. Write `gpus_for_slo(spec, batch, context,
+# weights, kv, gpu_bytes, rate_req_s, output_mean, tpot_s, headroom=0.9, gpus_per_node=8)` returning
+# `{"kv_bytes_per_token", "mem_per_gpu", "tp", "replicas", "gpus"}`:
+#
+# * KV bytes per token: K and V for every layer and KV head. GPT-3 175B has multi-head attention (96 layers, 96
+#   heads of 128, d_model 12288), so in bf16 that is `2 x 96 x 12288 x 2` bytes = 4.5 MiB per token;
+# * one replica holds all the weights (`spec.num_params` at `dtype_bytes(weights)`) and the KV of `batch`
+#   sequences of `context` tokens; `tp` is the smallest power of two that divides `spec.num_heads`, at most
+#   `gpus_per_node`, that brings `need / tp` under `headroom x gpu_bytes` (`mem_per_gpu = need / tp`);
+# * Little's law: `rate_req_s x output_mean x tpot_s` requests are decoding at any moment; `replicas` is that over
+#   `batch`, rounded up; `gpus = tp x replicas`. When no `tp` fits, every field but the KV bytes is `None`.
+#
+# The check then feeds your function the planner's best bf16 plan (its batch, KV format and time per output token,
+# at the scenario's traffic) and compares your GPU count and memory per GPU with the planner's.
+
+# %%
+def gpus_for_slo(spec, batch, context, weights, kv, gpu_bytes, rate_req_s, output_mean, tpot_s, headroom=0.9,
+                 gpus_per_node=8):
+    # TODO: KV per token, memory per replica, the smallest TP that fits, replicas by Little's law
+    raise NotImplementedError("fill in gpus_for_slo")
+
+
+# %%
+check("08.gpus_175b", gpus_for_slo)
