@@ -43,16 +43,27 @@ def _notebook_seconds(run_dir: Path, stem: str) -> float | None:
 
 
 def false_claims(stem: str, figures: dict) -> list[str]:
-    """Claims of notebook ``stem`` that do not hold (or cannot be evaluated) on ``figures`` (a run's
-    ``figures.json``), the committed summary standing in for figures of another machine class: their sentences."""
-    from labkit.claims import collect, evaluate, load_summary, machine_class
+    """Claims of notebook ``stem`` that are false or refused on ``figures`` (a run's ``figures.json``), judged on
+    each machine class of the run they apply to (a claim whose figures the run did not record is not counted):
+    ``'file:line machine: sentence (why)'``."""
+    from labkit.claims import RefusedClaim, collect, evaluate
+    from labkit.figures import machine_class
 
+    by_class: dict[str, dict] = {}
+    for name, e in figures.items():
+        by_class.setdefault(machine_class(e["machine"]), {})[name] = e
     src = REPO_ROOT / "notebooks" / "src" / f"{stem}.py"
-    here = machine_class(next(iter(figures.values()))["machine"]) if figures else None
-    summary = load_summary()
-    return [f"{where}: {v.sentence} ({v.problem or c.condition})"
-            for where, c in collect([src])
-            if (v := evaluate(c, figures, summary, here=here)).holds is not True]
+    out = []
+    for where, c in collect([src]):
+        if isinstance(c, RefusedClaim):
+            out.append(f"{where}: refused as written ({c.reason})")
+            continue
+        for m, figs in by_class.items():
+            if c.applies_to(m) and all(n in figs for n in c.figures()):
+                v = evaluate(c, figs, m, "this run")
+                if v.status in ("false", "refused"):
+                    out.append(f"{where} {m}: {v.sentence} ({v.problem or c.condition})")
+    return out
 
 
 def stage_row(stage: str, rc: int, seconds: float, log: Path, run_dir: Path, before: dict) -> dict:
