@@ -447,9 +447,12 @@ def test_cuda_graph_replay_equals_eager(dtype):
 
 
 @pytest.mark.gpu
-def test_cuda_mixed_graph_replay_equals_eager():
+@pytest.mark.parametrize("max_num_seqs", [4, 64])
+def test_cuda_mixed_graph_replay_equals_eager(max_num_seqs):
     """Steps with prefill chunks replayed from token-count graphs against a runner without graphs (fp32, the
-    embedded model): equal to 1e-5, logits kept across later replays their own."""
+    embedded model): equal to 1e-5, logits kept across later replays their own. With ``max_num_seqs`` 64 the graph
+    of 16 tokens holds 16 sequences and the one of 64 tokens 64: as many token rows as sequences, where the runner
+    once returned the first token rows' logits instead of each sequence's last (notebook 02 on an H100)."""
     from labkit.models import load_model
 
     model = load_model(device="cuda")[0]
@@ -459,7 +462,7 @@ def test_cuda_mixed_graph_replay_equals_eager():
     got, replayed = [], []
     for tokens in ((), (16, 64)):
         cache = nan_cache(model, num_blocks=64, block_size=16)
-        runner = ModelRunner(model, cache, cuda_graphs=bool(tokens), max_num_seqs=4, max_model_len=128,
+        runner = ModelRunner(model, cache, cuda_graphs=bool(tokens), max_num_seqs=max_num_seqs, max_model_len=128,
                              graph_batch_sizes=[4], graph_token_sizes=tokens)
         got.append(mixed_steps(runner, cache, prompts, fed, replayed))
     assert replayed == [False] * 4 + [True] * 4
@@ -516,3 +519,26 @@ def test_padding_leaves_real_rows_within_bf16_tolerance():
         padded = runner.forward(runner.prepare([0, 1, 2], [1] * 3, 3, pad_to=4, width=runner.max_blocks))[:3]
         plain = runner.execute([0, 1, 2], [1] * 3, 3)
         assert relative_error(padded.float(), plain.float()) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_prefix_caching_is_token_equal_with_graphs_on_cuda():
+    """Notebook 02's prefix-caching cell on CUDA with the engine's defaults (embedded model, fp32, Triton kernels,
+    decode and mixed-step CUDA graphs): a served system prompt, then four requests that extend it, give the same
+    tokens with and without prefix caching (they differed on an H100 from the first token on)."""
+    from labkit.data import sample_prompts, split_tokens
+    from labkit.engine import LLMEngine, SamplingParams
+    from labkit.models import load_model
+
+    model, tok = load_model(device="cuda")
+    sys_prompt = split_tokens("heldout", tok, max_tokens=69)[:69].tolist()
+    users = sample_prompts(tok, 4, 8, seed=3)
+    outs = {}
+    for on in (False, True):
+        engine = LLMEngine(model, num_blocks=48, block_size=16, enable_prefix_caching=on)
+        assert engine.runner.graphs is not None and engine.runner.graphs.token_sizes
+        engine.generate([sys_prompt], SamplingParams(max_tokens=1), progress=False)
+        res = engine.generate([sys_prompt + u for u in users], SamplingParams(max_tokens=12, ignore_eos=True),
+                              progress=False)
+        outs[on] = [o.output_token_ids for o in res]
+    assert outs[True] == outs[False]

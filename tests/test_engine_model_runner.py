@@ -396,3 +396,25 @@ def test_cuda_quantised_cache_kernels_match_the_torch_path(tiny_model, prompts, 
         assert relative_error(logits["triton"], logits["torch"]) <= 1e-4
     finally:
         model.to("cpu")
+
+
+def test_a_prefill_step_with_as_many_tokens_as_sequences_returns_each_last_token(tiny_model, prompts):
+    """A step carrying prefill rows that has as many token rows as sequences (as a captured step of T tokens and
+    min(T, max_num_seqs) sequences does) must return each sequence's last-token logits, not the first token rows
+    (the H100 failure of notebook 02: with prefix caching a 52-token step replayed the 64-token graph of 64
+    sequences, and the logits of token rows 0..3 were sampled)."""
+    model, _ = tiny_model
+    cache = nan_cache(model, num_blocks=24, block_size=4)
+    runner = ModelRunner(model, cache, kernels="torch", max_model_len=64)
+    (runner.scratch_block,) = cache.allocator.allocate(1)
+    a, b = prompts[0][:3], prompts[1][:1]
+    cache.allocate(0, a)
+    cache.allocate(1, b)
+    inp = runner.prepare([0, 1], [3, 1], 0, pad_to=4, width=runner.max_blocks, pad_tokens=4)
+    # as a captured step's static input holds it: host lists of the padded size (cuda_graph.StepGraphs)
+    inp = replace(inp, query_lens=[1] * 4, context_lens_host=[1] * 4)
+    assert inp.input_ids.shape[0] == inp.block_tables.shape[0] == inp.num_seqs == 4 and inp.num_decode == 0
+    logits = runner.forward(inp)
+    assert logits.shape[0] == 4
+    for i, p in enumerate((a, b)):
+        assert relative_error(logits[i], hf_last_logits(model, p)) <= 1e-5, i

@@ -168,3 +168,36 @@ def test_gpu_qlora_learns(tiny_model):
     ids = _ids(60, seed=10, vocab=TINY.vocab_size).repeat(20)
     result = finetune(model, ids, setup, steps=10, lr=1e-2, warmup_steps=0)
     assert result.losses[-1] < 0.9 * result.losses[0], result.losses
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["full-fp32", "full-bf16-8bit-ckpt", "lora-ckpt"])
+def test_gpu_memory_model_of_notebook_07_variants(tiny_model, variant):
+    """Notebook 07's extra variants at its gpu check size (8 x 512) within the 15% bar on CUDA. Full fp32 missed
+    by 19.8% on an H100 before the model counted SDPA's math backend (fp32 with grouped-query attention on CUDA
+    saves the attention probabilities and K/V expanded per head: ``activations.sdpa_math_backend``)."""
+    from labkit.experiments.finetuning import memory_row, recipe
+
+    setup = {"full-fp32": TrainSetup(method="full", precision="fp32", batch_size=8, seq_len=512, device="cuda"),
+             "full-bf16-8bit-ckpt": TrainSetup(method="full", precision="bf16-mixed", optimizer="adamw8bit",
+                                               checkpointing=True, batch_size=8, seq_len=512, device="cuda"),
+             "lora-ckpt": recipe("lora", 8, 512, device="cuda", checkpointing=True, bf16=True)}[variant]
+    row = memory_row(lambda: copy.deepcopy(tiny_model[0]).to("cuda"), setup)
+    assert row["rel_err"] <= 0.15, row
+
+
+@pytest.mark.gpu
+def test_gpu_lora_lowers_the_heldout_loss_at_notebook_07_sizes(tiny_model):
+    """LoRA as notebook 07's gpu profile trains it (16 x 512 tokens, 40 steps: two passes over task_train) lowers
+    the task's held-out loss. At 400 steps (20 passes) the same recipe raised it by 0.11 nats on an H100: the
+    held-out loss falls for about two passes, then over-fitting turns it up."""
+    from labkit.data import split_tokens
+    from labkit.experiments.finetuning import DEFAULT_LR, method_row, recipe
+    from labkit.models import load_model
+
+    _, tok = load_model()
+    train, held = split_tokens("task_train", tok), split_tokens("task_heldout", tok)
+    row = method_row(copy.deepcopy(tiny_model[0]).to("cuda"), recipe("lora", 16, 512, device="cuda", bf16=True),
+                     train, {"task_heldout": held}, steps=40, lr=DEFAULT_LR["lora"], eval_seq_len=512,
+                     eval_windows=None)
+    assert row["task_heldout_drop"] > 0.1, row["task_heldout_drop"]

@@ -174,7 +174,11 @@ class ModelRunner:
 
     def forward(self, inp: ModelInput) -> torch.Tensor:
         """The model over ``inp`` (no bookkeeping): float32 logits ``[num_seqs (+ padding), vocab]``."""
-        rows = None if inp.input_ids.shape[0] == inp.num_seqs else inp.logits_indices
+        # every row is a decode (padding included): the logits of every token row, in order. A step with prefill
+        # rows may have as many tokens as sequences (a captured step of T tokens and min(T, max_num_seqs)
+        # sequences), so counting rows cannot decide it: only the step's kind can
+        all_decode = inp.num_decode == inp.input_ids.shape[0] == inp.block_tables.shape[0]
+        rows = None if all_decode else inp.logits_indices
         meta = AttentionMetadata(inp.slot_mapping, inp.block_tables, inp.context_lens, inp.query_start_loc,
                                  inp.num_decode, rows)
         return self.model.forward_paged(inp.input_ids, inp.positions, self.cache, meta)

@@ -15,6 +15,16 @@ def nf4_out_bytes(setup: TrainSetup) -> float:
     return 2.0 if setup.base_dtype == "bf16" else 4.0
 
 
+def sdpa_math_backend(spec: ModelSpec, setup: TrainSetup) -> bool:
+    """Whether PyTorch's ``scaled_dot_product_attention`` runs its math backend in HF's attention: on CUDA with
+    fp32 inputs (no autocast) and grouped-query attention, flash attention refuses fp32 and the memory-efficient
+    kernel takes no GQA, so SDPA falls back to the math path, which saves the attention probabilities ``[batch,
+    heads, seq, seq]`` and K/V expanded to every query head. On the CPU the flash kernel takes fp32 and GQA.
+    Measured on an H100 (``research/records/h100/gpu_failures_probe.json``): full fp32 fine-tuning of the embedded
+    model at 8 x 512 tokens peaked 287.5 MiB above the flash-style count, 8 layers x 9,200 B per token: this term."""
+    return setup.device == "cuda" and setup.precision == "fp32" and spec.num_kv_heads < spec.num_heads
+
+
 def layer_activation_bytes(spec: ModelSpec, setup: TrainSetup, first_layer: bool = False) -> dict[str, float]:
     """Bytes per token that one decoder layer saves for backward (per TP rank), term by term.
 
@@ -46,7 +56,10 @@ def layer_activation_bytes(spec: ModelSpec, setup: TrainSetup, first_layer: bool
         "norm1 input + rstd": 0.0 if (first_layer and lora) else 4.0 * (h + 1),
         "norm1 normalized (weight grad)": 4.0 * h if full else 0.0,
         "q/k/v inputs": inputs(("q_proj", "k_proj", "v_proj")),
-        "attention q, k, v, out": (c * (2 * q + 2 * kv) + 4.0 * heads) / tp,
+        # flash-style kernels save q, k, v, out and a float32 log-sum-exp per head; the math backend saves q, K/V
+        # expanded to every query head, out and the probabilities (seq_len per head and token)
+        "attention q, k, v, out": ((c * (4 * q + heads * setup.seq_len)) if sdpa_math_backend(spec, setup)
+                                   else (c * (2 * q + 2 * kv) + 4.0 * heads)) / tp,
         "norm2 input + rstd": 4.0 * (h + 1),
         "norm2 normalized (weight grad)": 4.0 * h if full else 0.0,
         "mlp inputs": inputs(mlp_in),
