@@ -89,7 +89,7 @@ def write_site(out_dir: Path | str, timings: dict[str, float] | None = None,
     summary = mistune.html(summary_md.read_text()) if summary_md.exists() else "<p>No summary.md in this run.</p>"
     (out / "summary.html").write_text(_page("labkit run: summary", summary, _nav(pages, "summary.html")))
 
-    from labkit.workbook import stale_executed
+    from labkit.provenance import stale_executed
 
     stale = stale_executed(out)
     rows = []

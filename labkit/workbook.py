@@ -20,6 +20,7 @@ from pathlib import Path
 from labkit.device import environ
 from labkit.exercises.cells import exercise_source
 from labkit.models import REPO_ROOT
+from labkit.provenance import stamp_executed
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 SOURCE_DIR = NOTEBOOK_DIR / "src"
@@ -195,49 +196,6 @@ def execute_notebook(nb: Path, out_dir: Path, profile: str, timeout: int = 1800)
             raise RuntimeError(f"{nb.name} failed at {_failed_cell(target)}") from e
     stamp_executed(target, nb, profile)
     return time.perf_counter() - t0
-
-
-def source_hash(nb: Path) -> str:
-    """SHA-256 of a notebook's cells (kinds and sources, in order): what an executed copy was run from. The
-    ``.ipynb`` in ``notebooks/`` is built from ``notebooks/src`` (a test checks they agree), so this hash changes
-    exactly when a cell's source does."""
-    import hashlib
-
-    cells = json.loads(Path(nb).read_text()).get("cells", [])
-    text = "\n\x00".join(c.get("cell_type", "") + "\x01" + "".join(c.get("source", "")) for c in cells
-                          if "injected-parameters" not in c.get("metadata", {}).get("tags", []))
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def stamp_executed(target: Path, source: Path, profile: str) -> None:
-    """Write into the executed notebook ``target`` what it was run from: ``metadata.labkit`` = the source's hash,
-    the commit, the profile and the machine (a run killed mid-way is stamped too: its cells are what ran)."""
-    from labkit.bench import git_commit, machine_tag
-
-    if not target.exists():
-        return
-    nb = json.loads(target.read_text())
-    nb.setdefault("metadata", {})["labkit"] = {"source": source.name, "source_sha256": source_hash(source),
-                                               "commit": git_commit(), "profile": profile, "machine": machine_tag()}
-    target.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
-
-
-def stale_executed(folder: Path, notebooks: Path = NOTEBOOK_DIR) -> dict[str, str]:
-    """Executed notebooks under ``folder`` (``**/NN_*.ipynb``) whose source (the notebook of the same name in
-    ``notebooks``) changed since they ran, or that carry no stamp (run before stamping existed): path relative to
-    ``folder`` -> why. An executed notebook whose source no longer exists is stale too."""
-    stale = {}
-    for path in sorted(Path(folder).rglob("[0-9][0-9]_*.ipynb")):
-        rel = path.relative_to(folder).as_posix()
-        stamp = json.loads(path.read_text()).get("metadata", {}).get("labkit")
-        source = Path(notebooks) / path.name
-        if not source.exists():
-            stale[rel] = f"no notebook {path.name} in notebooks/"
-        elif not stamp:
-            stale[rel] = "not stamped with its source's hash (run before stamping existed)"
-        elif stamp.get("source_sha256") != source_hash(source):
-            stale[rel] = f"stale: source changed after this run (commit {str(stamp.get('commit'))[:9]})"
-    return stale
 
 
 def _fmt(v) -> str:

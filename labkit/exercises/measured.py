@@ -53,7 +53,9 @@ def figure(name: str, summary: Path | None = None) -> tuple[dict, dict | None, s
         entry = run_figs[name]
         path = _record_path(entry, Path.cwd())
         return entry, _read(path), f"this run's {_shown(path)}, {entry.get('machine', '?')}"
-    figs = (_read(summary or SUMMARY) or {}).get("figures", {})
+    from labkit.figures import committed_figures
+
+    figs = committed_figures(path=summary or SUMMARY) if Path(summary or SUMMARY).exists() else {}
     if name in figs:
         entry = figs[name]
         path = _record_path(entry, REPO_ROOT)

@@ -2,7 +2,7 @@
 
 import json
 
-from labkit.workbook import NOTEBOOK_DIR, source_hash, stale_executed, stamp_executed
+from labkit.provenance import NOTEBOOK_DIR, source_hash, stale_executed, stamp_executed
 
 
 def test_stamp_then_stale_when_the_source_changes(tmp_path):
