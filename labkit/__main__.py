@@ -136,7 +136,7 @@ def _gpu_check(args) -> int:
     rows = gpu_check.merge_rows([Path(p) for p in args.files])
     print(gpu_check.table(rows))
     if args.write:
-        Path(args.write).write_text(json.dumps(rows, indent=1) + "\n")
+        print(f"wrote {gpu_check.write_check(rows, Path(args.write))} and its figures into results/summary.json")
     return 0
 
 
@@ -205,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("gpu-check", help="scripts/gpu_check.sh's rows: record one stage, or print the table")
     g.add_argument("action", choices=("record", "table"))
     g.add_argument("files", nargs="*", help="table: gpu_check.json files of one machine and commit")
-    g.add_argument("--write", default=None, help="table: also write the merged rows to this file")
+    g.add_argument("--write", default=None, metavar="RESULTS_DIR",
+                   help="table: keep the merged rows as RESULTS_DIR/records/gpu_check.json (e.g. results/h100) and "
+                        "merge workbook.gpu_notebooks_passed / gpu_run_seconds into results/summary.json")
     for flag, kind in (("--stage", str), ("--rc", int), ("--seconds", float), ("--log", str), ("--run", str),
                        ("--out", str), ("--before", str)):
         g.add_argument(flag, type=kind, default=None, help="record: " + flag[2:])

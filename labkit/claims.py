@@ -56,7 +56,15 @@ from labkit.conditions import (
     wording_problems,
     written_refusal,
 )
-from labkit.figures import class_order, machine_class, machine_figures, read_summary, summary_classes, write_summary
+from labkit.figures import (
+    class_order,
+    machine_class,
+    machine_figures,
+    put_figure,
+    read_summary,
+    summary_classes,
+    write_summary,
+)
 from labkit.models import REPO_ROOT
 
 __all__ = ["MACHINES", "STATUSES", "Claim", "ClaimCheck", "ClaimError", "ClaimRefused", "RefusedClaim", "Verdict",
@@ -386,6 +394,7 @@ def write_figures(checks: list[ClaimCheck], summary: Path | str | None = None) -
     (claims evaluated on at least one machine), ``workbook.claims_false`` and ``workbook.claims_vacuous`` (claims the
     checker refuses)."""
     from labkit.bench import RESULTS_DIR, SUMMARY_PATH, run_id, write_record
+    from labkit.provenance import stale_executed
 
     summary = Path(summary or SUMMARY_PATH)
     rows = [{"where": ch.where, "text": ch.claim.text, "condition": ch.claim.condition, "machine": ch.claim.machine,
@@ -399,7 +408,8 @@ def write_figures(checks: list[ClaimCheck], summary: Path | str | None = None) -
               "workbook.claims_false": (sum(ch.status == "false" for ch in checks), "== 0"),
               "workbook.claims_vacuous": (sum(ch.status == "refused" for ch in checks), "== 0")}
     for name, (value, bar) in counts.items():
-        data["figures"][name] = {"unit": "claims", "kind": "measured", "bar": bar, "machines": {
-            "cpu": {"value": value, "machine": "cpu", "record": rel, "run": run_id()}}}
+        put_figure(data, name, "cpu", value, "claims", rel, run_id(), bar)
+    put_figure(data, "workbook.executed_stale", "cpu", len(stale_executed(RESULTS_DIR)), "executed notebooks", rel,
+               run_id(), "== 0")
     write_summary(data, summary)
     return path

@@ -133,6 +133,15 @@ def committed_figures(prefer: tuple[str, ...] | None = None, path: Path | str | 
     return out
 
 
+def put_figure(summary: dict, name: str, machine: str, value, unit: str, record: str, run: str,
+               bar: str | None = None, device: str | None = None) -> None:
+    """Set machine class ``machine``'s value of figure ``name`` in ``summary`` (as ``read_summary`` returns it),
+    beside the values the other machines hold; ``device``: the device's name (default the class)."""
+    fig = summary["figures"].setdefault(name, {"machines": {}})
+    fig.update(unit=unit, kind="measured", **({"bar": bar} if bar else {}))
+    fig["machines"][machine] = {"value": value, "machine": device or machine, "record": record, "run": run}
+
+
 def merge_figures(figures_path: Path | str, record_root: Path | str, summary_path: Path | str = SUMMARY_PATH) -> dict:
     """Merge a run's ``figures.json`` into ``results/summary.json``, re-pointing each record path at
     ``record_root`` (the folder the run's output was committed to). Returns the merged summary.

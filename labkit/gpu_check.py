@@ -23,10 +23,11 @@ _PYTEST = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|x
 
 
 def _notebook_stem(stage: str) -> str:
-    from labkit.workbook import list_notebooks
-
-    (nb,) = list_notebooks([stage])
-    return nb.stem
+    found = sorted((REPO_ROOT / "notebooks").glob(f"{stage}_*.ipynb"))
+    if len(found) != 1:
+        numbers = [p.stem[:2] for p in sorted((REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))]
+        raise ValueError(f"stage={stage!r} names {len(found)} notebooks; allowed: 'tests' or one of {numbers}")
+    return found[0].stem
 
 
 def _figures(path: Path) -> dict:
@@ -143,3 +144,39 @@ def summary_figures(rows: list[dict]) -> dict:
     nbs = [r for r in rows if r["kind"] == "notebook"]
     return {"workbook.gpu_notebooks_passed": sum(r["status"] == "pass" and r["false_claims"] == 0 for r in nbs),
             "workbook.gpu_run_seconds": round(sum(r["seconds"] for r in nbs), 1)}
+
+
+def write_check(rows: list[dict], results_dir: Path, summary_path: Path | None = None) -> Path:
+    """Keep a merged table (``merge_rows``) as the record ``results_dir/records/gpu_check.json`` (its header names
+    the GPU, the commit that ran and the command) and merge ``summary_figures`` into the summary under the GPU's
+    class. Returns the record's path."""
+    from labkit.bench import SUMMARY_PATH
+    from labkit.figures import machine_class, put_figure, read_summary, write_summary
+
+    if not rows:
+        raise ValueError("rows is empty: nothing ran")
+    summary_path = Path(summary_path or SUMMARY_PATH)
+    path = Path(results_dir) / "records" / "gpu_check.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    env = {"device": rows[0]["machine"], "git_commit": rows[0]["commit"], "utc": rows[-1]["utc"],
+           "command": "scripts/gpu_check.sh " + " ".join(r["stage"] for r in rows),
+           "run": f"gpu-check@{rows[0]['commit']}"}
+    path.write_text(json.dumps({"env": env, "data": {"rows": rows}}, indent=1) + "\n")
+    summary = read_summary(summary_path)
+    rel = path.resolve().relative_to(summary_path.resolve().parent.parent).as_posix() \
+        if summary_path.resolve().parent.parent in path.resolve().parents else str(path)
+    bars = {"workbook.gpu_notebooks_passed": ("notebooks", "== 10"), "workbook.gpu_run_seconds": ("s", "<= 1200")}
+    for name, value in summary_figures(rows).items():
+        unit, bar = bars[name]
+        put_figure(summary, name, machine_class(env["device"]), value, unit, rel, env["run"], bar, env["device"])
+    write_summary(summary, summary_path)
+    return path
+
+
+def tables_markdown(results_root: Path) -> str:
+    """Each machine's committed gpu check (``results/<gpu>/records/gpu_check.json``) as its table."""
+    parts = []
+    for path in sorted(Path(results_root).glob("*/records/gpu_check.json")):
+        rows = json.loads(path.read_text())["data"]["rows"]
+        parts.append(table(rows) + f" Record: `{path.relative_to(results_root).as_posix()}`.")
+    return "\n\n".join(parts) or "(no gpu check is committed yet)"

@@ -19,8 +19,9 @@ from pathlib import Path
 
 from labkit.device import environ
 from labkit.exercises.cells import exercise_source
+from labkit.gpu_check import tables_markdown
 from labkit.models import REPO_ROOT
-from labkit.provenance import stamp_executed
+from labkit.provenance import stale_executed, stamp_executed
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 SOURCE_DIR = NOTEBOOK_DIR / "src"
@@ -308,6 +309,21 @@ def run_workbook(profile: str = "auto", only: list[str] | None = None, out: str 
 
 
 BARS_BEGIN, BARS_END = "<!-- bars:begin -->", "<!-- bars:end -->"
+GPU_CHECK_BEGIN, GPU_CHECK_END = "<!-- gpu-check:begin -->", "<!-- gpu-check:end -->"
+EXECUTED_BEGIN, EXECUTED_END = "<!-- executed:begin -->", "<!-- executed:end -->"
+
+
+def executed_markdown(results_root: Path) -> str:
+    """The executed notebooks under ``results_root``, each with what it ran from (``metadata.labkit``) and whether
+    its source changed since (``provenance.stale_executed``)."""
+    stale = stale_executed(results_root)
+    rows = ["| executed notebook | profile | machine | commit | source |", "| --- | --- | --- | --- | --- |"]
+    for path in sorted(Path(results_root).rglob("[0-9][0-9]_*.ipynb")):
+        rel = path.relative_to(results_root).as_posix()
+        stamp = json.loads(path.read_text()).get("metadata", {}).get("labkit") or {}
+        rows.append(f"| `{rel}` | {stamp.get('profile', '?')} | {stamp.get('machine', '?')} | "
+                    f"{str(stamp.get('commit', '?'))[:9]} | {stale.get(rel, 'current')} |")
+    return "\n".join(rows) + f"\n\n{len(stale)} of {len(rows) - 2} executed notebooks are stale."
 RESULTS_BEGIN, RESULTS_END = "<!-- results:begin -->", "<!-- results:end -->"
 
 
@@ -331,6 +347,8 @@ def readme_blocks(readme: Path = REPO_ROOT / "README.md", results_readme: Path =
     text = _fill(text, BARS_BEGIN, BARS_END, unmet_bars_markdown(summary), readme)
     results = _fill(results_readme.read_text(), BARS_BEGIN, BARS_END,
                     unmet_bars_markdown(summary, link_root="results/"), results_readme)
+    results = _fill(results, GPU_CHECK_BEGIN, GPU_CHECK_END, tables_markdown(results_readme.parent), results_readme)
+    results = _fill(results, EXECUTED_BEGIN, EXECUTED_END, executed_markdown(results_readme.parent), results_readme)
     return {readme: text, results_readme: results}
 
 

@@ -56,3 +56,22 @@ def test_merge_keeps_the_last_row_per_stage_and_refuses_mixed_machines(tmp_path)
     pb.write_text(json.dumps([dict(b[0], machine="NVIDIA H200")]))
     with pytest.raises(ValueError, match="one machine at one commit"):
         gpu_check.merge_rows([pa, pb])
+
+
+def test_write_check_keeps_the_record_and_its_figures(tmp_path):
+    from labkit.figures import read_summary, write_summary
+
+    summary = tmp_path / "results" / "summary.json"
+    summary.parent.mkdir()
+    write_summary({"figures": {}}, summary)
+    rows = [{"stage": "07", "machine": "NVIDIA H100 80GB HBM3", "commit": "abc1234", "utc": "2026-12-06T00:00:00Z",
+             "kind": "notebook", "notebook": "07_finetuning", "status": "pass", "seconds": 70.0, "false_claims": 0,
+             "figures_written": 14, "detail": ""}]
+    path = gpu_check.write_check(rows, tmp_path / "results" / "h100", summary)
+    assert json.loads(path.read_text())["env"]["device"] == "NVIDIA H100 80GB HBM3"
+    figs = read_summary(summary)["figures"]
+    assert figs["workbook.gpu_notebooks_passed"]["machines"]["h100"]["value"] == 1
+    assert figs["workbook.gpu_run_seconds"]["machines"]["h100"]["record"] == "results/h100/records/gpu_check.json"
+    assert "| 07_finetuning | pass | 70 | 0 | 14 |" in gpu_check.tables_markdown(tmp_path / "results")
+    with pytest.raises(ValueError, match="nothing ran"):
+        gpu_check.write_check([], tmp_path)
