@@ -86,7 +86,8 @@ def _bench(args) -> int:
 
 
 def _claims(args) -> int:
-    from labkit.claims import check_all, report, write_figures
+    from labkit.claims import check_all
+    from labkit.claims_report import report, write_figures
 
     checks = check_all()
     print(report(checks))

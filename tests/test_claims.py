@@ -7,6 +7,7 @@ import pytest
 
 from labkit import claims as C
 from labkit.claims import Claim, ClaimRefused, RefusedClaim, check, collect, evaluate
+from labkit.claims_report import report, write_figures
 from labkit.conditions import wording_problems
 from labkit.figures import read_summary
 
@@ -216,7 +217,7 @@ def test_check_all_report_and_figures(tmp_path, monkeypatch):
                    "Claim('as a number', 'engine.flag > 0')\nClaim('none', '1 < 2')\n")
     checks = C.check_all(path, [src])
     assert [ch.status for ch in checks] == ["false", "holds", "unchecked", "refused", "refused"]
-    text = C.report(checks)
+    text = report(checks)
     assert text.startswith("5 claims checked") and "1 hold, 1 false, 2 refused, 1 evaluated on no machine" in text
     row = next(ln for ln in text.splitlines() if ln.startswith("03_z.py:1 "))
     assert "FALSE" in row and "holds" in row  # false on the H100, holds on the H200: one row, two columns
@@ -225,7 +226,7 @@ def test_check_all_report_and_figures(tmp_path, monkeypatch):
     import labkit.bench as bench
 
     monkeypatch.setattr(bench, "RESULTS_DIR", tmp_path / "results")
-    C.write_figures(checks, path)
+    write_figures(checks, path)
     cpu = read_summary(path)["figures"]
     assert cpu["workbook.claims_checked"]["machines"]["cpu"]["value"] == 2
     assert cpu["workbook.claims_false"]["machines"]["cpu"]["value"] == 1
@@ -259,8 +260,8 @@ def test_the_workbook_claims_hold():
     is false or refused on any machine. A claim no machine could evaluate (figures of two runs, or not measured yet)
     is reported, not failed: the run that records its figures together checks it."""
     checks = C.check_all()
-    assert not [ch for ch in checks if ch.status in ("false", "refused")], C.report(checks)
-    assert sum(ch.status == "holds" for ch in checks) >= 60, C.report(checks)
+    assert not [ch for ch in checks if ch.status in ("false", "refused")], report(checks)
+    assert sum(ch.status == "holds" for ch in checks) >= 60, report(checks)
 
 
 def test_the_cli_exits_1_on_a_false_or_refused_claim(monkeypatch, capsys):
