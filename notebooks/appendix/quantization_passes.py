@@ -1,5 +1,5 @@
 """Appendix to notebook 04: the engine's A/B passes, every decode-step pass in one table, and the top kernels of
-every profiled step. Moved out of notebook 04 (issue 30): they justify the engine's fusions; the main notebook
+every profiled step. Moved out of notebook 04 to keep it to its question: they justify the engine's fusions; the main notebook
 quotes only each method's best step.
 
 What the engine fuses (labkit's ``ModelRunner``, notebook 05): q/k/v and gate/up merged into one GEMV each, RoPE and

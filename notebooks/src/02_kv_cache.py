@@ -17,7 +17,7 @@
 # (what Hugging Face's static cache and FasterTransformer reserve when told the real maximum); a slab of the
 # model's whole context window (8,192 slots for Llama-3-8B) is shown only as a footnote.
 #
-# Scales (DESIGN.md): the memory arithmetic and the simulation use real shapes (the embedded model on `ci`/`cpu`,
+# Two scales, as in every notebook: the memory arithmetic and the simulation use real shapes (the embedded model on `ci`/`cpu`,
 # Llama-3-8B on an H200 on `gpu`); accuracy uses the embedded trained model; the `gpu` profile's latency parts
 # use the Llama-3-8B shape with random weights.
 

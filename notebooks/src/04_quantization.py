@@ -21,7 +21,7 @@
 # | `int4+lm_head` | `int4`, the LM head quantised too | 16/32-bit | `quantize(model, "int4", lm_head=True)` |
 # | `int4+int8_head` | `int4` layers, the LM head in `int8` | 16/32-bit | `quantize(model, "int4", lm_head="int8")` |
 #
-# Two scales (DESIGN.md): **accuracy** on the embedded trained model (float32 reference, held-out split);
+# Two scales, as in every notebook: **accuracy** on the embedded trained model (float32 reference, held-out split);
 # **speed and memory** on the Llama-3-8B architecture with random weights in bf16 on the H200 (`gpu` profile),
 # where each decode step is one forward over a static KV cache replayed as a CUDA graph, so launch overhead does
 # not hide the bytes saved.
@@ -128,7 +128,7 @@ acc_table = pd.DataFrame([{k: r.get(k) for k in ("method", "ppl", "ppl_delta_fra
 display(acc_table.round(4))
 
 # %% [markdown]
-# ### Check correctness: per-layer error against the DESIGN.md tolerances
+# ### Check correctness: per-layer error against the workbook's tolerances
 # int8 weights must stay within 2e-2 relative error per layer and 4-bit weights within 1e-1 (then perplexity
 # decides). The plot shows where each method's error sits, per layer type; the line printed under it counts, per
 # method, the layers above each bound.

@@ -15,7 +15,7 @@
 #
 # Everything runs for real on CPU processes with `torch.distributed` (gloo), launched from this notebook by
 # `labkit.parallel.launch`, with the embedded model in float32: TP and PP outputs are checked against the
-# single-process model. Multi-GPU (NCCL) numbers come from `scripts/bench_multigpu.py` (issue 11) and are quoted
+# single-process model. Multi-GPU (NCCL) numbers come from `scripts/bench_multigpu.py` on a machine with several GPUs and are quoted
 # below when their records exist.
 
 # %% tags=["parameters"]
@@ -262,10 +262,10 @@ display(Markdown("Reading the tables:\n\n" + case_175b_text(batch=32, context=20
 #   Quantising the all-reduce payload (int8, as above) halves the bandwidth term; it does nothing for the
 #   latency term that dominates small decode messages.
 #
-# ## Measured on several GPUs (issue 11)
+# ## Measured on several GPUs
 
 # %%
-mg = sorted(REPO_ROOT.glob("results/*x[0-9]*/records/multigpu_*.json"))  # results/h200x8/... from issue 11
+mg = sorted(REPO_ROOT.glob("results/*x[0-9]*/records/multigpu_*.json"))  # results/h200x8/...: scripts/bench_multigpu.py
 if not mg:
     print("No multi-GPU records yet: the NCCL measurements (scripts/bench_multigpu.py) need a machine with "
           "several GPUs, which has not been available. The cost model above uses datasheet links.")
