@@ -42,15 +42,17 @@ def test_comm_fits_and_plots():
     plt.close(fig)
 
 
-def test_case_175b_text_is_rendered_from_the_cost_model():
+def test_case_175b_text_is_rendered_from_the_planners_cost_model():
     from labkit.experiments.parallelism.report import case_175b_text
-    from labkit.hardware import get_hardware
-    from labkit.parallel import cost_model as cm
+    from labkit.plan import MULTI_GPU_CAVEAT, SCENARIO_175B, recommend, worked_example_175b
 
-    text = case_175b_text(batch=32, context=2048)
-    tp8 = next(r for r in cm.worked_example_175b(get_hardware("h200"), 32, 2048) if r["layout"] == "TP8 x PP1")
+    rec = recommend(SCENARIO_175B)
+    text = case_175b_text(batch=32, context=2048, rec=rec)
+    tp8 = next(r for r in worked_example_175b("h200", 32, 2048) if r["layout"] == "TP8 x PP1")
     assert f"holds {tp8['weights_gb']:.0f} GB of weights per GPU" in text
+    assert f"a {tp8['step_s'] * 1e3:.0f} ms step on the H200" in text and MULTI_GPU_CAVEAT in text
     assert "On 80 GB H100s that does not fit" in text and "H200s it fits" in text
     assert "193 all-reduces" in text  # 2 per layer x 96 layers + the embedding's
+    assert f"{rec.best.decode_step_ms:.0f} ms, not the {tp8['step_s'] * 1e3:.0f} ms above" in text
     small = case_175b_text(batch=8, context=128)  # a small KV cache fits both cards: no advice to shrink it
-    assert "would have to shrink" not in small
+    assert "would have to shrink" not in small and "planner's pick" not in small

@@ -1,8 +1,8 @@
-"""labkit.parallel.cost_model: ring-collective arithmetic, per-step TP/PP traffic, memory per GPU, the 175B table."""
+"""labkit.parallel.cost_model: ring-collective arithmetic (or measured fits), per-step TP/PP traffic, memory per GPU.
+The step time of a layout is the planner's (tests/test_plan_layouts.py)."""
 
 import pytest
 
-from labkit.hardware import get_hardware
 from labkit.models import PRESETS, TINY
 from labkit.parallel import cost_model as cm
 from labkit.parallel.schedules import bubble_formula
@@ -45,33 +45,13 @@ def test_memory_per_device():
         cm.memory_per_device(spec, tp=1, pp=64, kv_tokens=1)
 
 
-def test_decode_step_properties():
-    spec, hw = PRESETS["llama-3-70b"], get_hardware("h200")
-    tp1 = cm.decode_step(spec, hw, tp=1, pp=1, batch=8, context=1024)
-    tp8 = cm.decode_step(spec, hw, tp=8, pp=1, batch=8, context=1024)
-    pp8 = cm.decode_step(spec, hw, tp=1, pp=8, batch=8, context=1024, microbatches=8)
-    assert not tp1["fits"] and tp8["fits"]  # 141 GB of bf16 weights do not fit one 141 GB GPU
-    assert tp8["stage_read_s"] == pytest.approx(tp1["stage_read_s"] / 8, rel=0.02)  # TP divides the bytes read
-    assert tp8["step_s"] < tp1["step_s"]  # ... but adds 161 latency-bound all-reduces per step
-    # weight-bound decode: 8 micro-batches re-read each stage's weights 8 times, so PP8 is no faster than 1 GPU
-    assert pp8["step_s"] >= 0.9 * tp1["step_s"]
-    assert 0 < tp8["comm_frac"] < 1
-    with pytest.raises(ValueError, match="microbatches=3 must divide batch=8"):
-        cm.decode_step(spec, hw, tp=1, pp=2, batch=8, context=16, microbatches=3)
-
-
-def test_worked_example_175b():
-    rows = cm.worked_example_175b(get_hardware("h200"))
-    by = {(r["layout"], r["microbatches"]): r for r in rows}
-    assert by["TP8 x PP1", 1]["weights_gb"] == pytest.approx(PRESETS["gpt3-175b"].weight_bytes("bf16") / 8e9, rel=0.01)
-    # crossing nodes with TP costs more than it saves; PP across nodes does not
-    assert by["TP16 x PP1", 1]["tp_comm_s"] > 4 * by["TP8 x PP2", 1]["tp_comm_s"]
-    assert by["TP8 x PP2", 1]["tokens_per_s"] > by["TP16 x PP1", 1]["tokens_per_s"]
-
-
-def test_best_layouts_prefer_tp_inside_a_node():
-    rows = cm.best_layouts(PRESETS["gpt3-175b"], get_hardware("h200"), num_gpus=16, batch=32, context=2048)
-    assert {r["layout"] for r in rows} >= {"TP16 x PP1", "TP8 x PP2", "TP1 x PP16"}
-    assert all(r["tp"] * r["pp"] == 16 for r in rows)
-    best = rows[0]
-    assert best["fits"] and best["tp"] <= 8  # TP stays on NVLink; the node boundary is crossed by PP
+def test_measured_collectives_replace_the_datasheet_link():
+    spec = PRESETS["gpt3-175b"]
+    datasheet = cm.tp_comm(spec, 8, 32, "nvlink4")
+    fits = {"all_reduce@8": {"alpha_s": 20e-6, "beta_bytes_per_s": 100e9}}
+    measured = cm.tp_comm(spec, 8, 32, "nvlink4", fits=fits)
+    ar = 32 * spec.hidden_size * 2
+    ag = cm.all_gather_time(32 * spec.vocab_size * 2, 8, "nvlink4")  # no fit for the all-gather: the link's
+    assert measured["time_s"] == pytest.approx(datasheet["all_reduces"] * (20e-6 + ar / 100e9) + ag)
+    assert cm.tp_comm(spec, 4, 32, "nvlink4", fits=fits)["time_s"] == cm.tp_comm(spec, 4, 32, "nvlink4")["time_s"]
+    assert cm.measured_time(None, "all_reduce", 1.0, 8) is None

@@ -8,10 +8,12 @@ Communication follows the alpha-beta model of ring collectives (Thakur et al. 20
 
 where ``B`` is one GPU's bandwidth in one direction. Tensor parallelism all-reduces the activations twice per
 layer (``tokens x hidden`` each) and pipeline parallelism sends them once per stage boundary. Compute is the
-roofline floor ``max(bytes / memory bandwidth, FLOPs / peak)`` of each stage's share of the weights and KV cache.
+memory per GPU is each stage's share of the weights and KV cache (``memory_per_device``).
 
-Bandwidths are the published per-GPU, per-direction figures; latencies are typical orders of magnitude, to be
-replaced by measured ones (``scripts/bench_multigpu.py`` fits them on the real machine).
+Bandwidths are the published per-GPU, per-direction figures; latencies are typical orders of magnitude, replaced by
+measured ones where a multi-GPU record holds alpha-beta fits (``scripts/bench_multigpu.py``; ``tp_comm(...,
+fits=...)``). The step time of a layout is not here: ``labkit.plan.steps.decode_step_parts`` is the one cost model
+of a TP x PP decode step, calibrated on measured steps, and uses these collectives and this memory.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from labkit.hardware import Hardware
 from labkit.models import ModelSpec, dtype_bytes
 
 
@@ -84,20 +85,38 @@ def bubble_fraction(p: int, m: int) -> float:
 
 
 # --- per-step communication -------------------------------------------------------------------------------
+def measured_time(fits: dict | None, op: str, nbytes: float, p: int) -> float | None:
+    """``alpha + nbytes / beta`` from a multi-GPU record's fit of ``op`` on ``p`` ranks (``fits["all_reduce@8"] =
+    {"alpha_s", "beta_bytes_per_s"}``, as ``scripts/bench_multigpu.py`` writes them), or None without one."""
+    f = (fits or {}).get(f"{op}@{p}") or {}
+    if "alpha_s" not in f or "beta_bytes_per_s" not in f:
+        return None
+    return f["alpha_s"] + nbytes / f["beta_bytes_per_s"]
+
+
 def tp_comm(spec: ModelSpec, tp: int, tokens: int, link: str | Link = "nvlink4", dtype: str = "bf16",
-            layers: int | None = None) -> dict:
+            layers: int | None = None, fits: dict | None = None) -> dict:
     """Tensor-parallel communication of one forward over ``tokens`` tokens (a decode step: tokens = batch).
 
     Two all-reduces per layer (attention output, MLP output) and one for the vocab-parallel embedding, each of
     ``tokens x hidden`` elements; one all-gather of the logits (``tokens x vocab``). ``layers`` defaults to all.
+    Each collective is timed on ``link`` by the ring model, or by ``fits`` (measured alpha-beta fits per op and
+    rank count, ``measured_time``) where they hold one for ``tp`` ranks.
     """
     layers = spec.num_layers if layers is None else layers
     b = dtype_bytes(dtype)
     ar_bytes, ag_bytes = tokens * spec.hidden_size * b, tokens * spec.vocab_size * b
     n_ar = 2 * layers + 1
+    if tp == 1:
+        ar_s = ag_s = 0.0
+    else:
+        ar_s = measured_time(fits, "all_reduce", ar_bytes, tp)
+        ag_s = measured_time(fits, "all_gather", ag_bytes, tp)
+        ar_s = all_reduce_time(ar_bytes, tp, link) if ar_s is None else ar_s
+        ag_s = all_gather_time(ag_bytes, tp, link) if ag_s is None else ag_s
     return {"all_reduces": n_ar, "all_reduce_bytes": ar_bytes, "all_gather_bytes": ag_bytes,
             "wire_bytes_per_gpu": n_ar * 2 * (tp - 1) / tp * ar_bytes + (tp - 1) / tp * ag_bytes,
-            "time_s": n_ar * all_reduce_time(ar_bytes, tp, link) + all_gather_time(ag_bytes, tp, link)}
+            "time_s": n_ar * ar_s + ag_s}
 
 
 def pp_comm(spec: ModelSpec, pp: int, tokens: int, link: str | Link = "ib-ndr", dtype: str = "bf16") -> dict:
@@ -106,7 +125,7 @@ def pp_comm(spec: ModelSpec, pp: int, tokens: int, link: str | Link = "ib-ndr", 
     return {"sends": pp - 1, "send_bytes": nbytes, "time_s": (pp - 1) * p2p_time(nbytes, link) if pp > 1 else 0.0}
 
 
-# --- memory and time per device ---------------------------------------------------------------------------
+# --- memory per device ---------------------------------------------------------------------------
 def memory_per_device(spec: ModelSpec, tp: int, pp: int, kv_tokens: int, dtype: str = "bf16",
                       kv_dtype: str | None = None) -> dict:
     """Bytes on the busiest GPU: its stage's layers and (first/last stage) embedding or head, split ``tp`` ways,
@@ -125,62 +144,3 @@ def memory_per_device(spec: ModelSpec, tp: int, pp: int, kv_tokens: int, dtype: 
     kv = 2 * layers * kv_heads * spec.head_dim * kvb * kv_tokens
     return {"weights": weights, "kv": kv, "total": weights + kv, "layers_per_stage": layers,
             "kv_heads_per_gpu": kv_heads}
-
-
-def decode_step(spec: ModelSpec, hw: Hardware, tp: int, pp: int, batch: int, context: int,
-                dtype: str = "bf16", gpus_per_node: int = 8, intra: str | Link = "nvlink4",
-                inter: str | Link = "ib-ndr", microbatches: int = 1) -> dict:
-    """Roofline floor of one decode step (every sequence gains one token) on ``tp x pp`` GPUs.
-
-    Each stage reads its weights and KV once per micro-batch; TP all-reduces run on ``intra`` while the TP group
-    fits in a node, else on ``inter``; stage boundaries cross nodes once ``tp x pp`` exceeds a node. With
-    ``m`` micro-batches a step takes ``max(m, pp)`` stage times (a micro-batch's token must come back to stage 0),
-    so for weight-bound decode pipelining adds capacity, not speed.
-    """
-    if batch % microbatches:
-        raise ValueError(f"microbatches={microbatches} must divide batch={batch}")
-    mb = batch // microbatches
-    mem = memory_per_device(spec, tp, pp, mb * context, dtype)
-    layers = mem["layers_per_stage"]
-    flops = mb * (2 * spec.matmul_params + spec.attention_flops_per_token(context)) * layers / spec.num_layers / tp
-    read_s = mem["total"] / hw.mem_bandwidth
-    compute_s = flops / hw.bf16_flops
-    tp_link = intra if tp <= gpus_per_node else inter
-    pp_link = intra if tp * pp <= gpus_per_node else inter
-    tp_s = tp_comm(spec, tp, mb, tp_link, dtype, layers=layers)["time_s"] if tp > 1 else 0.0
-    stage_s = max(read_s, compute_s) + tp_s
-    pp_s = pp_comm(spec, pp, mb, pp_link, dtype)["time_s"]
-    step_s = max(microbatches, pp) * stage_s + pp_s
-    return {"tp": tp, "pp": pp, "gpus": tp * pp, "batch": batch, "microbatches": microbatches,
-            "weights_gb": mem["weights"] / 1e9, "kv_gb": mem["kv"] * microbatches / 1e9,
-            "mem_gb": (mem["weights"] + mem["kv"] * microbatches) / 1e9,
-            "fits": mem["weights"] + mem["kv"] * microbatches <= 0.9 * hw.mem_capacity,
-            "stage_read_s": read_s, "stage_compute_s": compute_s, "tp_comm_s": tp_s, "pp_comm_s": pp_s,
-            "step_s": step_s, "tokens_per_s": batch / step_s, "comm_frac": (max(microbatches, pp) * tp_s + pp_s)
-            / step_s}
-
-
-def worked_example_175b(hw: Hardware, batch: int = 32, context: int = 2048, dtype: str = "bf16") -> list[dict]:
-    """GPT-3 175B decoding on ``hw`` nodes of 8 GPUs: one row per layout (TP in a node, TP across nodes, TP in a
-    node x PP across nodes, PP only). See notebook 06 for the reading."""
-    from labkit.models import PRESETS
-
-    spec = PRESETS["gpt3-175b"]
-    layouts = [(8, 1, 1), (16, 1, 1), (8, 2, 1), (8, 2, 2), (4, 2, 2), (1, 8, 8)]
-    return [dict(decode_step(spec, hw, tp, pp, batch, context, dtype, microbatches=m), layout=f"TP{tp} x PP{pp}")
-            for tp, pp, m in layouts]
-
-
-def best_layouts(spec: ModelSpec, hw: Hardware, num_gpus: int, batch: int, context: int, dtype: str = "bf16",
-                 gpus_per_node: int = 8, intra: str | Link = "nvlink4", inter: str | Link = "ib-ndr") -> list[dict]:
-    """Every ``tp x pp = num_gpus`` layout (TP sizes that divide the heads; ``m = pp`` micro-batches when the batch
-    allows), fitting ones first, fastest first: the decision PP vs TP made by the numbers."""
-    rows = []
-    for tp in [t for t in range(1, num_gpus + 1) if num_gpus % t == 0 and spec.num_heads % t == 0]:
-        pp = num_gpus // tp
-        if pp > spec.num_layers:
-            continue
-        m = pp if batch % pp == 0 else 1
-        r = decode_step(spec, hw, tp, pp, batch, context, dtype, gpus_per_node, intra, inter, microbatches=m)
-        rows.append(dict(r, layout=f"TP{tp} x PP{pp}"))
-    return sorted(rows, key=lambda r: (not r["fits"], r["step_s"]))

@@ -17,9 +17,15 @@ limit. Time to first token is the prefill of a p99-length prompt, one decode ste
 and the queueing of an M/D/1 prefill server at p99 (``-ln(0.01)`` times its mean wait). These are approximations,
 stated as such; the engine notebook measures the real thing.
 
+``decode_step_parts`` is the one cost model of a layout's decode step: the planner, notebook 06's tables
+(``layouts``) and the capstone call it. Its efficiencies are fitted on single-GPU steps and its collectives are the
+datasheet links (or a multi-GPU record's fits), so a prediction for more than one GPU carries ``MULTI_GPU_CAVEAT``
+until a multi-GPU record exists.
+
 Files: ``inputs`` (Cluster, Traffic, Calibration, validation), ``steps`` (step times), ``calibration`` (fitting
 to the records, validation against them), ``serve`` (the serving model and the ranked plan), ``scenario`` (the
-175B scenario and the one recommendation), ``summary`` (reading ``results/summary.json``).
+175B scenario and the one recommendation), ``layouts`` (notebook 06's tables), ``summary`` (reading
+``results/summary.json``).
 """
 
 from labkit.plan.calibration import (
@@ -31,16 +37,27 @@ from labkit.plan.calibration import (
                                      kernel_paths,
                                      load_calibration,
                                      mape,
+                                     multi_gpu_records,
                                      validate,
 )
 from labkit.plan.inputs import KV_DTYPES, WEIGHT_DTYPES, Calibration, Cluster, KernelPath, Traffic
+from labkit.plan.layouts import LAYOUTS_175B, calibrated_cluster, every_layout, layout_rows, worked_example_175b
 from labkit.plan.scenario import SCENARIO_175B, Recommendation, Scenario, load_sweep, recommend, scenario_gpu
 from labkit.plan.serve import Plan, best_by_format, explain, plan
-from labkit.plan.steps import decode_step_time, kv_read_time, prefill_time, weight_paths
+from labkit.plan.steps import (
+                                     MULTI_GPU_CAVEAT,
+                                     decode_step_parts,
+                                     decode_step_time,
+                                     kv_read_time,
+                                     prefill_time,
+                                     weight_paths,
+)
 from labkit.plan.summary import TIERS, load_summary, strategy_table
 
-__all__ = ["Calibration", "Cluster", "FORMAT_GEMM_RECORD", "KV_DTYPES", "KernelPath", "NOMINAL", "Plan",
-           "Recommendation", "SCENARIO_175B", "STEP_SWEEP_RECORD", "Scenario", "TIERS", "Traffic", "WEIGHT_DTYPES",
-           "best_by_format", "calibration_of", "decode_step_time", "explain", "fit_calibration", "kernel_paths",
-           "kv_read_time", "load_calibration", "load_summary", "load_sweep", "mape", "plan", "prefill_time",
-           "recommend", "scenario_gpu", "strategy_table", "validate", "weight_paths"]
+__all__ = ["Calibration", "Cluster", "FORMAT_GEMM_RECORD", "KV_DTYPES", "KernelPath", "LAYOUTS_175B",
+           "MULTI_GPU_CAVEAT", "NOMINAL", "Plan", "Recommendation", "SCENARIO_175B", "STEP_SWEEP_RECORD", "Scenario",
+           "TIERS", "Traffic", "WEIGHT_DTYPES", "best_by_format", "calibrated_cluster", "calibration_of",
+           "decode_step_parts", "decode_step_time", "every_layout", "explain", "fit_calibration", "kernel_paths",
+           "kv_read_time", "layout_rows", "load_calibration", "load_summary", "load_sweep", "mape",
+           "multi_gpu_records", "plan", "prefill_time", "recommend", "scenario_gpu", "strategy_table", "validate",
+           "weight_paths", "worked_example_175b"]

@@ -160,18 +160,35 @@ def kernel_paths(records: Path | str = RECORDS, format_gemm: dict | None = None
     return tuple(weights), tuple(kv)
 
 
+def multi_gpu_records(root: Path | str = REPO_ROOT / "results") -> tuple[dict, str]:
+    """(collective fits, multi-GPU step record) from the committed multi-GPU runs (``scripts/bench_multigpu.py``
+    writes ``results/<gpu>x<N>/records/multigpu_comm.json`` and ``multigpu_tp.json``): the fits of the run with
+    the most GPUs, and the path of its TP step record ("" when there is none: TP > 1 is not validated)."""
+    fits, tp = {}, ""
+    for path in sorted(Path(root).glob("*x[0-9]*/records/multigpu_comm.json"), key=lambda p: (len(str(p)), p)):
+        fits = {k: v for k, v in (_read(path) or {}).get("data", {}).get("fits", {}).items() if "alpha_s" in v}
+    steps = sorted(Path(root).glob("*x[0-9]*/records/multigpu_tp.json"), key=lambda p: (len(str(p)), p))
+    if steps:
+        tp = _shown(steps[-1])
+    return fits, tp
+
+
 def load_calibration(path: Path | str = STEP_SWEEP_RECORD, records: Path | str | None = None,
-                     format_gemm: dict | None = None) -> tuple[Calibration, dict | None]:
+                     format_gemm: dict | None = None, multi_gpu_root: Path | str = REPO_ROOT / "results"
+                     ) -> tuple[Calibration, dict | None]:
     """Calibration from a committed step-sweep record joined with the kernel paths of the records beside it (or
-    of ``records``), or ``NOMINAL`` (and ``None``) when there is no sweep."""
+    of ``records``) and the collectives and TP steps measured on several GPUs (``multi_gpu_records``), or
+    ``NOMINAL`` (and ``None``) when there is no sweep."""
     path = Path(path)
     if not path.exists():
         return NOMINAL, None
     rec = json.loads(path.read_text())
     cal = calibration_of(rec, _shown(path))
     w, kv = kernel_paths(path.parent if records is None else records, format_gemm)
+    fits, tp = multi_gpu_records(multi_gpu_root)
     machines = {rec.get("env", {}).get("device", "?")} | {p.machine for p in (*w, *kv)}
-    return replace(cal, kernels=w, kv_paths=kv, machine=" + ".join(sorted(machines))), rec
+    return replace(cal, kernels=w, kv_paths=kv, machine=" + ".join(sorted(machines)), collectives=fits,
+                   multi_gpu=tp), rec
 
 
 def calibration_of(record: dict, source: str = "", rows: list[dict] | None = None) -> Calibration:

@@ -93,13 +93,18 @@ class Traffic:
         return float(xs[min(len(xs) - 1, int(q * len(xs)))])
 
     def mean(self, which: str) -> float:
-        xs = _samples(self._dist(which))
-        return sum(xs) / len(xs)
+        return _mean(self._dist(which))
 
     def _dist(self, which: str) -> LengthDist:
         if which not in ("prompt", "output"):
             raise ValueError(f"which={which!r} is unknown; allowed: ['prompt', 'output']")
         return self.prompt_len if which == "prompt" else self.output_len
+
+
+@lru_cache(maxsize=64)
+def _mean(dist: LengthDist) -> float:
+    xs = _samples(dist)
+    return sum(xs) / len(xs)
 
 
 @lru_cache(maxsize=64)
@@ -144,6 +149,11 @@ class Calibration:
     fastest path measured for its format at its batch. ``kv_paths``: the same for KV formats (the KV read of bf16
     times the ratio); a KV format with no measured path is charged the bf16 time (its memory saving counts, an
     unmeasured speed-up does not). ``machine``: the machine of the records that calibrated it.
+
+    ``collectives``: alpha-beta fits of collectives measured on several GPUs of one node (``{"all_reduce@8":
+    {"alpha_s", "beta_bytes_per_s"}}``), used instead of the datasheet links where they hold the rank count;
+    ``multi_gpu``: the multi-GPU step record that validates layouts of more than one GPU ("" while none exists:
+    those predictions are ``labkit.plan.steps.MULTI_GPU_CAVEAT``).
     """
 
     bandwidth_eff: dict
@@ -156,6 +166,8 @@ class Calibration:
     kernels: tuple = ()
     kv_paths: tuple = ()
     machine: str = "nominal"
+    collectives: dict = field(default_factory=dict)
+    multi_gpu: str = ""
 
     def bw(self, weights: str) -> float:
         return self.bandwidth_eff.get(weights, self.bandwidth_eff.get("bf16", min(self.bandwidth_eff.values())))

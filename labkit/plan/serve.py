@@ -26,7 +26,7 @@ from labkit.plan.inputs import (
     check_positive_int,
     check_rate,
 )
-from labkit.plan.steps import decode_step_time, prefill_time
+from labkit.plan.steps import MULTI_GPU_CAVEAT, decode_step_time, prefill_time
 
 
 @dataclass
@@ -55,12 +55,17 @@ class Plan:
         return self.tp * self.pp * self.replicas
 
     @property
+    def validated(self) -> bool:
+        """False while a prediction for more than one GPU has no multi-GPU record behind it (``notes`` says so)."""
+        return MULTI_GPU_CAVEAT not in self.notes
+
+    @property
     def layout(self) -> str:
         return f"{self.replicas} x (TP{self.tp} x PP{self.pp}), weights {self.weights}, KV {self.kv}, " \
                f"batch <= {self.max_batch}"
 
     def to_dict(self) -> dict:
-        return dict(asdict(self), gpus=self.gpus, layout=self.layout)
+        return dict(asdict(self), gpus=self.gpus, layout=self.layout, validated=self.validated)
 
 
 def _serve(spec, cluster, cal, tp, pp, batch, weights, kv, traffic, replicas) -> dict:
@@ -140,11 +145,12 @@ def _candidate(spec, cluster, cal, traffic, slo, tp, pp, w, k, b, ctx_max) -> Pl
         return Plan(tp, pp, 0, w, k, b, False, mem["total"] / 1e9, *(float("nan"),) * 6, False,
                     ["does not fit"])
     best = None
+    caveat = [MULTI_GPU_CAVEAT] if tp * pp > 1 and not cal.multi_gpu else []
     for replicas in range(1, cluster.num_gpus // (tp * pp) + 1):
         s = _serve(spec, cluster, cal, tp, pp, b, w, k, traffic, replicas)
         ok = s["ttft"] <= slo.ttft_s and s["tpot"] <= slo.tpot_s
         best = Plan(tp, pp, replicas, w, k, b, True, mem["total"] / 1e9, s["step"] * 1e3, s["t_pre"] * 1e3,
-                    s["tpot"] * 1e3, s["ttft"] * 1e3, s["n"], s["capacity"], ok)
+                    s["tpot"] * 1e3, s["ttft"] * 1e3, s["n"], s["capacity"], ok, list(caveat))
         if ok:
             break
     return best
@@ -178,5 +184,6 @@ def explain(p: Plan, spec: ModelSpec, cluster: Cluster) -> str:
     parts.append(f"Weights {p.weights} and KV {p.kv}: {dtype_bytes(p.weights):g} and {dtype_bytes(p.kv):g} bytes "
                  f"per element; batch up to {p.max_batch}. Predicted: decode step {p.decode_step_ms:.1f} ms, "
                  f"TPOT {p.tpot_ms:.1f} ms, p99 TTFT {p.ttft_p99_ms:.0f} ms, capacity {p.capacity_req_s:.1f} req/s "
-                 f"on {p.gpus} GPUs ({p.replicas} replica{'s' if p.replicas > 1 else ''}).")
+                 f"on {p.gpus} GPUs ({p.replicas} replica{'s' if p.replicas > 1 else ''})"
+                 + ("." if p.validated else f", {MULTI_GPU_CAVEAT}."))
     return " ".join(parts)

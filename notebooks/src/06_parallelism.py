@@ -36,7 +36,6 @@ from labkit.bench import record_figure, time_fn, write_record
 from labkit.experiments import parallelism as ex
 from labkit.experiments.parallelism import bubble_table, comm_fits, plot_comm, plot_timeline, pp_bubble, pp_check
 from labkit.experiments.parallelism.report import case_175b_text
-from labkit.hardware import get_hardware
 from labkit.models import PRESETS, REPO_ROOT, TINY, human_bytes, load_model
 from labkit.parallel import cost_model as cm
 from labkit.parallel import launch
@@ -231,25 +230,39 @@ print(f"overlap: all-reduce of {human_bytes(ov['bytes'])} {ov['comm'] * 1e3:.2f}
 # measures the same overlap with two half-batches on two communicators.
 #
 # ## The 175B case
-# GPT-3 175B in bf16 on nodes of 8 GPUs, through the cost model (roofline floor per stage plus ring collectives
-# over the published link bandwidths). The reading below the tables is rendered from the same cost model, so its
-# numbers cannot drift from them.
+# GPT-3 175B in bf16 on nodes of 8 GPUs, through the planner's cost model (`labkit.plan.decode_step_parts`: the
+# roofline of each stage's weights and KV, scaled by the efficiencies fitted on the engine's measured single-GPU
+# steps, plus ring collectives over the published link bandwidths). The planner of notebook 08 calls the same
+# function, so a layout has one step time in both notebooks. No multi-GPU record calibrates the collectives or
+# checks a step of more than one GPU yet: every row says so in its `caveat` column. The reading below the tables
+# is rendered from the same function, so its numbers cannot drift from them.
 
 # %%
+from labkit.bench import output_dir  # noqa: E402
+from labkit.plan import SCENARIO_175B, calibrated_cluster, every_layout, recommend, worked_example_175b  # noqa: E402
+
+fresh = output_dir() / "records" / "format_gemm.json"
+if PROFILE == "gpu" and not fresh.exists():  # each weight format's matmul paths (ours and cuBLAS) by batch
+    from labkit.experiments.parallelism import formats  # noqa: E402
+
+    write_record("format_gemm", formats.measure())
+rec175 = recommend(SCENARIO_175B, format_gemm=json.loads(fresh.read_text())["data"] if fresh.exists() else None)
+cols = ["layout", "microbatches", "weights_gb", "kv_gb", "fits", "weights_read_s", "kv_read_s", "tp_comm_s",
+        "pp_comm_s", "step_s", "tokens_per_s", "comm_frac", "caveat"]
 for hw_name in ("h200", "h100"):
-    rows175 = cm.worked_example_175b(get_hardware(hw_name), batch=32, context=2048)
-    print(hw_name.upper())
-    display(pd.DataFrame(rows175)[["layout", "microbatches", "weights_gb", "kv_gb", "fits", "stage_read_s",
-                                   "tp_comm_s", "pp_comm_s", "step_s", "tokens_per_s", "comm_frac"]].round(4))
-layouts16 = pd.DataFrame(cm.best_layouts(PRESETS["gpt3-175b"], get_hardware("h200"), 16, batch=32, context=2048))
-display(layouts16[["layout", "fits", "mem_gb", "tp_comm_s", "step_s", "tokens_per_s"]].round(4))
+    rows175 = worked_example_175b(hw_name, batch=32, context=2048)
+    print(f"{hw_name.upper()}: {rows175[0]['hardware']}")
+    display(pd.DataFrame(rows175)[cols].round(4))
+cluster16, cal175, _ = calibrated_cluster("h200")
+layouts16 = pd.DataFrame(every_layout(PRESETS["gpt3-175b"], cluster16, cal175, 16, batch=32, context=2048))
+display(layouts16[["layout", "fits", "mem_gb", "tp_comm_s", "step_s", "tokens_per_s", "caveat"]].round(4))
 q = cm.tp_comm(PRESETS["gpt3-175b"], 16, 32, "ib-ndr", "bf16")
 q8 = cm.tp_comm(PRESETS["gpt3-175b"], 16, 32, "ib-ndr", "int8")
 print(f"TP16 across InfiniBand: {q['time_s'] * 1e3:.1f} ms of all-reduce per step in bf16, "
       f"{q8['time_s'] * 1e3:.1f} ms with int8 communication")
 
 # %%
-display(Markdown("Reading the tables:\n\n" + case_175b_text(batch=32, context=2048)))
+display(Markdown("Reading the tables:\n\n" + case_175b_text(batch=32, context=2048, rec=rec175)))
 
 # %% [markdown]
 # * **PP across nodes.** A stage boundary sends `batch x hidden` once per step: kilobytes, microseconds. PP adds
@@ -322,7 +335,7 @@ rec = write_record("06_parallelism", {
     "bubble": {p: t for p, (_, t) in bubbles.items()},
     "bubble_events": {p: [{"rank": r["rank"], "rows": r["rows"]} for r in res] for p, (res, _) in bubbles.items()},
     "comm_rows": crow, "comm_fits": fits, "overlap": ov,
-    "worked_175b_h200": cm.worked_example_175b(get_hardware("h200")),
+    "worked_175b_h200": worked_example_175b("h200"),
     "layouts_175b_16gpu": layouts16.to_dict("records"),
 })
 record_figure("parallel.tp_logits_rel_err", tp_err, "relative", rec, bar="<= 1e-5",
@@ -365,16 +378,8 @@ else:
 #   The 175B recommendation is the planner's (next cell), the same one notebook 08 quotes.
 
 # %%
-from labkit.bench import output_dir  # noqa: E402
 from labkit.claims import Claim, show  # noqa: E402
-from labkit.plan import SCENARIO_175B, recommend  # noqa: E402
 
-fresh = output_dir() / "records" / "format_gemm.json"
-if PROFILE == "gpu" and not fresh.exists():  # each weight format's matmul paths (ours and cuBLAS) by batch
-    from labkit.experiments.parallelism import formats  # noqa: E402
-
-    write_record("format_gemm", formats.measure())
-rec175 = recommend(SCENARIO_175B, format_gemm=json.loads(fresh.read_text())["data"] if fresh.exists() else None)
 rrec = write_record("06_parallelism_175b", {"layout": rec175.layout, "calibration": rec175.cal.source,
                                             "plans": [p.to_dict() for p in rec175.plans[:20]]})
 record_figure("parallel.recommended_175b_layout", rec175.layout, "layout", rrec, machine=rec175.cal.machine,

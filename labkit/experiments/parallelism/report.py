@@ -73,32 +73,50 @@ def plot_comm(rows: list[dict], fits: dict, ax) -> None:
     ax.legend(fontsize=7)
 
 
-def case_175b_text(batch: int = 32, context: int = 2048) -> str:
-    """The prose of notebook 06's 175B case, every number computed by ``labkit.parallel.cost_model`` (bf16 GPT-3
-    175B, ``batch`` sequences of ``context`` tokens, nodes of 8 GPUs): weights and KV, what TP8 holds per GPU and
-    whether it fits an H100 and an H200, the all-reduce count and share of a TP8 step on NVLink, and TP16 over
-    InfiniBand against it."""
-    from labkit.hardware import get_hardware
+def case_175b_text(batch: int = 32, context: int = 2048, rec=None) -> str:
+    """The prose of notebook 06's 175B case, every number from the planner's one cost model
+    (``labkit.plan.worked_example_175b``: ``decode_step_parts`` calibrated on the committed single-GPU steps; bf16
+    GPT-3 175B, ``batch`` sequences of ``context`` tokens, nodes of 8 GPUs): weights and KV, what TP8 holds per GPU
+    and whether it fits an H100 and an H200, the all-reduce count and share of a TP8 step on NVLink, TP16 over
+    InfiniBand against it, and (``rec``, a ``labkit.plan.Recommendation``) the planner's pick through the same
+    function at the scenario's own batch and context."""
     from labkit.models import PRESETS
     from labkit.parallel import cost_model as cm
+    from labkit.plan import steps, worked_example_175b
 
     spec = PRESETS["gpt3-175b"]
-    rows = {hw: {r["layout"]: r for r in cm.worked_example_175b(get_hardware(hw), batch, context)}
+    rows = {hw: {(r["layout"], r["microbatches"]): r for r in worked_example_175b(hw, batch, context)}
             for hw in ("h100", "h200")}
-    tp8, tp16 = rows["h200"]["TP8 x PP1"], rows["h200"]["TP16 x PP1"]
-    fits = {hw: "fits" if rows[hw]["TP8 x PP1"]["fits"] else "does not fit" for hw in rows}
-    shares = sorted(rows[hw]["TP8 x PP1"]["comm_frac"] for hw in rows)
+    tp8, tp16 = rows["h200"]["TP8 x PP1", 1], rows["h200"]["TP16 x PP1", 1]
+    fits = {hw: "fits" if rows[hw]["TP8 x PP1", 1]["fits"] else "does not fit" for hw in rows}
+    shares = sorted(rows[hw]["TP8 x PP1", 1]["comm_frac"] for hw in rows)
     per_token = spec.kv_bytes_per_token("bf16")
     shrink = " (the KV cache would have to shrink: paging, int8 KV, a smaller batch)"
     all_reduces = cm.tp_comm(spec, 8, batch)["all_reduces"]
-    return (f"GPT-3 175B in bf16: {spec.weight_bytes('bf16') / 1e9:.0f} GB of weights, and ({spec.num_layers} "
+    caveat = f" ({tp8['caveat']})" if tp8["caveat"] else ""
+    text = (f"GPT-3 175B in bf16: {spec.weight_bytes('bf16') / 1e9:.0f} GB of weights, and ({spec.num_layers} "
             f"layers x {spec.num_kv_heads} KV heads x {spec.head_dim}) a KV cache of {per_token / 1e6:.1f} MB per "
             f"token, so {batch} sequences of {context} tokens hold {per_token * batch * context / 1e9:.0f} GB of "
-            f"KV.\n\n"
+            f"KV. Every step time below is the planner's cost model (`labkit.plan.decode_step_parts`), calibrated on "
+            f"{tp8['calibrated_on']}'s measured single-GPU steps{caveat}.\n\n"
             f"* **Weights and KV per GPU.** TP8 on one node holds {tp8['weights_gb']:.0f} GB of weights per GPU; the "
             f"KV cache of {batch} x {context} tokens adds {tp8['kv_gb']:.0f} GB. On 80 GB H100s that "
             f"{fits['h100']}{shrink if fits['h100'] != 'fits' else ''}; on 141 GB H200s it {fits['h200']}.\n"
             f"* **TP inside a node.** Each decode step does {all_reduces} all-reduces. On NVLink they are "
-            f"latency-bound (microseconds each), {shares[0]:.0%} to {shares[-1]:.0%} of the step. Across nodes "
-            f"(TP16 over InfiniBand) they cost {tp16['tp_comm_s'] / tp8['tp_comm_s']:.1f}x more and communication "
-            f"is {tp16['comm_frac']:.0%} of the step: never stretch TP over the node boundary.")
+            f"latency-bound (microseconds each), {shares[0]:.0%} to {shares[-1]:.0%} of a "
+            f"{tp8['step_s'] * 1e3:.0f} ms step on the H200. Across nodes (TP16 over InfiniBand) they cost "
+            f"{tp16['tp_comm_s'] / tp8['tp_comm_s']:.1f}x more and communication is {tp16['comm_frac']:.0%} of the "
+            f"step: never stretch TP over the node boundary.")
+    if rec is not None and rec.best is not None:
+        b = rec.best
+        traffic = rec.scenario.traffic()
+        ctx = int(traffic.mean("prompt") + traffic.mean("output") / 2)
+        mine = steps.decode_step_parts(spec, rec.scenario.cluster(rec.gpu), rec.cal, b.tp, b.pp, b.max_batch, ctx,
+                                       b.weights, b.kv)
+        text += (f"\n* **The planner's pick, through the same function.** At the scenario's traffic "
+                 f"({rec.scenario.rate_req_s:g} requests/s, TPOT objective {rec.scenario.tpot_s * 1e3:.0f} ms) the "
+                 f"planner chooses {b.replicas} replicas of TP{b.tp} x PP{b.pp} ({b.weights} weights, {b.kv} KV): "
+                 f"at its largest batch, {b.max_batch}, and its mean context, {ctx} tokens, a step takes "
+                 f"{mine['step_s'] * 1e3:.0f} ms, not the {tp8['step_s'] * 1e3:.0f} ms above, which is TP8 at "
+                 f"batch {batch} and context {context}: one model, two operating points.")
+    return text
