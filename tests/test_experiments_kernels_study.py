@@ -5,12 +5,15 @@ import torch
 from labkit.experiments.kernels.study import (
     FUSION_BYTES,
     INT8_ATTN_SHAPE,
+    decode_step_figures,
+    decode_steps,
     int8_attention_speedup,
     kv_quant_attention,
     matmul_rates,
     norm_sweep,
     operator_costs,
     plot_bandwidth,
+    sdpa_gqa,
 )
 
 
@@ -60,3 +63,31 @@ def test_norm_sweep_rows_and_plot():
     assert all(r["bytes"] == 4 * r["rows"] * 96 * 2 + 96 * 2 for r in fused)  # read x, r; write out, residual
     ax = plot_bandwidth(rows, ceiling_gb_s=10.0)
     assert len(ax.get_lines()) >= 3  # two implementations at least and the ceiling
+
+
+def test_sdpa_gqa_baseline_computes_the_same_model_and_restores_it(tiny_model):
+    """The decode step's strong baseline (SDPA with enable_gqa, K/V never copied per query group) is the same model:
+    equal logits and greedy tokens, and the model's own attention comes back after the block."""
+    model, _ = tiny_model
+    ids = torch.randint(3, 8000, (2, 17), generator=torch.Generator().manual_seed(3))
+    before = model.config._attn_implementation
+    with torch.no_grad():
+        ref, ref_tokens = model(ids).logits, model.generate(ids, max_new_tokens=4, do_sample=False)
+        with sdpa_gqa(model):
+            assert model.config._attn_implementation == "labkit_sdpa_gqa"
+            got, tokens = model(ids).logits, model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert model.config._attn_implementation == before
+    assert ((got - ref).norm() / ref.norm()) < 1e-5 and torch.equal(tokens, ref_tokens)
+
+
+def test_decode_steps_time_the_three_steps_and_name_the_headline(tiny_model):
+    model, _ = tiny_model
+    rows = decode_steps(model, [1, 2], 8, iters=1)
+    assert [r["batch"] for r in rows] == [1, 2]
+    r = rows[-1]
+    assert r["speed-up"] == r["sdpa_gqa ms"] / r["patched ms"]
+    assert r["speed-up vs hf sdpa"] == r["hf sdpa ms"] / r["patched ms"]
+    figs = decode_step_figures(rows)
+    assert figs == {"kernels.patched_step_speedup": r["speed-up"],
+                    "kernels.patched_step_speedup_vs_hf_sdpa": r["speed-up vs hf sdpa"]}
+    assert decode_step_figures([]) == {}
