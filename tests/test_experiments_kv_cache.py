@@ -1,7 +1,8 @@
 """Notebook 02's measurements. Request mixes and the budget simulation (the engine's scheduler on a cache without
-tensors): hand-checked small runs, the log-normal mix, prefix sharing, swap, and the issue's headline comparison on
-a small mix. The KV formats' evaluation: every-position logits of the engine's runner against HF's forward,
-perplexity against ``labkit.evaluate.perplexity``, the formats' errors, the latency harness."""
+tensors): hand-checked small runs, the log-normal mix, prefix sharing, swap, and the headline comparison on a
+small mix (both caches capped, time from bytes). The KV formats' evaluation: every-position logits of the
+engine's runner against HF's forward, perplexity against ``labkit.evaluate.perplexity``, the formats' errors, the
+latency harness."""
 
 import pytest
 import torch
@@ -53,12 +54,35 @@ def test_contiguous_by_hand():
         simulate_contiguous(MIX, budget_tokens=5, max_len=10)
 
 
+def test_contiguous_cap_and_kv_read_by_hand():
+    r = simulate_contiguous(MIX, budget_tokens=10, max_len=10)
+    assert r.kv_tokens_read == 2 + 3 + 4 + 1 and r.output_tokens == 4  # the held tokens each step attends over
+    two = simulate_contiguous(MIX, budget_tokens=20, max_len=10)
+    one = simulate_contiguous(MIX, budget_tokens=20, max_len=10, max_num_seqs=1)
+    assert two.peak_running == 2 and one.peak_running == 1 and one.steps == r.steps
+    with pytest.raises(ValueError, match="max_num_seqs=0"):
+        simulate_contiguous(MIX, budget_tokens=20, max_len=10, max_num_seqs=0)
+
+
+def test_time_from_bytes_counts_weights_per_step_kv_per_token_and_prefill_flops():
+    from labkit.hardware import KNOWN
+    from labkit.models import PRESETS
+
+    spec, hw = PRESETS["llama-3-8b"], KNOWN["h200"]
+    r = simulate_contiguous(MIX, budget_tokens=10, max_len=10)
+    expect = ((4 * spec.weight_bytes("bf16") + 10 * spec.kv_bytes_per_token("bf16")) / hw.mem_bandwidth
+              + 3 * 2 * spec.num_params / hw.bf16_flops)
+    assert r.time_s(spec, hw) == pytest.approx(expect)
+
+
 def test_paged_by_hand():
     r = simulate_paged(MIX, budget_tokens=10, block_size=2)
     # both admitted at once (one block each); request 1 is done after its prefill
     assert r.steps == 3 and r.trace["held"] == [3, 3, 4] and r.trace["reserved"] == [4, 4, 4]
     assert r.waste_frac == pytest.approx(1 - 10 / 12) and r.peak_running == 2 and r.preemptions == 0
     assert r.table_entries_per_seq == pytest.approx((2 + 2 + 2) / 4)
+    # step 1 computes 2 + 1 prompt tokens, then request 0 holds 3 and 4: each step reads what its sequences hold
+    assert r.kv_tokens_read == 3 + 3 + 4 and r.output_tokens == 4
 
 
 def test_tight_budget_preempts_but_finishes_everything():
@@ -80,12 +104,20 @@ def test_prefix_sharing_saves_memory_and_prefill():
 
 
 def test_paged_admits_far_more_than_contiguous_with_little_waste():
-    """The issue's headline on a small mix: under 4% waste for blocks of 16, at least 2.5x the sequences."""
+    """The headline on a small mix: under 4% waste for blocks of 16 against slabs of the workload's longest
+    sequence, at least 2.5x the sequences with both capped at 32, and faster by bytes read, by less than that."""
+    from labkit.hardware import KNOWN
+    from labkit.models import PRESETS
+
     mix = lognormal_mix(300, 2048, seed=6)
-    contiguous = simulate_contiguous(mix, 16384, 2048)
-    paged = simulate_paged(mix, 16384, 16, sample_every=2)
-    assert contiguous.waste_frac > 0.5 and paged.waste_frac < 0.04
-    assert paged.mean_running_saturated / contiguous.mean_running_saturated >= 2.5
+    contiguous = simulate_contiguous(mix, 16384, max(mix.total_tokens), max_num_seqs=32)
+    paged = simulate_paged(mix, 16384, 16, sample_every=2, max_num_seqs=32)
+    assert contiguous.waste_frac > 0.5 and paged.waste_frac < 0.04 and paged.peak_running <= 32
+    ratio = paged.mean_running_saturated / contiguous.mean_running_saturated
+    assert ratio >= 2.5
+    speedup = contiguous.time_s(PRESETS["tiny"], KNOWN["h200"]) / paged.time_s(PRESETS["tiny"], KNOWN["h200"])
+    assert 1 < speedup < ratio
+    assert paged.output_tokens == contiguous.output_tokens == sum(mix.output_lens)
 
 
 def test_window_logits_match_hf_forward_at_every_position(tiny_model):

@@ -3,9 +3,12 @@ a model), and the int8 / fp8 KV trade-off (accuracy on the embedded model, memor
 
 The paged simulation drives the engine's own ``ContinuousBatchingScheduler`` over a ``PagedKVCache`` built without
 tensors, so admission, preemption and prefix hits follow exactly the code the engine runs with; the contiguous
-side gives each admitted request a slab of ``max_len`` slots (``ContiguousKVCache``). Time advances in steps: each
-step every running request adds one token, and newly admitted ones add their prompt (the token budget is
-unbounded, so a prompt is prefilled in one step).
+side gives each admitted request a slab of ``max_len`` slots (``ContiguousKVCache``). Both cap the running requests
+at ``max_num_seqs``, as a real engine does. The simulation advances in steps: each step every running request adds
+one token, and newly admitted ones add their prompt (the token budget is unbounded, so a prompt is prefilled in one
+step). A step of many sequences reads more KV than a step of few, so steps are no clock: ``SimResult.time_s``
+turns a run into seconds from the bytes and FLOPs it moves (every step reads the weights once and every running
+sequence's cached tokens, every prefilled token costs its matmul FLOPs).
 
 KV formats: ``kv_format_accuracy`` runs the real model on the paged cache with every query attending to K/V read
 back from the cache (the engine's ``ModelRunner``, torch path), so a quantised format affects every scored token
@@ -99,6 +102,8 @@ class SimResult:
     prefill_tokens: int = 0
     prefix_cached_tokens: int = 0
     table_entries_per_seq: float = 0.0  # block-table entries (int32) per running sequence, mean
+    kv_tokens_read: int = 0  # cached tokens attended over, summed over every step and running sequence
+    output_tokens: int = 0
     trace: dict = field(default_factory=lambda: {"step": [], "running": [], "held": [], "reserved": []})
 
     def to_dict(self, with_trace: bool = False) -> dict:
@@ -106,6 +111,14 @@ class SimResult:
         if not with_trace:
             d.pop("trace")
         return d
+
+    def time_s(self, spec, hw, dtype: str = "bf16") -> float:
+        """Seconds this run takes on ``hw`` serving ``spec`` in ``dtype``, from bytes and FLOPs (a floor, the same
+        for both caches): each step reads the weights once and the KV of every cached token it attends over, at the
+        memory bandwidth; each prefilled token (recomputed ones included) costs ``2 x parameters`` FLOPs at the
+        bf16 matmul rate."""
+        read = self.steps * spec.weight_bytes(dtype) + self.kv_tokens_read * spec.kv_bytes_per_token(dtype)
+        return read / hw.mem_bandwidth + self.prefill_tokens * 2 * spec.num_params / hw.bf16_flops
 
 
 class _Sampler:
@@ -140,9 +153,13 @@ class _Sampler:
         return r
 
 
-def simulate_contiguous(mix: RequestMix, budget_tokens: int, max_len: int, sample_every: int = 1) -> SimResult:
-    """Serve ``mix`` first come, first served with one ``max_len`` slab per running request."""
-    max_seqs = budget_tokens // max_len
+def simulate_contiguous(mix: RequestMix, budget_tokens: int, max_len: int, sample_every: int = 1,
+                        max_num_seqs: int = 1 << 30) -> SimResult:
+    """Serve ``mix`` first come, first served with one ``max_len`` slab per running request, at most
+    ``max_num_seqs`` of them."""
+    if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs={max_num_seqs!r} must be an integer >= 1")
+    max_seqs = min(budget_tokens // max_len, max_num_seqs)
     if max_seqs < 1:
         raise ValueError(f"budget_tokens={budget_tokens} holds no slab of max_len={max_len}")
     cache = ContiguousKVCache(1, 1, 1, max_seqs=max_seqs, max_len=max_len, allocate_pools=False)
@@ -158,10 +175,12 @@ def simulate_contiguous(mix: RequestMix, budget_tokens: int, max_len: int, sampl
             cache.allocate(rid, mix.prompt_lens[rid])
             res.prefill_tokens += mix.prompt_lens[rid]
             generated[rid] = 0
+        held = sum(cache.lens.values())
+        res.kv_tokens_read += held
         if res.steps % sample_every == 0:
-            held = sum(cache.lens.values())
             sampler.add(res.steps, len(generated), held, len(generated) * max_len, held, bool(waiting))
         res.steps += 1
+        res.output_tokens += len(generated)
         for rid in list(generated):
             generated[rid] += 1
             if generated[rid] == mix.output_lens[rid]:
@@ -200,7 +219,9 @@ def simulate_paged(mix: RequestMix, budget_tokens: int, block_size: int = 16, sy
         if batch.is_empty:
             raise RuntimeError("the scheduler found nothing to run with requests unfinished")
         for seq, n in zip(batch.seqs, batch.num_tokens):  # a model step would write these tokens' K/V now
-            cache.mark_computed(seq.seq_id, cache.seq(seq.seq_id).num_computed + n)
+            done = cache.seq(seq.seq_id).num_computed + n
+            cache.mark_computed(seq.seq_id, done)
+            res.kv_tokens_read += done  # its attention reads every cached token of the sequence
         if res.steps % sample_every == 0:
             s = cache.stats()
             entries = sum(len(seq.block_table) for seq in cache.seqs.values())
@@ -210,6 +231,7 @@ def simulate_paged(mix: RequestMix, budget_tokens: int, block_size: int = 16, sy
         # output ids above the prompts' range: no accidental prefix sharing through generated tokens
         tokens = [(seq.seq_id * 7919 + seq.num_output_tokens) % vocab + vocab
                   for seq, smp in zip(batch.seqs, batch.sample) if smp]
+        res.output_tokens += len(tokens)
         sched.postprocess(batch, tokens, float(res.steps))
     st = sched.stats()
     res.preemptions, res.prefill_tokens, res.prefix_cached_tokens = (st["preemptions"], st["admitted_tokens"],
