@@ -1,5 +1,5 @@
 """The notebook's measurement helpers on the embedded model at toy sizes: rows have the promised fields and
-consistent counts; the HF static-batch extrapolation's arithmetic; no speed is asserted."""
+consistent counts; the offline comparison with HF measured whole on both sides; no speed is asserted."""
 
 import json
 import math
@@ -8,14 +8,12 @@ import pytest
 import torch
 
 from labkit.engine.metrics import SLO, RequestMetrics
-from labkit.engine.workload import LengthDist, RequestSpec, make_workload
+from labkit.engine.workload import LengthDist, make_workload
 from labkit.experiments.batching import (
     check_greedy_vs_hf,
     decode_rate,
     fifo_executions,
     fifo_sweep,
-    hf_static_extrapolate,
-    hf_static_measured,
     runner_step,
     serve_sweep,
     token_gaps,
@@ -23,15 +21,6 @@ from labkit.experiments.batching import (
 from labkit.experiments.batching.cli import main as bench_main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def test_hf_static_extrapolation_arithmetic():
-    wl = [RequestSpec(i, 0.0, (1,) * (4 if i < 3 else 2), m) for i, m in enumerate([5, 9, 2, 7, 3])]
-    probe = {"batch_size": 3, "prefill_s": 0.6, "step_s": 0.1}
-    est = hf_static_extrapolate(wl, probe)
-    # batch 1: 12 prompt tokens (the probe's) -> 0.6 s + 8 steps; batch 2: 4 tokens -> 0.2 s + 6 steps
-    assert est["batches"] == 2 and est["total_s"] == pytest.approx(0.6 + 0.8 + 0.2 + 0.6)
-    assert est["output_tokens"] == 26 and est["output_tok_s"] == pytest.approx(26 / 2.2)
 
 
 def test_token_gaps():
@@ -57,15 +46,23 @@ def test_fifo_sweep_replays_the_measured_services(tiny_model):
     assert slow["ttft_p50_s"] < queued["ttft_p50_s"] and slow["output_tokens"] == queued["output_tokens"]
 
 
-def test_hf_static_measured_counts_every_token_of_the_first_requests(tiny_model):
+def test_offline_comparison_measures_every_request_on_both_sides(tiny_model):
+    """HF in each mode and the engine serve the same whole workload (no extrapolation); the headline ratio is over
+    the best HF mode, each mode's ratio a footnote."""
+    from labkit.experiments.baseline import offline_speedups, offline_throughput
+
     model, _ = tiny_model
-    wl = make_workload(5, 2.0, LengthDist.uniform(3, 9), LengthDist.uniform(2, 5), torch.arange(100, 3000), seed=2)
-    hf = hf_static_measured(model, wl, batch_size=2, num_requests=3)
-    assert hf["requests"] == 3 and hf["request_ids"] == [r.request_id for r in wl[:3]]
-    assert hf["output_tokens"] == sum(r.max_new_tokens for r in wl[:3]) and hf["total_s"] > 0
-    assert hf["output_tok_s"] == pytest.approx(hf["output_tokens"] / hf["total_s"])
-    with pytest.raises(ValueError, match="num_requests=6"):
-        hf_static_measured(model, wl, batch_size=2, num_requests=6)
+    wl = make_workload(4, 2.0, LengthDist.uniform(3, 9), LengthDist.uniform(2, 5), torch.arange(100, 3000), seed=2)
+    rows = offline_throughput(model, wl, 2, dict(max_num_seqs=4, max_model_len=32), ("eager", "static"),
+                              progress=False)
+    assert [r["mode"] for r in rows] == ["eager", "static", "engine"]
+    assert all(r["requests"] == 4 and r["seconds"] > 0 for r in rows)
+    s = offline_speedups(rows)
+    engine = rows[-1]["output_tok_s"]
+    assert s["eager"] == pytest.approx(engine / rows[0]["output_tok_s"])
+    assert s["best"] == min(s["eager"], s["static"])  # the strongest baseline gives the smallest ratio
+    with pytest.raises(ValueError, match="no HF mode"):
+        offline_speedups(rows[-1:])
 
 
 def test_greedy_check_decode_rate_and_sweep(tiny_model):

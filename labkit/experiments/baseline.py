@@ -235,27 +235,45 @@ def sweep_load(model, workload: list[RequestSpec], loads: list[float], static_ba
 def offline_throughput(model, workload: list[RequestSpec], batch_size: int, engine_kwargs: dict,
                        modes: tuple[str, ...], pad_token_id: int = 0, progress: bool = True) -> list[dict]:
     """Every request of ``workload`` queued at once, served by HF ``generate`` in static batches of ``batch_size``
-    (arrival order, each batch runs to its longest request) in each of ``modes``, and by the engine.
+    (arrival order, each batch runs to its longest request) in each of ``modes``, and by the engine: every request
+    measured on both sides, nothing extrapolated.
 
     Output tokens/s count each request's own tokens (a static batch's padding steps are its cost, not output).
-    Each HF mode is warmed up on the first batch first. Returns one row per server.
+    Each HF mode is warmed up first; a static-cache mode on the widest batch for the longest output of the workload,
+    so that HF sizes its static cache once for every batch and its compiled decode step is not compiled again
+    (HF keeps the largest static cache length it has made; keep ``len(workload)`` a multiple of ``batch_size`` so
+    the batch dimension does not change either). Returns one row per server.
     """
     from labkit.engine import LLMEngine
 
     order = sorted(workload, key=lambda r: (r.arrival_s, r.request_id))
     batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
     tokens = sum(r.max_new_tokens for r in order)
+    widest = max(batches, key=lambda b: (len(b), max(len(r.prompt_ids) for r in b)))
+    longest = max(r.max_new_tokens for r in order)
     rows = []
     for mode in modes:
-        run_generate(model, [r.prompt_ids for r in batches[0]], 2, pad_token_id, mode)  # warm-up (compile)
+        warm = longest if mode.startswith("static") else 2  # warm-up: compile, and the static cache's length
+        run_generate(model, [r.prompt_ids for r in widest], warm, pad_token_id, mode)
         total = sum(run_generate(model, [r.prompt_ids for r in b], max(r.max_new_tokens for r in b), pad_token_id,
                                  mode)[0].total_s for b in tqdm(batches, desc=f"HF {mode}", disable=not progress))
-        rows.append({"server": f"HF generate ({mode}), static batches of {batch_size}", "requests": len(order),
-                     "seconds": total, "output_tok_s": tokens / total})
+        rows.append({"server": f"HF generate ({mode}), static batches of {batch_size}", "mode": mode,
+                     "requests": len(order), "seconds": total, "output_tok_s": tokens / total})
     engine = LLMEngine(model, **engine_kwargs)
     engine.serve(at_rate(order[:batch_size], math.inf), progress=False)  # warm-up
     res = engine.serve(at_rate(order, math.inf), progress=False)
-    rows.append({"server": "labkit engine (continuous batching)", "requests": len(order),
-                 "seconds": res.stats["busy_s"], "output_tok_s": tokens / res.stats["busy_s"]})
+    rows.append({"server": "labkit engine (continuous batching)", "mode": "engine", "requests": len(order),
+                 "seconds": res.stats["busy_s"], "output_tok_s": tokens / res.stats["busy_s"],
+                 "peak_kv_bytes": res.stats.get("peak_kv_bytes"), "preemptions": res.stats.get("preemptions")})
     del engine
     return rows
+
+
+def offline_speedups(rows: list[dict]) -> dict[str, float]:
+    """From ``offline_throughput``'s rows: the engine's output tokens/s over each HF mode's (``{mode: ratio}``)
+    and over the best HF mode (``"best"``, the headline: the strongest baseline measured)."""
+    engine = next(r for r in rows if r.get("mode") == "engine")["output_tok_s"]
+    hf = {r["mode"]: r["output_tok_s"] for r in rows if r.get("mode") not in (None, "engine")}
+    if not hf:
+        raise ValueError("rows hold no HF mode: nothing to compare the engine with")
+    return {**{m: engine / v for m, v in hf.items()}, "best": engine / max(hf.values())}

@@ -9,9 +9,6 @@ from labkit.experiments.batching.measure import (
     fifo_sweep,
     free_device_memory,
     hf_greedy,
-    hf_static_extrapolate,
-    hf_static_measured,
-    hf_static_probe,
     profile_decode,
     runner_step,
     serve_row,
@@ -20,5 +17,4 @@ from labkit.experiments.batching.measure import (
 )
 
 __all__ = ["check_graph_replays", "check_greedy_vs_hf", "decode_rate", "fifo_executions", "fifo_sweep",
-           "free_device_memory", "hf_greedy", "hf_static_extrapolate", "hf_static_measured", "hf_static_probe",
-           "profile_decode", "runner_step", "serve_row", "serve_sweep", "token_gaps"]
+           "free_device_memory", "hf_greedy", "profile_decode", "runner_step", "serve_row", "serve_sweep", "token_gaps"]

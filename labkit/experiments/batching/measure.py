@@ -13,15 +13,13 @@
   inter-token gaps, throughput, busy fraction and memory
 * ``fifo_sweep``: the FIFO engine run once with every request queued, its per-request service replayed at each
   arrival rate (a FIFO server's service of a request does not depend on when it arrived)
-* ``hf_static_measured``: HF ``generate`` in static batches, measured in full on the first requests of an offline
-  workload (the baseline of the offline comparison: measured, never extrapolated)
-* ``hf_static_probe`` / ``hf_static_extrapolate``: HF ``generate`` measured on one batch and extrapolated to a
-  whole workload (kept for ``bench serve``; a headline ratio uses ``hf_static_measured``)
+
+The offline comparison with HF ``generate`` (every request served on both sides, HF in each of its modes) is
+``labkit.experiments.baseline.offline_throughput``: nothing is extrapolated from a batch.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import math
 import time
@@ -47,7 +45,7 @@ from labkit.engine import (
     summarize,
 )
 from labkit.evaluate import relative_error
-from labkit.experiments.baseline import Execution, replay_fifo, run_generate, serve_static
+from labkit.experiments.baseline import Execution, replay_fifo
 from labkit.kvcache import PagedKVCache
 from labkit.model import FusionPlan
 from labkit.profiling import ProfileResult, profile_run
@@ -343,52 +341,3 @@ def fifo_sweep(model, workload: list[RequestSpec], loads: Sequence[float], slo: 
         replayed.stats["busy_frac"] = busy / replayed.stats["makespan_s"]
         rows.append({"policy": "FIFO", "rate_req_s": load * capacity, **serve_row(replayed, slo)})
     return rows, capacity
-
-
-# --- HF generate in static batches --------------------------------------------------------------------------------
-def hf_static_measured(model, workload: list[RequestSpec], batch_size: int, num_requests: int,
-                       pad_token_id: int = 0) -> dict:
-    """HF ``generate`` in static batches of ``batch_size`` on the first ``num_requests`` requests of ``workload``
-    (all queued at once), every token generated and timed: output tokens/s over the seconds ``generate`` ran.
-
-    Returns ``{'requests', 'batch_size', 'output_tokens', 'total_s', 'output_tok_s', 'request_ids'}``; serve the
-    same ``request_ids`` with the engine to compare like with like."""
-    if not 1 <= num_requests <= len(workload):
-        raise ValueError(f"num_requests={num_requests} must be between 1 and len(workload)={len(workload)}")
-    sub = [dataclasses.replace(r, arrival_s=0.0) for r in workload[:num_requests]]
-    run_generate(model, [sub[0].prompt_ids], 2, pad_token_id)  # warm-up
-    _, busy = serve_static(model, sub, batch_size, pad_token_id)
-    tokens = sum(r.max_new_tokens for r in sub)
-    return {"requests": len(sub), "batch_size": batch_size, "output_tokens": tokens, "total_s": busy,
-            "output_tok_s": tokens / busy, "request_ids": [r.request_id for r in sub]}
-
-
-def hf_static_probe(model, workload: list[RequestSpec], batch_size: int, probe_tokens: int,
-                    pad_token_id: int = 0) -> dict:
-    """Time HF ``generate`` on the first ``batch_size`` prompts of ``workload`` for ``probe_tokens`` tokens:
-    prefill (first token) and the mean decode step after it."""
-    prompts = [r.prompt_ids for r in workload[:batch_size]]
-    run_generate(model, prompts[:1], 2, pad_token_id)  # warm-up
-    ex, _ = run_generate(model, prompts, probe_tokens, pad_token_id)
-    step = (ex.token_times_s[-1] - ex.token_times_s[0]) / (len(ex.token_times_s) - 1)
-    return {"batch_size": len(prompts), "probe_tokens": probe_tokens, "prefill_s": ex.first_token_s,
-            "step_s": step, "total_s": ex.total_s}
-
-
-def hf_static_extrapolate(workload: list[RequestSpec], probe: dict) -> dict:
-    """Seconds HF ``generate`` would take to serve ``workload`` offline in static batches of the probe's size, in
-    arrival order: per batch, the probe's prefill (scaled by the batch's share of prompt tokens) plus one probe
-    step per token of its longest request after the first.
-
-    The probe's step is measured at the prompt's context; steps later in a batch attend to longer contexts and
-    are slower, so this under-estimates HF's time (the engine's speed-up over it is conservative)."""
-    b = probe["batch_size"]
-    order = sorted(workload, key=lambda r: (r.arrival_s, r.request_id))
-    total, tokens = 0.0, 0
-    probe_prompt_tokens = sum(r.prompt_len for r in order[:b])
-    for i in range(0, len(order), b):
-        batch = order[i:i + b]
-        total += probe["prefill_s"] * sum(r.prompt_len for r in batch) / probe_prompt_tokens
-        total += probe["step_s"] * (max(r.max_new_tokens for r in batch) - 1)
-        tokens += sum(r.max_new_tokens for r in batch)
-    return {"batches": -(-len(order) // b), "total_s": total, "output_tokens": tokens, "output_tok_s": tokens / total}
