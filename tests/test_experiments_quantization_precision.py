@@ -59,3 +59,14 @@ def test_perplexity_by_dtype():
     assert abs(ppl["bf16"] / ppl["fp32"] - 1) < 0.02
     with pytest.raises(ValueError, match="allowed"):
         P.perplexity_by_dtype(("int8",))
+
+
+def test_precision_figures_from_the_rows():
+    acc = P.accumulation_rows(lengths=(64, 512), batch=4)
+    figs = P.precision_figures(P.overflow_rows(), acc, [{"dtype": "fp32", "ppl change": 0.0},
+                                                        {"dtype": "bf16", "ppl change": -2e-4}])
+    assert figs["quant.overflow_cases"] == 3 and figs["quant.fp16_overflow_cases"] == 3
+    assert figs["quant.bf16_overflow_cases"] == 0 and figs["quant.accum_terms"] == 512
+    assert figs["quant.bf16_accum_rel_err"] > 100 * figs["quant.bf16_fp32_accum_rel_err"]
+    assert figs["quant.bf16_model_ppl_delta_frac"] == pytest.approx(2e-4)
+    assert P.precision_figures([], [], []) == {}

@@ -533,6 +533,12 @@ else:
                   note=wb_note)
     record_figure("quant.int4_weight_bytes_ratio", by["int4"]["weight_bytes_ratio"], "ratio", rec, bar="<= 0.30",
                   note=wb_note)
+SETTINGS = ("quant.overflow_cases", "quant.accum_terms")  # how many cases and terms were tried: configuration
+for name, value in P.precision_figures(P.overflow_rows(), accum.to_dict("records"),
+                                      dtype_ppl.to_dict("records")).items():  # follow-up three's numerics
+    unit = "cases" if name.endswith("_cases") else "terms" if name.endswith("_terms") else "relative"
+    record_figure(name, value, unit, rec, derived=name in SETTINGS,
+                  note="the precision section of this notebook: overflow cases, running sums, the model per dtype")
 print(f"record: {rec}")
 
 # %% [markdown]

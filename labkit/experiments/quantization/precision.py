@@ -228,3 +228,29 @@ def perplexity_by_dtype(dtypes=("fp32", "bf16", "fp16"), seq_len: int = 256, max
         out[name] = heldout_perplexity(model, tok, seq_len=seq_len, max_windows=max_windows)
         del model
     return out
+
+
+def precision_figures(overflow: list[dict], accumulation: list[dict], dtype_ppl: list[dict]) -> dict[str, float]:
+    """The numerics of FP32 vs BF16 vs FP16 as figures, from ``overflow_rows``, ``accumulation_rows`` and the
+    notebook's perplexity-by-dtype rows (``{"dtype", "ppl change"}``): how many of the overflow cases fp16 and bf16
+    overflow, the longest sum's error with a bf16 and an fp16 running accumulator and with bf16 inputs summed in
+    fp32, that sum's length, and the perplexity change of the whole model in bf16."""
+    out: dict[str, float] = {}
+    cases = sorted({r["computation"] for r in overflow})
+    if cases:
+        out["quant.overflow_cases"] = len(cases)
+        for d in ("fp16", "bf16"):
+            out[f"quant.{d}_overflow_cases"] = sum(r["overflow"] for r in overflow if r["dtype"] == d)
+    if accumulation:
+        n = max(r["n"] for r in accumulation)
+        at = {r["dtype"]: r for r in accumulation if r["n"] == n}
+        out["quant.accum_terms"] = n
+        if "bf16" in at:
+            out["quant.bf16_accum_rel_err"] = at["bf16"]["naive_rel_error"]
+            out["quant.bf16_fp32_accum_rel_err"] = at["bf16"]["fp32_acc_rel_error"]
+        if "fp16" in at:
+            out["quant.fp16_accum_rel_err"] = at["fp16"]["naive_rel_error"]
+    ppl = {r["dtype"]: r["ppl change"] for r in dtype_ppl}
+    if "bf16" in ppl:
+        out["quant.bf16_model_ppl_delta_frac"] = abs(ppl["bf16"])
+    return out
