@@ -28,6 +28,7 @@ to the records, validation against them), ``serve`` (the serving model and the r
 ``results/summary.json``).
 """
 
+from labkit.plan.arithmetic import USABLE, min_tp, model_arithmetic
 from labkit.plan.calibration import (
                                      FORMAT_GEMM_RECORD,
                                      NOMINAL,
@@ -52,12 +53,12 @@ from labkit.plan.steps import (
                                      prefill_time,
                                      weight_paths,
 )
-from labkit.plan.summary import TIERS, load_summary, strategy_table
+from labkit.plan.summary import load_summary
 
 __all__ = ["Calibration", "Cluster", "FORMAT_GEMM_RECORD", "KV_DTYPES", "KernelPath", "LAYOUTS_175B",
            "MULTI_GPU_CAVEAT", "NOMINAL", "Plan", "Recommendation", "SCENARIO_175B", "STEP_SWEEP_RECORD", "Scenario",
-           "TIERS", "Traffic", "WEIGHT_DTYPES", "best_by_format", "calibrated_cluster", "calibration_of",
+           "Traffic", "USABLE", "WEIGHT_DTYPES", "best_by_format", "calibrated_cluster", "calibration_of",
            "decode_step_parts", "decode_step_time", "every_layout", "explain", "fit_calibration", "kernel_paths",
-           "kv_read_time", "layout_rows", "load_calibration", "load_summary", "load_sweep", "mape",
-           "multi_gpu_records", "plan", "prefill_time", "recommend", "scenario_gpu", "strategy_table", "validate",
+           "kv_read_time", "layout_rows", "load_calibration", "load_summary", "load_sweep", "mape", "min_tp",
+           "model_arithmetic", "multi_gpu_records", "plan", "prefill_time", "recommend", "scenario_gpu", "validate",
            "weight_paths", "worked_example_175b"]

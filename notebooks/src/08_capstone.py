@@ -6,8 +6,11 @@
 # order (memory, computation, communication), what does each trade in accuracy, latency and memory, and how do we
 # prove each one worked?
 #
-# Everything below is rendered from `results/summary.json` and the committed records at every run: this notebook
-# measures nothing itself, and its prose holds no typed number (a test checks the markdown for digits).
+# Everything below is rendered from `results/summary.json`, the committed records and the planner at every run:
+# this notebook measures nothing itself, and its prose holds no typed number (a test checks the markdown for
+# digits). Nothing here ran a model of a hundred and seventy-five billion parameters: its numbers are arithmetic
+# on its shape, or the planner's predictions; every measured number comes from a proxy (a Llama model of eight
+# billion parameters on a GPU, the embedded model of eight million on the CPU) and says which, and on which machine.
 
 # %% tags=["parameters"]
 profile = "auto"
@@ -22,7 +25,7 @@ import labkit  # noqa: F401
 from labkit.bench import output_dir, record_figure, write_record
 from labkit.claims import Claim, show
 from labkit.experiments import capstone as cap
-from labkit.plan import SCENARIO_175B, load_summary, recommend, validate, weight_paths
+from labkit.plan import SCENARIO_175B, load_summary, model_arithmetic, recommend, validate, weight_paths
 from labkit.plan import mape as plan_mape
 from labkit.plan import load_sweep
 from labkit.models import get_spec
@@ -100,42 +103,41 @@ if sweep is not None:
     new["plan.step_time_mape"] = record_figure("plan.step_time_mape", plan_mape(held), "fraction", out, machine=m,
                                                bar="<= 0.15 (goal 0.08)",
                                                note=f"leave-one-out over {len(held)} steps of {rec.cal.source}")
+for name, value, unit, why in cap.layout_figures(best, SCENARIO_175B):  # the plan in words, not its layout string
+    new[name] = record_figure(name, value, unit, out, machine=m, derived=True, note=why)
+for suffix, (value, unit, why) in model_arithmetic(SCENARIO_175B.model).items():  # the 175B arithmetic
+    new[f"plan.gpt3_175b_{suffix}"] = record_figure(f"plan.gpt3_175b_{suffix}", value, unit, out, derived=True,
+                                                    note=why)
+full, qlora = figures.get("finetune.gpt3_full_ft_peak_gb"), figures.get("finetune.gpt3_qlora_peak_gb")
+if full and qlora:  # notebook 07's memory model at 175B: QLoRA's peak as a share of full fine-tuning's
+    new["finetune.gpt3_qlora_vs_full_frac"] = record_figure(
+        "finetune.gpt3_qlora_vs_full_frac", qlora["value"] / full["value"], "fraction", out, machine=full["machine"],
+        derived=True, note="finetune.gpt3_qlora_peak_gb / finetune.gpt3_full_ft_peak_gb (07's memory model)")
 figures.update(new)
+classes = cap.by_class(extra=new)  # each machine's figures: the summary's, this run's on top
 
 # %% [markdown]
 # ## The spoken answer (two minutes)
+# In the order the question asks for: the arithmetic of the model, the diagnosis and its proof, the plan tier by
+# tier, communication, the layout and why, and how each change is verified. Each measured number names the proxy
+# and the machine it was measured on; the table after the answer lists them with their records.
 
 # %%
-ANSWER = (
-    "First I would measure, not guess. A profile of one decode step showed the GPU idle for "
-    "{diagnose.decode_bs1_idle_frac:.0%} of the time and plain Hugging Face decoding at {baseline.hf_decode_bs1_mbu:.0%} "
-    "of the bandwidth floor: decode reads every weight per token ({diagnose.decode_intensity:.0f} FLOP per byte), "
-    "so it is memory-bound, while prefill ({diagnose.prefill_intensity:.0f} FLOP per byte) is compute-bound. "
-    "Second, scheduling and launch overhead, free of accuracy cost: continuous batching with chunked prefill gave "
-    "{engine.continuous_vs_static_throughput:.1f}x the throughput of static batching, and CUDA graphs with fused "
-    "kernels took batch-one decode to {engine.decode_bs1_mbu:.0%} of the bandwidth floor. "
-    "Third, memory: a paged KV cache wastes {kvcache.paged_waste_frac:.1%} of its slots, against "
-    "{kvcache.contiguous_waste_frac:.0%} for a cache reserved at the maximum length, and int8 KV costs "
-    "{kvcache.int8_ppl_delta_frac:.3%} perplexity; the batch is what turns bandwidth into throughput. "
-    "Fourth, weights: int8 costs {quant.int8_ppl_delta_frac:.2%} perplexity and decodes {quant.int8_decode_speedup:.2f}x "
-    "faster at batch one, calibrated int4 {quant.int4_calibrated_ppl_delta_frac:.1%} and {quant.int4_decode_speedup:.2f}x; "
-    "{weights_clause} "
-    "Fifth, layout: for the hundred-and-seventy-five-billion model it recommends {plan.gpt3_175b_layout}, tensor "
-    "parallel inside a node where NVLink is fast, replicas for throughput, pipeline stages only if it must span nodes: "
-    "{plan.gpus_175b_bf16} GPUs at a predicted {plan.gpt3_175b_tpot_ms:.0f} ms per token. "
-    "To verify each step in production I track p99 time to first token, time per output token, tokens per second and "
-    "GPU busy time against offered load, and the planner's predicted step time against the measured one; "
-    "its leave-one-out error is {plan.step_time_mape:.1%}."
-)
-g = {w: figures[f"plan.gpus_175b_{w}"]["value"] for w in ("bf16", "int8", "int4")}
-slower = [w for w in ("int8", "int4") if g[w] is None or (g["bf16"] is not None and g[w] > g["bf16"])]
-weights_clause = (f"but at the planned batch the measured {' and '.join(slower)} kernels are slower than bf16 GEMM, "
-                  f"so those formats need more GPUs than bf16." if slower else
-                  "and at the planned batch they also need no more GPUs than bf16.")
-answer = cap.render(ANSWER.replace("{weights_clause}", weights_clause), figures)
-assert cap.word_count(answer) <= 300, cap.word_count(answer)
+answer, evidence = cap.answer(classes, figures)
+words = cap.word_count(answer)
+labelled = cap.proxy_labelled(answer, evidence)
+new["capstone.answer_words"] = record_figure("capstone.answer_words", words, "words", out, bar="<= 300",
+                                             derived=True, note="the two-minute answer, rendered")
+new["capstone.proxy_labelled"] = record_figure("capstone.proxy_labelled", labelled, "bool", out, bar="true",
+                                               derived=True, note="every tier's measured number names its proxy "
+                                                                  "and machine")
+figures.update(new)
+assert words <= 300 and labelled, (words, labelled)
 display(Markdown(answer))
-print(f"{cap.word_count(answer)} words")
+display(pd.DataFrame([{"part": e["group"], "measured on": e["label"],
+                       "figures": ", ".join(f"{n} ({classes[e['class']][n]['record']})" for n in e["figures"])}
+                      for e in evidence]))
+print(f"{words} words")
 
 # %% [markdown]
 # ## The tiered plan: memory, computation, communication, and the table of techniques
@@ -160,46 +162,8 @@ figures.update(new)
 # ## The three hints and three follow-ups
 
 # %%
-HINTS = {
-    "Hint one: memory-bound against compute-bound": (
-        "A decode step does {diagnose.decode_intensity:.1f} FLOP per byte it reads, far below the ridge of the "
-        "GPU, so it runs at the speed of memory: the fused elementwise kernels reach {kernels.rmsnorm_bw_frac:.0%} "
-        "of copy bandwidth and paged attention {kernels.paged_attn_bw_frac:.0%}. Prefill does "
-        "{diagnose.prefill_intensity:.0f} FLOP per byte and is bound by the tensor cores: there flash attention "
-        "is what counts ({kernels.flash_attn_vs_sdpa:.2f}x SDPA's flash backend)."),
-    "Hint two: hardware-level kernels against KV quantisation": (
-        "Custom kernels cut time without touching accuracy: RMSNorm fused runs {kernels.rmsnorm_speedup_vs_eager:.1f}x "
-        "eager. KV quantisation is an algorithmic change: int8 KV halves the cache "
-        "({kernels.int8_kv_bytes_ratio:.2f} of the bytes) for {kvcache.int8_ppl_delta_frac:.4%} perplexity, but its "
-        "attention runs at {kernels.int8_kv_attn_speedup:.2f}x bf16's, so its win is capacity (a larger batch), "
-        "not a faster kernel."),
-    "Hint three: continuous batching against FIFO": (
-        "Under load FIFO's p99 time to first token grew {baseline.fifo_ttft_p99_growth:.1f}x from the lowest to the "
-        "highest rate; continuous batching gave {engine.continuous_vs_fifo_throughput:.1f}x FIFO's throughput "
-        "and {engine.continuous_vs_static_throughput:.1f}x static batching's, because finished sequences leave "
-        "and new ones join at every step."),
-    "Follow-up one: fine-tuning instead of inference": (
-        "Training holds gradients and optimizer state, so memory, not bandwidth, is the first limit: LoRA trains "
-        "{finetune.lora_trainable_frac:.1%} of the parameters, and QLoRA's peak memory is "
-        "{finetune.qlora_peak_mem_ratio_vs_full:.0%} of full fine-tuning's; the memory model predicts the peak "
-        "within {finetune.memory_model_rel_err:.1%}. Pipeline schedules matter more (one-forward-one-backward), "
-        "CUDA graphs and KV paging less."),
-    "Follow-up two: pipeline or tensor parallelism": (
-        "Tensor parallelism splits every weight read, so it cuts the time per token, at two all-reduces per layer: "
-        "inside a node only. Pipeline parallelism sends little but idles: the measured bubble "
-        "{parallel.pp_bubble_measured:.2f} against the formula's {parallel.pp_bubble_formula:.2f}. Both reproduce "
-        "the single-process logits (TP {parallel.tp_logits_rel_err:.0e}). The planner picks "
-        "{plan.gpt3_175b_layout}."),
-    "Follow-up three: FP32, BF16, INT8": (
-        "Fewer bytes per weight means faster bandwidth-bound decode and fewer GPUs for the weights: int8 weights "
-        "are {quant.int8_weight_bytes_ratio:.2f} of bf16's bytes for {quant.int8_ppl_delta_frac:.3%} perplexity, "
-        "FP8 {quant.fp8_weight_bytes_ratio:.2f} for {quant.fp8_ppl_delta_frac:.2%}. Speed depends on the kernel at "
-        "the batch: FP8 through torch._scaled_mm decodes at {quant.fp8_decode_speedup:.2f}x bf16 at batch one "
-        "({quant.fp8_kernels_per_step:.0f} kernels a step, most of them quantising activations), and the planner "
-        "needs {plan.gpus_175b_int8} GPUs with int8 weights against {plan.gpus_175b_bf16} with bf16."),
-}
-for title, text in HINTS.items():
-    display(Markdown(f"**{title}.** " + cap.render(text, figures)))
+for title, text in cap.HINTS.items():
+    display(Markdown(f"**{title}.** " + cap.render_paragraph(text, classes, figures)[0]))
 
 # %% [markdown]
 # ## The plan for the hundred-and-seventy-five-billion model, and how it moves
@@ -240,15 +204,17 @@ claims = show(
           "quant.int8_ppl_delta_frac < 0.005", machine="gpu"),
     Claim("The planner predicts measured steps within {plan.step_time_mape:.1%} (leave-one-out; the bar: 15%)",
           "plan.step_time_mape <= 0.15", machine="gpu"),
-    Claim("The paged cache wastes less than a contiguous one that reserves the model's whole context "
-          "({kvcache.paged_waste_frac:.1%} against {kvcache.contiguous_waste_frac:.0%})",
-          "kvcache.paged_waste_frac < kvcache.contiguous_waste_frac", machine="gpu"),
+    Claim("The paged cache wastes less than a contiguous one that reserves the workload's longest sequence "
+          "({kvcache.paged_waste_frac:.1%} against {kvcache.contiguous_waste_frac_workload_max:.0%})",
+          "kvcache.paged_waste_frac < kvcache.contiguous_waste_frac_workload_max", machine="any"),
     Claim("Decode is memory-bound and prefill compute-bound: {diagnose.decode_intensity:.1f} and "
           "{diagnose.prefill_intensity:.0f} FLOP per byte on either side of the GPU's measured ridge point of "
           "{diagnose.ridge_flop_per_byte:.0f}", "diagnose.decode_intensity < diagnose.ridge_flop_per_byte < "
           "diagnose.prefill_intensity", machine="gpu"),
     "The technique table has {capstone.technique_rows} rows; {capstone.empty_cells} of their cells have no measuring "
     "figure yet (listed above)",
+    "The answer above is {capstone.answer_words} words; every tier's number names its proxy and machine: "
+    "{capstone.proxy_labelled}",
     title="Checked claims",
 )
 
@@ -259,3 +225,5 @@ claims = show(
 # * Quantisation pays only with a kernel that is fast at the batch served; the planner takes the fastest
 #   measured kernel per format, so a faster kernel changes its answer, not the prose.
 # * Tensor parallelism inside a node, replicas for throughput, pipeline stages only across nodes.
+# * A proxy's number is evidence for a technique, not a measurement of the big model: say which proxy and which
+#   machine, and let the planner carry it to the big model as a prediction, labelled as one.

@@ -1,10 +1,11 @@
-"""Notebook 08 (the capstone): the answer to the 175B question, rendered from ``results/summary.json``.
+"""Notebook 08's technique table and the figures it reads.
 
 ``TECHNIQUES`` is the technique x trade-off table as data: one row per technique, each cell a list of figure
 names (accuracy, latency, throughput, memory) plus when to use it and when not; a later technique adds one row.
-``derived_figures`` reads figures that committed GPU records hold but the summary did not (each with its record
-and machine). ``render`` fills a template's ``{area.figure:fmt}`` fields from the figures, so prose carries no
-typed number.
+Each latency and throughput cell names the headline figure of its technique (``labkit.headlines``: the strongest
+baseline measured). ``derived_figures`` reads figures that committed GPU records hold but the summary does not (each
+with its record and machine). ``render`` fills a template's ``{area.figure:fmt}`` fields from the figures, so prose
+carries no typed number.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ COLUMNS = ("accuracy", "latency", "throughput", "memory")
 
 TECHNIQUES = [
     dict(technique="paged KV cache", tier="memory", accuracy=["engine.greedy_matches_hf"],
-         latency=["kernels.paged_attn_bw_frac"], throughput=["kvcache.max_seqs_ratio"],
-         memory=["kvcache.paged_waste_frac", "kvcache.contiguous_waste_frac"],
+         latency=["kvcache.paged_speedup_vs_workload_max", "kernels.paged_attn_bw_frac"],
+         throughput=["kvcache.max_seqs_ratio_vs_workload_max"],
+         memory=["kvcache.paged_waste_frac", "kvcache.contiguous_waste_frac_workload_max"],
          use="always for serving: memory is reserved per block as sequences grow",
          avoid="fixed-length offline batches, where a contiguous cache wastes nothing"),
     dict(technique="prefix caching", tier="memory", accuracy=["kvcache.prefix_outputs_identical"],
@@ -37,12 +39,13 @@ TECHNIQUES = [
          use="long contexts and large batches, where the KV cache bounds the batch",
          avoid="short contexts where weights dominate memory; attention kernels without in-kernel dequantisation"),
     dict(technique="fused kernels (RMSNorm, SwiGLU, RoPE)", tier="computation",
-         accuracy=["kernels.patched_logits_rel_err"], latency=["kernels.rmsnorm_speedup_vs_eager"],
+         accuracy=["kernels.patched_logits_rel_err"],
+         latency=["kernels.rmsnorm_speedup_vs_compile", "kernels.patched_step_speedup"],
          throughput=["kernels.rmsnorm_bw_frac", "kernels.swiglu_bw_frac"], memory=["kernels.fused_peak_memory_ratio"],
          use="memory-bound elementwise chains run eagerly: each fusion removes a read and a write",
          avoid="when a compiler (torch.compile, TensorRT) already fuses them"),
     dict(technique="flash and paged attention", tier="computation", accuracy=["kernels.flash_attn_rel_err"],
-         latency=["kernels.flash_attn_vs_sdpa"], throughput=["kernels.paged_attn_bw_frac"],
+         latency=["kernels.flash_attn_vs_cudnn"], throughput=["kernels.paged_attn_bw_frac"],
          memory=["kvcache.paged_waste_frac"],
          use="prefill (flash: no score matrix in memory) and decode over a paged cache",
          avoid="when the platform's fused attention (cuDNN) is already faster at the shape"),
@@ -69,7 +72,8 @@ TECHNIQUES = [
          avoid="one fixed-size offline batch, where static batching is as good and simpler"),
     dict(technique="CUDA graphs", tier="computation", accuracy=["engine.greedy_matches_hf"],
          latency=["diagnose.decode_bs1_idle_frac", "engine.decode_bs1_mbu"],
-         throughput=["engine.offline_speedup_vs_hf"], memory=["engine.cuda_graph_pool_mb_b64"],
+         throughput=["engine.offline_speedup_vs_hf", "engine.speedup_vs_hf_compiled_b64"],
+         memory=["engine.cuda_graph_pool_mb_b64"],
          use="decode steps of many short kernels (launch-bound)",
          avoid="shapes that change every step (capture per bucket), or long compute-bound kernels"),
     dict(technique="tensor parallelism", tier="communication", accuracy=["parallel.tp_logits_rel_err"],
@@ -144,14 +148,24 @@ def _read(rel: str) -> tuple[dict | None, str]:
     return (json.loads(path.read_text()) if path.exists() else None), rel
 
 
-def derived_figures() -> list[dict]:
-    """Figures that committed GPU records hold but ``results/summary.json`` did not: ``{name, value, unit,
+def derived_figures(summary: dict | None = None) -> list[dict]:
+    """Figures that committed GPU records hold but ``results/summary.json`` does not: ``{name, value, unit,
     machine, source, note}`` each, and ``derived: True`` for arithmetic rather than a measurement (recorded by
-    notebook 08 with the source record's machine)."""
+    notebook 08 with the source record's machine). A figure the summary already holds for that machine from another
+    record (its own notebook measured it since) is left out."""
+    from labkit.figures import machine_class, read_summary
+
     out = []
     k, rel = _read("results/h200/records/03_kernels.json")
     if k is not None:
+        from labkit.experiments.kernels.bench import headline_figures
+
         dev = k["env"].get("device", "?")
+        heads = headline_figures(k["data"]["rows"], "gpu")
+        for name in ("kernels.rmsnorm_speedup_vs_compile", "kernels.flash_attn_vs_cudnn"):
+            if heads.get(name) == heads.get(name):  # NaN where the record lacks the baseline's row
+                out.append(dict(name=name, value=heads[name], unit="x", machine=dev, source=rel,
+                                note="labkit.headlines: over the strongest baseline the record measured"))
         att = {r["attention"]: r for r in k["data"].get("kv_quant_attention", [])}
         bf, i8 = att.get("bf16 cache"), att.get("int8 cache, dequantised in the kernel")
         if bf and i8:
@@ -183,7 +197,19 @@ def derived_figures() -> list[dict]:
             if kps:
                 out.append(dict(name="quant.fp8_kernels_per_step", value=kps, unit="kernels", machine=dev,
                                 source=rel, note="FP8 decode step: per-token activation quantisation kernels"))
-    return [d for d in out if not (isinstance(d["value"], float) and math.isnan(d["value"]))]
+        from labkit.experiments.quantization.precision import precision_figures
+
+        ppl = [{"dtype": r["dtype"], "ppl change": r["ppl change"]} for r in q["data"].get("dtype_perplexity", [])]
+        for name, value in precision_figures(q["data"].get("overflow", []), q["data"].get("accumulation", []),
+                                             ppl).items():
+            unit = "cases" if name.endswith("_cases") else "terms" if name.endswith("_terms") else "relative"
+            out.append(dict(name=name, value=value, unit=unit, machine=dev, source=rel,
+                            derived=name in ("quant.overflow_cases", "quant.accum_terms"),
+                            note="notebook 04's precision section: overflow cases, running sums, the model per dtype"))
+    summary = read_summary() if summary is None else summary
+    held = {(n, c): e.get("record", "") for n, f in summary["figures"].items() for c, e in f["machines"].items()}
+    return [d for d in out if not (isinstance(d["value"], float) and math.isnan(d["value"]))
+            and "08_capstone" in held.get((d["name"], machine_class(d["machine"])), "08_capstone")]
 
 
 def word_count(text: str) -> int:

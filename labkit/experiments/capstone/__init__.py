@@ -1,0 +1,36 @@
+"""Notebook 08 (the capstone): the answer to the 175B question, rendered from ``results/summary.json`` and the
+planner.
+
+``table``: the technique x trade-off table as data (``TECHNIQUES``), the figures committed GPU records hold but the
+summary does not (``derived_figures``) and plain rendering (``render``). ``answer``: the two-minute answer, the hints
+and the follow-ups as templates, rendered with each measured number labelled by the proxy and machine it comes from
+(``answer``, ``proxy_labelled``), and the planner's layout as figures (``layout_figures``).
+"""
+
+from labkit.experiments.capstone.answer import (
+    ANSWER,
+    GROUPS,
+    HINTS,
+    TIERS,
+    answer,
+    by_class,
+    layout_figures,
+    proxy_label,
+    proxy_labelled,
+    render_paragraph,
+    templates,
+)
+from labkit.experiments.capstone.table import (
+    COLUMNS,
+    TECHNIQUES,
+    derived_figures,
+    markdown_digits,
+    namespace,
+    render,
+    technique_table,
+    word_count,
+)
+
+__all__ = ["ANSWER", "COLUMNS", "GROUPS", "HINTS", "TECHNIQUES", "TIERS", "answer", "by_class", "derived_figures",
+           "layout_figures", "markdown_digits", "namespace", "proxy_label", "proxy_labelled", "render",
+           "render_paragraph", "technique_table", "templates", "word_count"]
