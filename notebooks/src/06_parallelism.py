@@ -234,7 +234,7 @@ print(f"overlap: all-reduce of {human_bytes(ov['bytes'])} {ov['comm'] * 1e3:.2f}
 # roofline of each stage's weights and KV, scaled by the efficiencies fitted on the engine's measured single-GPU
 # steps, plus ring collectives over the published link bandwidths). The planner of notebook 08 calls the same
 # function, so a layout has one step time in both notebooks. No multi-GPU record calibrates the collectives or
-# checks a step of more than one GPU yet: every row says so in its `caveat` column. The reading below the tables
+# checks a multi-GPU step yet: every row says so in its `caveat` column. The reading below the tables
 # is rendered from the same function, so its numbers cannot drift from them.
 
 # %%
