@@ -8,6 +8,7 @@ are shared by the same sequences.
 
 from __future__ import annotations
 
+import math
 import random
 
 from labkit.exercises.core import NOTE, Case, Exercise, Measurement, Prediction, register, trace_diff
@@ -229,18 +230,23 @@ def _capacity_measure() -> list[Measurement]:
     mix, bs = data["mix"], data["block_size"]
     p, o = mix["prompt_lens"], mix["output_lens"]
     budget, slab = data["sizes"]["sim_budget_tokens"], data["workload_max_len"]
+    cap = data.get("max_num_seqs") or math.inf  # the engine's cap on running sequences, both sides (when recorded)
     measured = data["paged"]["mean_running_saturated"] / data["contiguous"]["mean_running_saturated"]
-    naive = budget / (sum(-(-(a + b / 2) // bs) * bs for a, b in zip(p, o)) / len(p)) / (budget // slab)
+    naive = (min(cap, budget / (sum(-(-(a + b / 2) // bs) * bs for a, b in zip(p, o)) / len(p)))
+             / min(cap, budget // slab))
 
     def explain(pred, meas):
         return (f"averaged over requests instead of steps (each holding its prompt and half its output) the model "
                 f"would say {naive:.2f}x: long requests stay longer, so the running mix is longer than the request "
                 f"mix. What is left: in the simulation a request joins holding only its prompt's blocks, the "
                 f"youngest are preempted when blocks run out, and the mean counts only steps where requests wait; "
-                f"the contiguous side is exact ({budget} // {slab} = {budget // slab} slabs)")
+                f"the contiguous side is exact ({budget} // {slab} = {budget // slab} slabs)"
+                + (f"; both sides run at most {cap} sequences, so each count is capped there" if cap < math.inf
+                   else ""))
     return [Measurement(f"paged / contiguous sequences running at once ({len(p)} requests, budget {budget} slots, "
-                        f"slabs of {slab}, blocks of {bs})", (p, o, budget, slab, bs), measured, "x", source, 0.25,
-                        explain, pick=lambda obs: obs["ratio"])]
+                        f"slabs of {slab}, blocks of {bs}" + (f", at most {cap} running" if cap < math.inf else "")
+                        + ")", (p, o, budget, slab, bs), measured, "x", source, 0.25, explain,
+                        pick=lambda obs: min(cap, obs["paged_seqs"]) / min(cap, obs["contiguous_seqs"]))]
 
 
 register(Prediction(
