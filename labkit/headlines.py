@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["HEADLINES", "Headline", "by_figure", "problems"]
+__all__ = ["HEADLINES", "NOISE", "Headline", "by_figure", "problems"]
 
 
 @dataclass(frozen=True)
@@ -74,10 +74,15 @@ def by_figure() -> dict[str, Headline]:
     return out
 
 
-def problems(figures: dict, headlines: tuple[Headline, ...] = HEADLINES) -> list[str]:
-    """Where a headline is above an alternative measured beside it: ``figures`` maps names to values (or to
-    entries with ``value``) of *one record and run*. Empty when every headline quotes the strongest baseline
-    measured there."""
+NOISE = 0.02
+"""How far a headline may sit above an alternative before its baseline counts as the weaker one: two baselines
+within timing noise of each other are equally strong."""
+
+
+def problems(figures: dict, headlines: tuple[Headline, ...] = HEADLINES, noise: float = NOISE) -> list[str]:
+    """Where a headline is above an alternative measured beside it (by more than ``noise``, relative): ``figures``
+    maps names to values (or to entries with ``value``) of *one record and run*. Empty when every headline quotes
+    the strongest baseline measured there."""
     def value(name):
         e = figures.get(name)
         v = e.get("value") if isinstance(e, dict) else e
@@ -90,7 +95,7 @@ def problems(figures: dict, headlines: tuple[Headline, ...] = HEADLINES) -> list
             continue
         for alt in h.alternatives:
             a = value(alt)
-            if a is not None and head > a * (1 + 1e-9):
+            if a is not None and head > a * (1 + noise):
                 out.append(f"{h.figure} = {head:.4g} is above {alt} = {a:.4g}: the baseline of {h.technique} "
                            f"({h.baseline}) is not the strongest measured in this record")
     return out

@@ -78,6 +78,29 @@ def test_sdpa_gqa_baseline_computes_the_same_model_and_restores_it(tiny_model):
             got, tokens = model(ids).logits, model.generate(ids, max_new_tokens=4, do_sample=False)
     assert model.config._attn_implementation == before
     assert ((got - ref).norm() / ref.norm()) < 1e-5 and torch.equal(tokens, ref_tokens)
+    # a left-padded batch: every decode step carries a mask, the path that packs each KV head's query group
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    with torch.no_grad():
+        ref_tokens = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        with sdpa_gqa(model):
+            tokens = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(tokens, ref_tokens)
+
+
+def test_sdpa_gqa_packed_decode_equals_repeated_heads():
+    from labkit.experiments.kernels.study import sdpa_gqa_attention_forward
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(3, 8, 1, 16, generator=g), torch.randn(3, 2, 11, 16, generator=g), \
+        torch.randn(3, 2, 11, 16, generator=g)
+    mask = torch.ones(3, 1, 1, 11, dtype=torch.bool)
+    mask[1, ..., :4] = False
+    module = torch.nn.Module().eval()
+    out, _ = sdpa_gqa_attention_forward(module, q, k, v, mask, scaling=0.25)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1),
+                                                           attn_mask=mask, scale=0.25).transpose(1, 2)
+    assert out.shape == (3, 1, 8, 16) and torch.allclose(out, ref, atol=1e-6)
 
 
 def test_decode_steps_time_the_three_steps_and_name_the_headline(tiny_model):

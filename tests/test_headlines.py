@@ -20,6 +20,8 @@ def test_problems_flags_a_headline_above_a_weaker_baseline():
     bad = problems({"k.vs_strong": 3.0, "k.vs_weak": {"value": 1.5}}, (h,))
     assert len(bad) == 1 and "not the strongest" in bad[0] and "the strong one" in bad[0]
     assert problems({"k.vs_strong": float("nan"), "k.vs_weak": 1.0}, (h,)) == []
+    assert problems({"k.vs_strong": 1.01, "k.vs_weak": 1.0}, (h,)) == []  # within timing noise: equally strong
+    assert len(problems({"k.vs_strong": 1.01, "k.vs_weak": 1.0}, (h,), noise=0.0)) == 1
     with pytest.raises(ValueError, match="its own alternative"):
         Headline("t", "a.b", "x", ("a.b",))
 

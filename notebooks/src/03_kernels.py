@@ -406,10 +406,11 @@ show(
           "{kernels.flash_attn_vs_sdpa:.2f}x: the weaker baseline flatters the kernel.",
           "kernels.flash_attn_vs_cudnn < kernels.flash_attn_vs_sdpa", machine="gpu"),
     Claim("A Llama-3-8B-shaped decode step at batch 32, context 4096, with labkit's kernels patched in runs "
-          "{kernels.patched_step_speedup:.2f}x the same step with SDPA called with enable_gqa (each KV head read "
-          "once); against HF's own SDPA path, a footnote, the ratio is {kernels.patched_step_speedup_vs_hf_sdpa:.1f}x: "
-          "copying K/V per query group makes that baseline slower.",
-          "kernels.patched_step_speedup < kernels.patched_step_speedup_vs_hf_sdpa", machine="gpu"),
+          "{kernels.patched_step_speedup:.2f}x the same step with SDPA reading each KV head once (enable_gqa), the "
+          "stronger baseline (within 2%): against HF's own SDPA path, a footnote, the ratio is "
+          "{kernels.patched_step_speedup_vs_hf_sdpa:.1f}x ({kernels.patched_step_speedup_vs_hf_sdpa:if > "
+          "kernels.patched_step_speedup then its K/V copies per query group cost time else no copy shows here}).",
+          "kernels.patched_step_speedup <= 1.02 * kernels.patched_step_speedup_vs_hf_sdpa", machine="gpu"),
     Claim("At batch 1 the int8 GEMV runs {kernels.w8_gemv_speedup_vs_bf16:.2f}x and the int4 GEMV "
           "{kernels.w4_gemv_speedup_vs_bf16:.2f}x cuBLAS bf16 (4096 -> 14336): fewer bytes, faster. Against the ratio "
           "of their bytes, the int8 GEMV {kernels.w8_gemv_speedup_vs_bf16:if >= 2 then reaches its 2x else falls short "

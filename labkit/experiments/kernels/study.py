@@ -146,14 +146,23 @@ SDPA_GQA = "labkit_sdpa_gqa"
 def sdpa_gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                attention_mask: torch.Tensor | None, scaling: float | None = None,
                                dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
-    """Hugging Face attention-interface function: ``F.scaled_dot_product_attention(..., enable_gqa=True)`` on
-    ``query`` ``[B, H, S, D]`` and ``key``/``value`` ``[B, H_kv, T, D]`` as the cache holds them (no
-    ``repeat_kv``), with the mask of transformers' sdpa builder (``None``: plain causal, or a decode step that sees
-    every cached token). Returns ``[B, S, H, D]`` and no weights."""
-    causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                         dropout_p=dropout if module.training else 0.0, is_causal=causal,
-                                         scale=scaling, enable_gqa=True)
+    """Hugging Face attention-interface function: SDPA on ``query`` ``[B, H, S, D]`` and ``key``/``value``
+    ``[B, H_kv, T, D]`` as the cache holds them, never copied once per query group (no ``repeat_kv``), with the mask
+    of transformers' sdpa builder (``None``: plain causal, or a decode step that sees every cached token).
+
+    ``enable_gqa=True`` does it where the mask is ``None`` (CUDA's flash backend takes grouped heads, not masks).
+    A masked decode step (one query) packs each KV head's query group as its rows instead, ``[B, H_kv, H / H_kv,
+    D]``, so SDPA's masked backends read every KV head once without the flag (on CUDA they refuse grouped heads and
+    SDPA would fall back to its math path, which copies K/V). Returns ``[B, S, H, D]`` and no weights."""
+    b, h, s, d = query.shape
+    drop = dropout if module.training else 0.0
+    if attention_mask is not None and s == 1 and key.shape[1] < h:
+        q = query.reshape(b, key.shape[1], h // key.shape[1], d)
+        out = F.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, dropout_p=drop, scale=scaling)
+        return out.reshape(b, h, 1, d).transpose(1, 2).contiguous(), None
+    causal = attention_mask is None and s > 1 and getattr(module, "is_causal", True)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=drop,
+                                         is_causal=causal, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
 
 
