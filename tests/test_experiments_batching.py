@@ -65,6 +65,23 @@ def test_offline_comparison_measures_every_request_on_both_sides(tiny_model):
         offline_speedups(rows[-1:])
 
 
+def test_warm_up_runs_a_few_steps_of_a_long_call(tiny_model):
+    """HF sizes (and compiles) for the longest batch while only a few decode steps run."""
+    from labkit.experiments.baseline import warm_up
+
+    model, _ = tiny_model
+    calls = []
+    forward = model.forward
+    model.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    try:
+        warm_up(model, [(5, 6, 7), (8, 9)], 200, mode="static", steps=4)
+    finally:
+        del model.forward
+    assert len(calls) == 4  # the prefill and three decode steps, not two hundred
+    with pytest.raises(ValueError, match="mode='fast'"):
+        warm_up(model, [(5,)], 4, mode="fast")
+
+
 def test_greedy_check_decode_rate_and_sweep(tiny_model):
     model, tok = tiny_model
     source = torch.arange(100, 6000)

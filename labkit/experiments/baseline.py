@@ -116,6 +116,34 @@ def run_generate(model, prompts: list[tuple[int, ...]], max_new_tokens: int, pad
     return Execution(len(prompts), [t - t0 for t in timer.times], total), out[:, ids.shape[1]:].cpu()
 
 
+class _StopAfter:
+    """A ``generate`` stopping criterion: every sequence stops once ``length`` ids (prompt included) exist."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool,
+                          device=input_ids.device)
+
+
+@torch.no_grad()
+def warm_up(model, prompts: list[tuple[int, ...]], max_new_tokens: int, pad_token_id: int = 0, mode: str = "eager",
+            steps: int = 8) -> None:
+    """Run ``generate`` in ``mode`` once, as a call for ``max_new_tokens`` tokens that stops after ``steps``: HF
+    compiles the decode step (static+compile) and sizes its static cache for ``max_new_tokens`` (it keeps the
+    largest length it has made, so later calls of up to that many tokens neither reallocate nor recompile), without
+    paying for the whole generation."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    if mode not in HF_MODES:
+        raise ValueError(f"mode={mode!r} is unknown; allowed: {list(HF_MODES)}")
+    ids, mask = _left_pad(prompts, pad_token_id, next(model.parameters()).device)
+    stop = type("StopAfter", (_StopAfter, StoppingCriteria), {})(ids.shape[1] + min(steps, max_new_tokens))
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                   pad_token_id=pad_token_id, stopping_criteria=StoppingCriteriaList([stop]), **HF_MODES[mode])
+
+
 def replay_fifo(workload: list[RequestSpec], executions: dict[int, Execution]) -> list[RequestMetrics]:
     """Queue the requests in arrival order on one server that runs ``executions[request_id]`` for each."""
     clock, out = 0.0, []
@@ -253,9 +281,8 @@ def offline_throughput(model, workload: list[RequestSpec], batch_size: int, engi
     widest = max(batches, key=lambda b: (len(b), max(len(r.prompt_ids) for r in b)))
     longest = max(r.max_new_tokens for r in order)
     rows = []
-    for mode in modes:
-        warm = longest if mode.startswith("static") else 2  # warm-up: compile, and the static cache's length
-        run_generate(model, [r.prompt_ids for r in widest], warm, pad_token_id, mode)
+    for mode in modes:  # warm-up: compile, and size the static cache for the longest batch (a few steps of it)
+        warm_up(model, [r.prompt_ids for r in widest], longest, pad_token_id, mode)
         total = sum(run_generate(model, [r.prompt_ids for r in b], max(r.max_new_tokens for r in b), pad_token_id,
                                  mode)[0].total_s for b in tqdm(batches, desc=f"HF {mode}", disable=not progress))
         rows.append({"server": f"HF generate ({mode}), static batches of {batch_size}", "mode": mode,
