@@ -124,3 +124,4 @@ def test_follow_ups_use_175b_figures():
 def test_proxy_labels_name_a_size_and_a_machine():
     assert cap.proxy_label("h200") == "8B proxy, H200" and cap.proxy_label("cpu") == "8M proxy, CPU"
     assert cap.proxy_label("h100+h200") == "8B proxy, H100+H200"
+    assert cap.proxy_label("h100", "memory_model") == "8M proxy, H100"  # 07 trains the embedded model on a GPU

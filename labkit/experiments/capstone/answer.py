@@ -17,7 +17,7 @@ from labkit.conditions import render
 from labkit.figures import class_order, machine_class, machine_figures, read_summary, summary_classes
 from labkit.models import PRESETS, TINY
 
-__all__ = ["ANSWER", "GROUPS", "HINTS", "TIERS", "answer", "by_class", "layout_figures", "proxy_label",
+__all__ = ["ANSWER", "EMBEDDED_ONLY", "GROUPS", "HINTS", "TIERS", "answer", "by_class", "layout_figures", "proxy_label",
            "proxy_labelled", "render_paragraph", "templates"]
 
 GROUPS = {
@@ -134,9 +134,15 @@ def templates() -> dict[str, str]:
     return {**{f"answer/{part}": text for part, text in ANSWER}, **HINTS}
 
 
-def proxy_label(cls: str) -> str:
-    """How a number measured on machine class ``cls`` is labelled: the proxy model's size and the machine."""
-    size = f"{TINY.num_params / 1e6:.0f}M" if cls == "cpu" else f"{PRESETS['llama-3-8b'].num_params / 1e9:.0f}B"
+EMBEDDED_ONLY = ("communication", "pipeline", "memory_model")
+"""Groups measured on the embedded model whatever the machine (gloo ranks; notebook 07's training steps)."""
+
+
+def proxy_label(cls: str, group: str | None = None) -> str:
+    """How a number of ``group`` measured on machine class ``cls`` is labelled: the proxy model's size (the
+    Llama-3-8B shape on a GPU, the embedded model on the CPU and for ``EMBEDDED_ONLY`` groups) and the machine."""
+    small = cls == "cpu" or group in EMBEDDED_ONLY
+    size = f"{TINY.num_params / 1e6:.0f}M" if small else f"{PRESETS['llama-3-8b'].num_params / 1e9:.0f}B"
     machine = "CPU" if cls == "cpu" else "+".join(p.upper() for p in cls.split("+"))
     return f"{size} proxy, {machine}"
 
@@ -176,7 +182,7 @@ def render_paragraph(template: str, classes: dict[str, dict], flat: dict) -> tup
         if cls is None:
             raise KeyError(f"no machine holds all of group {g!r}: {', '.join(GROUPS[g])}")
         values.update({n: _value(classes[cls][n]) for n in GROUPS[g]})
-        labels[g] = proxy_label(cls)
+        labels[g] = proxy_label(cls, g)
         evidence.append({"group": g, "class": cls, "label": labels[g], "figures": list(GROUPS[g])})
     values.update({f"label.{g}": v for g, v in labels.items()})
     return render(template, values), evidence
