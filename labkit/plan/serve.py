@@ -10,6 +10,7 @@ and the queueing of an M/D/1 prefill server at p99 (``-ln(0.01)`` times its mean
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -68,7 +69,7 @@ class Plan:
         return dict(asdict(self), gpus=self.gpus, layout=self.layout, validated=self.validated)
 
 
-def _serve(spec, cluster, cal, tp, pp, batch, weights, kv, traffic, replicas) -> dict:
+def _serve(step_time, spec, cluster, cal, tp, pp, batch, weights, kv, traffic, replicas) -> dict:
     lam = traffic.rate_req_s / replicas
     p_mean, o_mean = traffic.mean("prompt"), traffic.mean("output")
     ctx = int(p_mean + o_mean / 2)
@@ -76,13 +77,13 @@ def _serve(spec, cluster, cal, tp, pp, batch, weights, kv, traffic, replicas) ->
     rho = lam * t_pre
     n, tpot = 1.0, float("inf")
     for _ in range(100):
-        step = decode_step_time(spec, cluster, cal, tp, pp, max(1, math.ceil(n)), ctx, weights, kv)
+        step = step_time(tp, pp, max(1, math.ceil(n)), ctx, weights, kv)
         tpot = step / (1 - rho) if rho < 1 else float("inf")
         n_new = lam * o_mean * tpot
         if abs(n_new - n) < 1e-3:
             break
         n = min(n_new, 10 * batch)
-    full = decode_step_time(spec, cluster, cal, tp, pp, batch, ctx, weights, kv)
+    full = step_time(tp, pp, batch, ctx, weights, kv)
     capacity = replicas * batch / (o_mean * full + batch * t_pre)
     saturated = rho >= 1 or n > batch
     t_pre99 = prefill_time(spec, cluster, cal, tp, pp, int(traffic.quantile("prompt", 0.99)), weights)
@@ -125,18 +126,24 @@ def plan(spec, cluster: Cluster, traffic: Traffic, slo: SLO, cal: Calibration | 
     out = []
     ctx_max = int(traffic.quantile("prompt", 0.9) + traffic.quantile("output", 0.9))
     tps = [t for t in (1, 2, 4, 8, 16) if t <= cluster.gpus_per_node and spec.num_heads % t == 0]
+
+    @functools.cache  # the fixed points of every candidate revisit the same steps
+    def step_time(tp: int, pp: int, batch: int, context: int, w: str, k: str) -> float:
+        return decode_step_time(spec, cluster, cal, tp, pp, batch, context, w, k)
+
     for tp in tps:
         for pp in [p for p in range(1, cluster.num_gpus // tp + 1) if spec.num_layers % p == 0]:
             for w in weights:
                 for k in kv:
                     for b in batches:
-                        out.append(_candidate(spec, cluster, cal, traffic, slo, tp, pp, w, k, b, ctx_max))
+                        out.append(_candidate(step_time, spec, cluster, cal, traffic, slo, tp, pp, w, k, b,
+                                              ctx_max))
     out = [p for p in out if p is not None]
     return sorted(out, key=lambda p: (not p.meets_slo, not p.fits, p.gpus,
                                       -p.capacity_req_s / traffic.rate_req_s, p.tpot_ms))
 
 
-def _candidate(spec, cluster, cal, traffic, slo, tp, pp, w, k, b, ctx_max) -> Plan | None:
+def _candidate(step_time, spec, cluster, cal, traffic, slo, tp, pp, w, k, b, ctx_max) -> Plan | None:
     if tp * pp > cluster.num_gpus:
         return None
     mem = memory_per_device(spec, tp, pp, math.ceil(b / pp) * ctx_max * pp, dtype=w, kv_dtype=k)
@@ -147,7 +154,7 @@ def _candidate(spec, cluster, cal, traffic, slo, tp, pp, w, k, b, ctx_max) -> Pl
     best = None
     caveat = [MULTI_GPU_CAVEAT] if tp * pp > 1 and not cal.multi_gpu else []
     for replicas in range(1, cluster.num_gpus // (tp * pp) + 1):
-        s = _serve(spec, cluster, cal, tp, pp, b, w, k, traffic, replicas)
+        s = _serve(step_time, spec, cluster, cal, tp, pp, b, w, k, traffic, replicas)
         ok = s["ttft"] <= slo.ttft_s and s["tpot"] <= slo.tpot_s
         best = Plan(tp, pp, replicas, w, k, b, True, mem["total"] / 1e9, s["step"] * 1e3, s["t_pre"] * 1e3,
                     s["tpot"] * 1e3, s["ttft"] * 1e3, s["n"], s["capacity"], ok, list(caveat))
