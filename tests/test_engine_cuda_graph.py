@@ -22,6 +22,7 @@ from labkit.engine.cuda_graph import GraphKey, StepGraphs, default_graph_batch_s
 from labkit.engine.model_runner import ModelRunner
 from labkit.evaluate import relative_error
 from labkit.kvcache import PagedKVCache
+from labkit.model.step import pack_step
 
 
 def nan_cache(model, **kw) -> PagedKVCache:
@@ -387,8 +388,9 @@ def test_run_refuses_inputs_that_do_not_fit(tiny_model, monkeypatch):
     cache.allocate(0, [5, 6, 7])
     runner.execute([0], [2], 0)
     cache.append_slots(0, [8])
-    longs, ints, _ = runner.pack_for_graphs([0], [1])
-    _, narrow = runner._pack(*runner._collect([0], [1]), [1], *runner.graphs.static_shape, 1)  # tables 1 wide
+    longs, ints = runner.pack_for_graphs([0], [1])
+    n_seqs, n_rows = runner.graphs.static_shape
+    _, narrow = pack_step([cache.seq(0)], [1], 16, num_seqs=n_seqs, num_rows=n_rows, width=1)  # tables 1 wide
     with pytest.raises(ValueError, match=r"packed ints \(9,\) do not match the static buffer \(15,\)"):
         runner.graphs.run_packed(longs, narrow, GraphKey("decode", 2, 2), 1)
     with pytest.raises(ValueError, match="batch size 3 has no captured graph"):

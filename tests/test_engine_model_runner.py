@@ -411,9 +411,7 @@ def test_a_prefill_step_with_as_many_tokens_as_sequences_returns_each_last_token
     cache.allocate(0, a)
     cache.allocate(1, b)
     inp = runner.prepare([0, 1], [3, 1], 0, pad_to=4, width=runner.max_blocks, pad_tokens=4)
-    # as a captured step's static input holds it: host lists of the padded size (cuda_graph.StepGraphs)
-    inp = replace(inp, query_lens=[1] * 4, context_lens_host=[1] * 4)
-    assert inp.input_ids.shape[0] == inp.block_tables.shape[0] == inp.num_seqs == 4 and inp.num_decode == 0
+    assert inp.input_ids.shape[0] == inp.block_tables.shape[0] == inp.num_seqs == 4 and inp.num_decodes == 0
     logits = runner.forward(inp)
     assert logits.shape[0] == 4
     for i, p in enumerate((a, b)):

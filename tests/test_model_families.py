@@ -16,7 +16,7 @@ from transformers import (
 )
 
 from labkit.evaluate import relative_error
-from labkit.model import AttentionMetadata, load_checkpoint
+from labkit.model import ModelInput, load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -92,9 +92,8 @@ def greedy_paged(model, prompts, steps, block_size=4):
     out, step_logits = [[] for _ in prompts], [[] for _ in prompts]
     lens = [len(p) for p in prompts]
     for _ in range(steps):
-        ids, pos, meta = AttentionMetadata.from_cache(cache, seqs, lens, num_decodes=len(seqs) if lens[0] == 1
-                                                      else 0)
-        logits = model.forward_paged(ids, pos, cache, meta)
+        inp = ModelInput.build(cache, [cache.seq(s) for s in seqs], lens, len(seqs) if lens[0] == 1 else 0)
+        logits = model.forward_paged(inp, cache)
         assert logits.dtype == torch.float32 and logits.shape == (len(seqs), model.config.vocab_size)
         for s in seqs:
             cache.mark_computed(s, cache.seq(s).num_tokens)
@@ -137,13 +136,12 @@ def test_chunked_prefill_and_mixed_step(name, tmp_path):
     for chunk in (7, 10):
         if chunk == 10:
             cache.append_slots("a", a[7:])
-        ids, pos, meta = AttentionMetadata.from_cache(cache, ["a"], [chunk])
-        last = ours.forward_paged(ids, pos, cache, meta)
+        last = ours.forward_paged(ModelInput.build(cache, [cache.seq("a")], [chunk]), cache)
+        cache.mark_computed("a", cache.seq("a").num_tokens)
     nxt = int(last[0].argmax())
     cache.append_slots("a", [nxt])
     cache.allocate("b", b)
-    ids, pos, meta = AttentionMetadata.from_cache(cache, ["a", "b"], [1, 6], num_decodes=1)
-    logits = ours.forward_paged(ids, pos, cache, meta)
+    logits = ours.forward_paged(ModelInput.build(cache, [cache.seq("a"), cache.seq("b")], [1, 6], 1), cache)
     with torch.no_grad():
         ref_a = hf(torch.tensor([a + [nxt]])).logits[0, -1]
         ref_b = hf(torch.tensor([b])).logits[0, -1]
@@ -170,8 +168,7 @@ def test_int8_cache_runs_close(tmp_path):
     p = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(5)).tolist()
     cache = ours.make_cache(num_blocks=8, block_size=4, kv_dtype="int8")
     cache.allocate(0, p)
-    ids, pos, meta = AttentionMetadata.from_cache(cache, [0], [11])
-    out = ours.forward_paged(ids, pos, cache, meta)
+    out = ours.forward_paged(ModelInput.build(cache, [cache.seq(0)], [11]), cache)
     with torch.no_grad():
         ref = hf(torch.tensor([p])).logits[0, -1]
     assert relative_error(out[0], ref) < 2e-2

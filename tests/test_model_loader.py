@@ -2,6 +2,7 @@
 random weights, dtype choice, and clear errors for missing, unexpected and misshapen tensors."""
 
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from labkit.evaluate import relative_error
-from labkit.model import AttentionMetadata, Checkpoint, from_config, load_checkpoint, load_hf_model
+from labkit.model import Checkpoint, ModelInput, from_config, load_checkpoint, load_hf_model
 from labkit.models import EMBEDDED_MODEL_DIR
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -49,10 +50,11 @@ def test_embedded_model_greedy_paged_equals_generate(ours, tiny_model):
         cache.allocate(s, p)
     got, lens = [[], []], [len(p) for p in prompts]
     for step in range(16):
-        ids, pos, meta = AttentionMetadata.from_cache(cache, [0, 1], lens, num_decodes=2 if step else 0)
-        nxt = ours.forward_paged(ids, pos, cache, meta).argmax(-1).tolist()
+        inp = ModelInput.build(cache, [cache.seq(0), cache.seq(1)], lens, 2 if step else 0)
+        nxt = ours.forward_paged(inp, cache).argmax(-1).tolist()
         for s, t in enumerate(nxt):
             got[s].append(t)
+            cache.mark_computed(s, cache.seq(s).num_tokens)
             cache.append_slots(s, [t])
         lens = [1, 1]
     assert got == ref
@@ -139,13 +141,13 @@ def test_no_safetensors(small_checkpoint):
 def test_paged_forward_rejects_bad_input(ours):
     cache = ours.make_cache(num_blocks=4, block_size=16)
     cache.allocate(0, [1, 2, 3])
-    ids, pos, meta = AttentionMetadata.from_cache(cache, [0], [3])
+    inp = ModelInput.build(cache, [cache.seq(0)], [3])
     with pytest.raises(ValueError, match="positions must both be"):
-        ours.forward_paged(ids, pos[:2], cache, meta)
+        ours.forward_paged(replace(inp, positions=inp.positions[:2]), cache)
     with pytest.raises(ValueError, match="slot_mapping must be"):
-        ours.forward_paged(ids[:2], pos[:2], cache, meta)
+        ours.forward_paged(replace(inp, input_ids=inp.input_ids[:2], positions=inp.positions[:2]), cache)
     other = type(cache)(2, 2, 64, 4)
     with pytest.raises(ValueError, match="this model needs"):
-        ours.forward_paged(ids, pos, other, meta)
+        ours.forward_paged(inp, other)
     with pytest.raises(ValueError, match="input_ids hold ids in"):
         ours(torch.tensor([[0, 8192]]))

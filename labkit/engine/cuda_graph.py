@@ -41,7 +41,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from labkit.engine.model_input import ModelInput
+from labkit.model.step import ModelInput
 
 
 def default_graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -72,7 +72,7 @@ class GraphKey:
 
 class StepGraphs:
     """Captured steps of ``runner`` (the ``ModelRunner`` that builds this object; a capture uses its ``forward``,
-    ``_to_device``, ``cache`` and sizes): an all-decode step per batch size in ``batch_sizes`` and a step of each
+    ``cache``, ``scratch_block`` and sizes): an all-decode step per batch size in ``batch_sizes`` and a step of each
     token count in ``token_sizes`` (any mix of prefill chunks and decodes; needs the runner's Triton path)."""
 
     def __init__(self, runner, batch_sizes: Sequence[int], token_sizes: Sequence[int] = ()):
@@ -90,8 +90,8 @@ class StepGraphs:
         if runner.scratch_block is None:
             (runner.scratch_block,) = runner.cache.allocator.allocate(1)
         self.static_shape = (max(k.seqs for k in self.keys), max(k.tokens for k in self.keys))
-        self.static = runner._to_device([], [], [], [], [], [], [], 0, self.static_shape[0], runner.max_blocks,
-                                        self.static_shape[1])
+        self.static = ModelInput.build(runner.cache, [], [], num_seqs=self.static_shape[0], width=runner.max_blocks,
+                                       num_rows=self.static_shape[1], scratch_block=runner.scratch_block)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.logits: dict[GraphKey, torch.Tensor] = {}
         # device memory the captures reserved (their shared pool): measured from an emptied allocator cache, since
@@ -140,9 +140,8 @@ class StepGraphs:
     def _static_input(self, key: GraphKey) -> ModelInput:
         s, n, t = self.static, key.seqs, key.tokens
         decodes = n if key.kind == "decode" else 0
-        return ModelInput([], s.input_ids[:t], s.positions[:t], s.slot_mapping[:t], s.block_tables[:n],
-                          s.context_lens[:n], s.query_start_loc[:n + 1], s.logits_indices[:n], [1] * n, [1] * n,
-                          [], decodes)
+        return ModelInput(s.input_ids[:t], s.positions[:t], s.slot_mapping[:t], s.block_tables[:n],
+                          s.context_lens[:n], s.query_start_loc[:n + 1], s.logits_indices[:n], decodes)
 
     # --- lookup and replay ----------------------------------------------------------------------------------
     def bucket(self, num_seqs: int) -> int | None:
@@ -163,7 +162,7 @@ class StepGraphs:
         return None
 
     def run_packed(self, longs: np.ndarray, ints: np.ndarray, key: GraphKey, num_seqs: int) -> torch.Tensor:
-        """Copy a step packed on the host in the layout of the static buffers (``model_input.pack_step`` at
+        """Copy a step packed on the host in the layout of the static buffers (``labkit.model.step.pack_step`` at
         ``static_shape`` and ``max_blocks``: two host-to-device copies feed every field) and replay ``key``;
         returns a new tensor: the logits of the first ``num_seqs`` rows ``[num_seqs, vocab]`` (the graph's own
         output buffer is overwritten by the next replay of any bucket)."""

@@ -1,10 +1,10 @@
 """The engine's ModelRunner: a ``labkit.model.CausalLM`` over a flat token batch on the paged KV cache, each op by the
 kernel its ``FusionPlan`` names, and steps replayed from CUDA graphs captured per batch-size bucket.
 
-A step is a ``ModelInput`` (vLLM's names): ``num_tokens`` tokens of ``num_seqs`` sequences back to back, single-
-token rows (decodes) first, with each token's cache slot (``slot_mapping``) and each sequence's ``block_table``
-and ``context_len``. The runner packs it on the host (two copies to the device), hands it to
-``CausalLM.forward_paged`` as ``AttentionMetadata`` and marks the tokens computed; the model does the rest (see
+A step is a ``ModelInput`` (``labkit.model.step``, vLLM's names): ``num_tokens`` tokens of ``num_seqs`` sequences
+back to back, single-token rows (decodes) first, with each token's cache slot (``slot_mapping``) and each sequence's
+``block_table`` and ``context_len``. The runner packs it on the host (``pack_step``: two copies to the device),
+hands it to ``CausalLM.forward_paged`` and marks the tokens computed; the model does the rest (see
 ``labkit.model.layers``: per layer [add residual +] RMSNorm -> merged q/k/v -> RoPE + cache write -> paged
 attention -> o -> add + RMSNorm -> merged gate/up -> SwiGLU -> down; with int8/int4 projections the norms,
 residual adds, SwiGLU, RoPE and the cache write inside the GEMVs). Logits are computed for each sequence's last
@@ -28,11 +28,11 @@ import numpy as np
 import torch
 
 from labkit.engine.cuda_graph import StepGraphs, default_graph_batch_sizes
-from labkit.engine.model_input import ModelInput, collect_step, input_views, pack_step
 from labkit.kvcache import PagedKVCache
-from labkit.model import AttentionMetadata, CausalLM, FusionPlan
+from labkit.model import CausalLM, FusionPlan
 from labkit.model.adopt import adopt_hf_model
 from labkit.model.fusion import KERNEL_NAMES
+from labkit.model.step import ModelInput, pack_step
 
 KERNELS = KERNEL_NAMES
 """Kernel choices of the ModelRunner by name ('auto': Triton on CUDA, torch on the CPU); a FusionPlan also works."""
@@ -119,40 +119,30 @@ class ModelRunner:
         the block-table width. A padded all-decode step stays all-decode (each padding sequence decodes its one
         padding row), exactly as the captured decode graph of ``pad_to`` rows runs it: the same attention kernel,
         so an eager step and its replay are comparable row for row."""
-        step = self._collect(seq_ids, num_tokens)
-        if pad_to is not None and pad_tokens is None and num_decode == len(seq_ids):
+        seqs = self._seqs(seq_ids)
+        if width is not None:
+            self._check_width(seqs, width)
+        if pad_to is not None and pad_tokens is None and num_decode == len(seqs):
             num_decode = pad_to
-        return self._to_device(list(seq_ids), *step, list(num_tokens), num_decode, pad_to, width, pad_tokens)
+        return ModelInput.build(self.cache, seqs, num_tokens, num_decode, num_seqs=pad_to, width=width,
+                                num_rows=pad_tokens, scratch_block=self.scratch_block or 0)
 
-    def _collect(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> tuple[list, ...]:
-        return collect_step(self.cache, seq_ids, num_tokens)
+    def _seqs(self, seq_ids: Sequence[Hashable]) -> list:
+        return [self.cache.seq(s) for s in seq_ids]
 
-    def _pack(self, ids, pos, slots, ctx, tables, qlens, n_seqs: int, n_tok: int,
-              width: int) -> tuple[np.ndarray, np.ndarray]:
-        """``pack_step`` with this runner's scratch block, after checking the tables fit ``width``."""
-        if any(len(t) > width for t in tables):
-            raise ValueError(f"a sequence holds {max(len(t) for t in tables)} blocks, more than max_model_len="
-                             f"{self.max_model_len} allows ({width} blocks of {self.cache.block_size})")
-        return pack_step(ids, pos, slots, ctx, tables, qlens, n_seqs, n_tok, width, self.cache.block_size,
-                         self.scratch_block or 0)
+    def _check_width(self, seqs, width: int) -> None:
+        if any(len(s.block_table) > width for s in seqs):
+            raise ValueError(f"a sequence holds {max(len(s.block_table) for s in seqs)} blocks, more than "
+                             f"max_model_len={self.max_model_len} allows ({width} blocks of {self.cache.block_size})")
 
     def pack_for_graphs(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> tuple[np.ndarray, ...]:
-        """The step packed for ``StepGraphs.run_packed`` (the static buffers' shape, tables ``max_blocks`` wide):
-        ``(longs, ints, context_lens)``, the last a host list of each sequence's context after the step."""
-        ids, pos, slots, ctx, tables = self._collect(seq_ids, num_tokens)
-        longs, ints = self._pack(ids, pos, slots, ctx, tables, list(num_tokens), *self.graphs.static_shape,
-                                 self.max_blocks)
-        return longs, ints, ctx
-
-    def _to_device(self, seq_ids, ids, pos, slots, ctx, tables, qlens, num_decode, pad_to, width,
-                   pad_tokens=None) -> ModelInput:
-        n_seqs = pad_to or len(ctx)
-        n_tok = pad_tokens or len(ids) + n_seqs - len(ctx)
-        width = width or max(len(t) for t in tables)
-        longs, ints = self._pack(ids, pos, slots, ctx, tables, qlens, n_seqs, n_tok, width)
-        longs = torch.from_numpy(longs).to(self.device, non_blocking=True)
-        ints = torch.from_numpy(ints).to(self.device, non_blocking=True)
-        return input_views(longs, ints, n_seqs, width, seq_ids, qlens, ctx, tables, num_decode)
+        """The step packed for ``StepGraphs.run_packed`` (``pack_step`` in the static buffers' shape, tables
+        ``max_blocks`` wide): ``(longs, ints)``."""
+        seqs = self._seqs(seq_ids)
+        self._check_width(seqs, self.max_blocks)
+        n_seqs, n_rows = self.graphs.static_shape
+        return pack_step(seqs, num_tokens, self.cache.block_size, num_seqs=n_seqs, num_rows=n_rows,
+                         width=self.max_blocks, scratch_block=self.scratch_block or 0)
 
     # --- the step -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -163,22 +153,15 @@ class ModelRunner:
         key = self.graphs.lookup(len(seq_ids), sum(num_tokens), num_decode) if self.graphs is not None else None
         self.last_step_replayed = key is not None
         if key is not None:  # packed on the host in the static buffers' layout: two copies feed the graph
-            longs, ints, ctx = self.pack_for_graphs(seq_ids, num_tokens)
+            longs, ints = self.pack_for_graphs(seq_ids, num_tokens)
             logits = self.graphs.run_packed(longs, ints, key, len(seq_ids))  # a copy of the real rows
         else:
-            inp = self.prepare(seq_ids, num_tokens, num_decode)
-            logits, ctx = self.forward(inp), inp.context_lens_host
-        for sid, c in zip(seq_ids, ctx):
-            self.cache.mark_computed(sid, c)
+            logits = self.forward(self.prepare(seq_ids, num_tokens, num_decode))
+        for sid, n in zip(seq_ids, num_tokens):
+            seq = self.cache.seq(sid)
+            self.cache.mark_computed(sid, seq.num_computed + n)
         return logits
 
     def forward(self, inp: ModelInput) -> torch.Tensor:
         """The model over ``inp`` (no bookkeeping): float32 logits ``[num_seqs (+ padding), vocab]``."""
-        # every row is a decode (padding included): the logits of every token row, in order. A step with prefill
-        # rows may have as many tokens as sequences (a captured step of T tokens and min(T, max_num_seqs)
-        # sequences), so counting rows cannot decide it: only the step's kind can
-        all_decode = inp.num_decode == inp.input_ids.shape[0] == inp.block_tables.shape[0]
-        rows = None if all_decode else inp.logits_indices
-        meta = AttentionMetadata(inp.slot_mapping, inp.block_tables, inp.context_lens, inp.query_start_loc,
-                                 inp.num_decode, rows)
-        return self.model.forward_paged(inp.input_ids, inp.positions, self.cache, meta)
+        return self.model.forward_paged(inp, self.cache)

@@ -19,8 +19,8 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from labkit.kvcache.paged import PagedKVCache
-from labkit.model.attention import AttentionMetadata
 from labkit.model.model import CausalLM
+from labkit.model.step import ModelInput
 
 Proposal = tuple[list[int], torch.Tensor | None]
 
@@ -146,9 +146,8 @@ class DraftModelProposer(Proposer):
                 for i in live:
                     self.cache.append_slots(seq_ids[i], [out[i][0][-1]])
                     query[i] = 1
-            ids, pos, meta = AttentionMetadata.from_cache(self.cache, [seq_ids[i] for i in live],
-                                                          [query[i] for i in live])
-            logits = self.draft.forward_paged(ids, pos, self.cache, meta)
+            inp = ModelInput.build(self.cache, [self.cache.seq(seq_ids[i]) for i in live], [query[i] for i in live])
+            logits = self.draft.forward_paged(inp, self.cache)
             for row, i in enumerate(live):
                 self.cache.mark_computed(seq_ids[i], self.cache.seq(seq_ids[i]).num_tokens)
                 tok, q = sample(logits[row], temperature, generator)

@@ -7,7 +7,7 @@ is a plain decode step in the same batch):
 1. each sequence holds its committed tokens in the cache, all with K/V except the last (``pending``);
 2. the proposer gives ``d_1 .. d_k``; ``append_slots([pending, d_1 .. d_k])`` and one target forward over the
    flat batch of ``1 + k_i`` query rows per sequence gives the target's logits after each of them
-   (``CausalLM.model`` + ``lm_head`` on every row: ``forward_paged`` keeps only the last);
+   (``ModelInput.build(..., all_logits=True)``: ``forward_paged`` returns every row's logits);
 3. ``accept`` keeps ``d_1 .. d_n`` and draws one more token ``x`` (the correction, or the bonus when all ``k``
    were accepted): greedy, ``d_j`` is kept while it equals the target's argmax, so the output is plain greedy
    decoding's token for token; sampled, by the rejection rule of Leviathan et al. (2023) / Chen et al. (2023):
@@ -24,14 +24,14 @@ preemption or prefix caching while speculating) and runs eagerly (no CUDA graphs
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from labkit.engine.proposers import Proposer, check_ks, rollback, sample
 from labkit.kvcache.paged import PagedKVCache
-from labkit.model.attention import AttentionMetadata
 from labkit.model.model import CausalLM
+from labkit.model.step import ModelInput
 
 
 def accept(p: torch.Tensor, proposal: Sequence[int], q: torch.Tensor | None, temperature: float,
@@ -109,17 +109,16 @@ class SpeculativeDecoder:
         for sid, prop, x in zip(seq_ids, proposals, pending):
             self.cache.append_slots(sid, [x, *prop])
         lens = [1 + len(p) for p in proposals]
-        ids, pos, meta = AttentionMetadata.from_cache(self.cache, list(seq_ids), lens)
-        meta = replace(meta, rows=torch.arange(ids.shape[0], device=ids.device))  # logits of every row
-        logits = self.target.forward_paged(ids, pos, self.cache, meta)
+        inp = ModelInput.build(self.cache, [self.cache.seq(s) for s in seq_ids], lens, all_logits=True)
+        logits = self.target.forward_paged(inp, self.cache)
         return list(logits.split(lens))
 
     @torch.inference_mode()
     def prefill(self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         for sid, p in zip(seq_ids, prompts):
             self.cache.allocate(sid, list(p))
-        ids, pos, meta = AttentionMetadata.from_cache(self.cache, list(seq_ids), [len(p) for p in prompts])
-        logits = self.target.forward_paged(ids, pos, self.cache, meta)
+        inp = ModelInput.build(self.cache, [self.cache.seq(s) for s in seq_ids], [len(p) for p in prompts])
+        logits = self.target.forward_paged(inp, self.cache)
         for sid in seq_ids:
             self.cache.mark_computed(sid, self.cache.seq(sid).num_tokens)
         return logits

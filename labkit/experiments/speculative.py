@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 
 import torch
 
 from labkit.engine.proposers import Proposer
 from labkit.engine.speculative import SpecStats, SpeculativeDecoder
-from labkit.model.attention import AttentionMetadata
 from labkit.model.model import CausalLM
+from labkit.model.step import ModelInput
 
 
 def expected_tokens_per_step(alpha: float, k: int) -> float:
@@ -85,10 +84,13 @@ def verify_cost_ratio(model: CausalLM, k: int, batch: int = 1, context: int = 51
     for s in range(batch):
         cache.allocate(s, torch.randint(0, vocab, (context + k + 1,), generator=g).tolist())
 
+    seqs = [cache.seq(s) for s in range(batch)]
+
     def step(q: int):
-        ids, pos, meta = AttentionMetadata.from_cache(cache, list(range(batch)), [q] * batch)
-        meta = replace(meta, rows=torch.arange(ids.shape[0], device=ids.device))  # every row's logits, as verify
-        return lambda: model.forward_paged(ids, pos, cache, meta)
+        for seq in seqs:  # the last q tokens are the step's
+            seq.num_computed = context + k + 1 - q
+        inp = ModelInput.build(cache, seqs, [q] * batch, all_logits=True)  # every row's logits, as verify
+        return lambda: model.forward_paged(inp, cache)
 
     def medians(graph: bool) -> tuple[float, float]:
         return tuple(time_fn(f, model.device, warmup=2, iters=iters, cuda_graph=graph).median_s

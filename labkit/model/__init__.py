@@ -1,20 +1,20 @@
 """labkit's own decoder (gpt-fast / nano-vllm style): one plain implementation of the Llama family and its
 relatives (Mistral, Qwen2, Qwen3, Gemma, Phi-3), with the families' features behind ``ModelConfig``.
 
-    from labkit.model import load_checkpoint, AttentionMetadata
+    from labkit.model import load_checkpoint, ModelInput
     model = load_checkpoint("path/to/hf-checkpoint", device="cuda", dtype="bf16")
     logits = model(input_ids)                                   # [batch, T, vocab], like HF's
     cache = model.make_cache(num_blocks=1024)                   # a labkit.kvcache.PagedKVCache
     cache.allocate(0, prompt)
-    ids, pos, meta = AttentionMetadata.from_cache(cache, [0], [len(prompt)])
-    last = model.forward_paged(ids, pos, cache, meta)           # [num_seqs, vocab] float32
+    inp = ModelInput.build(cache, [cache.seq(0)], [len(prompt)])  # the step: its uncomputed tokens
+    last = model.forward_paged(inp, cache)                      # [num_seqs, vocab] float32
 
 ``FusionPlan`` says which kernel runs each op of ``forward_paged`` (``model.use(plan)``; the engine's ``kernels``);
 ``adopt_hf_model`` wraps an HF model in memory, sharing its weights (what the engine does with one).
 """
 
 from labkit.model.adopt import adopt_hf_model
-from labkit.model.attention import AttentionMetadata, causal_attention, paged_attention
+from labkit.model.attention import causal_attention, paged_attention
 from labkit.model.config import FAMILIES, ROPE_TYPES, ModelConfig, RopeScaling
 from labkit.model.fusion import KERNEL_NAMES, KERNELS, FusionPlan
 from labkit.model.layers import MLP, Attention, DecoderLayer, RMSNorm
@@ -30,11 +30,12 @@ from labkit.model.loader import (
 )
 from labkit.model.model import CausalLM, Transformer
 from labkit.model.rope import RotaryEmbedding, apply_rope, inv_frequencies
+from labkit.model.step import ModelInput, pack_step
 
 __all__ = [
-    "FAMILIES", "KERNELS", "KERNEL_NAMES", "MERGED", "ROPE_TYPES", "MLP", "Attention", "AttentionMetadata",
-    "CausalLM", "Checkpoint", "DecoderLayer", "FusionPlan", "ModelConfig", "RMSNorm", "RopeScaling",
-    "RotaryEmbedding", "Transformer", "adopt_hf_model", "apply_rope", "causal_attention", "empty_model",
-    "from_config", "inv_frequencies", "load_checkpoint", "load_hf_model", "load_weights", "paged_attention",
+    "FAMILIES", "KERNELS", "KERNEL_NAMES", "MERGED", "ROPE_TYPES", "MLP", "Attention", "CausalLM", "Checkpoint",
+    "DecoderLayer", "FusionPlan", "ModelConfig", "ModelInput", "RMSNorm", "RopeScaling", "RotaryEmbedding",
+    "Transformer", "adopt_hf_model", "apply_rope", "causal_attention", "empty_model", "from_config",
+    "inv_frequencies", "load_checkpoint", "load_hf_model", "load_weights", "pack_step", "paged_attention",
     "weight_sources",
 ]

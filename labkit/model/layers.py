@@ -15,11 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.kvcache.paged import PagedKVCache
-from labkit.model.attention import AttentionMetadata, causal_attention, paged_attention
+from labkit.model.attention import causal_attention, paged_attention
 from labkit.model.config import ModelConfig
 from labkit.model.fusion import FusionPlan
 from labkit.model.ops import act_and_mul, add_norm, caches_raw, projection, qkv_rope_cache, rope_and_write
 from labkit.model.rope import apply_rope
+from labkit.model.step import ModelInput
 
 TORCH = FusionPlan()  # every op in torch: the references
 
@@ -116,10 +117,10 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(*x.shape[:-1], self.q_size))
 
     def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKVCache,
-                      meta: AttentionMetadata, plan: FusionPlan = TORCH) -> torch.Tensor:
-        """Paged: ``x`` ``[num_tokens, hidden]``; k and v are written at ``meta.slot_mapping`` first, then every
+                      inp: ModelInput, plan: FusionPlan = TORCH) -> torch.Tensor:
+        """Paged: ``x`` ``[num_tokens, hidden]``; k and v are written at ``inp.slot_mapping`` first, then every
         query attends over its sequence's cached tokens. Returns ``[num_tokens, hidden]``."""
-        return self.o_proj(self.attend(*self.qkv_heads(self.qkv_out(x)), cos, sin, cache, meta, plan))
+        return self.o_proj(self.attend(*self.qkv_heads(self.qkv_out(x)), cos, sin, cache, inp, plan))
 
     def qkv_out(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The projections of ``x`` ``[T, hidden]``: one merged ``[T, q + 2 kv]`` or three tensors."""
@@ -136,29 +137,29 @@ class Attention(nn.Module):
         return q, k, v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               cache: PagedKVCache, meta: AttentionMetadata, plan: FusionPlan, pdl: str = "") -> torch.Tensor:
+               cache: PagedKVCache, inp: ModelInput, plan: FusionPlan, pdl: str = "") -> torch.Tensor:
         """RoPE, the cache write and attention of heads ``q``, ``k``, ``v``: ``[T, heads * head_dim]``, the o
         projection's input."""
-        q, k = rope_and_write(q, k, v, cos, sin, cache, self.layer, meta.slot_mapping, plan)
-        return self._paged(q, cache, meta, plan, pdl)
+        q, k = rope_and_write(q, k, v, cos, sin, cache, self.layer, inp.slot_mapping, plan)
+        return self._paged(q, cache, inp, plan, pdl)
 
-    def _paged(self, q: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata, plan: FusionPlan,
+    def _paged(self, q: torch.Tensor, cache: PagedKVCache, inp: ModelInput, plan: FusionPlan,
                pdl: str = "") -> torch.Tensor:
-        out = paged_attention(q, cache, self.layer, meta, self.scale, self.window, plan.attention, pdl)
+        out = paged_attention(q, cache, self.layer, inp, self.scale, self.window, plan.attention, pdl)
         return out.reshape(q.shape[0], self.q_size)
 
     def fused_input(self, stream: torch.Tensor, norm: RMSNorm, cos: torch.Tensor, sin: torch.Tensor,
-                    cache: PagedKVCache, meta: AttentionMetadata, plan: FusionPlan, pdl: str = "") -> torch.Tensor:
+                    cache: PagedKVCache, inp: ModelInput, plan: FusionPlan, pdl: str = "") -> torch.Tensor:
         """With int8/int4 projections (``plan.quant_epilogues``): the RMSNorm inside the q/k/v GEMV, and with
         ``plan.qkv_rope_cache`` RoPE and the cache write in its store too; then attention (whose decode kernel
         releases the launch after it when ``pdl``). Returns the o projection's input ``[T, heads * head_dim]``."""
         attn_pdl = "release" if pdl else ""
         if plan.qkv_rope_cache and caches_raw(cache, stream.dtype) and self.qkv_proj.uses_kernels(stream):
             q, _ = qkv_rope_cache(self.qkv_proj, stream, norm, self.num_heads, cos, sin, cache, self.layer,
-                                  meta.slot_mapping, pdl)
-            return self._paged(q, cache, meta, plan, attn_pdl)
+                                  inp.slot_mapping, pdl)
+            return self._paged(q, cache, inp, plan, attn_pdl)
         q, k, v = self.qkv_heads(projection(self.qkv_proj, stream, norm=norm, pdl=pdl))
-        return self.attend(q, k, v, cos, sin, cache, meta, plan, attn_pdl)
+        return self.attend(q, k, v, cos, sin, cache, inp, plan, attn_pdl)
 
 
 class DecoderLayer(nn.Module):
@@ -177,25 +178,25 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def forward_paged(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                      cache: PagedKVCache, meta: AttentionMetadata,
+                      cache: PagedKVCache, inp: ModelInput,
                       plan: FusionPlan = TORCH) -> tuple[torch.Tensor, torch.Tensor]:
         """Paged, vLLM's layout: ``h`` ``[num_tokens, hidden]`` is the last block's output and ``residual`` the
         stream before it (None at the first layer); returns the pair for the next layer, whose first op adds them
         (one kernel with its RMSNorm on the Triton path)."""
         x, residual = add_norm(self.input_layernorm, h, residual, plan)
-        h = self.self_attn.forward_paged(x, cos, sin, cache, meta, plan)
+        h = self.self_attn.forward_paged(x, cos, sin, cache, inp, plan)
         x, residual = add_norm(self.post_attention_layernorm, h, residual, plan)
         return self.mlp(x, plan), residual
 
     def forward_fused(self, stream: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKVCache,
-                      meta: AttentionMetadata, plan: FusionPlan, pdl: str = "") -> torch.Tensor:
+                      inp: ModelInput, plan: FusionPlan, pdl: str = "") -> torch.Tensor:
         """Paged with int8/int4 projections that take in their neighbours (``plan.quant_epilogues``): each RMSNorm
         inside the GEMV after it, each residual add inside the one before it, SwiGLU inside down. Only the residual
         stream ``[num_tokens, hidden]`` passes between layers; at decode batch 1 a layer is four GEMVs and
         attention. ``pdl``: this layer's q/k/v GEMV launch mode; with ``plan.gemv_pdl`` every later GEMV overlaps
         the kernel ahead of it."""
         overlap = "overlap" if plan.gemv_pdl else ""
-        attn = self.self_attn.fused_input(stream, self.input_layernorm, cos, sin, cache, meta, plan, pdl)
+        attn = self.self_attn.fused_input(stream, self.input_layernorm, cos, sin, cache, inp, plan, pdl)
         stream = projection(self.self_attn.o_proj, attn, residual=stream, pdl=overlap)
         gate_up = projection(self.mlp.gate_up_proj, stream, norm=self.post_attention_layernorm, pdl=overlap)
         return projection(self.mlp.down_proj, gate_up, swiglu=True, residual=stream, pdl=overlap)

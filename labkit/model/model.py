@@ -4,9 +4,10 @@ Two forwards over the same weights:
 
 * ``CausalLM.forward(input_ids)``: ``[batch, T]`` -> logits ``[batch, T, vocab]``, dense causal attention and no
   cache: the correctness path, compared with HF's ``model(input_ids).logits``.
-* ``CausalLM.forward_paged(input_ids, positions, cache, meta)``: a flat batch of tokens of several sequences
-  (prefill chunks and decode tokens alike) over a ``PagedKVCache``; writes each token's K/V at its slot and
-  returns float32 logits of each sequence's last token ``[num_seqs, vocab]``: the path the engine drives.
+* ``CausalLM.forward_paged(inp, cache)``: one step's ``ModelInput`` (``labkit.model.step``: a flat batch of tokens
+  of several sequences, prefill chunks and decode tokens alike) over a ``PagedKVCache``; writes each token's K/V at
+  its slot and returns float32 logits of the rows ``inp.logits_indices`` names (each sequence's last token,
+  ``[num_seqs, vocab]``): the path the engine drives.
 
 Module names follow HF's (``model.layers.N.self_attn.o_proj`` ...), except the merged ``qkv_proj`` and
 ``gate_up_proj`` (``loader.MERGED``), so a checkpoint maps by name.
@@ -20,12 +21,12 @@ import torch
 from torch import nn
 
 from labkit.kvcache.paged import PagedKVCache
-from labkit.model.attention import AttentionMetadata
 from labkit.model.config import ModelConfig
 from labkit.model.fusion import FusionPlan
 from labkit.model.layers import DecoderLayer, RMSNorm
 from labkit.model.ops import add_norm, epilogue_ready
 from labkit.model.rope import RotaryEmbedding
+from labkit.model.step import ModelInput
 
 
 class Transformer(nn.Module):
@@ -54,22 +55,21 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin)
         return self.norm(h)
 
-    def forward_paged(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
-                      meta: AttentionMetadata, plan: FusionPlan) -> torch.Tensor:
-        """Paged: the final hidden states of the rows ``meta.logits_indices`` names, ``[rows, hidden]``."""
-        seq_lens = meta.token_seq_lens() if self._dynamic else None
-        h = self.embed(input_ids)
-        cos, sin = self.rotary_emb.lookup(positions, h.dtype, seq_lens)
+    def forward_paged(self, inp: ModelInput, cache: PagedKVCache, plan: FusionPlan) -> torch.Tensor:
+        """Paged: the final hidden states of the rows ``inp.logits_indices`` names, ``[rows, hidden]``."""
+        seq_lens = inp.token_seq_lens() if self._dynamic else None
+        h = self.embed(inp.input_ids)
+        cos, sin = self.rotary_emb.lookup(inp.positions, h.dtype, seq_lens)
         residual = None
         if plan.quant_epilogues:  # only the residual stream passes between layers
             overlap, release = ("overlap", "release") if plan.gemv_pdl else ("", "")
             for i, layer in enumerate(self.layers):
-                h = layer.forward_fused(h, cos, sin, cache, meta, plan, overlap if i else release)
+                h = layer.forward_fused(h, cos, sin, cache, inp, plan, overlap if i else release)
         else:
             for layer in self.layers:
-                h, residual = layer.forward_paged(h, residual, cos, sin, cache, meta, plan)
-        if meta.rows is not None or h.shape[0] != meta.num_seqs:  # a step with prefill rows: keep the last ones
-            rows = meta.logits_indices
+                h, residual = layer.forward_paged(h, residual, cos, sin, cache, inp, plan)
+        if not inp.is_decode:  # rows of prefill chunks (or every row's logits wanted): keep the named rows
+            rows = inp.logits_indices
             h = h.index_select(0, rows)
             residual = residual.index_select(0, rows) if residual is not None else None
         return add_norm(self.norm, h, residual, plan)[0]
@@ -141,19 +141,13 @@ class CausalLM(nn.Module):
         return self.lm_head(self.model(input_ids, positions))
 
     @torch.inference_mode()
-    def forward_paged(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
-                      meta: AttentionMetadata) -> torch.Tensor:
-        """One engine step: ``input_ids`` and ``positions`` int64 ``[num_tokens]`` (sequences back to back, as
-        ``meta`` lays them out), K/V written into ``cache`` at ``meta.slot_mapping``, each op by the kernel of
-        ``self.plan`` (``use``). Returns float32 logits ``[num_seqs, vocab]`` of each sequence's last token only
-        (of ``meta.rows`` where given)."""
-        n = input_ids.shape[0]
-        if input_ids.dim() != 1 or tuple(positions.shape) != (n,):
-            raise ValueError(f"input_ids and positions must both be [num_tokens], got {tuple(input_ids.shape)} "
-                             f"and {tuple(positions.shape)}")
-        meta.check(n)
+    def forward_paged(self, inp: ModelInput, cache: PagedKVCache) -> torch.Tensor:
+        """One engine step, ``inp`` (``ModelInput.build``; sequences back to back): K/V written into ``cache`` at
+        ``inp.slot_mapping``, each op by the kernel of ``self.plan`` (``use``). Returns float32 logits ``[num_logits,
+        vocab]`` of the rows ``inp.logits_indices`` names (each sequence's last token, or every row)."""
+        inp.check()
         self.check_cache(cache)
-        return self.lm_head(self.model.forward_paged(input_ids, positions, cache, meta, self.plan)).float()
+        return self.lm_head(self.model.forward_paged(inp, cache, self.plan)).float()
 
     def check_cache(self, cache: PagedKVCache) -> None:
         """The cache's layers, KV heads, head dim and device fit this model (a clear error otherwise)."""

@@ -185,7 +185,7 @@ class LabkitStage(LlamaStage):
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, cache: StagePagedCache | None = None) -> torch.Tensor:
-        from labkit.model import AttentionMetadata, FusionPlan
+        from labkit.model import FusionPlan, ModelInput
         from labkit.model.ops import add_norm
 
         h = self.body.embed(x) if self.is_first else x
@@ -199,12 +199,12 @@ class LabkitStage(LlamaStage):
         pc, seqs = cache.cache, list(range(batch))
         for s in seqs:  # token ids do not matter to a stage: its input is hidden states
             pc.allocate(s, [0] * q_len) if s not in pc.seqs else pc.append_slots(s, [0] * q_len)
-        _, pos, meta = AttentionMetadata.from_cache(pc, seqs, [q_len] * batch, batch if q_len == 1 else 0)
-        seq_lens = meta.token_seq_lens() if self.body._dynamic else None
-        cos, sin = self.body.rotary_emb.lookup(pos, h.dtype, seq_lens)
+        inp = ModelInput.build(pc, [pc.seq(s) for s in seqs], [q_len] * batch, batch if q_len == 1 else 0)
+        seq_lens = inp.token_seq_lens() if self.body._dynamic else None
+        cos, sin = self.body.rotary_emb.lookup(inp.positions, h.dtype, seq_lens)
         plan, flat, residual = FusionPlan(), h.reshape(batch * q_len, hidden), None
         for layer in self.layers:
-            flat, residual = layer.forward_paged(flat, residual, cos, sin, pc, meta, plan)
+            flat, residual = layer.forward_paged(flat, residual, cos, sin, pc, inp, plan)
         for s in seqs:
             pc.mark_computed(s, pc.seq(s).num_tokens)
         if self.is_last:

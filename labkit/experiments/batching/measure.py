@@ -236,7 +236,7 @@ def runner_step(model, phase: str, batch_size: int, context: int, block_size: in
         cache.allocate(i, ids)
         cache.mark_computed(i, context)
     if runner.graph_batch_sizes:
-        longs, ints, _ = runner.pack_for_graphs(seqs, [1] * batch_size)  # fed as the engine feeds a step
+        longs, ints = runner.pack_for_graphs(seqs, [1] * batch_size)  # fed as the engine feeds a step
         key = runner.graphs.lookup(batch_size, batch_size, batch_size)
         return partial(runner.graphs.run_packed, longs, ints, key, batch_size), runner
     return partial(_inference, runner.forward, runner.prepare(seqs, [1] * batch_size, batch_size)), runner
