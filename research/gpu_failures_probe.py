@@ -85,7 +85,7 @@ def stage_prefix() -> dict:
 
 def _pad_case(model, label: str) -> list[dict]:
     from labkit.engine.model_runner import ModelRunner
-    from labkit.kvcache import PagedKVCache
+    from labkit.kvcache import PagedKVCache, SeqBlocks
 
     n, prompt_len = 4, 40
     max_len = prompt_len + 16
@@ -94,29 +94,35 @@ def _pad_case(model, label: str) -> list[dict]:
                          graph_batch_sizes=[1, 2, 4])
     vocab = runner.model.config.vocab_size
     g = torch.Generator().manual_seed(0)
-    sids = [("p", i) for i in range(n)]
-    for i, sid in enumerate(sids):
-        cache.allocate(sid, torch.randint(3, vocab, (prompt_len - 7 * i,), generator=g).tolist())
-    runner.execute(sids, [cache.seq(s).num_tokens for s in sids], 0)
+    sids = [SeqBlocks(torch.randint(3, vocab, (prompt_len - 7 * i,), generator=g).tolist(), ("p", i))
+            for i in range(n)]
+    for seq in sids:
+        cache.allocate(seq)
+    runner.execute(sids, [s.num_tokens for s in sids], 0)
+    for seq in sids:
+        cache.mark_computed(seq, seq.num_tokens)
     rows = []
     with torch.inference_mode():
         for r in range(3):
             for b in (3, 4, 1):
                 sub = sids[:b]
-                for sid in sub:
-                    cache.append_slots(sid, torch.randint(3, vocab, (1,), generator=g).tolist())
+                for seq in sub:
+                    seq.token_ids += torch.randint(3, vocab, (1,), generator=g).tolist()
+                    cache.append_slots(seq)
                 bucket = runner.graphs.bucket(b)
                 padded_inp = runner.prepare(sub, [1] * b, b, pad_to=bucket, width=runner.max_blocks)
                 eager_padded = runner.forward(padded_inp)[:b].float().clone()
                 eager = runner.forward(runner.prepare(sub, [1] * b, b))[:b].float().clone()
                 graph = runner.execute(sub, [1] * b, b).float().clone()
+                for seq in sub:
+                    cache.mark_computed(seq, seq.num_tokens)
                 row = {"model": label, "round": r, "batch": b, "bucket": bucket,
-                       "padded_num_decode": padded_inp.num_decode, "padded_num_seqs": padded_inp.num_seqs,
+                       "padded_num_decode": padded_inp.num_decodes, "padded_num_seqs": padded_inp.num_seqs,
                        "graph_vs_eager_padded": _rel(graph, eager_padded), "graph_vs_eager": _rel(graph, eager),
                        "eager_padded_vs_eager": _rel(eager_padded, eager),
                        "argmax_equal_graph_eager": bool((graph.argmax(-1) == eager.argmax(-1)).all())}
                 rows.append(row)
-                print(f"pad  {label:28s} r{r} b{b}->{bucket} padded(num_decode={padded_inp.num_decode}) "
+                print(f"pad  {label:28s} r{r} b{b}->{bucket} padded(num_decode={padded_inp.num_decodes}) "
                       f"graph~padded {row['graph_vs_eager_padded']:.2e} graph~eager {row['graph_vs_eager']:.2e} "
                       f"padded~eager {row['eager_padded_vs_eager']:.2e}")
     return rows

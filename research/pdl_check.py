@@ -79,7 +79,7 @@ def _logits(model, tokens: list[int], max_len: int, options: dict, nan: bool = F
     """Logits of the prompt's step and of ``STEPS`` single-sequence decode steps (graph replays) fed ``tokens``
     (``greedy``: each step's argmax); ``nan``: the cache pools start as NaN."""
     from labkit.engine.model_runner import ModelRunner
-    from labkit.kvcache import PagedKVCache
+    from labkit.kvcache import PagedKVCache, SeqBlocks
 
     cache = PagedKVCache.for_model(model, num_blocks=-(-len(tokens) // 4) + 2, block_size=4)
     for pool in cache.k_caches + cache.v_caches if nan else ():
@@ -87,11 +87,14 @@ def _logits(model, tokens: list[int], max_len: int, options: dict, nan: bool = F
     from labkit.experiments.batching.measure import plan_options
 
     runner = ModelRunner(model, cache, kernels=plan_options(model, **options), max_num_seqs=1, max_model_len=max_len)
-    cache.allocate(0, tokens[:PROMPT])
-    out = [runner.execute([0], [PROMPT], 0).float().cpu()]
+    seq = SeqBlocks(tokens[:PROMPT], 0)
+    cache.allocate(seq)
+    out = [runner.execute([seq], [PROMPT], 0).float().cpu()]
     for t in tokens[PROMPT:PROMPT + STEPS]:
-        cache.append_slots(0, [int(out[-1].argmax())] if greedy else [t])
-        out.append(runner.execute([0], [1], 1).float().cpu())
+        cache.mark_computed(seq, seq.num_tokens)
+        seq.token_ids.append(int(out[-1].argmax()) if greedy else t)
+        cache.append_slots(seq)
+        out.append(runner.execute([seq], [1], 1).float().cpu())
     return out
 
 

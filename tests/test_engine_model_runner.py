@@ -10,7 +10,7 @@ import torch
 from labkit.data import sample_prompts
 from labkit.engine.model_runner import ModelRunner
 from labkit.evaluate import relative_error
-from labkit.kvcache import PagedKVCache
+from labkit.kvcache import PagedKVCache, SeqBlocks
 from labkit.model import FusionPlan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,33 +35,51 @@ def hf_last_logits(model, tokens):
         return model(torch.tensor([tokens], device=next(model.parameters()).device)).logits[0, -1].float()
 
 
+def step(runner, seqs, counts, num_decode):
+    """A step as the engine runs it: the runner computes it, then (the scheduler's postprocess) the computed counts
+    advance."""
+    logits = runner.execute(seqs, counts, num_decode)
+    for seq, n in zip(seqs, counts):
+        runner.cache.mark_computed(seq, seq.num_computed + n)
+    return logits
+
+
+def feed(cache, seq, token: int) -> None:
+    """Append a sampled token to ``seq`` and reserve its slot."""
+    seq.token_ids.append(token)
+    cache.append_slots(seq)
+
+
 def run_steps(runner, cache, prompts):
     """Three steps: prompt 0 in a chunk of 10; then its remaining 17 tokens + prompt 1 whole; then a mixed step of
-    two decodes (greedy tokens appended) and prompt 2. Returns [(logits, [(seq, tokens so far)])] per step."""
-    for i, p in enumerate(prompts):
-        cache.allocate(i, p)
+    two decodes (greedy tokens appended) and prompt 2. Returns [(logits, [(seq, tokens so far)])] per step and the
+    sequences."""
+    seqs = [SeqBlocks(p, i) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        cache.allocate(seq)
     out = []
-    logits = runner.execute([0], [10], 0)
+    logits = step(runner, seqs[:1], [10], 0)
     out.append((logits, [prompts[0][:10]]))
-    logits = runner.execute([0, 1], [len(prompts[0]) - 10, len(prompts[1])], 0)
+    logits = step(runner, seqs[:2], [len(prompts[0]) - 10, len(prompts[1])], 0)
     out.append((logits, [prompts[0], prompts[1]]))
     nxt = logits.argmax(-1).tolist()
-    for i, t in enumerate(nxt):
-        cache.append_slots(i, [t])
-    logits = runner.execute([0, 1, 2], [1, 1, len(prompts[2])], 2)
+    for seq, t in zip(seqs, nxt):
+        feed(cache, seq, t)
+    logits = step(runner, seqs, [1, 1, len(prompts[2])], 2)
     out.append((logits, [prompts[0] + nxt[:1], prompts[1] + nxt[1:], prompts[2]]))
-    return out
+    return out, seqs
 
 
 def test_chunked_and_mixed_steps_match_hf_forward(tiny_model, prompts):
     model, _ = tiny_model
     cache = nan_cache(model, num_blocks=24, block_size=4)
     runner = ModelRunner(model, cache, kernels="torch")
-    for logits, seqs in run_steps(runner, cache, prompts):
-        assert logits.shape == (len(seqs), model.config.vocab_size) and logits.dtype == torch.float32
-        for row, tokens in zip(logits, seqs):
+    steps, seqs = run_steps(runner, cache, prompts)
+    for logits, tokens_of in steps:
+        assert logits.shape == (len(tokens_of), model.config.vocab_size) and logits.dtype == torch.float32
+        for row, tokens in zip(logits, tokens_of):
             assert relative_error(row, hf_last_logits(model, tokens)) <= 1e-5
-    assert [cache.seq(i).num_computed for i in range(3)] == [28, 8, 19]
+    assert [s.num_computed for s in seqs] == [28, 8, 19]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU host the Triton path runs on CUDA, where "
@@ -72,13 +90,13 @@ def test_triton_path_matches_torch_path(tiny_model, prompts):
     model, _ = tiny_model
     short = [prompts[0], prompts[1], prompts[2][:5]]
     ref_cache = nan_cache(model, num_blocks=24, block_size=4)
-    ref = run_steps(ModelRunner(model, ref_cache, kernels="torch"), ref_cache, short)
+    ref = run_steps(ModelRunner(model, ref_cache, kernels="torch"), ref_cache, short)[0]
     before = hf_last_logits(model, prompts[0])
     cache = nan_cache(model, num_blocks=24, block_size=4)
     runner = ModelRunner(model, cache, kernels="triton")
     assert runner.model.merge_qkv and runner.use_triton and runner.plan.norm == "triton"
     assert not runner.plan.quant_epilogues  # float weights: the epilogue fusions do not apply
-    got = run_steps(runner, cache, short)
+    got = run_steps(runner, cache, short)[0]
     for (a, _), (b, _) in zip(got, ref):
         assert relative_error(a, b) <= 1e-5
     assert torch.equal(hf_last_logits(model, prompts[0]), before)  # merging the weights changed nothing in HF
@@ -97,7 +115,7 @@ def test_quantised_projections_merge(tiny_model, prompts, method):
     ref_cache = nan_cache(qmodel, num_blocks=24, block_size=4)
     separate = replace(FusionPlan.triton(), merge_qkv=False, merge_gate_up=False, quant_epilogues=False,
                        qkv_rope_cache=False, gemv_pdl=False)
-    ref = run_steps(ModelRunner(qmodel, ref_cache, kernels=separate), ref_cache, short)
+    ref = run_steps(ModelRunner(qmodel, ref_cache, kernels=separate), ref_cache, short)[0]
     cache = nan_cache(qmodel, num_blocks=24, block_size=4)
     runner = ModelRunner(qmodel, cache, kernels="triton")
     qkv = runner.model.model.layers[0].self_attn.qkv_proj
@@ -107,7 +125,7 @@ def test_quantised_projections_merge(tiny_model, prompts, method):
     assert runner.plan.quant_epilogues
     assert not ModelRunner(qmodel, nan_cache(qmodel, num_blocks=24, block_size=4), kernels=plan(False)
                            ).plan.quant_epilogues
-    for (a, _), (b, _) in zip(run_steps(runner, cache, short), ref):
+    for (a, _), (b, _) in zip(run_steps(runner, cache, short)[0], ref):
         assert relative_error(a, b) <= 1e-5
 
 
@@ -219,11 +237,13 @@ def decode_logits(model, prompt, steps: int, fuse: bool, feed: list[int] | None 
     fusion = plan(fuse, kw.pop("fuse_qkv_rope", True), kw.pop("gemv_pdl", True))
     runner = ModelRunner(model, cache, kernels=fusion, **kw)
     assert runner.plan.quant_epilogues == fuse
-    cache.allocate(0, prompt)
-    logits = [runner.execute([0], [len(prompt)], 0)]
+    seq = SeqBlocks(prompt, 0)
+    cache.allocate(seq)
+    logits = [step(runner, [seq], [len(prompt)], 0)]
     for i in range(steps):
-        cache.append_slots(0, [int(logits[-1].argmax()) if feed is None else feed[i]])
-        logits.append(runner.execute([0], [1], 1))
+        seq.token_ids.append(int(logits[-1].argmax()) if feed is None else feed[i])
+        cache.append_slots(seq)
+        logits.append(step(runner, [seq], [1], 1))
     return logits
 
 
@@ -300,13 +320,14 @@ def test_padded_rows_touch_nothing(tiny_model, prompts):
     cache = nan_cache(model, num_blocks=24, block_size=4)
     runner = ModelRunner(model, cache, kernels="torch", max_model_len=64)
     (runner.scratch_block,) = cache.allocator.allocate(1)
-    for i, p in enumerate(prompts[:2]):
-        cache.allocate(i, p)
-    first = runner.execute([0, 1], [len(prompts[0]), len(prompts[1])], 0).argmax(-1).tolist()
-    for i, t in enumerate(first):
-        cache.append_slots(i, [t])
+    seqs = [SeqBlocks(p, i) for i, p in enumerate(prompts[:2])]
+    for seq in seqs:
+        cache.allocate(seq)
+    first = step(runner, seqs, [len(prompts[0]), len(prompts[1])], 0).argmax(-1).tolist()
+    for seq, t in zip(seqs, first):
+        feed(cache, seq, t)
     snapshot = [k.clone() for k in cache.k_caches]
-    inp = runner.prepare([0, 1], [1, 1], 2, pad_to=5, width=runner.max_blocks)
+    inp = runner.prepare(seqs, [1, 1], 2, pad_to=5, width=runner.max_blocks)
     assert inp.block_tables.shape == (5, 16) and inp.context_lens.tolist() == [28, 8, 1, 1, 1]
     logits = runner.forward(inp)
     for i, p in enumerate(prompts[:2]):
@@ -314,7 +335,7 @@ def test_padded_rows_touch_nothing(tiny_model, prompts):
     for layer, (old, new) in enumerate(zip(snapshot, cache.k_caches)):
         same = (old == new) | (old.isnan() & new.isnan())  # unused blocks hold whatever torch.empty left
         changed = (~same).flatten(1).any(1).nonzero().flatten().tolist()
-        written = {cache.seq(0).block_table[-1], cache.seq(1).block_table[-1], runner.scratch_block}
+        written = {seqs[0].block_table[-1], seqs[1].block_table[-1], runner.scratch_block}
         assert set(changed) <= written, layer
 
 
@@ -333,23 +354,28 @@ def test_bad_arguments(tiny_model):
     with pytest.raises(ValueError, match="quant_epilogues='auto' must be True or False"):
         ModelRunner(model, cache, kernels=FusionPlan(quant_epilogues="auto"))
     runner = ModelRunner(model, cache, kernels="torch", max_model_len=8)
-    cache.allocate("long", list(range(3, 15)))
+    long = SeqBlocks(list(range(3, 15)), "long")
+    cache.allocate(long)
     with pytest.raises(ValueError, match="more than max_model_len=8"):
-        runner.prepare(["long"], [12], 0, width=runner.max_blocks)
+        runner.prepare([long], [12], 0, width=runner.max_blocks)
+    with pytest.raises(ValueError, match="sequence 'long': 13 tokens to compute, but it has 12 tokens of which 0 are "
+                                         "computed, and slots for 12; reserve slots first"):
+        runner.prepare([long], [13], 0)
+    long.token_ids.append(20)  # a token without a slot
     with pytest.raises(ValueError, match="reserve slots first"):
-        runner.prepare(["long"], [13], 0)
+        runner.prepare([long], [13], 0)
     with pytest.raises(ValueError, match="at least one sequence"):
         runner.prepare([], [], 0)
 
 
-def greedy_steps(runner, cache, seq_ids, first_logits, n):
+def greedy_steps(runner, cache, seqs, first_logits, n):
     """Greedy continuation of prefilled sequences: ``n`` tokens each (the first from ``first_logits``), one decode
     step per token."""
     out = [[t] for t in first_logits.argmax(-1).tolist()]
     for _ in range(n - 1):
-        for sid, o in zip(seq_ids, out):
-            cache.append_slots(sid, o[-1:])
-        logits = runner.execute(seq_ids, [1] * len(seq_ids), len(seq_ids))
+        for seq, o in zip(seqs, out):
+            feed(cache, seq, o[-1])
+        logits = step(runner, seqs, [1] * len(seqs), len(seqs))
         for o, t in zip(out, logits.argmax(-1).tolist()):
             o.append(t)
     return out
@@ -362,19 +388,20 @@ def test_fork_copy_on_write_keeps_both_branches_exact(tiny_model, prompts):
     p = prompts[0]  # 27 tokens: the last block of 8 is partly filled and shared after the fork
     cache = nan_cache(model, num_blocks=20, block_size=8)
     runner = ModelRunner(model, cache, kernels="torch")
-    cache.allocate("parent", p)
-    first = runner.execute(["parent"], [len(p)], 0)[0]
-    cache.fork("parent", "child")
+    parent, child = SeqBlocks(p, "parent"), SeqBlocks(p, "child")
+    cache.allocate(parent)
+    first = step(runner, [parent], [len(p)], 0)[0]
+    cache.fork(parent, child)
     a, b = int(first.argmax()), int(first.topk(2).indices[1])  # the child continues with the runner-up instead
-    cache.append_slots("parent", [a])
-    cache.append_slots("child", [b])
-    logits = runner.execute(["parent", "child"], [1, 1], 2)
-    assert cache.seq("parent").block_table[-1] != cache.seq("child").block_table[-1]
-    outs = greedy_steps(runner, cache, ["parent", "child"], logits, 10)
+    feed(cache, parent, a)
+    feed(cache, child, b)
+    logits = step(runner, [parent, child], [1, 1], 2)
+    assert parent.block_table[-1] != child.block_table[-1]
+    outs = greedy_steps(runner, cache, [parent, child], logits, 10)
     hf = model.generate(torch.tensor([p + [a], p + [b]]), max_new_tokens=10, do_sample=False, eos_token_id=None,
                         pad_token_id=0)[:, len(p) + 1:].tolist()
     assert outs == hf
-    cache.check_invariants()
+    cache.check_invariants([parent, child])
 
 
 @pytest.mark.gpu
@@ -387,12 +414,13 @@ def test_cuda_quantised_cache_kernels_match_the_torch_path(tiny_model, prompts, 
         for kernels in ("torch", "triton"):
             cache = PagedKVCache.for_model(model, num_blocks=40, block_size=16, kv_dtype=kv_dtype)
             runner = ModelRunner(model, cache, kernels=kernels, cuda_graphs=False)
-            for i, p in enumerate(prompts):
-                cache.allocate(i, p)
-            first = runner.execute([0, 1, 2], [len(p) for p in prompts], 0)
-            for i, t in enumerate(first.argmax(-1).tolist()):
-                cache.append_slots(i, [t])
-            logits[kernels] = runner.execute([0, 1, 2], [1, 1, 1], 3)
+            seqs = [SeqBlocks(p, i) for i, p in enumerate(prompts)]
+            for seq in seqs:
+                cache.allocate(seq)
+            first = step(runner, seqs, [len(p) for p in prompts], 0)
+            for seq, t in zip(seqs, first.argmax(-1).tolist()):
+                feed(cache, seq, t)
+            logits[kernels] = runner.execute(seqs, [1, 1, 1], 3)
         assert relative_error(logits["triton"], logits["torch"]) <= 1e-4
     finally:
         model.to("cpu")
@@ -408,9 +436,10 @@ def test_a_prefill_step_with_as_many_tokens_as_sequences_returns_each_last_token
     runner = ModelRunner(model, cache, kernels="torch", max_model_len=64)
     (runner.scratch_block,) = cache.allocator.allocate(1)
     a, b = prompts[0][:3], prompts[1][:1]
-    cache.allocate(0, a)
-    cache.allocate(1, b)
-    inp = runner.prepare([0, 1], [3, 1], 0, pad_to=4, width=runner.max_blocks, pad_tokens=4)
+    seqs = [SeqBlocks(a, 0), SeqBlocks(b, 1)]
+    for seq in seqs:
+        cache.allocate(seq)
+    inp = runner.prepare(seqs, [3, 1], 0, pad_to=4, width=runner.max_blocks, pad_tokens=4)
     assert inp.input_ids.shape[0] == inp.block_tables.shape[0] == inp.num_seqs == 4 and inp.num_decodes == 0
     logits = runner.forward(inp)
     assert logits.shape[0] == 4

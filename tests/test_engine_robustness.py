@@ -26,11 +26,12 @@ def prompts(tiny_model):
 def poison(engine: LLMEngine, request_id: int) -> None:
     """Put an id outside the vocabulary into a queued request behind the checks' back: its prefill raises
     ``IndexError`` in the embedding, as an unchecked bad id did before."""
-    engine.seqs[request_id].prompt_token_ids[1] = engine.vocab_size + 5
+    engine.seqs[request_id].token_ids[1] = engine.vocab_size + 5
 
 
 def clean(engine: LLMEngine) -> bool:
-    return not engine.has_unfinished() and not engine.cache.seqs and engine.cache.allocator.num_used == 0
+    return (not engine.has_unfinished() and engine.cache.allocator.num_used == 0
+            and not any(s.block_table for s in engine.seqs.values()))
 
 
 def test_one_bad_request_among_100_fails_alone(tiny_model, prompts):
@@ -63,10 +64,10 @@ def test_error_mid_decode_frees_blocks_and_others_finish(tiny_model, prompts):
     engine = LLMEngine(model, tok, max_num_seqs=4, max_num_batched_tokens=64, preemption_mode="swap")
     real = engine.runner.execute
 
-    def failing(seq_ids, num_tokens, num_decode):  # request 2 fails once it has decode work
-        if 2 in seq_ids and engine.seqs[2].num_output_tokens >= 2:
+    def failing(seqs, num_tokens, num_decode):  # request 2 fails once it has decode work
+        if engine.seqs[2] in seqs and engine.seqs[2].num_output_tokens >= 2:
             raise RuntimeError("kernel fault on request 2")
-        return real(seq_ids, num_tokens, num_decode)
+        return real(seqs, num_tokens, num_decode)
 
     engine.runner.execute = failing
     outs = engine.generate(prompts[:5], SamplingParams(max_tokens=6, ignore_eos=True), progress=False)
@@ -224,7 +225,7 @@ def test_abort_a_swapped_out_request(tiny_model, prompts):
     while not engine.scheduler.swapped and engine.has_unfinished():
         engine.step()
     victim = engine.scheduler.swapped[0].seq_id
-    assert engine.abort_request(victim) and not engine.scheduler.swap.seqs.get(victim)
+    assert engine.abort_request(victim) and not engine.seqs[victim].block_table
     while engine.has_unfinished():
         engine.step()
     outs = {o.request_id: o for o in engine.result().outputs}

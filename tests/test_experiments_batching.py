@@ -130,7 +130,7 @@ def test_runner_step_decode_and_prefill(tiny_model):
     first = step().clone()
     assert first.shape == (3, vocab) and torch.isfinite(first).all()
     assert torch.equal(step(), first) and runner.cache.allocator.num_free <= 1  # (CUDA: the graphs' scratch)
-    assert all(runner.cache.seq(i).num_tokens == 38 for i in range(3))
+    assert runner.cache.allocator.num_used >= 3 * runner.cache.blocks_for(38)  # 3 sequences of 37 + 1 tokens
     step, runner = runner_step(model, "prefill", 1, 21)
     out = step()
     assert out.shape == (1, vocab) and torch.isfinite(out).all()

@@ -17,7 +17,7 @@ from labkit.experiments.kv_cache import (
     simulate_paged,
     window_logits,
 )
-from labkit.kvcache import PagedKVCache, kv_format
+from labkit.kvcache import PagedKVCache, SeqBlocks, kv_format
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -133,7 +133,7 @@ def test_window_logits_match_hf_forward_at_every_position(tiny_model):
     with torch.no_grad():
         ref = torch.cat([model(torch.tensor([w])).logits[0] for w in windows])
     assert logits.shape == ref.shape and relative_error(logits, ref) <= 1e-5
-    assert not runner.cache.seqs  # the windows leave the cache
+    assert runner.cache.allocator.num_used == 0  # the windows leave the cache
 
 
 def test_accuracy_evaluation_on_the_embedded_model(tiny_model):
@@ -182,10 +182,12 @@ def test_draw_block_table_shows_every_block_of_each_table():
     from labkit.experiments.kv_cache import draw_block_table
 
     cache = PagedKVCache(1, 1, 1, num_blocks=10, block_size=4, allocate_pools=False)
-    cache.allocate("a", [0] * 6)
-    cache.allocate("b", [0] * 3)
-    cache.append_slots("a", [0, 0, 0])
-    left, right = draw_block_table(cache, ["a", "b"])
+    a, b = SeqBlocks([0] * 6, "a"), SeqBlocks([0] * 3, "b")
+    cache.allocate(a)
+    cache.allocate(b)
+    a.token_ids += [0, 0, 0]
+    cache.append_slots(a)
+    left, right = draw_block_table(cache, [a, b])
     labels = {t.get_text() for t in left.texts}
-    assert {str(b) for b in cache.seq("a").block_table + cache.seq("b").block_table} <= labels
+    assert {str(x) for x in a.block_table + b.block_table} <= labels
     assert "seq a: 9 tok" in labels and len(right.patches) == 10

@@ -6,7 +6,7 @@ import torch
 
 from labkit.evaluate import relative_error
 from labkit.kernels.paged_attention import paged_attention_ref
-from labkit.kvcache import PagedKVCache
+from labkit.kvcache import PagedKVCache, SeqBlocks
 from labkit.kvcache.attention import (
     _triton_paged_attention,
     decode_attention,
@@ -18,7 +18,8 @@ from labkit.kvcache.quant import dequantize_kv, quantize_kv
 
 
 def _filled_cache(lens, kv_heads, d, block_size, seed, kv_dtype="fp32", device="cpu"):
-    """A cache whose sequences hold random K/V (also returned, contiguous, in float32 for the reference)."""
+    """A cache whose sequences hold random K/V (also returned, contiguous, in float32 for the reference), and the
+    sequences."""
     g = torch.Generator().manual_seed(seed)
     total = sum(-(-n // block_size) for n in lens)
     cache = PagedKVCache(1, kv_heads, d, num_blocks=total + 3, block_size=block_size, kv_dtype=kv_dtype,
@@ -27,13 +28,13 @@ def _filled_cache(lens, kv_heads, d, block_size, seed, kv_dtype="fp32", device="
         for t in cache.k_caches + cache.v_caches:
             t.fill_(float("nan"))
     cache.allocator.allocate(3)  # so sequences do not start at block 0
-    kvs = []
-    for sid, n in enumerate(lens):
-        cache.allocate(sid, [0] * n)
+    kvs, seqs = [], [SeqBlocks([0] * n, sid) for sid, n in enumerate(lens)]
+    for seq, n in zip(seqs, lens):
+        cache.allocate(seq)
         k, v = torch.randn(2, n, kv_heads, d, generator=g)
-        cache.write(0, torch.tensor(cache.slots(sid, 0, n)), k.to(device), v.to(device))
+        cache.write(0, torch.tensor(cache.slots(seq, 0, n)), k.to(device), v.to(device))
         kvs.append((k, v))
-    return cache, kvs
+    return cache, kvs, seqs
 
 
 def _dense_causal(q, k, v, n_new):
@@ -51,37 +52,36 @@ def _dense_causal(q, k, v, n_new):
 @pytest.mark.parametrize("block_size", [1, 3, 16])
 def test_prefill_chunks_over_cached_prefix_match_dense_causal(block_size):
     lens, new = [1, 9, 40, 17], [1, 9, 13, 5]  # sequence 2 and 3: a chunk after a cached prefix
-    cache, kvs = _filled_cache(lens, 2, 20, block_size, seed=block_size)
+    cache, kvs, seqs = _filled_cache(lens, 2, 20, block_size, seed=block_size)
     g = torch.Generator().manual_seed(100 + block_size)
     q = torch.randn(sum(new), 6, 20, generator=g)
     qsl = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
     ids = list(range(len(lens)))
-    out = paged_prefill_attention_ref(q, cache.k_caches[0], cache.v_caches[0], cache.block_tables(ids), qsl,
-                                      cache.context_lens(ids))
+    out = paged_prefill_attention_ref(q, cache.k_caches[0], cache.v_caches[0], cache.block_tables(seqs), qsl,
+                                      cache.context_lens(seqs))
     ref = torch.cat([_dense_causal(q[qsl[s]:qsl[s + 1]], *kvs[s], new[s]) for s in ids])
     assert relative_error(out, ref) <= 1e-5
 
 
 def test_decode_is_the_one_query_case_of_prefill():
     lens = [5, 1, 23]
-    cache, _ = _filled_cache(lens, 1, 16, 4, seed=3)
+    cache, _, seqs = _filled_cache(lens, 1, 16, 4, seed=3)
     q = torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(4))
-    ids = [0, 1, 2]
-    args = (cache.k_caches[0], cache.v_caches[0], cache.block_tables(ids))
-    a = decode_attention(q, *args, cache.context_lens(ids), backend="torch")
-    b = paged_prefill_attention_ref(q, *args, torch.arange(4, dtype=torch.int32), cache.context_lens(ids))
+    args = (cache.k_caches[0], cache.v_caches[0], cache.block_tables(seqs))
+    a = decode_attention(q, *args, cache.context_lens(seqs), backend="torch")
+    b = paged_prefill_attention_ref(q, *args, torch.arange(4, dtype=torch.int32), cache.context_lens(seqs))
     assert relative_error(a, b) <= 1e-6
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 def test_dequantised_view_reads_what_was_quantised(kv_dtype):
     lens = [6, 19]
-    cache, kvs = _filled_cache(lens, 2, 8, 4, seed=5, kv_dtype=kv_dtype)
+    cache, kvs, seqs = _filled_cache(lens, 2, 8, 4, seed=5, kv_dtype=kv_dtype)
     ids = [0, 1]
-    k, v, tables = dequantised_blocks(cache, 0, cache.block_tables(ids), torch.float32)
+    k, v, tables = dequantised_blocks(cache, 0, cache.block_tables(seqs), torch.float32)
     assert k.shape[0] <= cache.num_blocks and tables.dtype == torch.int32
     q = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(6))
-    out = decode_attention(q, k, v, tables, cache.context_lens(ids), backend="torch")
+    out = decode_attention(q, k, v, tables, cache.context_lens(seqs), backend="torch")
     # reference: quantise-dequantise the contiguous K/V the same way, attend densely
     ref = []
     for s in ids:
@@ -91,9 +91,9 @@ def test_dequantised_view_reads_what_was_quantised(kv_dtype):
 
 
 def test_backend_arguments():
-    cache, _ = _filled_cache([3], 1, 4, 2, seed=7)
-    args = (torch.randn(1, 1, 4), cache.k_caches[0], cache.v_caches[0], cache.block_tables([0]),
-            cache.context_lens([0]))
+    cache, _, seqs = _filled_cache([3], 1, 4, 2, seed=7)
+    args = (torch.randn(1, 1, 4), cache.k_caches[0], cache.v_caches[0], cache.block_tables(seqs),
+            cache.context_lens(seqs))
     with pytest.raises(ValueError, match="backend='cuda' is unknown; allowed"):
         decode_attention(*args, backend="cuda")
     if _triton_paged_attention() is None:
@@ -105,20 +105,18 @@ def test_backend_arguments():
                     reason="labkit.kernels has no Triton paged_attention yet")
 def test_triton_kernel_matches_reference_when_present():
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs it through Triton's interpreter
-    cache, _ = _filled_cache([1, 17, 40], 2, 32, 16, seed=8, device=device)
-    ids = [0, 1, 2]
+    cache, _, seqs = _filled_cache([1, 17, 40], 2, 32, 16, seed=8, device=device)
     q = torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(9)).to(device)
-    args = (q, cache.k_caches[0], cache.v_caches[0], cache.block_tables(ids), cache.context_lens(ids))
+    args = (q, cache.k_caches[0], cache.v_caches[0], cache.block_tables(seqs), cache.context_lens(seqs))
     out, ref = decode_attention(*args, backend="triton"), decode_attention(*args, backend="torch")
     assert relative_error(out, ref) <= 1e-5  # float32 (the kernel keeps fp32 dots exact)
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 def test_quantised_decode_with_scales_matches_dequantise_first(kv_dtype):
-    cache, _ = _filled_cache([7, 30], 2, 32, 8, seed=10, kv_dtype=kv_dtype)
-    ids = [0, 1]
+    cache, _, seqs = _filled_cache([7, 30], 2, 32, 8, seed=10, kv_dtype=kv_dtype)
     q = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(11))
-    tables, lens = cache.block_tables(ids), cache.context_lens(ids)
+    tables, lens = cache.block_tables(seqs), cache.context_lens(seqs)
     k, v, t = dequantised_blocks(cache, 0, tables, torch.float32)
     ref = decode_attention(q, k, v, t, lens, backend="torch")
     scales = {"k_scale": cache.k_scales[0], "v_scale": cache.v_scales[0]}

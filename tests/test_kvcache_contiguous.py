@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from labkit.evaluate import relative_error
-from labkit.kvcache import CacheFullError, ContiguousKVCache, PagedKVCache
+from labkit.kvcache import CacheFullError, ContiguousKVCache, PagedKVCache, SeqBlocks
 from labkit.kvcache.attention import decode_attention
 
 
@@ -54,26 +54,30 @@ def test_contiguous_and_paged_attention_agree(block_size):
     paged = PagedKVCache(2, kv_heads, d, num_blocks=120, block_size=block_size)
     for t in contig.k_caches + contig.v_caches + paged.k_caches + paged.v_caches:
         t.fill_(float("nan"))
-    for sid, n in enumerate(lens):
+    seqs = [SeqBlocks([], sid) for sid in range(len(lens))]
+    for seq, n in zip(seqs, lens):
+        sid = seq.seq_id
         first = 1 + int(torch.randint(0, n, (1,), generator=g))  # a prompt, then one token at a time
         for i, m in enumerate([first] + [1] * (n - first)):
+            seq.token_ids += [0] * m
             if i == 0:
                 c_slots = contig.allocate(sid, m)
-                paged.allocate(sid, [0] * m)
-                p_slots = paged.slots(sid, 0, m)
+                paged.allocate(seq)
             else:
-                c_slots, p_slots = contig.append_slots(sid, m), paged.append_slots(sid, [0] * m)
+                c_slots = contig.append_slots(sid, m)
+                paged.append_slots(seq)
+            p_slots = paged.slots(seq, seq.num_tokens - m, seq.num_tokens)
             for layer in range(2):
                 k, v = torch.randn(2, m, kv_heads, d, generator=g)
                 contig.write(layer, torch.tensor(c_slots), k, v)
                 paged.write(layer, torch.tensor(p_slots), k, v)
     ids = list(range(len(lens)))
-    assert paged.context_lens(ids).tolist() == lens
+    assert paged.context_lens(seqs).tolist() == lens
     for layer in range(2):
         q = torch.randn(len(lens), heads, d, generator=g)
         ref = contig.attention(layer, q, ids)
-        out = decode_attention(q, paged.k_caches[layer], paged.v_caches[layer], paged.block_tables(ids),
-                               paged.context_lens(ids), backend="torch")
+        out = decode_attention(q, paged.k_caches[layer], paged.v_caches[layer], paged.block_tables(seqs),
+                               paged.context_lens(seqs), backend="torch")
         assert not ref.isnan().any() and relative_error(out, ref) <= 1e-5
 
 

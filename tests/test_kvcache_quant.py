@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from labkit.evaluate import relative_error
-from labkit.kvcache import PagedKVCache, kv_format
+from labkit.kvcache import PagedKVCache, SeqBlocks, kv_format
 from labkit.kvcache.quant import dequantize_kv, quantize_kv
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -49,10 +49,11 @@ def test_bytes_per_token_counts_scales():
 def test_quantised_cache_reads_back_dequantised(name):
     g = torch.Generator().manual_seed(4)
     cache = PagedKVCache(2, 2, 16, num_blocks=5, block_size=4, kv_dtype=name)
-    cache.allocate("a", list(range(9)))
+    a = SeqBlocks(list(range(9)), "a")
+    cache.allocate(a)
     k, v = torch.randn(2, 9, 2, 16, generator=g)
-    cache.write(1, torch.tensor(cache.slots("a", 0, 9)), k, v)
-    k2, v2 = cache.gather("a", 1)
+    cache.write(1, torch.tensor(cache.slots(a, 0, 9)), k, v)
+    k2, v2 = cache.gather(a, 1)
     assert relative_error(k2, k) <= 4e-2 and relative_error(v2, v) <= 4e-2
     assert torch.equal(k2, dequantize_kv(*quantize_kv(k, cache.fmt), torch.float32))
 
@@ -67,13 +68,17 @@ def test_cuda_cache_stores_what_the_cpu_computes(name):
     caches = {}
     for device in ("cpu", "cuda"):
         c = PagedKVCache(1, 2, 128, num_blocks=4, block_size=4, kv_dtype=name, device=device)
-        c.allocate("a", list(range(11)))
-        c.write(0, torch.tensor(c.slots("a", 0, 11)), k.to(device), v.to(device))
-        c.fork("a", "b")
-        c.append_slots("b", [1])  # copy on write of the partial block, on the device
-        caches[device] = c
-    for sid in ("a", "b"):
-        kc, vc = caches["cpu"].gather(sid, 0)
-        kg, vg = caches["cuda"].gather(sid, 0)
+        a = SeqBlocks(list(range(11)), "a")
+        c.allocate(a)
+        c.write(0, torch.tensor(c.slots(a, 0, 11)), k.to(device), v.to(device))
+        c.mark_computed(a, 11)
+        b = SeqBlocks(list(a.token_ids), "b")
+        c.fork(a, b)
+        b.token_ids.append(1)
+        c.append_slots(b)  # copy on write of the partial block, on the device
+        caches[device] = c, (a, b)
+    for i in range(2):
+        kc, vc = caches["cpu"][0].gather(caches["cpu"][1][i], 0)
+        kg, vg = caches["cuda"][0].gather(caches["cuda"][1][i], 0)
         n = 11
         assert torch.equal(kc[:n], kg[:n].cpu()) and torch.equal(vc[:n], vg[:n].cpu())

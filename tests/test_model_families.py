@@ -16,6 +16,7 @@ from transformers import (
 )
 
 from labkit.evaluate import relative_error
+from labkit.kvcache import SeqBlocks
 from labkit.model import ModelInput, load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -86,21 +87,22 @@ def greedy_paged(model, prompts, steps, block_size=4):
     cache = model.make_cache(num_blocks=64, block_size=block_size)
     for t in cache.k_caches + cache.v_caches:
         t.fill_(float("nan"))  # a slot read before it is written poisons the output
-    seqs = list(range(len(prompts)))
-    for s, p in zip(seqs, prompts):
-        cache.allocate(s, p)
+    seqs = [SeqBlocks(p, s) for s, p in enumerate(prompts)]
+    for seq in seqs:
+        cache.allocate(seq)
     out, step_logits = [[] for _ in prompts], [[] for _ in prompts]
     lens = [len(p) for p in prompts]
     for _ in range(steps):
-        inp = ModelInput.build(cache, [cache.seq(s) for s in seqs], lens, len(seqs) if lens[0] == 1 else 0)
+        inp = ModelInput.build(cache, seqs, lens, len(seqs) if lens[0] == 1 else 0)
         logits = model.forward_paged(inp, cache)
         assert logits.dtype == torch.float32 and logits.shape == (len(seqs), model.config.vocab_size)
-        for s in seqs:
-            cache.mark_computed(s, cache.seq(s).num_tokens)
+        for s, seq in enumerate(seqs):
+            cache.mark_computed(seq, seq.num_tokens)
             tok = int(logits[s].argmax())
             step_logits[s].append(logits[s])
             out[s].append(tok)
-            cache.append_slots(s, [tok])
+            seq.token_ids.append(tok)
+            cache.append_slots(seq)
         lens = [1] * len(seqs)
     return out, [torch.stack(x) for x in step_logits]
 
@@ -132,16 +134,19 @@ def test_chunked_prefill_and_mixed_step(name, tmp_path):
     g = torch.Generator().manual_seed(3)
     a, b = torch.randint(0, 256, (17,), generator=g).tolist(), torch.randint(0, 256, (6,), generator=g).tolist()
     cache = ours.make_cache(num_blocks=32, block_size=4)
-    cache.allocate("a", a[:7])
+    sa, sb = SeqBlocks(a[:7], "a"), SeqBlocks(b, "b")
+    cache.allocate(sa)
     for chunk in (7, 10):
         if chunk == 10:
-            cache.append_slots("a", a[7:])
-        last = ours.forward_paged(ModelInput.build(cache, [cache.seq("a")], [chunk]), cache)
-        cache.mark_computed("a", cache.seq("a").num_tokens)
+            sa.token_ids += a[7:]
+            cache.append_slots(sa)
+        last = ours.forward_paged(ModelInput.build(cache, [sa], [chunk]), cache)
+        cache.mark_computed(sa, sa.num_tokens)
     nxt = int(last[0].argmax())
-    cache.append_slots("a", [nxt])
-    cache.allocate("b", b)
-    logits = ours.forward_paged(ModelInput.build(cache, [cache.seq("a"), cache.seq("b")], [1, 6], 1), cache)
+    sa.token_ids.append(nxt)
+    cache.append_slots(sa)
+    cache.allocate(sb)
+    logits = ours.forward_paged(ModelInput.build(cache, [sa, sb], [1, 6], 1), cache)
     with torch.no_grad():
         ref_a = hf(torch.tensor([a + [nxt]])).logits[0, -1]
         ref_b = hf(torch.tensor([b])).logits[0, -1]
@@ -167,8 +172,9 @@ def test_int8_cache_runs_close(tmp_path):
     ours = load_checkpoint(tmp_path, dtype=torch.float32)
     p = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(5)).tolist()
     cache = ours.make_cache(num_blocks=8, block_size=4, kv_dtype="int8")
-    cache.allocate(0, p)
-    out = ours.forward_paged(ModelInput.build(cache, [cache.seq(0)], [11]), cache)
+    seq = SeqBlocks(p)
+    cache.allocate(seq)
+    out = ours.forward_paged(ModelInput.build(cache, [seq], [11]), cache)
     with torch.no_grad():
         ref = hf(torch.tensor([p])).logits[0, -1]
     assert relative_error(out[0], ref) < 2e-2

@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from labkit.evaluate import relative_error
+from labkit.kvcache import SeqBlocks
 from labkit.model import Checkpoint, ModelInput, from_config, load_checkpoint, load_hf_model
 from labkit.models import EMBEDDED_MODEL_DIR
 
@@ -46,16 +47,18 @@ def test_embedded_model_greedy_paged_equals_generate(ours, tiny_model):
         ref.append(hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
                                eos_token_id=None)[0, len(p):].tolist())
     cache = ours.make_cache(num_blocks=32, block_size=16)
-    for s, p in enumerate(prompts):
-        cache.allocate(s, p)
+    seqs = [SeqBlocks(p, s) for s, p in enumerate(prompts)]
+    for seq in seqs:
+        cache.allocate(seq)
     got, lens = [[], []], [len(p) for p in prompts]
     for step in range(16):
-        inp = ModelInput.build(cache, [cache.seq(0), cache.seq(1)], lens, 2 if step else 0)
+        inp = ModelInput.build(cache, seqs, lens, 2 if step else 0)
         nxt = ours.forward_paged(inp, cache).argmax(-1).tolist()
         for s, t in enumerate(nxt):
             got[s].append(t)
-            cache.mark_computed(s, cache.seq(s).num_tokens)
-            cache.append_slots(s, [t])
+            cache.mark_computed(seqs[s], seqs[s].num_tokens)
+            seqs[s].token_ids.append(t)
+            cache.append_slots(seqs[s])
         lens = [1, 1]
     assert got == ref
 
@@ -140,9 +143,10 @@ def test_no_safetensors(small_checkpoint):
 
 def test_paged_forward_rejects_bad_input(ours):
     cache = ours.make_cache(num_blocks=4, block_size=16)
-    cache.allocate(0, [1, 2, 3])
-    inp = ModelInput.build(cache, [cache.seq(0)], [3])
-    with pytest.raises(ValueError, match="positions must both be"):
+    seq = SeqBlocks([1, 2, 3])
+    cache.allocate(seq)
+    inp = ModelInput.build(cache, [seq], [3])
+    with pytest.raises(ValueError, match=r"positions must be int64 or int32 of shape \(3,\), got torch.int64 \(2,\)"):
         ours.forward_paged(replace(inp, positions=inp.positions[:2]), cache)
     with pytest.raises(ValueError, match="slot_mapping must be"):
         ours.forward_paged(replace(inp, input_ids=inp.input_ids[:2], positions=inp.positions[:2]), cache)

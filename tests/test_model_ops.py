@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.evaluate import relative_error
-from labkit.kvcache import PagedKVCache
+from labkit.kvcache import PagedKVCache, SeqBlocks
 from labkit.model import FusionPlan, RMSNorm
 from labkit.model.ops import act_and_mul, add_norm, projection, rope_and_write
 from labkit.quant.weight_only import Int4Linear
@@ -68,8 +68,9 @@ def test_triton_ops_match_torch():
     out = {}
     for name, plan in (("torch", torch_plan), ("triton", triton_plan)):
         cache = PagedKVCache(1, kv, D, 4, 8)
-        cache.allocate(0, list(range(T)))
-        slots = torch.tensor(cache.slots(0, 0, T))
+        seq = SeqBlocks(list(range(T)))
+        cache.allocate(seq)
+        slots = torch.tensor(cache.slots(seq, 0, T))
         rotated = rope_and_write(q, k, v, cos, sin, cache, 0, slots, plan)
         out[name] = (*rotated, *(c[0].view(-1, kv, D)[slots].clone() for c in (cache.k_caches, cache.v_caches)))
     for a, b in zip(out["triton"], out["torch"]):

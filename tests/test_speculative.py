@@ -5,8 +5,9 @@ reproduces the target distribution (chi-square on a small vocabulary)."""
 import pytest
 import torch
 
-from labkit.engine.proposers import DraftModelProposer, PromptLookupProposer, rollback
+from labkit.engine.proposers import DraftModelProposer, PromptLookupProposer
 from labkit.engine.speculative import SpeculativeDecoder, accept
+from labkit.kvcache import SeqBlocks
 from labkit.model import ModelConfig, from_config, load_checkpoint
 
 
@@ -73,17 +74,19 @@ def test_plain_path_equals_reference(target, prompts, reference):
 
 def test_rollback_frees_blocks_and_keeps_kv(target):
     cache = target.make_cache(16, block_size=4)
-    cache.allocate("s", list(range(6)))
+    s = SeqBlocks(list(range(6)), "s")
+    cache.allocate(s)
     used = cache.allocator.num_used
-    cache.append_slots("s", list(range(9)))  # 15 tokens: 4 blocks
+    s.token_ids += list(range(9))  # 15 tokens: 4 blocks
+    cache.append_slots(s)
     assert cache.allocator.num_used == 4
-    rollback(cache, "s", 7)
-    assert cache.allocator.num_used == used == 2 and cache.seq("s").token_ids == list(range(6)) + [0]
-    cache.check_invariants()
+    cache.rollback(s, 7)
+    assert cache.allocator.num_used == used == 2 and s.token_ids == list(range(6)) + [0]
+    cache.check_invariants([s])
     with pytest.raises(ValueError, match="num_tokens=0"):
-        rollback(cache, "s", 0)
+        cache.rollback(s, 0)
     with pytest.raises(ValueError, match="num_tokens=9"):
-        rollback(cache, "s", 9)
+        cache.rollback(s, 9)
 
 
 def test_rejected_tokens_do_not_leak(target, prompts):
@@ -92,7 +95,7 @@ def test_rejected_tokens_do_not_leak(target, prompts):
     dec.generate(prompts, 10)
     assert dec.stats.proposed > dec.stats.accepted  # a random draft is rejected: rollbacks happened
     assert dec.cache.allocator.num_free == 64
-    dec.cache.check_invariants()
+    dec.cache.check_invariants([])
 
 
 def test_prompt_lookup():

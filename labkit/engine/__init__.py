@@ -5,7 +5,7 @@
 * schedulers (scheduler.py): FIFO, static batches, continuous batching with chunked prefill and preemption by
   recompute or swap
 * ``ModelRunner`` (model_runner.py): the model over a flat token batch on the paged cache, Triton kernels on CUDA,
-  steps replayed from CUDA graphs (cuda_graph.py); ``ModelInput`` (``labkit.model.step``) is one step's inputs
+  steps replayed from CUDA graphs (cuda_graph.py); ``ModelInput`` (``labkit.model.attention``) is one step's inputs
 * ``SamplingParams`` / ``Sampler`` (sampling.py), requests and outputs (sequence.py), workloads (workload.py) and
   serving metrics (metrics.py)
 * speculative decoding (speculative.py, proposers.py): ``SpeculativeDecoder`` verifies the guesses of a
@@ -35,7 +35,7 @@ from labkit.engine.scheduler import (
 from labkit.engine.sequence import FinishReason, Request, RequestOutput, Sequence, SequenceStatus, TokenOutput
 from labkit.engine.speculative import SpecStats, SpeculativeDecoder, accept
 from labkit.engine.workload import LengthDist, RequestSpec, at_rate, make_workload
-from labkit.model.step import ModelInput
+from labkit.model.attention import ModelInput
 
 __all__ = ["LLMEngine", "EngineConfig", "EngineStats", "ServeResult", "CLOCKS", "SamplingParams", "Sampler",
            "Request", "RequestOutput", "TokenOutput", "Sequence", "SequenceStatus", "FinishReason", "Scheduler",

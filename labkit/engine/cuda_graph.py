@@ -41,7 +41,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from labkit.model.step import ModelInput
+from labkit.model.attention import ModelInput
 
 
 def default_graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -162,7 +162,7 @@ class StepGraphs:
         return None
 
     def run_packed(self, longs: np.ndarray, ints: np.ndarray, key: GraphKey, num_seqs: int) -> torch.Tensor:
-        """Copy a step packed on the host in the layout of the static buffers (``labkit.model.step.pack_step`` at
+        """Copy a step packed on the host in the layout of the static buffers (``labkit.model.attention.pack_step`` at
         ``static_shape`` and ``max_blocks``: two host-to-device copies feed every field) and replay ``key``;
         returns a new tensor: the logits of the first ``num_seqs`` rows ``[num_seqs, vocab]`` (the graph's own
         output buffer is overwritten by the next replay of any bucket)."""

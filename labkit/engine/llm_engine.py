@@ -226,15 +226,15 @@ class LLMEngine:
 
     def _run(self, batch: ScheduledBatch) -> list[int]:
         """Compute ``batch`` and sample its sampling rows: their tokens, in order."""
-        logits = self.runner.execute([s.seq_id for s in batch.seqs], batch.num_tokens, batch.num_decode)
+        logits = self.runner.execute(batch.seqs, batch.num_tokens, batch.num_decode)
         rows = [i for i, smp in enumerate(batch.sample) if smp]
         seqs = [batch.seqs[i] for i in rows]
         return self.sampler(logits if len(rows) == len(batch.seqs) else logits[rows], [s.params for s in seqs],
                             [s.seed for s in seqs], [s.num_output_tokens for s in seqs])
 
     def _isolate(self, batch: ScheduledBatch, error: Exception) -> tuple[ScheduledBatch, list[int]]:
-        """After ``batch`` raised ``error``: each sequence alone (nothing was marked computed, so the rerun writes
-        the same slots); those that fail again are finished with an error. Returns the batch of the survivors and
+        """After ``batch`` raised ``error``: each sequence alone (no computed count advanced, so the rerun writes the
+        same slots); those that fail again are finished with an error. Returns the batch of the survivors and
         their tokens."""
         kept, tokens = ScheduledBatch(preempted=batch.preempted), []
         for seq, n, smp in zip(batch.seqs, batch.num_tokens, batch.sample):

@@ -1,14 +1,15 @@
 """The engine's ModelRunner: a ``labkit.model.CausalLM`` over a flat token batch on the paged KV cache, each op by the
 kernel its ``FusionPlan`` names, and steps replayed from CUDA graphs captured per batch-size bucket.
 
-A step is a ``ModelInput`` (``labkit.model.step``, vLLM's names): ``num_tokens`` tokens of ``num_seqs`` sequences
+A step is a ``ModelInput`` (``labkit.model.attention``, vLLM's names): ``num_tokens`` tokens of ``num_seqs`` sequences
 back to back, single-token rows (decodes) first, with each token's cache slot (``slot_mapping``) and each sequence's
 ``block_table`` and ``context_len``. The runner packs it on the host (``pack_step``: two copies to the device),
-hands it to ``CausalLM.forward_paged`` and marks the tokens computed; the model does the rest (see
+hands it to ``CausalLM.forward_paged``; the model does the rest (see
 ``labkit.model.layers``: per layer [add residual +] RMSNorm -> merged q/k/v -> RoPE + cache write -> paged
 attention -> o -> add + RMSNorm -> merged gate/up -> SwiGLU -> down; with int8/int4 projections the norms,
 residual adds, SwiGLU, RoPE and the cache write inside the GEMVs). Logits are computed for each sequence's last
-token only.
+token only. The runner reads the sequences (their tokens, block tables, computed counts) and changes nothing of
+them: the scheduler's postprocess advances their computed counts once the step is done.
 
 ``kernels``: a ``FusionPlan`` or its name: 'torch' (the references: greedy output equals HF ``generate`` token for
 token in float32), 'triton' (every op by labkit's kernels; on the CPU through Triton's interpreter, slowly, for
@@ -21,18 +22,18 @@ to the largest captured token count when ``graph_token_sizes`` are given (``labk
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
 import torch
 
 from labkit.engine.cuda_graph import StepGraphs, default_graph_batch_sizes
-from labkit.kvcache import PagedKVCache
+from labkit.kvcache import KVSequence, PagedKVCache
 from labkit.model import CausalLM, FusionPlan
 from labkit.model.adopt import adopt_hf_model
+from labkit.model.attention import ModelInput, pack_step
 from labkit.model.fusion import KERNEL_NAMES
-from labkit.model.step import ModelInput, pack_step
 
 KERNELS = KERNEL_NAMES
 """Kernel choices of the ModelRunner by name ('auto': Triton on CUDA, torch on the CPU); a FusionPlan also works."""
@@ -111,15 +112,14 @@ class ModelRunner:
         return bool(cuda_graphs)
 
     # --- inputs ---------------------------------------------------------------------------------------------
-    def prepare(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int], num_decode: int,
+    def prepare(self, seqs: Sequence[KVSequence], num_tokens: Sequence[int], num_decode: int,
                 pad_to: int | None = None, width: int | None = None, pad_tokens: int | None = None) -> ModelInput:
-        """A ``ModelInput`` computing the next ``num_tokens[i]`` uncomputed tokens of each sequence (slots
-        reserved already). ``pad_to`` adds padding sequences (context 1, scratch-block tables) and as many token
+        """A ``ModelInput`` computing the next ``num_tokens[i]`` uncomputed tokens of each sequence of ``seqs``
+        (slots reserved already). ``pad_to`` adds padding sequences (context 1, scratch-block tables) and as many token
         rows (scratch slot, position 0); ``pad_tokens`` pads the token rows to that count instead; ``width`` fixes
         the block-table width. A padded all-decode step stays all-decode (each padding sequence decodes its one
         padding row), exactly as the captured decode graph of ``pad_to`` rows runs it: the same attention kernel,
         so an eager step and its replay are comparable row for row."""
-        seqs = self._seqs(seq_ids)
         if width is not None:
             self._check_width(seqs, width)
         if pad_to is not None and pad_tokens is None and num_decode == len(seqs):
@@ -127,18 +127,14 @@ class ModelRunner:
         return ModelInput.build(self.cache, seqs, num_tokens, num_decode, num_seqs=pad_to, width=width,
                                 num_rows=pad_tokens, scratch_block=self.scratch_block or 0)
 
-    def _seqs(self, seq_ids: Sequence[Hashable]) -> list:
-        return [self.cache.seq(s) for s in seq_ids]
-
     def _check_width(self, seqs, width: int) -> None:
         if any(len(s.block_table) > width for s in seqs):
             raise ValueError(f"a sequence holds {max(len(s.block_table) for s in seqs)} blocks, more than "
                              f"max_model_len={self.max_model_len} allows ({width} blocks of {self.cache.block_size})")
 
-    def pack_for_graphs(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> tuple[np.ndarray, ...]:
+    def pack_for_graphs(self, seqs: Sequence[KVSequence], num_tokens: Sequence[int]) -> tuple[np.ndarray, ...]:
         """The step packed for ``StepGraphs.run_packed`` (``pack_step`` in the static buffers' shape, tables
         ``max_blocks`` wide): ``(longs, ints)``."""
-        seqs = self._seqs(seq_ids)
         self._check_width(seqs, self.max_blocks)
         n_seqs, n_rows = self.graphs.static_shape
         return pack_step(seqs, num_tokens, self.cache.block_size, num_seqs=n_seqs, num_rows=n_rows,
@@ -146,21 +142,18 @@ class ModelRunner:
 
     # --- the step -------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int], num_decode: int) -> torch.Tensor:
-        """Compute the scheduled tokens; returns float32 logits of each sequence's last token ``[num_seqs,
-        vocab]`` (a tensor of the caller's own, also after a graph replay) and marks the tokens computed in the
-        cache. A step replays a CUDA graph when one is captured for its shape (``StepGraphs.lookup``)."""
-        key = self.graphs.lookup(len(seq_ids), sum(num_tokens), num_decode) if self.graphs is not None else None
+    def execute(self, seqs: Sequence[KVSequence], num_tokens: Sequence[int], num_decode: int) -> torch.Tensor:
+        """Compute the next ``num_tokens[i]`` tokens of each sequence (their K/V written to the cache); returns
+        float32 logits of each sequence's last computed token ``[num_seqs, vocab]`` (a tensor of the caller's own,
+        also after a graph replay). Advancing the sequences' computed counts is the caller's (the scheduler's
+        postprocess: ``cache.mark_computed``). A step replays a CUDA graph when one is captured for its shape
+        (``StepGraphs.lookup``)."""
+        key = self.graphs.lookup(len(seqs), sum(num_tokens), num_decode) if self.graphs is not None else None
         self.last_step_replayed = key is not None
         if key is not None:  # packed on the host in the static buffers' layout: two copies feed the graph
-            longs, ints = self.pack_for_graphs(seq_ids, num_tokens)
-            logits = self.graphs.run_packed(longs, ints, key, len(seq_ids))  # a copy of the real rows
-        else:
-            logits = self.forward(self.prepare(seq_ids, num_tokens, num_decode))
-        for sid, n in zip(seq_ids, num_tokens):
-            seq = self.cache.seq(sid)
-            self.cache.mark_computed(sid, seq.num_computed + n)
-        return logits
+            longs, ints = self.pack_for_graphs(seqs, num_tokens)
+            return self.graphs.run_packed(longs, ints, key, len(seqs))  # a copy of the real rows
+        return self.forward(self.prepare(seqs, num_tokens, num_decode))
 
     def forward(self, inp: ModelInput) -> torch.Tensor:
         """The model over ``inp`` (no bookkeeping): float32 logits ``[num_seqs (+ padding), vocab]``."""

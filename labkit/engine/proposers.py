@@ -8,8 +8,8 @@ lookup finds no match): that sequence then takes a plain decode step in the same
 * ``PromptLookupProposer``: n-gram match of the context's last ``n`` tokens against the prompt and output so far
   (vLLM's ``ngram`` method); no model, no memory, free.
 * ``DraftModelProposer``: a small ``labkit.model.CausalLM`` with the target's vocabulary, on its own
-  ``PagedKVCache``; it runs ``k`` batched one-token steps per target step and rolls its cache back to the
-  accepted prefix next time (its cache is caught up lazily from the committed context).
+  ``PagedKVCache`` (a ``kvcache.SeqBlocks`` per sequence there); it runs ``k`` batched one-token steps per target
+  step and rolls its sequence back to the accepted prefix next time (caught up lazily from the committed context).
 """
 
 from __future__ import annotations
@@ -18,30 +18,11 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from labkit.kvcache.paged import PagedKVCache
+from labkit.kvcache import SeqBlocks
+from labkit.model.attention import ModelInput
 from labkit.model.model import CausalLM
-from labkit.model.step import ModelInput
 
 Proposal = tuple[list[int], torch.Tensor | None]
-
-
-def rollback(cache: PagedKVCache, seq_id: Hashable, num_tokens: int) -> None:
-    """Cut sequence ``seq_id`` of ``cache`` back to its first ``num_tokens`` tokens, freeing the blocks past them.
-
-    What speculative decoding does with the slots of rejected tokens: their K/V stay in the pool but are
-    unreachable (outside the block table, or past ``num_tokens`` in the last block, overwritten by the next
-    append). Tokens already registered with the prefix cache cannot be cut (``ValueError``)."""
-    seq = cache.seq(seq_id)
-    hashed = len(seq.block_hashes) * cache.block_size
-    if not max(1, hashed) <= num_tokens <= seq.num_tokens:
-        raise ValueError(f"num_tokens={num_tokens} must be in [{max(1, hashed)}, {seq.num_tokens}] for sequence "
-                         f"{seq_id!r} (its first {hashed} tokens are in the prefix cache)")
-    keep = cache.blocks_for(num_tokens)
-    for b in reversed(seq.block_table[keep:]):
-        cache.allocator.free(b)
-    del seq.block_table[keep:]
-    del seq.token_ids[num_tokens:]
-    seq.num_computed = min(seq.num_computed, num_tokens)
 
 
 def check_ks(ks: Sequence[int], n: int) -> None:
@@ -110,26 +91,28 @@ class DraftModelProposer(Proposer):
     def __init__(self, draft: CausalLM, num_blocks: int = 256, block_size: int = 16):
         self.draft = draft
         self.cache = draft.make_cache(num_blocks, block_size)
+        self.seqs: dict[Hashable, SeqBlocks] = {}  # the draft's copy of each sequence, on its own cache
 
     def _catch_up(self, sid: Hashable, context: Sequence[int]) -> int:
-        """Make the draft cache hold ``context``'s tokens; returns how many of them still need a forward (>= 1:
-        the last one's logits are needed)."""
-        if sid not in self.cache.seqs:
-            self.cache.allocate(sid, list(context))
-            return len(context)
-        have = self.cache.seq(sid).token_ids
+        """Make the draft's sequence ``sid`` hold ``context``'s tokens, with slots; returns how many of them still
+        need a forward (>= 1: the last one's logits are needed)."""
+        seq = self.seqs.get(sid)
         same = 0
-        for a, b in zip(have, context):
-            if a != b:
-                break
-            same += 1
-        same = min(same, len(context) - 1)  # recompute at least the last token
+        if seq is not None:
+            for a, b in zip(seq.token_ids, context):
+                if a != b:
+                    break
+                same += 1
+            same = min(same, len(context) - 1)  # recompute at least the last token
+            if same == 0:
+                self.release(sid)
         if same == 0:
-            self.cache.free(sid)
-            self.cache.allocate(sid, list(context))
+            self.seqs[sid] = seq = SeqBlocks(list(context), sid)
+            self.cache.allocate(seq)
             return len(context)
-        rollback(self.cache, sid, same)
-        self.cache.append_slots(sid, list(context[same:]))
+        self.cache.rollback(seq, same)  # what the target rejected goes
+        seq.token_ids.extend(context[same:])
+        self.cache.append_slots(seq)
         return len(context) - same
 
     @torch.inference_mode()
@@ -142,22 +125,25 @@ class DraftModelProposer(Proposer):
             live = [i for i in live if len(out[i][0]) < ks[i]]
             if not live:
                 break
+            seqs = [self.seqs[seq_ids[i]] for i in live]
             if step > 0:
-                for i in live:
-                    self.cache.append_slots(seq_ids[i], [out[i][0][-1]])
+                for i, seq in zip(live, seqs):
+                    seq.token_ids.append(out[i][0][-1])
+                    self.cache.append_slots(seq)
                     query[i] = 1
-            inp = ModelInput.build(self.cache, [self.cache.seq(seq_ids[i]) for i in live], [query[i] for i in live])
-            logits = self.draft.forward_paged(inp, self.cache)
-            for row, i in enumerate(live):
-                self.cache.mark_computed(seq_ids[i], self.cache.seq(seq_ids[i]).num_tokens)
+            logits = self.draft.forward_paged(ModelInput.build(self.cache, seqs, [query[i] for i in live]),
+                                              self.cache)
+            for row, (i, seq) in enumerate(zip(live, seqs)):
+                self.cache.mark_computed(seq, seq.num_tokens)
                 tok, q = sample(logits[row], temperature, generator)
                 out[i][0].append(tok)
                 out[i][1].append(q)
         return [(toks, torch.stack(qs) if qs and temperature > 0 else None) for toks, qs in out]
 
     def release(self, seq_id: Hashable) -> None:
-        if seq_id in self.cache.seqs:
-            self.cache.free(seq_id)
+        seq = self.seqs.pop(seq_id, None)
+        if seq is not None and seq.block_table:
+            self.cache.free(seq)
 
     @property
     def memory_bytes(self) -> int:

@@ -21,9 +21,10 @@
   Nothing is dropped and no cache entry is overwritten while its owner runs; a request that could not fit even
   in the empty cache is refused when added (``CacheFullError``).
 
-The cache (``PagedKVCache``) is the block manager: ``allocate`` reserves a sequence's tokens at admission,
-``append_slots`` a decode token's slot, and ``num_computed`` says how far its K/V are written. A step computes a
-*chunk* of each scheduled sequence; a sequence samples its next token when the chunk reaches its last token.
+The cache (``PagedKVCache``) is the block manager, working on the sequences: ``allocate`` gives a sequence blocks
+for its tokens at admission, ``append_slots`` a slot for its sampled token, and its ``num_computed`` says how far its
+K/V are written (``postprocess`` advances it after each step). A step computes a *chunk* of each scheduled sequence;
+a sequence samples its next token when the chunk reaches its last token.
 """
 
 from __future__ import annotations
@@ -47,8 +48,7 @@ class FIFOScheduler(Scheduler):
         if not self.running:
             return ScheduledBatch()
         seq = self.running[0]
-        if self._needs_slot(seq):
-            self._reserve_decode(seq)
+        self.cache.append_slots(seq)  # a slot for its sampled token (nothing while it prefills)
         return self._batch([(seq, self._uncomputed(seq))])
 
 
@@ -73,8 +73,7 @@ class StaticBatchScheduler(Scheduler):
             self._form_batch()
         rows = []
         for seq in self.running:
-            if self._needs_slot(seq):
-                self._reserve_decode(seq)
+            self.cache.append_slots(seq)
             rows.append((seq, self._uncomputed(seq)))
         return self._batch(rows)
 
@@ -164,11 +163,10 @@ class ContinuousBatchingScheduler(Scheduler):
             if not self._fits(self.cache.blocks_for(seq.num_tokens)):  # its blocks and its pending token's
                 break
             self.swapped.popleft()
-            self.swap.swap_in(self.cache, seq.seq_id)
+            self.swap.swap_in(self.cache, seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            if self._needs_slot(seq):
-                self._reserve_decode(seq)
+            self.cache.append_slots(seq)  # its pending token's slot, if it was decoding
             n = self._chunk(self._uncomputed(seq), budget)
             if n:
                 rows.append((seq, n))
@@ -186,19 +184,20 @@ class ContinuousBatchingScheduler(Scheduler):
         return uncomputed if uncomputed <= budget else 0
 
     def _schedule_decodes(self) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
-        """A slot and one token for each decoding sequence, oldest first; preempt the youngest while short."""
+        """A slot and one token for each sequence with one token to compute (a decoding one: its sampled token),
+        oldest first; preempt the youngest while short."""
         rows, preempted = [], []
         for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or not self._needs_slot(seq):
-                continue  # preempted below, or still prefilling
-            while not self.cache.can_append(seq.seq_id, 1):
+            if seq.status is not SequenceStatus.RUNNING or self._uncomputed(seq) != 1:
+                continue  # preempted below, or prefilling
+            while not self.cache.can_append(seq):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
-                self._reserve_decode(seq)
+                self.cache.append_slots(seq)
                 rows.append((seq, 1))
         return rows, preempted
 
@@ -208,7 +207,7 @@ class ContinuousBatchingScheduler(Scheduler):
             seq = self.waiting[0]
             if not self.chunked_prefill and seq.num_tokens > budget:
                 break
-            if not self._fits(self.cache.blocks_needed(seq.token_ids)):
+            if not self._fits(self.cache.blocks_needed(seq)):
                 break
             self._admit(self.waiting.popleft())
             n = self._chunk(self._uncomputed(seq), budget)

@@ -1,6 +1,7 @@
 """The scheduler's interface and bookkeeping shared by its policies (``labkit.engine.scheduler``): the queues
-(waiting, running, swapped), admission checks, preemption, and taking a request out early (an abort, or a step
-that failed on it) with its blocks freed.
+(waiting, running, swapped), admission checks, preemption, the step's postprocess (the computed counts advance, the
+sampled tokens are appended) and taking a request out early (an abort, or a step that failed on it) with its blocks
+freed.
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ class Scheduler(ABC):
 
     ``max_model_len`` bounds prompt + ``max_tokens`` of a request. Requests that could never fit (in the model's
     context, in the whole cache, or in a step's token budget where that is required) are refused when added.
-    The cache must hold no sequences when the scheduler is built: its free blocks then are the usable ones.
     ``preemption_mode`` ('recompute' or 'swap', with a swap space of ``num_cpu_blocks`` blocks, default as many as
-    the cache) says what a preemption does; only the continuous policy ever preempts.
+    the cache) says what a preemption does; only the continuous policy ever preempts. The cache's free blocks when
+    the scheduler is built are the usable ones.
     """
 
     name = "scheduler"
@@ -69,8 +70,6 @@ class Scheduler(ABC):
                                                                           else " or None"))
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={preemption_mode!r} is unknown; allowed: {PREEMPTION_MODES}")
-        if cache.seqs:
-            raise ValueError(f"the cache already holds {len(cache.seqs)} sequences; give the scheduler an empty one")
         self.cache = cache
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -120,17 +119,21 @@ class Scheduler(ABC):
         """The next step's batch (empty only when nothing is queued or running)."""
 
     def postprocess(self, batch: ScheduledBatch, tokens: list[int], now_s: float) -> list[TokenOutput]:
-        """Give each sampling sequence of ``batch`` its token (``tokens``, in the order of the sampling rows);
-        finished ones leave ``running`` and free their blocks. Returns the streamed tokens."""
+        """After the step computed ``batch``: each sequence's computed count advances by its scheduled tokens (their
+        K/V now exist, so full blocks among them become findable by the prefix cache), each sampling sequence gets
+        its token (``tokens``, in the order of the sampling rows), and finished ones leave ``running`` and free
+        their blocks. Returns the streamed tokens."""
         sampling = [s for s, smp in zip(batch.seqs, batch.sample) if smp]
         if len(tokens) != len(sampling):
             raise ValueError(f"got {len(tokens)} tokens for {len(sampling)} sampling sequences")
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            self.cache.mark_computed(seq, seq.num_computed + n)
         out = []
         for seq, tok in zip(sampling, tokens):
             done = seq.append_token(tok, now_s)
             if done:
                 self.running.remove(seq)
-                self.cache.free(seq.seq_id)
+                self.cache.free(seq)
             out.append(TokenOutput(seq.seq_id, tok, now_s, done))
         return out
 
@@ -148,13 +151,13 @@ class Scheduler(ABC):
         it with ``reason`` (``ABORT``, or ``ERROR`` with the message ``error``)."""
         if seq in self.running:
             self.running.remove(seq)
-            if seq.seq_id in self.cache.seqs:
-                self.cache.free(seq.seq_id)
+            if seq.block_table:
+                self.cache.free(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         elif seq in self.swapped:
             self.swapped.remove(seq)
-            self.swap.discard(seq.seq_id)
+            self.swap.discard(seq)
         else:
             raise ValueError(f"sequence {seq.seq_id} is not queued, running or swapped out ({seq.status.value})")
         seq.finish(reason, error)
@@ -168,7 +171,7 @@ class Scheduler(ABC):
 
     # --- helpers for the policies ---------------------------------------------------------------------------
     def _admit(self, seq: Sequence) -> None:
-        cached = self.cache.allocate(seq.seq_id, seq.token_ids)
+        cached = self.cache.allocate(seq)
         self.prefix_hit_tokens += cached
         self.admitted_tokens += seq.num_tokens - cached
         if seq.num_preemptions:
@@ -176,16 +179,10 @@ class Scheduler(ABC):
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
-    def _uncomputed(self, seq: Sequence) -> int:
-        """Tokens of ``seq`` whose K/V are not written yet (after reserving a slot for its newest token)."""
-        return seq.num_tokens - self.cache.seq(seq.seq_id).num_computed
-
-    def _needs_slot(self, seq: Sequence) -> bool:
-        """Its last sampled token has no slot yet: it is decoding."""
-        return self.cache.seq(seq.seq_id).num_tokens < seq.num_tokens
-
-    def _reserve_decode(self, seq: Sequence) -> None:
-        self.cache.append_slots(seq.seq_id, seq.output_token_ids[-1:])
+    @staticmethod
+    def _uncomputed(seq: Sequence) -> int:
+        """Tokens of ``seq`` whose K/V are not written yet: one for a decoding sequence (its last sampled token)."""
+        return seq.num_tokens - seq.num_computed
 
     def _preempt(self, seq: Sequence) -> None:
         """Take ``seq``'s blocks back: swap them out to CPU memory (``preemption_mode='swap'``, while the swap space
@@ -194,11 +191,11 @@ class Scheduler(ABC):
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        if self.swap is not None and self.swap.can_swap_out(self.cache, seq.seq_id):
-            self.swap.swap_out(self.cache, seq.seq_id)
+        if self.swap is not None and self.swap.can_swap_out(seq):
+            self.swap.swap_out(self.cache, seq)
             self.swapped.appendleft(seq)  # like a requeued one: the last preempted comes back first
         else:
-            self.cache.free(seq.seq_id)
+            self.cache.free(seq)
             self.waiting.appendleft(seq)
 
     def _batch(self, rows: list[tuple[Sequence, int]], preempted: list[Sequence] | None = None) -> ScheduledBatch:
@@ -206,9 +203,23 @@ class Scheduler(ABC):
         rows = [r for r in rows if r[1] == 1] + [r for r in rows if r[1] > 1]
         self.peak_blocks_used = max(self.peak_blocks_used, self.cache.allocator.num_used)
         self.peak_running = max(self.peak_running, len(self.running))
-        sample = [self.cache.seq(s.seq_id).num_computed + n == s.num_tokens for s, n in rows]
+        sample = [s.num_computed + n == s.num_tokens for s, n in rows]
         return ScheduledBatch([s for s, _ in rows], [n for _, n in rows], sample,
                               sum(1 for _, n in rows if n == 1), preempted or [])
+
+    def check_invariants(self, reserved: tuple[int, ...] = ()) -> None:
+        """The running sequences' block tables agree with the cache's reference counts (``reserved``: blocks held
+        outside any sequence, a CUDA graph's scratch block), the swapped ones' with the swap space's, and the
+        waiting ones hold nothing (tests call this after every step)."""
+        self.cache.check_invariants(self.running, reserved)
+        for seq in self.waiting:
+            assert not seq.block_table and seq.num_computed == 0, f"waiting {seq} holds blocks"
+        if self.swap is not None:
+            refs = [0] * self.swap.allocator.num_blocks
+            for seq in self.swapped:
+                for b in seq.block_table:
+                    refs[b] += 1
+            assert refs == self.swap.allocator.ref_counts, "swapped block tables differ from the swap space's counts"
 
     def stats(self) -> dict:
         out, back = (self.swap.blocks_out, self.swap.blocks_in) if self.swap is not None else (0, 0)

@@ -1,10 +1,12 @@
 """Requests and sequences: what a user asks for (``Request``), the engine's running state of it (``Sequence``) and
 what it gets back (``RequestOutput``).
 
-A ``Sequence`` holds the tokens (prompt + output so far), the sampling parameters, its status and the times its
-tokens came out. Which of its tokens have K/V in the cache is the cache's business (``PagedKVCache.seq(id)``:
-``num_tokens`` slots reserved, ``num_computed`` written); a preempted sequence leaves the cache and is prefilled
-again from ``token_ids`` (prompt + output) when readmitted, so nothing it generated is lost.
+A ``Sequence`` is the one owner of a request's state: its tokens (prompt + output so far, ``token_ids``), the
+sampling parameters, its status and the times its tokens came out, and what the KV cache's block manager keeps on it
+(``labkit.kvcache.KVSequence``): its ``block_table``, how many of its tokens have K/V written (``num_computed``,
+advanced by the scheduler after each step) and the chained hashes of its computed full blocks. A sequence preempted
+by recompute gives its blocks back and is prefilled again from ``token_ids`` when readmitted, so nothing it
+generated is lost.
 """
 
 from __future__ import annotations
@@ -81,15 +83,19 @@ class Request:
 
 
 class Sequence:
-    """A request being served: its tokens, status, preemptions and token times (seconds on the serving clock)."""
+    """A request being served: its tokens, blocks and computed count (``labkit.kvcache.KVSequence``), status,
+    preemptions and token times (seconds on the serving clock)."""
 
     def __init__(self, request: Request, seed: int, eos_token_ids: int | Iterable[int] | None = None):
         self.request = request
         self.seq_id = request.request_id
         self.params = request.params
         self.seed = seed  # the request's own random stream (sampling.token_seed)
-        self.prompt_token_ids = list(request.prompt_token_ids)
-        self.output_token_ids: list[int] = []
+        self.token_ids: list[int] = list(request.prompt_token_ids)  # prompt, then output
+        self.num_prompt_tokens = len(self.token_ids)
+        self.block_table: list[int] = []  # its KV blocks (the block manager's; swap-space blocks while swapped out)
+        self.num_computed = 0  # its first tokens whose K/V are written
+        self.block_hashes: list[bytes] = []  # chained hashes of its computed full blocks (prefix caching)
         stop = set(self.params.stop_token_ids)
         if self.params.eos_token_ids is not None:  # the request's own EOS ids replace the engine's
             eos_token_ids = self.params.eos_token_ids
@@ -106,20 +112,20 @@ class Sequence:
 
     # --- sizes ----------------------------------------------------------------------------------------------
     @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return len(self.token_ids)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def max_kv_tokens(self) -> int:
@@ -136,7 +142,7 @@ class Sequence:
         frees its cache blocks)."""
         if self.is_finished:
             raise RuntimeError(f"sequence {self.seq_id} is finished; it takes no more tokens")
-        self.output_token_ids.append(int(token))
+        self.token_ids.append(int(token))
         self.token_times_s.append(now_s)
         if token in self.stop_token_ids:
             self.finish_reason = FinishReason.STOP

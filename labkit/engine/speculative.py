@@ -4,17 +4,18 @@ one forward of the target, keep the longest accepted prefix plus one token of th
 One step for a batch of sequences, each with its own ``k_i`` (``k_i = 0``, or a proposer that finds nothing,
 is a plain decode step in the same batch):
 
-1. each sequence holds its committed tokens in the cache, all with K/V except the last (``pending``);
-2. the proposer gives ``d_1 .. d_k``; ``append_slots([pending, d_1 .. d_k])`` and one target forward over the
-   flat batch of ``1 + k_i`` query rows per sequence gives the target's logits after each of them
+1. each sequence (a ``kvcache.SeqBlocks``) holds its committed tokens, all with K/V in the cache except the last
+   (``pending``);
+2. the proposer gives ``d_1 .. d_k``; appended to the sequence (``append_slots`` reserves their slots), one target
+   forward over the flat batch of ``1 + k_i`` query rows per sequence gives the target's logits after each of them
    (``ModelInput.build(..., all_logits=True)``: ``forward_paged`` returns every row's logits);
 3. ``accept`` keeps ``d_1 .. d_n`` and draws one more token ``x`` (the correction, or the bonus when all ``k``
    were accepted): greedy, ``d_j`` is kept while it equals the target's argmax, so the output is plain greedy
    decoding's token for token; sampled, by the rejection rule of Leviathan et al. (2023) / Chen et al. (2023):
    keep ``d_j`` with probability ``min(1, p(d_j) / q(d_j))``, on the first rejection draw ``x`` from
    ``max(0, p - q)`` renormalised, which makes every emitted token follow the target's distribution ``p``;
-4. ``rollback`` cuts the cache back to ``committed + n`` tokens (the rejected tokens' slots and any block
-   past them return to the allocator) and ``x`` becomes the new ``pending``.
+4. ``cache.rollback`` cuts the sequence back to ``pending, d_1 .. d_n`` (the rejected tokens, their slots and any
+   block past them return to the allocator) and ``x`` becomes the new ``pending``.
 
 Scope: this is a driver of its own over ``PagedKVCache`` (``SpeculativeDecoder.generate``), batched over a fixed
 set of sequences with per-sequence ``k``; it does not plug into ``LLMEngine``'s scheduler (no admission,
@@ -28,10 +29,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from labkit.engine.proposers import Proposer, check_ks, rollback, sample
-from labkit.kvcache.paged import PagedKVCache
+from labkit.engine.proposers import Proposer, check_ks, sample
+from labkit.kvcache import PagedKVCache, SeqBlocks
+from labkit.model.attention import ModelInput
 from labkit.model.model import CausalLM
-from labkit.model.step import ModelInput
 
 
 def accept(p: torch.Tensor, proposal: Sequence[int], q: torch.Tensor | None, temperature: float,
@@ -102,25 +103,26 @@ class SpeculativeDecoder:
         self.stats = SpecStats()
 
     @torch.inference_mode()
-    def verify(self, seq_ids: Sequence[int], proposals: Sequence[list[int]], pending: Sequence[int]
-               ) -> list[torch.Tensor]:
-        """Append ``[pending, *proposal]`` to each sequence and run one target forward over all of them; returns
-        float32 logits ``[1 + k_i, vocab]`` per sequence."""
-        for sid, prop, x in zip(seq_ids, proposals, pending):
-            self.cache.append_slots(sid, [x, *prop])
+    def verify(self, seqs: Sequence[SeqBlocks], proposals: Sequence[list[int]]) -> list[torch.Tensor]:
+        """Append each proposal to its sequence (whose last token, the pending one, has no K/V yet) and run one
+        target forward over the pending token and the proposal of every sequence; returns float32 logits ``[1 +
+        k_i, vocab]`` per sequence."""
+        for seq, prop in zip(seqs, proposals):
+            seq.token_ids.extend(prop)
+            self.cache.append_slots(seq)
         lens = [1 + len(p) for p in proposals]
-        inp = ModelInput.build(self.cache, [self.cache.seq(s) for s in seq_ids], lens, all_logits=True)
-        logits = self.target.forward_paged(inp, self.cache)
-        return list(logits.split(lens))
+        inp = ModelInput.build(self.cache, seqs, lens, all_logits=True)
+        return list(self.target.forward_paged(inp, self.cache).split(lens))
 
     @torch.inference_mode()
-    def prefill(self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-        for sid, p in zip(seq_ids, prompts):
-            self.cache.allocate(sid, list(p))
-        inp = ModelInput.build(self.cache, [self.cache.seq(s) for s in seq_ids], [len(p) for p in prompts])
-        logits = self.target.forward_paged(inp, self.cache)
-        for sid in seq_ids:
-            self.cache.mark_computed(sid, self.cache.seq(sid).num_tokens)
+    def prefill(self, seqs: Sequence[SeqBlocks]) -> torch.Tensor:
+        """Blocks for each sequence's prompt and one forward over all of them: logits ``[num_seqs, vocab]``."""
+        for seq in seqs:
+            self.cache.allocate(seq)
+        logits = self.target.forward_paged(ModelInput.build(self.cache, seqs, [s.num_tokens for s in seqs]),
+                                           self.cache)
+        for seq in seqs:
+            self.cache.mark_computed(seq, seq.num_tokens)
         return logits
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
@@ -137,43 +139,47 @@ class SpeculativeDecoder:
         check_ks(ks, len(prompts))
         if self.proposer is None:
             ks = [0] * len(prompts)
-        seq_ids = list(range(len(prompts)))
-        logits = self.prefill(seq_ids, prompts)
-        out = [[sample(logits[i], temperature, generator)[0]] for i in seq_ids]
+        seqs = [SeqBlocks(list(p), seq_id=i) for i, p in enumerate(prompts)]
         try:
-            live = [i for i in seq_ids if not self._done(out[i], max_new_tokens, eos_token_id)]
+            logits = self.prefill(seqs)
+            for i, seq in enumerate(seqs):  # the pending token: emitted, its K/V computed by the next step
+                seq.token_ids.append(sample(logits[i], temperature, generator)[0])
+            live = [i for i in range(len(seqs)) if not self._done(seqs[i], len(prompts[i]), max_new_tokens,
+                                                                  eos_token_id)]
             while live:
-                self._step(live, prompts, out, ks, max_new_tokens, temperature, generator)
-                live = [i for i in live if not self._done(out[i], max_new_tokens, eos_token_id)]
+                self._step(seqs, live, prompts, ks, max_new_tokens, temperature, generator)
+                live = [i for i in live if not self._done(seqs[i], len(prompts[i]), max_new_tokens, eos_token_id)]
         finally:
-            for sid in seq_ids:
-                self.cache.free(sid)
+            for seq in seqs:
+                if seq.block_table:
+                    self.cache.free(seq)
                 if self.proposer is not None:
-                    self.proposer.release(sid)
+                    self.proposer.release(seq.seq_id)
+        out = [seq.token_ids[len(p):] for seq, p in zip(seqs, prompts)]
         if eos_token_id is not None:
             out = [o[:o.index(eos_token_id) + 1] if eos_token_id in o else o for o in out]
         return [o[:max_new_tokens] for o in out]
 
     @staticmethod
-    def _done(out: list[int], max_new: int, eos: int | None) -> bool:
-        return len(out) >= max_new or (eos is not None and eos in out)
+    def _done(seq: SeqBlocks, num_prompt: int, max_new: int, eos: int | None) -> bool:
+        return seq.num_tokens - num_prompt >= max_new or (eos is not None and eos in seq.token_ids[num_prompt:])
 
-    def _step(self, live, prompts, out, ks, max_new, temperature, generator) -> None:
+    def _step(self, seqs, live, prompts, ks, max_new, temperature, generator) -> None:
         # Never propose past the token budget: the last emitted token is always the target's own.
-        want = [min(ks[i], max_new - len(out[i]) - 1) for i in live]
+        want = [min(ks[i], max_new - (seqs[i].num_tokens - len(prompts[i])) - 1) for i in live]
         if self.proposer is not None and any(want):
-            contexts = [list(prompts[i]) + out[i] for i in live]
+            contexts = [list(seqs[i].token_ids) for i in live]
             proposals = self.proposer.propose(live, contexts, want, temperature, generator)
         else:
             proposals = [([], None) for _ in live]
-        committed = [self.cache.seq(i).num_tokens for i in live]
-        logits = self.verify(live, [p for p, _ in proposals], [out[i][-1] for i in live])
+        committed = [seqs[i].num_tokens for i in live]  # the pending token included
+        logits = self.verify([seqs[i] for i in live], [p for p, _ in proposals])
         for row, i in enumerate(live):
             prop, q = proposals[row]
             n, x = accept(logits[row], prop, q, temperature, generator)
-            rollback(self.cache, i, committed[row] + 1 + n)
-            self.cache.mark_computed(i, committed[row] + 1 + n)
-            out[i].extend([*prop[:n], x])
+            self.cache.rollback(seqs[i], committed[row] + n)  # the rejected proposals go, with their slots
+            self.cache.mark_computed(seqs[i], committed[row] + n)
+            seqs[i].token_ids.append(x)
             self.stats.steps += 1
             self.stats.proposed += len(prop)
             self.stats.accepted += n

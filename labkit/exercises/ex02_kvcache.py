@@ -14,7 +14,7 @@ import random
 from labkit.exercises.core import NOTE, Case, Exercise, Measurement, Prediction, register, trace_diff
 from labkit.exercises.measured import data_of, figure
 from labkit.kvcache.block_allocator import BlockAllocator
-from labkit.kvcache.paged import PagedKVCache
+from labkit.kvcache.paged import PagedKVCache, SeqBlocks
 
 
 def _outcome(f, *args):
@@ -101,27 +101,42 @@ register(Exercise(
 
 
 class CowSolution(PagedKVCache):
-    """Solution of 02.cow: labkit's ``PagedKVCache`` bookkeeping, recording each copy on write in ``copies``."""
+    """Solution of 02.cow: labkit's ``PagedKVCache`` bookkeeping over sequences named by id (a ``SeqBlocks`` each,
+    its K/V counted as written after every operation), recording each copy on write in ``copies``."""
 
     def __init__(self, num_blocks: int, block_size: int):
         super().__init__(1, 1, 1, num_blocks, block_size, allocate_pools=False)
         self.copies: list[tuple[int, int]] = []
+        self.seqs: dict = {}
 
     def copy_block(self, src: int, dst: int) -> None:
         self.copies.append((src, dst))
 
     def block_table(self, seq_id) -> list[int]:
-        return list(self.seq(seq_id).block_table)
+        return list(self.seqs[seq_id].block_table)
 
     @property
     def num_free(self) -> int:
         return self.allocator.num_free
 
     def allocate(self, seq_id, num_tokens: int) -> None:
-        super().allocate(seq_id, [0] * num_tokens)
+        self.seqs[seq_id] = seq = SeqBlocks([0] * num_tokens, seq_id)
+        super().allocate(seq)
+        self.mark_computed(seq, num_tokens)
 
     def append(self, seq_id) -> None:
-        self.append_slots(seq_id, [0])
+        seq = self.seqs[seq_id]
+        seq.token_ids.append(0)
+        self.append_slots(seq)
+        self.mark_computed(seq, seq.num_tokens)
+
+    def fork(self, parent_id, child_id) -> None:
+        parent = self.seqs[parent_id]
+        self.seqs[child_id] = child = SeqBlocks(list(parent.token_ids), child_id)
+        super().fork(parent, child)
+
+    def free(self, seq_id) -> None:
+        super().free(self.seqs.pop(seq_id))
 
 
 def _cow_cases() -> list[Case]:

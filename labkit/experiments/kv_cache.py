@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,8 @@ from tqdm.auto import tqdm
 
 from labkit.engine import ContinuousBatchingScheduler, ModelRunner, Request, SamplingParams
 from labkit.engine import Sequence as Seq
-from labkit.kvcache import ContiguousKVCache, PagedKVCache, decode_attention, dequantised_blocks
+from labkit.kvcache import ContiguousKVCache, KVSequence, PagedKVCache, SeqBlocks, decode_attention, dequantised_blocks
+from labkit.model import ModelInput
 
 
 @dataclass(frozen=True)
@@ -218,13 +219,11 @@ def simulate_paged(mix: RequestMix, budget_tokens: int, block_size: int = 16, sy
         batch = sched.schedule()
         if batch.is_empty:
             raise RuntimeError("the scheduler found nothing to run with requests unfinished")
-        for seq, n in zip(batch.seqs, batch.num_tokens):  # a model step would write these tokens' K/V now
-            done = cache.seq(seq.seq_id).num_computed + n
-            cache.mark_computed(seq.seq_id, done)
-            res.kv_tokens_read += done  # its attention reads every cached token of the sequence
+        for seq, n in zip(batch.seqs, batch.num_tokens):  # a model step would write these tokens' K/V now,
+            res.kv_tokens_read += seq.num_computed + n  # its attention reading every cached token of the sequence
         if res.steps % sample_every == 0:
-            s = cache.stats()
-            entries = sum(len(seq.block_table) for seq in cache.seqs.values())
+            s = cache.stats(sched.running)
+            entries = sum(len(seq.block_table) for seq in sched.running)
             sampler.add(res.steps, len(sched.running), s.tokens_held, s.slots_reserved, s.logical_tokens,
                         bool(sched.waiting or sched.swapped), entries)
         res.steps += 1
@@ -232,7 +231,7 @@ def simulate_paged(mix: RequestMix, budget_tokens: int, block_size: int = 16, sy
         tokens = [(seq.seq_id * 7919 + seq.num_output_tokens) % vocab + vocab
                   for seq, smp in zip(batch.seqs, batch.sample) if smp]
         res.output_tokens += len(tokens)
-        sched.postprocess(batch, tokens, float(res.steps))
+        sched.postprocess(batch, tokens, float(res.steps))  # the batch's tokens computed, the sampled ones appended
     st = sched.stats()
     res.preemptions, res.prefill_tokens, res.prefix_cached_tokens = (st["preemptions"], st["admitted_tokens"],
                                                                      st["prefix_hit_tokens"])
@@ -291,17 +290,17 @@ def window_logits(runner: ModelRunner, windows: list[list[int]]) -> torch.Tensor
     """Prefill every window as its own sequence in one flat batch on the engine's runner; float32 logits of every
     position ``[sum(len), vocab]`` (the step's ``logits_indices`` name every row, not only each window's last)."""
     cache = runner.cache
-    ids = list(range(len(windows)))
-    for sid, w in zip(ids, windows, strict=True):
-        cache.allocate(sid, w)
+    seqs = [SeqBlocks(w, sid) for sid, w in enumerate(windows)]
     try:
-        inp = runner.prepare(ids, [len(w) for w in windows], 0)
-        every_row = torch.arange(inp.input_ids.shape[0], device=inp.input_ids.device)
+        for seq in seqs:
+            cache.allocate(seq)
+        inp = ModelInput.build(cache, seqs, [len(w) for w in windows], all_logits=True)
         with torch.inference_mode():
-            return runner.forward(replace(inp, logits_indices=every_row))
+            return runner.forward(inp)
     finally:
-        for sid in ids:
-            cache.free(sid)
+        for seq in seqs:
+            if seq.block_table:
+                cache.free(seq)
 
 
 def attention_latency(kv_dtype: str, num_seqs: int, context_len: int, num_heads: int, num_kv_heads: int,
@@ -322,14 +321,14 @@ def attention_latency(kv_dtype: str, num_seqs: int, context_len: int, num_heads:
     blocks_per_seq = -(-context_len // block_size)
     cache = PagedKVCache(1, num_kv_heads, head_dim, num_blocks=num_seqs * blocks_per_seq, block_size=block_size,
                          kv_dtype=kv_dtype, device=device)
-    ids = list(range(num_seqs))
-    for sid in ids:
-        cache.allocate(sid, [0] * context_len)
-        slots = torch.tensor(cache.slots(sid, 0, context_len), device=device)
+    seqs = [SeqBlocks([0] * context_len, sid) for sid in range(num_seqs)]
+    for seq in seqs:
+        cache.allocate(seq)
+        slots = torch.tensor(cache.slots(seq, 0, context_len), device=device)
         k, v = (torch.randn(context_len, num_kv_heads, head_dim, generator=g, device=device).to(dtype) for _ in "kv")
         cache.write(0, slots, k, v)
     q = torch.randn(num_seqs, num_heads, head_dim, generator=g, device=device).to(dtype)
-    tables, lens = cache.block_tables(ids), cache.context_lens(ids)
+    tables, lens = cache.block_tables(seqs), cache.context_lens(seqs)
 
     quant = cache.fmt.quantised
     scales = {"k_scale": cache.k_scales[0], "v_scale": cache.v_scales[0]} if quant else {}
@@ -344,31 +343,30 @@ def attention_latency(kv_dtype: str, num_seqs: int, context_len: int, num_heads:
     return time_fn(step, device=device, warmup=2, iters=iters), bytes_read
 
 
-def draw_block_table(cache: PagedKVCache, seq_ids: Sequence, ax=None):
-    """Draw ``cache``'s block tables for ``seq_ids``: one row per sequence of its logical blocks (shaded by how full
-    each is, labelled with the physical block it names), and the physical pool on the right, coloured by owner.
-    Returns the two axes."""
+def draw_block_table(cache: PagedKVCache, seqs: Sequence[KVSequence], ax=None):
+    """Draw the block tables of ``seqs`` (sequences holding blocks of ``cache``): one row per sequence of its logical
+    blocks (shaded by how full each is, labelled with the physical block it names), and the physical pool on the
+    right, coloured by owner. Returns the two axes."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
     if ax is None:
-        fig, ax = plt.subplots(1, 2, figsize=(11, 0.55 * len(seq_ids) + 1.6), width_ratios=[1, 1.2])
+        fig, ax = plt.subplots(1, 2, figsize=(11, 0.55 * len(seqs) + 1.6), width_ratios=[1, 1.2])
     left, right = ax
     colours = plt.get_cmap("tab10")
     bs = cache.block_size
-    tables = {sid: list(cache.seq(sid).block_table) for sid in seq_ids}
-    owner = {b: i for i, sid in enumerate(seq_ids) for b in tables[sid]}
-    widest = max(len(t) for t in tables.values())
-    for row, sid in enumerate(seq_ids):
-        n = cache.seq(sid).num_tokens
-        y = len(seq_ids) - 1 - row
-        for j, b in enumerate(tables[sid]):
+    owner = {b: i for i, seq in enumerate(seqs) for b in seq.block_table}
+    widest = max(len(seq.block_table) for seq in seqs)
+    for row, seq in enumerate(seqs):
+        n, sid = cache.num_slots(seq), seq.seq_id
+        y = len(seqs) - 1 - row
+        for j, b in enumerate(seq.block_table):
             full = min(bs, n - j * bs) / bs
             left.add_patch(Rectangle((j, y + 0.1), 1, 0.8, fill=False, ec="k", lw=0.8))
             left.add_patch(Rectangle((j, y + 0.1), full, 0.8, color=colours(row), alpha=0.6, lw=0))
             left.text(j + 0.5, y + 0.5, str(b), ha="center", va="center", fontsize=10)
         left.text(-0.15, y + 0.5, f"seq {sid}: {n} tok", ha="right", va="center", fontsize=10)
-    left.set(xlim=(-2.2, widest + 0.2), ylim=(0, len(seq_ids)), xticks=range(widest + 1), yticks=[],
+    left.set(xlim=(-2.2, widest + 0.2), ylim=(0, len(seqs)), xticks=range(widest + 1), yticks=[],
              xlabel=f"logical block (each {bs} tokens; shading = filled)", title="block tables: sequence -> blocks")
     cols = 8
     rows = -(-cache.num_blocks // cols)

@@ -22,8 +22,9 @@ import torch
 
 from labkit.engine.proposers import Proposer
 from labkit.engine.speculative import SpecStats, SpeculativeDecoder
+from labkit.kvcache import SeqBlocks
+from labkit.model.attention import ModelInput
 from labkit.model.model import CausalLM
-from labkit.model.step import ModelInput
 
 
 def expected_tokens_per_step(alpha: float, k: int) -> float:
@@ -81,13 +82,14 @@ def verify_cost_ratio(model: CausalLM, k: int, batch: int = 1, context: int = 51
     cache = model.make_cache(batch * ((context + k + 1) // block_size + 2), block_size)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
-    for s in range(batch):
-        cache.allocate(s, torch.randint(0, vocab, (context + k + 1,), generator=g).tolist())
-
-    seqs = [cache.seq(s) for s in range(batch)]
+    for pool in cache.k_caches + cache.v_caches:
+        pool.zero_()  # finite values where the context's K/V would be (the steps write only their own rows)
+    seqs = [SeqBlocks(torch.randint(0, vocab, (context + k + 1,), generator=g).tolist(), s) for s in range(batch)]
+    for seq in seqs:
+        cache.allocate(seq)
 
     def step(q: int):
-        for seq in seqs:  # the last q tokens are the step's
+        for seq in seqs:  # the last q tokens are the step's (their K/V rewritten at each call)
             seq.num_computed = context + k + 1 - q
         inp = ModelInput.build(cache, seqs, [q] * batch, all_logits=True)  # every row's logits, as verify
         return lambda: model.forward_paged(inp, cache)

@@ -5,16 +5,18 @@ relatives (Mistral, Qwen2, Qwen3, Gemma, Phi-3), with the families' features beh
     model = load_checkpoint("path/to/hf-checkpoint", device="cuda", dtype="bf16")
     logits = model(input_ids)                                   # [batch, T, vocab], like HF's
     cache = model.make_cache(num_blocks=1024)                   # a labkit.kvcache.PagedKVCache
-    cache.allocate(0, prompt)
-    inp = ModelInput.build(cache, [cache.seq(0)], [len(prompt)])  # the step: its uncomputed tokens
+    seq = SeqBlocks(prompt)                                     # from labkit.kvcache: tokens, blocks, computed
+    cache.allocate(seq)
+    inp = ModelInput.build(cache, [seq], [len(prompt)])         # the step: its uncomputed tokens
     last = model.forward_paged(inp, cache)                      # [num_seqs, vocab] float32
+    cache.mark_computed(seq, len(prompt))
 
 ``FusionPlan`` says which kernel runs each op of ``forward_paged`` (``model.use(plan)``; the engine's ``kernels``);
 ``adopt_hf_model`` wraps an HF model in memory, sharing its weights (what the engine does with one).
 """
 
 from labkit.model.adopt import adopt_hf_model
-from labkit.model.attention import causal_attention, paged_attention
+from labkit.model.attention import ModelInput, causal_attention, pack_step, paged_attention
 from labkit.model.config import FAMILIES, ROPE_TYPES, ModelConfig, RopeScaling
 from labkit.model.fusion import KERNEL_NAMES, KERNELS, FusionPlan
 from labkit.model.layers import MLP, Attention, DecoderLayer, RMSNorm
@@ -30,7 +32,6 @@ from labkit.model.loader import (
 )
 from labkit.model.model import CausalLM, Transformer
 from labkit.model.rope import RotaryEmbedding, apply_rope, inv_frequencies
-from labkit.model.step import ModelInput, pack_step
 
 __all__ = [
     "FAMILIES", "KERNELS", "KERNEL_NAMES", "MERGED", "ROPE_TYPES", "MLP", "Attention", "CausalLM", "Checkpoint",

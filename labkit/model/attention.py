@@ -1,20 +1,182 @@
-"""Attention for the model: dense causal attention (the plain forward) and attention over the paged KV cache for
-a flat batch of tokens (the engine's forward), with an optional sliding window in both.
+"""A paged step's input, and attention: dense and causal (the plain forward) or over the paged KV cache.
 
-The paged path's input is a step's ``ModelInput`` (``labkit.model.step``, vLLM's names). On the torch path it runs
-the references of ``labkit.kvcache.attention`` (``paged_prefill_attention_ref``: every row causally over its
-sequence's cached tokens; the decode rows batched), with the layer's window as their ``window`` argument; on the
-Triton path the kernels of ``labkit.kernels`` (``FusionPlan.attention``).
+``ModelInput`` (vLLM's names) is one step of ``CausalLM.forward_paged``: the next ``num_tokens[i]`` tokens of each
+sequence (from its ``num_computed`` on; slots reserved), rows back to back, decodes first. ``pack_step``, the one
+packing function (the engine's runner and CUDA graphs, the speculative decoder, the proposers, the pipeline's
+stages), writes it into two host arrays, int64 ``[3, rows]`` (token ids, positions, slots) and int32 (context
+lengths, query starts, logits rows, block tables): one host-to-device copy each, a ``ModelInput`` views them.
+Padding (a captured step's shape): sequences of no tokens (context 1, tables of ``scratch_block``) and token rows
+writing to the scratch block's first slot at position 0.
+
+``paged_attention`` runs, with the layer's sliding window, the references of ``labkit.kvcache.attention`` on the
+torch path (prefill rows causally per sequence, decode rows batched) or the kernels of ``labkit.kernels`` on the
+Triton path (``FusionPlan.attention``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from labkit.kvcache.attention import dequantised_blocks, paged_decode_attention_ref, paged_prefill_attention_ref
-from labkit.kvcache.paged import PagedKVCache
-from labkit.model.step import ModelInput
+from labkit.kvcache.paged import KVSequence, PagedKVCache
+
+
+@dataclass
+class ModelInput:
+    """One step's inputs for ``CausalLM.forward_paged`` (vLLM's names; views of the two packed arrays, see
+    ``pack_step``). Device tensors but ``num_decodes``:
+
+    * ``input_ids``, ``positions``, ``slot_mapping``: int64 ``[num_tokens]``: each row's token, its position in its
+      sequence and its cache slot (``block * block_size + offset``; its K/V are written there before attention)
+    * ``block_tables``: int32 ``[num_seqs, width]``: each sequence's physical blocks (padding never read)
+    * ``context_lens``: int32 ``[num_seqs]``: tokens each sequence has cached after this step's writes (its rows sit
+      at positions ``context_len - query_len ... context_len - 1``)
+    * ``query_start_loc``: int32 ``[num_seqs + 1]``: sequence ``s`` owns rows ``query_start_loc[s]:query_start_loc[s
+      + 1]`` (vLLM's ``cu_seqlens_q``)
+    * ``logits_indices``: int32 ``[num_logits]``: the rows whose logits the forward returns: each sequence's last
+      (``num_logits = num_seqs``), or every row (the speculative decoder's verify step)
+    * ``num_decodes``: the leading sequences that have one row each (an all-decode step runs the decode kernel and
+      returns its rows' logits as they are)
+    * ``buffers``: the flat int64 and int32 device tensors the fields view (``None`` for slices of them)
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    logits_indices: torch.Tensor
+    num_decodes: int = 0
+    buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def is_decode(self) -> bool:
+        """Every row is a sequence's one row (padding included): the rows are the logits rows, in order. (A step with
+        prefill rows may have as many rows as sequences: a captured step of T tokens and min(T, max_num_seqs)
+        sequences; only the step's kind decides.)"""
+        return self.num_decodes == self.num_seqs == self.num_tokens
+
+    def token_seq_lens(self) -> torch.Tensor:
+        """int64 ``[num_tokens]``: the context length of each row's sequence (what 'dynamic' RoPE needs)."""
+        query_lens = (self.query_start_loc[1:] - self.query_start_loc[:-1]).long()
+        return self.context_lens.long().repeat_interleave(query_lens, output_size=self.num_tokens)
+
+    def check(self) -> None:
+        """Shapes and dtypes agree (metadata only: no device sync)."""
+        n, t = self.num_seqs, self.num_tokens
+        for name, x, shape in (("input_ids", self.input_ids, (t,)), ("positions", self.positions, (t,)),
+                               ("slot_mapping", self.slot_mapping, (t,)), ("context_lens", self.context_lens, (n,)),
+                               ("query_start_loc", self.query_start_loc, (n + 1,)),
+                               ("logits_indices", self.logits_indices, tuple(self.logits_indices.shape[:1])),
+                               ("block_tables", self.block_tables, (n, self.block_tables.shape[-1]))):
+            if x.dtype not in (torch.int64, torch.int32) or tuple(x.shape) != shape:
+                raise ValueError(f"{name} must be int64 or int32 of shape {shape}, got {x.dtype} {tuple(x.shape)}")
+        if not 0 <= self.num_decodes <= min(n, t):
+            raise ValueError(f"num_decodes={self.num_decodes} must be in [0, {min(n, t)}]")
+
+    @classmethod
+    def build(cls, cache: PagedKVCache, seqs: Sequence[KVSequence], num_tokens: Sequence[int], num_decodes: int = 0,
+              *, num_seqs: int | None = None, width: int | None = None, all_logits: bool = False,
+              **padding) -> ModelInput:
+        """``pack_step`` over ``seqs`` with ``cache``'s block size, copied to ``cache``'s device (two copies).
+        ``num_seqs``, ``width`` and ``padding`` (``num_rows``, ``scratch_block``, ``token_ids``) as ``pack_step``
+        takes them."""
+        num_seqs = num_seqs or len(seqs)
+        width = width or max((len(s.block_table) for s in seqs), default=1)
+        longs, ints = pack_step(seqs, num_tokens, cache.block_size, num_seqs=num_seqs, width=width,
+                                all_logits=all_logits, **padding)
+        longs, ints = (torch.from_numpy(a).to(cache.device, non_blocking=True) for a in (longs, ints))
+        c, q, g, t0 = layout(num_seqs, longs.shape[1] if all_logits else num_seqs)  # views of the two arrays
+        return cls(longs[0], longs[1], longs[2], ints[t0:].view(num_seqs, width), ints[c:q], ints[q:g], ints[g:t0],
+                   num_decodes, (longs, ints))
+
+
+def layout(num_seqs: int, num_logits: int) -> tuple[int, int, int, int]:
+    """Offsets in the int32 array: context lengths, query starts, logits rows, block tables."""
+    return 0, num_seqs, 2 * num_seqs + 1, 2 * num_seqs + 1 + num_logits
+
+
+def pack_step(seqs: Sequence[KVSequence], num_tokens: Sequence[int], block_size: int, *,
+              num_seqs: int | None = None, num_rows: int | None = None, width: int | None = None,
+              scratch_block: int = 0, all_logits: bool = False, token_ids: bool = True) -> tuple[np.ndarray, ...]:
+    """The step computing the next ``num_tokens[i]`` tokens of each sequence (from its ``num_computed`` on; their
+    slots reserved; the sequences are only read) as two host arrays: int64 ``[3, rows]`` and int32 ``[2 * num_seqs
+    + 1 + num_logits + num_seqs * width]`` (``layout``).
+
+    Padded to ``num_seqs`` sequences and ``num_rows`` token rows (see the module docstring), block tables ``width``
+    wide (default: the widest table). ``all_logits``: every row's logits, not each sequence's last. ``token_ids=False``
+    leaves the input ids 0 (a pipeline stage's sequences hold none: its inputs are hidden states)."""
+    n = len(seqs)
+    if len(num_tokens) != n or (n == 0 and not num_seqs):
+        raise ValueError(f"need one num_tokens per sequence and at least one sequence, got {n} sequences and "
+                         f"{len(num_tokens)} counts")
+    bs = block_size
+    ids, pos, slots, ctx, tables = [], [], [], [], []
+    for seq, q in zip(seqs, num_tokens):
+        start, table = seq.num_computed, seq.block_table
+        end = start + q
+        if not (0 < q and end <= seq.num_tokens and end <= len(table) * bs):
+            raise ValueError(f"sequence {getattr(seq, 'seq_id', None)!r}: {q} tokens to compute, but it has "
+                             f"{seq.num_tokens} tokens of which {start} are computed, and slots for "
+                             f"{len(table) * bs}; reserve slots first")
+        if q == 1:
+            if token_ids:
+                ids.append(seq.token_ids[start])
+            pos.append(start)
+            slots.append(table[start // bs] * bs + start % bs)
+        else:
+            if token_ids:
+                ids += seq.token_ids[start:end]
+            pos += range(start, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+        ctx.append(end)
+        tables.append(table)
+    n_seqs = num_seqs or n
+    n_real = len(pos)
+    n_tok = num_rows or n_real + n_seqs - n
+    width = width or max(len(t) for t in tables)
+    if n_seqs < n or n_tok < n_real:
+        raise ValueError(f"padding to {n_seqs} sequences and {n_tok} rows cannot hold the step's {n} sequences and "
+                         f"{n_real} tokens")
+    if any(len(t) > width for t in tables):
+        raise ValueError(f"a sequence holds {max(len(t) for t in tables)} blocks, more than the block tables' "
+                         f"width={width}")
+    longs = np.zeros((3, n_tok), dtype=np.int64)
+    if token_ids:
+        longs[0, :n_real] = ids
+    longs[1:, :n_real] = (pos, slots)
+    longs[2, n_real:] = scratch_block * bs
+    n_logits = n_tok if all_logits else n_seqs
+    ints = np.full(2 * n_seqs + 1 + n_logits + n_seqs * width, scratch_block, dtype=np.int32)
+    c, q, g, t0 = layout(n_seqs, n_logits)
+    ints[c:q] = 1
+    ints[c:c + n] = ctx
+    ints[q] = 0
+    ints[q + 1:q + 1 + n] = np.cumsum(num_tokens)
+    ints[q + 1 + n:g] = n_real
+    if all_logits:
+        ints[g:t0] = np.arange(n_tok)
+    else:
+        ints[g:t0] = 0
+        ints[g:g + n] = ints[q + 1:q + 1 + n] - 1
+    rows = ints[t0:].reshape(n_seqs, width)
+    for r, t in enumerate(tables):
+        rows[r, :len(t)] = t
+    return longs, ints
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

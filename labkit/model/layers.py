@@ -15,12 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.kvcache.paged import PagedKVCache
-from labkit.model.attention import causal_attention, paged_attention
+from labkit.model.attention import ModelInput, causal_attention, paged_attention
 from labkit.model.config import ModelConfig
 from labkit.model.fusion import FusionPlan
 from labkit.model.ops import act_and_mul, add_norm, caches_raw, projection, qkv_rope_cache, rope_and_write
 from labkit.model.rope import apply_rope
-from labkit.model.step import ModelInput
 
 TORCH = FusionPlan()  # every op in torch: the references
 

@@ -4,7 +4,7 @@ Two forwards over the same weights:
 
 * ``CausalLM.forward(input_ids)``: ``[batch, T]`` -> logits ``[batch, T, vocab]``, dense causal attention and no
   cache: the correctness path, compared with HF's ``model(input_ids).logits``.
-* ``CausalLM.forward_paged(inp, cache)``: one step's ``ModelInput`` (``labkit.model.step``: a flat batch of tokens
+* ``CausalLM.forward_paged(inp, cache)``: one step's ``ModelInput`` (``labkit.model.attention``: a flat batch of tokens
   of several sequences, prefill chunks and decode tokens alike) over a ``PagedKVCache``; writes each token's K/V at
   its slot and returns float32 logits of the rows ``inp.logits_indices`` names (each sequence's last token,
   ``[num_seqs, vocab]``): the path the engine drives.
@@ -21,12 +21,12 @@ import torch
 from torch import nn
 
 from labkit.kvcache.paged import PagedKVCache
+from labkit.model.attention import ModelInput
 from labkit.model.config import ModelConfig
 from labkit.model.fusion import FusionPlan
 from labkit.model.layers import DecoderLayer, RMSNorm
 from labkit.model.ops import add_norm, epilogue_ready
 from labkit.model.rope import RotaryEmbedding
-from labkit.model.step import ModelInput
 
 
 class Transformer(nn.Module):

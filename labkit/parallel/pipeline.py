@@ -16,6 +16,7 @@ The schedules (GPipe, 1F1B) and their bubble are in ``labkit.parallel.schedules`
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -149,15 +150,29 @@ class LlamaStage(nn.Module):
         return StageKVCache()
 
 
+@dataclass(eq=False)
+class StageSeq:
+    """One row of a micro-batch as a stage's block manager sees it (``kvcache.KVSequence``): how many tokens, their
+    blocks, how many computed. No token ids: a stage's inputs are hidden states."""
+
+    seq_id: int
+    num_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    token_ids: tuple = ()
+
+
 class StagePagedCache:
-    """A ``labkit.model`` stage's KV cache for one micro-batch: a ``PagedKVCache`` of the stage's layers only, one
-    sequence per row of the micro-batch (allocated on its first forward)."""
+    """A ``labkit.model`` stage's KV cache for one micro-batch: a ``PagedKVCache`` of the stage's layers only, and a
+    ``StageSeq`` per row of the micro-batch (both made on its first forward)."""
 
     def __init__(self):
         self.cache: PagedKVCache | None = None
+        self.seqs: list[StageSeq] = []
 
     def get_seq_length(self) -> int:
-        return self.cache.seq(0).num_tokens if self.cache is not None and self.cache.seqs else 0
+        return self.seqs[0].num_tokens if self.seqs else 0
 
 
 class LabkitStage(LlamaStage):
@@ -196,17 +211,20 @@ class LabkitStage(LlamaStage):
             blocks = batch * -(-min(c.max_position_embeddings, 4096) // 16)  # sequences up to 4,096 tokens
             cache.cache = PagedKVCache(len(self.layers), c.num_kv_heads, c.head_dim, blocks, 16, kv_dtype=h.dtype,
                                        device=h.device)
-        pc, seqs = cache.cache, list(range(batch))
-        for s in seqs:  # token ids do not matter to a stage: its input is hidden states
-            pc.allocate(s, [0] * q_len) if s not in pc.seqs else pc.append_slots(s, [0] * q_len)
-        inp = ModelInput.build(pc, [pc.seq(s) for s in seqs], [q_len] * batch, batch if q_len == 1 else 0)
+        pc, first = cache.cache, not cache.seqs
+        if first:
+            cache.seqs = [StageSeq(s) for s in range(batch)]
+        for seq in cache.seqs:
+            seq.num_tokens += q_len
+            pc.allocate(seq) if first else pc.append_slots(seq)
+        inp = ModelInput.build(pc, cache.seqs, [q_len] * batch, batch if q_len == 1 else 0, token_ids=False)
         seq_lens = inp.token_seq_lens() if self.body._dynamic else None
         cos, sin = self.body.rotary_emb.lookup(inp.positions, h.dtype, seq_lens)
         plan, flat, residual = FusionPlan(), h.reshape(batch * q_len, hidden), None
         for layer in self.layers:
             flat, residual = layer.forward_paged(flat, residual, cos, sin, pc, inp, plan)
-        for s in seqs:
-            pc.mark_computed(s, pc.seq(s).num_tokens)
+        for seq in cache.seqs:
+            pc.mark_computed(seq, seq.num_tokens)
         if self.is_last:
             return self.lm_head(add_norm(self.norm, flat, residual, plan)[0]).view(batch, q_len, -1)
         return (flat + residual).view(batch, q_len, hidden)

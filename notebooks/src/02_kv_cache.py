@@ -44,7 +44,7 @@ from labkit.hardware import KNOWN
 from labkit.engine import LLMEngine, SamplingParams
 from labkit.experiments.kv_cache import (attention_latency, draw_block_table, kv_format_accuracy, lognormal_mix,
                                          simulate_contiguous, simulate_paged)
-from labkit.kvcache import ContiguousKVCache, PagedKVCache, decode_attention, kv_format
+from labkit.kvcache import ContiguousKVCache, PagedKVCache, SeqBlocks, decode_attention, kv_format
 from labkit.models import PRESETS, get_spec, human_bytes, load_model, random_model
 from labkit.workbook import resolve_profile
 
@@ -201,15 +201,16 @@ g = torch.Generator().manual_seed(seed)
 lens, heads, kv_heads, d = [3, 17, 40, 1, 29], 4, 2, 64
 cc = ContiguousKVCache(1, kv_heads, d, max_seqs=len(lens), max_len=64)
 pc = PagedKVCache(1, kv_heads, d, num_blocks=32, block_size=block_size)
-for sid, n in enumerate(lens):
+seqs = [SeqBlocks([0] * n, sid) for sid, n in enumerate(lens)]  # a sequence owns its tokens and its block table
+for seq, n in zip(seqs, lens):
     k, v = torch.randn(2, n, kv_heads, d, generator=g)
-    cc.write(0, torch.tensor(cc.allocate(sid, n)), k, v)
-    pc.allocate(sid, [0] * n)
-    pc.write(0, torch.tensor(pc.slots(sid, 0, n)), k, v)
+    cc.write(0, torch.tensor(cc.allocate(seq.seq_id, n)), k, v)
+    pc.allocate(seq)
+    pc.write(0, torch.tensor(pc.slots(seq, 0, n)), k, v)
 q = torch.randn(len(lens), heads, d, generator=g)
 ids = list(range(len(lens)))
-attn_err = relative_error(decode_attention(q, pc.k_caches[0], pc.v_caches[0], pc.block_tables(ids),
-                                           pc.context_lens(ids), backend="torch"), cc.attention(0, q, ids))
+attn_err = relative_error(decode_attention(q, pc.k_caches[0], pc.v_caches[0], pc.block_tables(seqs),
+                                           pc.context_lens(seqs), backend="torch"), cc.attention(0, q, ids))
 print(f"paged vs contiguous attention: relative error {attn_err:.2e} (bound 1e-5)")
 assert attn_err <= 1e-5
 
@@ -223,16 +224,19 @@ assert attn_err <= 1e-5
 
 # %%
 demo = PagedKVCache(1, 1, 1, num_blocks=24, block_size=4, allocate_pools=False)
-for sid, n in {"A": 6, "B": 3, "C": 9, "D": 2}.items():
-    demo.allocate(sid, [0] * n)
+live = {sid: SeqBlocks([0] * n, sid) for sid, n in {"A": 6, "B": 3, "C": 9, "D": 2}.items()}
+for seq in live.values():
+    demo.allocate(seq)
 for step in range(7):
     if step == 3:
-        demo.free("B")
+        demo.free(live.pop("B"))
     if step == 5:
-        demo.allocate("E", [0] * 5)
-    for sid in list(demo.seqs):
-        demo.append_slots(sid, [0])
-draw_block_table(demo, ["A", "C", "D", "E"])
+        live["E"] = SeqBlocks([0] * 5, "E")
+        demo.allocate(live["E"])
+    for seq in live.values():
+        seq.token_ids.append(0)  # a decode step's new token, then its slot
+        demo.append_slots(seq)
+draw_block_table(demo, [live[s] for s in "ACDE"])
 plt.show()
 
 model, tok = load_model(device=DEVICE)

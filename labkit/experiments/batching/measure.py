@@ -46,7 +46,7 @@ from labkit.engine import (
 )
 from labkit.evaluate import relative_error
 from labkit.experiments.baseline import Execution, replay_fifo
-from labkit.kvcache import PagedKVCache
+from labkit.kvcache import PagedKVCache, SeqBlocks
 from labkit.model import FusionPlan
 from labkit.profiling import ProfileResult, profile_run
 
@@ -113,20 +113,27 @@ def check_graph_replays(model, batch_sizes: Sequence[int] = (3, 1, 2, 4), rounds
                          f"one of at least {n}")
     cache, vocab = runner.cache, model.config.vocab_size
     g = torch.Generator().manual_seed(seed)
-    sids = [("graph-check", i) for i in range(n)]
-    for i, sid in enumerate(sids):  # lengths differ by sequence: so do their contexts and block tables
-        cache.allocate(sid, torch.randint(3, vocab, (max(1, prompt_len - 7 * i),), generator=g).tolist())
-    runner.execute(sids, [cache.seq(s).num_tokens for s in sids], 0)
+    # lengths differ by sequence: so do their contexts and block tables
+    seqs = [SeqBlocks(torch.randint(3, vocab, (max(1, prompt_len - 7 * i),), generator=g).tolist(), ("graph-check", i))
+            for i in range(n)]
+    for seq in seqs:
+        cache.allocate(seq)
+    runner.execute(seqs, [s.num_tokens for s in seqs], 0)
+    for seq in seqs:
+        cache.mark_computed(seq, seq.num_tokens)
     kept = []
     for r in range(rounds):
         for b in batch_sizes:
-            sub, bucket = sids[:b], runner.graphs.bucket(b)
-            for sid in sub:
-                cache.append_slots(sid, torch.randint(3, vocab, (1,), generator=g).tolist())
+            sub, bucket = seqs[:b], runner.graphs.bucket(b)
+            for seq in sub:
+                seq.token_ids += torch.randint(3, vocab, (1,), generator=g).tolist()
+                cache.append_slots(seq)
             ref = runner.forward(runner.prepare(sub, [1] * b, b, pad_to=bucket, width=runner.max_blocks))[:b].clone()
             kept.append((r, b, bucket, ref, runner.execute(sub, [1] * b, b)))
-    for sid in sids:
-        cache.free(sid)
+            for seq in sub:
+                cache.mark_computed(seq, seq.num_tokens)
+    for seq in seqs:
+        cache.free(seq)
     bound = 1e-5 if runner.dtype == torch.float32 else 1e-2
     rows = []
     for r, b, bucket, ref, got in kept:
@@ -227,14 +234,15 @@ def runner_step(model, phase: str, batch_size: int, context: int, block_size: in
     ids = torch.randint(3, model.config.vocab_size, (total,), generator=g).tolist()
     if phase == "prefill":
         runner = ModelRunner(model, cache, cuda_graphs=False, max_num_seqs=1, max_model_len=total, **runner_options)
-        cache.allocate(0, ids)
-        return partial(_inference, runner.forward, runner.prepare([0], [context], 0)), runner
+        seq = SeqBlocks(ids, 0)
+        cache.allocate(seq)
+        return partial(_inference, runner.forward, runner.prepare([seq], [context], 0)), runner
     runner = ModelRunner(model, cache, max_num_seqs=batch_size, max_model_len=total,
                          graph_batch_sizes=[batch_size] if cache.device.type == "cuda" else None, **runner_options)
-    seqs = list(range(batch_size))
-    for i in seqs:
-        cache.allocate(i, ids)
-        cache.mark_computed(i, context)
+    seqs = [SeqBlocks(ids, i) for i in range(batch_size)]
+    for seq in seqs:  # every token but the last computed: the step decodes it
+        cache.allocate(seq)
+        cache.mark_computed(seq, context)
     if runner.graph_batch_sizes:
         longs, ints = runner.pack_for_graphs(seqs, [1] * batch_size)  # fed as the engine feeds a step
         key = runner.graphs.lookup(batch_size, batch_size, batch_size)
