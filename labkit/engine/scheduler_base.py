@@ -215,11 +215,8 @@ class Scheduler(ABC):
         for seq in self.waiting:
             assert not seq.block_table and seq.num_computed == 0, f"waiting {seq} holds blocks"
         if self.swap is not None:
-            refs = [0] * self.swap.allocator.num_blocks
-            for seq in self.swapped:
-                for b in seq.block_table:
-                    refs[b] += 1
-            assert refs == self.swap.allocator.ref_counts, "swapped block tables differ from the swap space's counts"
+            held = sorted(b for seq in self.swapped for b in seq.block_table)
+            assert held == [b for b, n in enumerate(self.swap.allocator.ref_counts) for _ in range(n)], "swap space"
 
     def stats(self) -> dict:
         out, back = (self.swap.blocks_out, self.swap.blocks_in) if self.swap is not None else (0, 0)

@@ -1,14 +1,12 @@
-"""KV-cache management: the contiguous baseline, the paged cache and its block manager, prefix sharing, quantised KV
-and swap space. Scheduling and preemption live in ``labkit.engine``; this package holds the memory they manage. It
-keeps no sequences: a sequence (``engine.Sequence``, or ``SeqBlocks`` here) owns its tokens, blocks and computed
-count, and the block manager works on it (``KVSequence``: what it needs of one).
+"""KV-cache management: the contiguous baseline, the paged cache, prefix sharing, quantised KV and swap space.
+Scheduling and preemption live in ``labkit.engine``; this package holds the memory they manage and keeps no
+sequences: a sequence (``engine.Sequence``, or ``SeqBlocks`` here) owns its tokens, blocks and computed count.
 
 * ``ContiguousKVCache`` (contiguous.py): one ``max_len`` slab per sequence, the naive baseline
 * ``BlockAllocator`` (block_allocator.py): block ids, LRU free queue, reference counts, prefix-hash registry
-* ``BlockManager`` (block_manager.py): a sequence's blocks: allocate, append slots, mark computed, fork with copy
-  on write, roll back, free; prefix caching by chained block hashes
-* ``PagedKVCache`` (paged.py): the block manager with per-layer block pools and slot mappings;
-  ``allocate_pools=False`` keeps the bookkeeping without tensors (the request-mix simulation)
+* ``BlockManager`` (block_manager.py): blocks for sequences (``KVSequence``), prefix caching, copy on write
+* ``PagedKVCache`` (paged.py): the block manager with per-layer pools; ``allocate_pools=False`` keeps the
+  bookkeeping without tensors (the request-mix simulation)
 * prefix.py: chained block hashes for prefix caching; quant.py: int8 / fp8 KV with per-token-head scales
 * ``SwapSpace`` (swap.py): CPU memory for the blocks of sequences preempted by swap
 * attention.py: the torch reference of paged attention (prefill chunks and decode) and the decode dispatch to

@@ -1,16 +1,8 @@
-"""The block manager (nano-vllm's ``BlockManager``, with vLLM's prefix caching and copy on write): which blocks each
-sequence holds. It keeps no sequences: a sequence owns its token ids, block table, computed count and prefix-block
-hashes (``KVSequence``; ``engine.Sequence``, or ``SeqBlocks`` to use the cache alone), and the manager works on it.
-
-* ``allocate(seq)``: blocks for all its tokens, reusing a cached prefix's (returns the tokens computed already);
-* ``append_slots(seq)``: slots for the tokens appended since: a new block when the last is full, and a private copy
-  of a shared block its uncomputed tokens will be written into (copy on write, after ``fork``);
-* ``mark_computed(seq, n)``: K/V of its first ``n`` tokens are written (the scheduler's postprocess, after the
-  step): its full blocks among them become findable by the prefix cache, never before their K/V exist;
-* ``free(seq)``, ``fork(parent, child)``, ``rollback(seq, n)`` (speculative decoding's rejected tokens).
-
-A sequence takes one block at a time, so the only memory reserved but not holding tokens is the unfilled tail of
-its last block (under ``block_size`` tokens per sequence).
+"""The block manager (nano-vllm's ``BlockManager``, with vLLM's prefix caching and copy on write). It keeps no
+sequences: a sequence owns its token ids, block table, computed count and prefix-block hashes (``KVSequence``:
+``engine.Sequence``, or ``SeqBlocks`` to use the cache alone), and ``allocate`` / ``append_slots`` (a block at a time:
+only a last block's tail is reserved but empty) / ``mark_computed`` / ``fork`` / ``rollback`` / ``free`` work on it.
+Full blocks become findable by the prefix cache when ``mark_computed`` says their K/V exist, never before.
 """
 
 from __future__ import annotations
@@ -121,13 +113,10 @@ class BlockManager:
         return self.blocks_needed(seq) <= self.allocator.num_free
 
     def allocate(self, seq: KVSequence) -> int:
-        """Blocks for every token of ``seq``, which holds none (a new or preempted sequence); all or none.
-
-        Sets its ``block_table``, ``num_computed`` (the tokens found in the prefix cache: a multiple of
-        ``block_size``, 0 without prefix caching) and ``block_hashes``, and returns ``num_computed``: the step
-        computes only the tokens after them. Raises ``CacheFullError`` when too few blocks are free (nothing
-        changes), ``ValueError`` / ``TypeError`` on a bad sequence (no token, token ids not ints, blocks held).
-        """
+        """Blocks for every token of ``seq``, which holds none, all or none; sets its ``block_table``,
+        ``block_hashes`` and ``num_computed`` (the tokens found in the prefix cache, a multiple of ``block_size``)
+        and returns the last. ``CacheFullError`` when too few blocks are free (nothing changes); ``ValueError`` /
+        ``TypeError`` on a bad sequence (no token, token ids not ints, blocks held)."""
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id!r} already holds {len(seq.block_table)} blocks; free it first")
         n = seq.num_tokens
@@ -170,12 +159,9 @@ class BlockManager:
         return not (new or cow) or new + len(cow) <= self.allocator.num_free
 
     def append_slots(self, seq: KVSequence) -> None:
-        """Reserve slots for every token of ``seq`` (those appended since ``allocate`` or the last call): new blocks
-        as it needs them, all or nothing (``CacheFullError``).
-
-        A shared block that its uncomputed tokens will be written into (the partly filled last block after
-        ``fork``) is first copied to a private block: copy on write, so the other sequences keep their tokens.
-        """
+        """Slots for every token of ``seq`` (those appended since the last call), all or nothing (``CacheFullError``);
+        a shared block its uncomputed tokens will be written into (a partly filled last block after ``fork``) is
+        first copied to a private block: copy on write, so the other sequences keep their tokens."""
         new, cow = self._append_cost(seq)
         if not (new or cow):
             return
@@ -241,12 +227,9 @@ class BlockManager:
         seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
 
     def rollback(self, seq: KVSequence, num_tokens: int) -> None:
-        """Cut ``seq`` back to its first ``num_tokens`` tokens: the token ids past them, their blocks, and the
-        computed count.
-
-        What speculative decoding does with the slots of rejected tokens: their K/V stay in the pool but are
-        unreachable (outside the block table, or past ``num_tokens`` in the last block, overwritten by the next
-        append). Tokens already registered with the prefix cache cannot be cut (``ValueError``)."""
+        """Cut ``seq`` back to its first ``num_tokens`` tokens (speculative decoding's rejected ones): token ids,
+        blocks past them, computed count. Their K/V stay in the pool, unreachable; tokens in the prefix cache cannot
+        be cut (``ValueError``)."""
         hashed = len(seq.block_hashes) * self.block_size
         if not isinstance(num_tokens, numbers.Integral) or not max(1, hashed) <= num_tokens <= seq.num_tokens:
             raise ValueError(f"num_tokens={num_tokens!r} must be an int in [{max(1, hashed)}, {seq.num_tokens}] for "

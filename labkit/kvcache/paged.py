@@ -1,13 +1,9 @@
-"""The paged KV cache: per-layer K/V pools of fixed-size blocks and the block manager over them (``BlockManager``,
-block_manager.py: it keeps no sequences; a sequence owns its tokens, block table and computed count).
-
-Layout (shared with ``labkit.kernels.paged_attention``):
-
-* ``k_caches[layer]``, ``v_caches[layer]``: ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the
-  storage dtype of ``kv_dtype`` (fp32/bf16/fp16, or int8/fp8 with ``k_scales``/``v_scales`` ``[num_blocks,
-  block_size, num_kv_heads]`` float32)
-* a sequence's ``block_table``: the physical block of each run of ``block_size`` logical tokens
-* a token's *slot*: ``block * block_size + offset``; ``write`` scatters K/V to slots (the ``slot_mapping``)
+"""The paged KV cache: per-layer K/V pools of fixed-size blocks and the block manager over them (block_manager.py).
+Layout (shared with ``labkit.kernels.paged_attention``): ``k_caches[layer]``, ``v_caches[layer]`` ``[num_blocks,
+block_size, num_kv_heads, head_dim]`` in the storage dtype of ``kv_dtype`` (fp32/bf16/fp16, or int8/fp8 with
+``k_scales``/``v_scales`` ``[num_blocks, block_size, num_kv_heads]`` float32); a sequence's ``block_table`` names
+the block of each run of ``block_size`` tokens; a token's *slot* is ``block * block_size + offset`` (``write``
+scatters K/V to a ``slot_mapping``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Swap space: CPU memory that holds the blocks of preempted sequences until they come back.
 
-Swapping copies a sequence's blocks (every layer; scales too for int8/fp8) to CPU memory and frees them on the
-device; while swapped out the sequence's ``block_table`` names blocks of the swap space. Swapping in copies them
-into fresh device blocks, so the sequence continues with exactly the bytes it had (its computed count and prefix
-hashes unchanged). The price is traffic over PCIe both ways instead of recomputation. Shared blocks are copied like
-private ones: after swap-in a sequence owns private copies (correct, if less frugal than its old sharing).
+Swapping copies a sequence's blocks (every layer; scales too) to CPU memory and frees them on the device (its
+``block_table`` then names swap-space blocks); swapping in copies them into fresh device blocks, so it continues with
+exactly the bytes it had, for PCIe traffic both ways instead of recomputation. Shared blocks come back private.
 """
 
 from __future__ import annotations

@@ -28,21 +28,17 @@ from labkit.kvcache.paged import KVSequence, PagedKVCache
 
 @dataclass
 class ModelInput:
-    """One step's inputs for ``CausalLM.forward_paged`` (vLLM's names; views of the two packed arrays, see
-    ``pack_step``). Device tensors but ``num_decodes``:
+    """One step's inputs for ``CausalLM.forward_paged`` (vLLM's names), views of the two packed device arrays
+    ``buffers`` (``pack_step``; ``None`` for slices of them):
 
-    * ``input_ids``, ``positions``, ``slot_mapping``: int64 ``[num_tokens]``: each row's token, its position in its
-      sequence and its cache slot (``block * block_size + offset``; its K/V are written there before attention)
-    * ``block_tables``: int32 ``[num_seqs, width]``: each sequence's physical blocks (padding never read)
-    * ``context_lens``: int32 ``[num_seqs]``: tokens each sequence has cached after this step's writes (its rows sit
-      at positions ``context_len - query_len ... context_len - 1``)
-    * ``query_start_loc``: int32 ``[num_seqs + 1]``: sequence ``s`` owns rows ``query_start_loc[s]:query_start_loc[s
-      + 1]`` (vLLM's ``cu_seqlens_q``)
-    * ``logits_indices``: int32 ``[num_logits]``: the rows whose logits the forward returns: each sequence's last
-      (``num_logits = num_seqs``), or every row (the speculative decoder's verify step)
-    * ``num_decodes``: the leading sequences that have one row each (an all-decode step runs the decode kernel and
-      returns its rows' logits as they are)
-    * ``buffers``: the flat int64 and int32 device tensors the fields view (``None`` for slices of them)
+    * ``input_ids``, ``positions``, ``slot_mapping``: int64 ``[num_tokens]``: each row's token, position and cache
+      slot (``block * block_size + offset``; its K/V are written there before attention)
+    * ``block_tables``: int32 ``[num_seqs, width]``; ``context_lens``: int32 ``[num_seqs]``, tokens cached after this
+      step's writes; ``query_start_loc``: int32 ``[num_seqs + 1]``, sequence ``s`` owns rows
+      ``query_start_loc[s]:query_start_loc[s + 1]`` (vLLM's ``cu_seqlens_q``)
+    * ``logits_indices``: int32 ``[num_logits]``: the rows whose logits the forward returns (each sequence's last,
+      or every row: the speculative decoder's verify step)
+    * ``num_decodes``: the leading sequences with one row each (a host int)
     """
 
     input_ids: torch.Tensor
