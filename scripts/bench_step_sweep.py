@@ -4,9 +4,10 @@ The planner (``labkit.plan``) is calibrated and validated against these: every c
 on one GPU. ``--runner engine`` (the default) times labkit's serving engine, the software the planner's layouts
 would run: its ``ModelRunner`` on the paged cache with the Triton kernels, decode steps replayed from a CUDA graph
 per batch, prefill as one eager forward (``labkit.experiments.batching.runner_step``). ``--runner hf`` times the
-Hugging Face model instead: decode as CUDA-graph replays over its ``StaticCache`` (``labkit.decode_step``), prefill
-as one eager forward. Writes ``records/step_sweep.json`` under ``--out`` with every raw timing and the roofline
-prediction of each step, after each weight precision (a run stopped early keeps what it measured).
+Hugging Face model instead: decode as CUDA-graph replays over its ``StaticCache``
+(``labkit.experiments.decode_step``), prefill as one eager forward. Writes ``records/step_sweep.json`` under
+``--out`` with every raw timing and the roofline prediction of each step, after each weight precision (a run
+stopped early keeps what it measured).
 
     python scripts/bench_step_sweep.py --out results/h200 [--runner engine] [--preset llama-3-8b]
         [--weights bf16 int8 int4] [--batches 1 8 32 64] [--contexts 512 2048 8000]
@@ -22,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from labkit.bench import time_fn, write_record
-from labkit.decode_step import time_decode_step
+from labkit.experiments.decode_step import time_decode_step
 from labkit.hardware import detect, measure_ceilings, measured_hardware
 from labkit.models import get_spec, random_model
 from labkit.profiling import roofline

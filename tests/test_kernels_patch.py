@@ -78,7 +78,7 @@ def test_patch_refuses_a_model_without_llama_modules():
 @cpu_only
 def test_patched_static_cache_decode_step(tiny_model):
     """The decode step the notebook times (HF StaticCache: a boolean mask over the whole cache)."""
-    from labkit.decode_step import StaticDecodeStep
+    from labkit.experiments.decode_step import StaticDecodeStep
 
     model, _ = tiny_model
     ref = StaticDecodeStep(model, batch_size=2, context_len=21, cuda_graph=False).step().clone()
@@ -93,7 +93,7 @@ def test_patched_static_cache_decode_step(tiny_model):
 @pytest.mark.gpu
 def test_patched_bf16_decode_step_replays_in_a_cuda_graph():
     """Llama-3-8B's layer shape in bf16 (two layers), the notebook's static-cache step captured as a graph."""
-    from labkit.decode_step import StaticDecodeStep
+    from labkit.experiments.decode_step import StaticDecodeStep
     from labkit.models import random_model
 
     model = random_model("llama-3-8b", device="cuda", num_layers=2)

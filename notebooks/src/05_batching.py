@@ -43,7 +43,7 @@ import torch
 import labkit  # noqa: F401  (sets up Triton for the host before anything imports it)
 from labkit.bench import output_dir, record_figure, write_record
 from labkit.data import sample_prompts, split_tokens
-from labkit.decode_step import time_decode_step
+from labkit.experiments.decode_step import time_decode_step
 from labkit.engine import SLO, LengthDist, make_workload
 from labkit.experiments.baseline import run_generate
 from labkit.claims import Claim, show
@@ -354,7 +354,7 @@ elapsed("profiles")
 # ## Decode tokens/s, one technique at a time
 # From HF's eager `generate` at batch 1 to the engine with continuous batching. Each bar says how it was timed:
 # `generate` and the engine's bars are end to end (tokens reaching the host, sampling included); the HF
-# static-cache bar times graph replays of one step alone (`labkit.decode_step`), which flatters it slightly.
+# static-cache bar times graph replays of one step alone (`labkit.experiments.decode_step`), which flatters it slightly.
 
 # %%
 probe = make_workload(1, math.inf, LengthDist.fixed(ctx), LengthDist.fixed(2), source, seed=seed)[0]

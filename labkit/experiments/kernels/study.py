@@ -192,7 +192,7 @@ def decode_steps(model: torch.nn.Module, batch_sizes: list[int], context: int, i
     On CUDA each step is captured once and its replays timed, so launch overhead does not hide the kernels.
     Leaves the model unpatched, with its attention implementation.
     """
-    from labkit.decode_step import time_decode_step
+    from labkit.experiments.decode_step import time_decode_step
     from labkit.kernels.patch import patch_model, unpatch
 
     rows = []

@@ -174,7 +174,7 @@ def tp_decode_row(preset: str, tp: int, batch: int, context: int, device: torch.
                   iters: int, cuda_graph: bool, overlap: bool, fits: dict | None, dtype=torch.bfloat16) -> dict:
     """One TP decode measurement on ranks ``0..tp-1``: step time, with communication skipped, and split into
     two half-batches run serially or concurrently on two communicators. Called by the group's ranks only."""
-    from labkit.decode_step import StaticDecodeStep
+    from labkit.experiments.decode_step import StaticDecodeStep
 
     g = group_of(tp)
     model = random_tp_model(preset, g if tp > 1 else None, device, num_layers, dtype)

@@ -165,7 +165,7 @@ def speed_rows(model: nn.Module, methods=("int8", "int4", "fp8", "bnb-int8", "bn
     ``breakdown > 0``: each CUDA-graph row (and each engine row) also gets ``breakdown``, its step's top kernels
     by device time (``labkit.profiling.step_breakdown``; ``breakdown_tables`` lays them out).
 
-    ``runner``: ``"hf"`` times the model's own forward (``labkit.decode_step``); ``"engine"`` times labkit's
+    ``runner``: ``"hf"`` times the model's own forward (``labkit.experiments.decode_step``); ``"engine"`` times labkit's
     serving forward on the same weights (``labkit.engine`` ``ModelRunner``: q/k/v and gate/up merged into one
     GEMV each, RoPE and the cache write in one kernel, paged decode attention; a CUDA-graph replay on CUDA), where
     a layer costs a dozen kernels instead of HF's ~25, so the step is closer to its weight bytes. bitsandbytes

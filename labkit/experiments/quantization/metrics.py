@@ -195,9 +195,9 @@ def peak_memory(fn: Callable[[], object], device: torch.device | str = "cpu") ->
 def decode_step_time(model: nn.Module, batch_size: int = 1, context_len: int = 512, cuda_graph: bool = True,
                      iters: int = 20, breakdown: int = 0):
     """``labkit.bench.Timing`` of one decode forward over a static KV cache (a CUDA-graph replay on CUDA when
-    ``cuda_graph``; eager elsewhere), via ``labkit.decode_step.time_decode_step`` (``breakdown``: its kernel
+    ``cuda_graph``; eager elsewhere), via ``labkit.experiments.decode_step.time_decode_step`` (``breakdown``: its kernel
     profile in ``extra["breakdown"]``)."""
-    from labkit.decode_step import time_decode_step
+    from labkit.experiments.decode_step import time_decode_step
 
     return time_decode_step(model, batch_size=batch_size, context_len=context_len, cuda_graph=cuda_graph,
                             iters=iters, breakdown=breakdown)

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from labkit.decode_step import StaticDecodeStep, time_decode_step
 from labkit.evaluate import relative_error
+from labkit.experiments.decode_step import StaticDecodeStep, time_decode_step
 
 
 def test_static_step_matches_full_forward(tiny_model):
