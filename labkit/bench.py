@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from labkit.models import REPO_ROOT
+from labkit.data import REPO_ROOT
 
 RESULTS_DIR = REPO_ROOT / "results"
 SUMMARY_PATH = RESULTS_DIR / "summary.json"

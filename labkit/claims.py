@@ -56,8 +56,8 @@ from labkit.conditions import (
     wording_problems,
     written_refusal,
 )
+from labkit.data import REPO_ROOT
 from labkit.figures import machine_class, machine_figures, read_summary, summary_classes
-from labkit.models import REPO_ROOT
 
 __all__ = ["MACHINES", "STATUSES", "Claim", "ClaimCheck", "ClaimError", "ClaimRefused", "RefusedClaim", "Verdict",
            "check", "check_all", "collect", "evaluate", "load_summary", "machine_class", "render", "show",

@@ -1,4 +1,5 @@
-"""The embedded model's text: the Python 3.11 documentation sources, split by file (``data/pydocs``).
+"""The repository's data: the embedded model (``data/pydocs-llama``) and its text, the Python 3.11 documentation
+sources, split by file (``data/pydocs``).
 
 Splits: ``train`` (pre-training), ``calib`` (quantisation calibration), ``heldout`` (perplexity only),
 ``task_train`` and ``task_heldout`` (the C-API pages, unseen in pre-training, for fine-tuning).
@@ -9,11 +10,15 @@ from __future__ import annotations
 
 import gzip
 from functools import cache
+from pathlib import Path
 
 import torch
 
-from labkit.models import DATA_DIR
-
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DATA_DIR = REPO_ROOT / "data"
+EMBEDDED_MODEL = "pydocs-llama"
+"""The embedded model's name: a small Llama-architecture model trained by this project (its model card in data/)."""
+EMBEDDED_MODEL_DIR = DATA_DIR / EMBEDDED_MODEL
 CORPUS_DIR = DATA_DIR / "pydocs"
 SPLITS = ("train", "calib", "heldout", "task_train", "task_heldout")
 

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-from labkit.models import REPO_ROOT
+from labkit.data import REPO_ROOT
 
 PACKAGES = ("labkit.model", "labkit.kernels", "labkit.kvcache", "labkit.quant", "labkit.engine", "labkit.parallel",
-            "labkit.finetune", "labkit.plan", "labkit.profiling", "labkit.bench", "labkit.hardware", "labkit.models",
-            "labkit.exercises")
+            "labkit.finetune", "labkit.plan", "labkit.profiling", "labkit.bench", "labkit.hardware", "labkit.data",
+            "labkit.checks", "labkit.exercises")
 API_PAGE = REPO_ROOT / "docs" / "api.md"
 REGENERATE = "python -m labkit docs"
 _WIDTH = 116

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 from labkit.bench import SUMMARY_PATH, machine_tag
-from labkit.models import REPO_ROOT
+from labkit.data import REPO_ROOT
 
 KNOWN_MACHINES = {"cpu": "cpu", "NVIDIA H100 80GB HBM3": "h100", "NVIDIA H200": "h200"}
 """Device names (``torch.cuda.get_device_name``, or ``cpu``) of the machines the workbook targets, by class."""

@@ -16,7 +16,7 @@ import re
 import time
 from pathlib import Path
 
-from labkit.models import REPO_ROOT
+from labkit.data import REPO_ROOT
 
 STATUSES = ("pass", "fail", "timeout")
 _PYTEST = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)")

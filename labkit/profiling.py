@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from labkit.hardware import Hardware
-from labkit.models import ModelSpec, dtype_bytes, get_spec
+from labkit.model import ModelConfig, dtype_bytes, get_config
 
 PHASES = ("prefill", "decode")
 
@@ -60,7 +60,7 @@ class RooflineRow:
 class Roofline:
     """Per-layer-type rows and totals for one phase of one model at one batch and context."""
 
-    spec: ModelSpec
+    spec: ModelConfig
     hardware: Hardware
     phase: str
     batch: int
@@ -112,7 +112,7 @@ def roofline(spec, hardware: Hardware, batch: int, context: int, phase: str, dty
     ``dtype``), activations in ``dtype``. Attention is counted as a fused (flash) kernel: Q, K, V read once, O
     written once, no score matrix in memory.
     """
-    spec = get_spec(spec)
+    spec = get_config(spec)
     if phase not in PHASES:
         raise ValueError(f"phase={phase!r} is unknown; allowed: {list(PHASES)}")
     if batch < 1 or context < 1:
@@ -127,17 +127,17 @@ def roofline(spec, hardware: Hardware, batch: int, context: int, phase: str, dty
         return RooflineRow(name, float(flops), float(nbytes), peak, bw)
 
     attn_w = spec.attn_params_per_layer * L
-    qkv_act = tokens * (h + spec.q_dim + 2 * spec.kv_dim + spec.q_dim + h) * ab * L
+    qkv_act = tokens * (h + spec.q_size + 2 * spec.kv_size + spec.q_size + h) * ab * L
     mlp_w = spec.mlp_params_per_layer * L
-    n_mats = 3 if spec.mlp == "swiglu" else 2
+    n_mats = 3 if spec.gated_mlp else 2
     mlp_act = tokens * (2 * h + (n_mats - 1) * spec.intermediate_size + spec.intermediate_size) * ab * L
     if phase == "decode":
         attn_flops = batch * spec.attention_flops_per_token(context)
         attn_bytes = batch * context * spec.kv_bytes_per_token(kv_dtype or dtype) \
-            + 2 * batch * spec.q_dim * ab * L
+            + 2 * batch * spec.q_size * ab * L
     else:
         attn_flops = batch * 4.0 * L * spec.num_heads * spec.head_dim * context * (context + 1) / 2
-        attn_bytes = tokens * (2 * spec.q_dim * ab + 2 * spec.kv_dim * kvb) * L
+        attn_bytes = tokens * (2 * spec.q_size * ab + 2 * spec.kv_size * kvb) * L
     logits_tokens = batch
     rows = [
         row("QKV/O projections", 2 * tokens * attn_w, attn_w * wb + qkv_act),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from labkit.models import REPO_ROOT
+from labkit.data import REPO_ROOT
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 

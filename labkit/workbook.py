@@ -17,10 +17,10 @@ import sys
 import time
 from pathlib import Path
 
+from labkit.data import REPO_ROOT
 from labkit.device import environ
 from labkit.exercises.cells import exercise_source
 from labkit.gpu_check import tables_markdown
-from labkit.models import REPO_ROOT
 from labkit.provenance import stale_executed, stamp_executed
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"

@@ -103,7 +103,7 @@ def engine_step(device, preset: str) -> list[dict]:
 
     from labkit.bench import time_fn
     from labkit.experiments.batching import runner_step
-    from labkit.models import random_model
+    from labkit.model import random_model
     from labkit.quant import quantize
 
     gpu = device.type == "cuda"  # on a CPU: one layer, layers that dequantise, one rep (a check of the script)

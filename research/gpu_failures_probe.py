@@ -38,7 +38,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def stage_prefix() -> dict:
     from labkit.data import sample_prompts, split_tokens
     from labkit.engine import LLMEngine, SamplingParams
-    from labkit.models import load_model
+    from labkit.model import load_model
 
     model, tok = load_model(device=DEVICE)
     block_size, seed = 16, 0
@@ -129,7 +129,7 @@ def _pad_case(model, label: str) -> list[dict]:
 
 
 def stage_pad() -> dict:
-    from labkit.models import load_model, random_model
+    from labkit.model import load_model, random_model
 
     rows = []
     emb, _ = load_model(device="cuda")
@@ -163,7 +163,7 @@ def stage_lora() -> dict:
     from labkit.finetune import TrainSetup, finetune, heldout_loss, prepare_model, training_memory
     from labkit.finetune.lora import trainable_parameters
     from labkit.finetune.train import make_optimizer, train_step
-    from labkit.models import get_spec, load_model
+    from labkit.model import get_config, load_model
 
     base, tok = load_model(device="cuda", dtype="fp32")
     train_ids = split_tokens("task_train", tok)
@@ -197,7 +197,7 @@ def stage_lora() -> dict:
     for st in variants:
         try:
             model = prepare_model(copy.deepcopy(base), st)
-            spec = get_spec(model)
+            spec = get_config(model)
             ids = torch.randint(0, spec.vocab_size, (cb, cs), generator=torch.Generator().manual_seed(0)).to(dev)
             opt = make_optimizer(trainable_parameters(model), st.optimizer, 1e-4)
             train_step(model, opt, ids, st.precision)

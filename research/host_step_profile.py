@@ -19,7 +19,7 @@ import torch
 
 from labkit.bench import write_record
 from labkit.engine import LLMEngine, SamplingParams
-from labkit.models import load_model
+from labkit.model import load_model
 
 FUNCTIONS = ("schedule", "_schedule_decodes", "append_slots", "prepare", "__call__", "postprocess", "execute")
 

@@ -111,7 +111,7 @@ def _child(variant: str, path: str, preset: str, device_name: str) -> None:
     from labkit.data import sample_prompts
     from labkit.evaluate import relative_error
     from labkit.kernels.quantized_matmul import splitk
-    from labkit.models import load_model, random_model
+    from labkit.model import load_model, random_model
     from labkit.quant import quantize
 
     _patch(variant)

@@ -35,8 +35,8 @@ import torch.distributed as dist  # noqa: E402
 
 import labkit  # noqa: E402, F401  (before triton: sets TRITON_INTERPRET on CPU hosts)
 from labkit.bench import record_figure, write_record  # noqa: E402
+from labkit.data import REPO_ROOT  # noqa: E402
 from labkit.experiments.parallelism import multigpu  # noqa: E402
-from labkit.models import REPO_ROOT  # noqa: E402
 from labkit.parallel.launch import default_backend, init_rank, rank_device  # noqa: E402
 
 SECTIONS = ("comm", "tp", "pp")

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from labkit.bench import time_fn, write_record
 from labkit.experiments.decode_step import time_decode_step
 from labkit.hardware import detect, measure_ceilings, measured_hardware
-from labkit.models import get_spec, random_model
+from labkit.model import get_config, random_model
 from labkit.profiling import roofline
 
 
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ceilings = measure_ceilings()
     hw = measured_hardware(ceilings, detect())
-    spec = get_spec(args.preset)
+    spec = get_config(args.preset)
     rows = []
     for w in tqdm(args.weights, desc="weight precision"):
         model = build(args.preset, w)

@@ -21,10 +21,10 @@ import matplotlib.pyplot as plt
 import torch
 
 from labkit.bench import record_figure, write_record
-from labkit.data import split_tokens
+from labkit.data import EMBEDDED_MODEL_DIR, REPO_ROOT, split_tokens
 from labkit.evaluate import perplexity, unigram_perplexity
 from labkit.figures import merge_figures
-from labkit.models import EMBEDDED_MODEL_DIR, REPO_ROOT, count_parameters, load_model
+from labkit.model import count_parameters, load_model
 
 TRAIN_RECORD = REPO_ROOT / "results/h200/records/train_embedded_model.json"
 OUT = REPO_ROOT / "results/model"

@@ -22,14 +22,15 @@ from pathlib import Path
 import torch
 
 from labkit.bench import environment
-from labkit.models import DATA_DIR, REPO_ROOT, TINY, ModelSpec, count_parameters
+from labkit.data import DATA_DIR, REPO_ROOT
+from labkit.model import TINY, ModelConfig, count_parameters
 
 # the embedded model's training loop, from the script beside this one (scripts/ is not a package)
 train = runpy.run_path(str(Path(__file__).with_name("train_embedded_model.py")))["train"]
 
-DRAFT = ModelSpec(name="pydocs-llama-draft", vocab_size=8192, hidden_size=128, num_layers=2, num_heads=2,
-                  num_kv_heads=1, head_dim=64, intermediate_size=384, tie_embeddings=True, max_position=2048,
-                  rope_theta=10000.0, rms_norm_eps=1e-5)
+DRAFT = ModelConfig(name="pydocs-llama-draft", vocab_size=8192, hidden_size=128, num_layers=2, num_heads=2,
+                    num_kv_heads=1, head_dim=64, intermediate_size=384, tie_word_embeddings=True,
+                    max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5)
 DRAFT_DIR = DATA_DIR / "pydocs-llama-draft"
 RECORD = REPO_ROOT / "results/model/records/train_draft_model.json"
 

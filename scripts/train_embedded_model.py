@@ -1,7 +1,7 @@
 """Train the embedded model (``data/pydocs-llama``) from scratch on the Python-docs corpus.
 
 A Llama-architecture causal LM (RoPE, RMSNorm, SwiGLU, grouped-query attention: 4 query heads share 2 KV heads)
-of the shape ``labkit.models.TINY`` (8.4 M parameters, tied embeddings), trained with AdamW in bf16 autocast on
+of the shape ``labkit.model.TINY`` (8.4 M parameters, tied embeddings), trained with AdamW in bf16 autocast on
 random 512-token windows of ``data/pydocs/train.txt.gz``, tokenised by ``data/pydocs-llama/tokenizer.json``.
 Held-out loss is evaluated every ``--eval-every`` steps and the best checkpoint is kept (early stopping): with
 2.4 M training tokens, more steps over-fit.
@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from labkit.bench import environment
-from labkit.data import split_tokens
+from labkit.data import EMBEDDED_MODEL_DIR, split_tokens
 from labkit.evaluate import perplexity, unigram_perplexity
-from labkit.models import EMBEDDED_MODEL_DIR, TINY
+from labkit.model import TINY
 
 
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:

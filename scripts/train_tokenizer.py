@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from labkit.data import read_split
-from labkit.models import EMBEDDED_MODEL_DIR, TINY
+from labkit.data import EMBEDDED_MODEL_DIR, read_split
+from labkit.model import TINY
 
 SPECIALS = ["<|pad|>", "<|bos|>", "<|endoftext|>"]  # ids 0, 1, 2: the config's pad, bos and eos
 
@@ -27,7 +27,7 @@ def train(vocab_size: int, out: Path) -> None:
     docs = text.split("<|endoftext|>")
     tok.train_from_iterator(docs, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", bos_token="<|bos|>",
-                                   eos_token="<|endoftext|>", model_max_length=TINY.max_position)
+                                   eos_token="<|endoftext|>", model_max_length=TINY.max_position_embeddings)
     out.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(out)
     ids = fast(docs[0][:200])["input_ids"]

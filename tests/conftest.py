@@ -15,7 +15,7 @@ if os.environ.get("PYTEST_XDIST_WORKER") and not torch.cuda.is_available():
 @pytest.fixture(scope="session")
 def tiny_model():
     """``(model, tokenizer)`` of the embedded model in float32 on the CPU, eval mode."""
-    from labkit.models import load_model
+    from labkit.model import load_model
 
     torch.manual_seed(0)
     return load_model()

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from labkit.data import REPO_ROOT
 from labkit.experiments import capstone as cap
-from labkit.models import REPO_ROOT
 from labkit.plan import load_summary
 
 SOURCE = REPO_ROOT / "notebooks" / "src" / "08_capstone.py"

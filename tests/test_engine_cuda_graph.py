@@ -428,7 +428,7 @@ def test_cuda_graph_replay_equals_eager(dtype):
     and the replay may be no further from it than the eager bf16 runner is, with DESIGN.md's bf16 tolerance (1e-2)
     as slack; a wrong replay (stale or aliased buffers) is off by O(1). (Whole-model bf16 logits are not one op:
     on the H200 the eager bf16 runner's prefill step, where no graph is involved, was 0.0177 from float32.)"""
-    from labkit.models import load_model, random_model
+    from labkit.model import load_model, random_model
 
     if dtype == torch.float32:
         model = load_model(device="cuda")[0]
@@ -466,7 +466,7 @@ def test_cuda_mixed_graph_replay_equals_eager(max_num_seqs):
     embedded model): equal to 1e-5, logits kept across later replays their own. With ``max_num_seqs`` 64 the graph
     of 16 tokens holds 16 sequences and the one of 64 tokens 64: as many token rows as sequences, where the runner
     once returned the first token rows' logits instead of each sequence's last (notebook 02 on an H100)."""
-    from labkit.models import load_model
+    from labkit.model import load_model
 
     model = load_model(device="cuda")[0]
     g = torch.Generator().manual_seed(1)
@@ -488,7 +488,7 @@ def test_cuda_mixed_graph_replay_equals_eager(max_num_seqs):
 def test_check_graph_replays_on_cuda():
     """Notebook 05's gate on a real CUDA graph: every replayed step equals the eager forward of its input."""
     from labkit.experiments.batching import check_graph_replays
-    from labkit.models import load_model
+    from labkit.model import load_model
 
     rows = check_graph_replays(load_model(device="cuda")[0], label="embedded fp32")
     assert len(rows) == 12 and {r["graph"] for r in rows} == {1, 2, 4}
@@ -503,7 +503,7 @@ def test_check_graph_replays_bf16_padded_batch():
     turned that kernel difference into a relative error of 0.044-0.047 on the logits (the H100 failure of
     notebook 05): the check compared unlike steps, not a wrong replay."""
     from labkit.experiments.batching import check_graph_replays
-    from labkit.models import random_model
+    from labkit.model import random_model
 
     model = random_model("llama-3-8b", device="cuda", dtype="bf16", num_layers=4)
     rows = check_graph_replays(model, label="llama-3-8b x4 random bf16")
@@ -515,7 +515,7 @@ def test_check_graph_replays_bf16_padded_batch():
 def test_padding_leaves_real_rows_within_bf16_tolerance():
     """On trained weights in bf16 (the embedded model), a decode step of 3 sequences padded to 4 gives the real rows
     the logits of the unpadded step within bf16's tolerance: padding costs rounding at most."""
-    from labkit.models import load_model
+    from labkit.model import load_model
 
     model = load_model(device="cuda", dtype=torch.bfloat16)[0]
     cache = nan_cache(model, num_blocks=32, block_size=16)
@@ -541,7 +541,7 @@ def test_prefix_caching_is_token_equal_with_graphs_on_cuda():
     tokens with and without prefix caching (they differed on an H100 from the first token on)."""
     from labkit.data import sample_prompts, split_tokens
     from labkit.engine import LLMEngine, SamplingParams
-    from labkit.models import load_model
+    from labkit.model import load_model
 
     model, tok = load_model(device="cuda")
     sys_prompt = split_tokens("heldout", tok, max_tokens=69)[:69].tolist()

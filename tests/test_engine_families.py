@@ -10,8 +10,7 @@ import torch
 from transformers import GemmaConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
 from labkit.engine import LLMEngine, SamplingParams
-from labkit.model import FusionPlan, load_checkpoint
-from labkit.model.adopt import adopt_hf_model
+from labkit.model import FusionPlan, adopt_hf_model, load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

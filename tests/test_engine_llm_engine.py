@@ -150,7 +150,7 @@ def test_bad_input(tiny_model, cases):
 
 @pytest.mark.gpu
 def test_greedy_equals_hf_on_cuda_with_graphs_and_triton(cases):
-    from labkit.models import load_model
+    from labkit.model import load_model
 
     model = load_model(device="cuda")[0]
     prompts, refs = cases

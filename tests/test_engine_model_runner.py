@@ -266,7 +266,7 @@ def test_quantised_layer_ops_fused_on_the_gpu(tiny_model, prompts, method):
 
 
 def _8b_layers(method: str = "int4"):
-    from labkit.models import random_model
+    from labkit.model import random_model
     from labkit.quant import quantize
 
     return quantize(random_model("llama-3-8b", device="cuda", num_layers=2, seed=3), method)

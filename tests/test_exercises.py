@@ -14,12 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
+from labkit.data import REPO_ROOT
 from labkit.exercises import check, exercise_source, exercises, report
 from labkit.exercises.cells import EXERCISE_DIR, checked_names
 from labkit.exercises.checker import ExerciseError
 from labkit.exercises.core import KINDS, REGISTRY, Case, Exercise, Prediction, tensor_diff
 from labkit.kvcache import CacheFullError
-from labkit.models import REPO_ROOT, dtype_bytes
+from labkit.model import dtype_bytes
 from labkit.parallel.cost_model import memory_per_device
 
 NAMES = [ex.name for ex in exercises()]
@@ -425,7 +426,7 @@ def test_decode_slots_right_and_preempting_the_oldest():
 def _learner_memory(spec, tp, pp, kv_tokens, dtype="bf16", kv_dtype=None, replicate_kv=True):
     layers = math.ceil(spec.num_layers / pp)
     table = spec.vocab_size * spec.hidden_size
-    tables = 2 * table if pp == 1 and not spec.tie_embeddings else table
+    tables = 2 * table if pp == 1 and not spec.tie_word_embeddings else table
     mats = layers * (spec.attn_params_per_layer + spec.mlp_params_per_layer) + tables
     weights = (mats / tp + layers * spec.norm_params_per_layer) * dtype_bytes(dtype)
     heads = max(1, spec.num_kv_heads // tp) if replicate_kv else spec.num_kv_heads / tp
@@ -473,7 +474,7 @@ def test_exercise_cells_run_headless_as_the_workbook_runner_runs_them(tmp_path):
 
 def test_decode_floor_right_and_reading_the_whole_embedding_table():
     def floor(spec, batch, context, dtype, bw, skip_table=True):
-        params = spec.num_params - (spec.embedding_params if skip_table and not spec.tie_embeddings else 0)
+        params = spec.num_params - (spec.embedding_params if skip_table and not spec.tie_word_embeddings else 0)
         kv = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * batch * context
         return (params + kv) * dtype_bytes(dtype) / bw
 
@@ -734,9 +735,9 @@ def test_gpus_for_slo_right_and_rounding_replicas_down():
 
 
 def test_the_175b_kv_per_token_is_the_issue_s_4_5_mib():
-    from labkit.models import get_spec
+    from labkit.model import get_config
 
-    out = REGISTRY["08.gpus_175b"].solution(get_spec("gpt3-175b"), 1, 1, "bf16", "bf16", 141e9, 1.0, 1, 0.1)
+    out = REGISTRY["08.gpus_175b"].solution(get_config("gpt3-175b"), 1, 1, "bf16", "bf16", 141e9, 1.0, 1, 0.1)
     assert out["kv_bytes_per_token"] == 2 * 96 * 12288 * 2 == 4.5 * 2**20
 
 

@@ -3,7 +3,7 @@ import torch
 
 from labkit.experiments.diagnose import HFDecode, classify, profile_decode, regimes
 from labkit.hardware import KNOWN
-from labkit.models import get_spec
+from labkit.model import get_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,7 +52,7 @@ def test_classify(rb, rc, t, floor, intensity, expect):
 
 def test_regimes_rows(tiny_model):
     model, _ = tiny_model
-    rows, prof = regimes(model, get_spec(model), KNOWN["cpu"], 2, 32, 2, dtype="fp32")
+    rows, prof = regimes(model, get_config(model), KNOWN["cpu"], 2, 32, 2, dtype="fp32")
     assert set(prof) == {"base", "2x batch", "2x context"}
     cats = {r["category"]: r for r in rows}
     assert "matmul" in cats and cats["idle (host)"]["regime"] == "overhead-bound"

@@ -14,10 +14,10 @@ from labkit.experiments.finetuning import (
     step_flops_per_token,
 )
 from labkit.finetune import TrainSetup
-from labkit.models import PRESETS, ModelSpec, random_model
+from labkit.model import PRESETS, ModelConfig, random_model
 
-SMALL = ModelSpec(name="small", vocab_size=301, hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1,
-                  intermediate_size=200, tie_embeddings=True, max_position=256)
+SMALL = ModelConfig(name="small", vocab_size=301, hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1,
+                    intermediate_size=200, tie_word_embeddings=True, max_position_embeddings=256)
 
 
 def _ids(n, seed):

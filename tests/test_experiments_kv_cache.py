@@ -66,7 +66,7 @@ def test_contiguous_cap_and_kv_read_by_hand():
 
 def test_time_from_bytes_counts_weights_per_step_kv_per_token_and_prefill_flops():
     from labkit.hardware import KNOWN
-    from labkit.models import PRESETS
+    from labkit.model import PRESETS
 
     spec, hw = PRESETS["llama-3-8b"], KNOWN["h200"]
     r = simulate_contiguous(MIX, budget_tokens=10, max_len=10)
@@ -107,7 +107,7 @@ def test_paged_admits_far_more_than_contiguous_with_little_waste():
     """The headline on a small mix: under 4% waste for blocks of 16 against slabs of the workload's longest
     sequence, at least 2.5x the sequences with both capped at 32, and faster by bytes read, by less than that."""
     from labkit.hardware import KNOWN
-    from labkit.models import PRESETS
+    from labkit.model import PRESETS
 
     mix = lognormal_mix(300, 2048, seed=6)
     contiguous = simulate_contiguous(mix, 16384, max(mix.total_tokens), max_num_seqs=32)

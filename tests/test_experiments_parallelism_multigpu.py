@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
+from labkit.data import REPO_ROOT
 from labkit.experiments.parallelism.multigpu import random_tp_model
-from labkit.models import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "scripts" / "bench_multigpu.py"
 

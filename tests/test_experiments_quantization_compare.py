@@ -81,7 +81,7 @@ def test_speed_rows_engine_runner(tiny_model):
 
 @pytest.mark.gpu
 def test_speed_rows_cuda_graph_and_patch():
-    from labkit.models import random_model
+    from labkit.model import random_model
 
     model = random_model("llama-3-8b", device="cuda", num_layers=2)
     rows = speed_rows(model, methods=("int8", "int4", "fp8"), context_len=64, iters=5, patch=True,

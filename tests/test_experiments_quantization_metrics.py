@@ -83,7 +83,7 @@ def test_decode_weight_bytes_of_llama_3_8b():
 
 
 def test_decode_step_bytes(tiny_model):
-    from labkit.models import PRESETS, random_model
+    from labkit.model import PRESETS, random_model
 
     model = tiny_model[0]  # tied: the embedding is the LM head, read in full
     kv = 2 * 8 * 2 * 64 * 4 * 3 * 100  # K and V, layers, KV heads, head dim, fp32 bytes, batch 3 x 100 tokens

@@ -16,7 +16,7 @@ from labkit.finetune.lora import (
     quantize_nf4,
     trainable_parameters,
 )
-from labkit.models import TINY
+from labkit.model import TINY
 
 FP32_TOL = 1e-5
 

@@ -16,12 +16,12 @@ from labkit.finetune import (
     training_memory,
 )
 from labkit.finetune.train import prepare_model
-from labkit.models import PRESETS, TINY, ModelSpec, random_model
+from labkit.model import PRESETS, TINY, ModelConfig, random_model
 
 BAR = 0.15  # the bar on finetune.memory_model_rel_err
 # irregular: 3 heads over 1 KV head, odd vocabulary and intermediate sizes, untied head
-ODD = ModelSpec(name="odd", vocab_size=509, hidden_size=192, num_layers=3, num_heads=3, num_kv_heads=1,
-                intermediate_size=520, tie_embeddings=False, max_position=512)
+ODD = ModelConfig(name="odd", vocab_size=509, hidden_size=192, num_layers=3, num_heads=3, num_kv_heads=1,
+                  intermediate_size=520, tie_word_embeddings=False, max_position_embeddings=512)
 
 
 def _odd_model(seed=0):

@@ -20,10 +20,10 @@ from labkit.finetune.train import (
     training_batches,
     warmup_cosine,
 )
-from labkit.models import TINY, ModelSpec, get_spec, random_model
+from labkit.model import TINY, ModelConfig, get_config, random_model
 
-SMALL = ModelSpec(name="small", vocab_size=331, hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1,
-                  intermediate_size=200, tie_embeddings=True, max_position=256)
+SMALL = ModelConfig(name="small", vocab_size=331, hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1,
+                    intermediate_size=200, tie_word_embeddings=True, max_position_embeddings=256)
 
 
 def _small(seed=0):
@@ -153,7 +153,7 @@ def test_gpu_memory_model_matches_cuda_allocator(tiny_model, method):
     prepare_model(model, setup)
     ids = torch.randint(0, TINY.vocab_size, (4, 256), generator=torch.Generator().manual_seed(9))
     measured = measure_step_memory(model, setup, ids)
-    predicted = training_memory(get_spec(model), setup)
+    predicted = training_memory(get_config(model), setup)
     assert "cuda" in measured["method"]
     assert abs(predicted.peak - measured["peak"]) / measured["peak"] <= 0.15, (predicted.peak_phase, measured)
 
@@ -193,7 +193,7 @@ def test_gpu_lora_lowers_the_heldout_loss_at_notebook_07_sizes(tiny_model):
     held-out loss falls for about two passes, then over-fitting turns it up."""
     from labkit.data import split_tokens
     from labkit.experiments.finetuning import DEFAULT_LR, method_row, recipe
-    from labkit.models import load_model
+    from labkit.model import load_model
 
     _, tok = load_model()
     train, held = split_tokens("task_train", tok), split_tokens("task_heldout", tok)

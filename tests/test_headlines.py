@@ -8,9 +8,9 @@ import pytest
 
 from labkit.claims import Claim, collect
 from labkit.conditions import fields
+from labkit.data import REPO_ROOT
 from labkit.figures import machine_figures, read_summary, summary_classes
 from labkit.headlines import HEADLINES, Headline, by_figure, problems
-from labkit.models import REPO_ROOT
 
 
 def test_problems_flags_a_headline_above_a_weaker_baseline():

@@ -94,7 +94,7 @@ def test_patched_static_cache_decode_step(tiny_model):
 def test_patched_bf16_decode_step_replays_in_a_cuda_graph():
     """Llama-3-8B's layer shape in bf16 (two layers), the notebook's static-cache step captured as a graph."""
     from labkit.experiments.decode_step import StaticDecodeStep
-    from labkit.models import random_model
+    from labkit.model import random_model
 
     model = random_model("llama-3-8b", device="cuda", num_layers=2)
     ref = StaticDecodeStep(model, batch_size=4, context_len=300, cuda_graph=True).step().float().clone()
@@ -108,7 +108,7 @@ def test_patched_bf16_decode_step_replays_in_a_cuda_graph():
 
 @pytest.mark.gpu
 def test_patched_greedy_matches_on_cuda_in_float32():
-    from labkit.models import load_model
+    from labkit.model import load_model
 
     model, tok = load_model(device="cuda")
     ids = tok(PROMPT, return_tensors="pt").input_ids.cuda()

@@ -7,7 +7,7 @@ from transformers import GemmaConfig, LlamaConfig, Phi3Config, Qwen2Config, Qwen
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from labkit.model import FusionPlan, ModelConfig, RopeScaling, inv_frequencies
-from labkit.model.rope import RotaryEmbedding
+from labkit.model.rotary import RotaryEmbedding
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64)
@@ -84,7 +84,7 @@ def test_dynamic_rope_tables_equal_hf_past_max_positions():
 
 
 REFUSED = {
-    "model_type='gpt2'": dict(model_type="gpt2"),
+    "model_type='gpt2' needs GPT-2's keys": dict(model_type="gpt2"),
     "model_type='mixtral'": dict(model_type="mixtral"),
     "'longrope'": dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0] * 8,
                                             long_factor=[2.0] * 8)),
@@ -156,3 +156,14 @@ def test_fusion_plan_validation_and_fit():
     assert not full.fit(qwen3).qkv_rope_cache and full.fit(qwen3).quant_epilogues
     with pytest.raises(ValueError, match="bf16"):
         FusionPlan(attention="triton").check(llama, "cpu", torch.bfloat16)
+
+
+def test_gpt2_is_sized_but_never_built():
+    from transformers import GPT2Config
+
+    from labkit.model import CausalLM, get_config
+
+    cfg = get_config(GPT2Config(vocab_size=97, n_embd=48, n_layer=2, n_head=4, n_positions=64))
+    assert cfg.model_type == "gpt2" and not cfg.gated_mlp and cfg.learned_positions
+    with pytest.raises(ValueError, match="model_type='gpt2' is sized by ModelConfig but has no labkit.model decoder"):
+        CausalLM(cfg)

@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from labkit.data import EMBEDDED_MODEL_DIR
 from labkit.evaluate import relative_error
 from labkit.kvcache import SeqBlocks
-from labkit.model import Checkpoint, ModelInput, from_config, load_checkpoint, load_hf_model
-from labkit.models import EMBEDDED_MODEL_DIR
+from labkit.model import Checkpoint, ModelInput, adopt_hf_model, from_config, load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -63,13 +63,14 @@ def test_embedded_model_greedy_paged_equals_generate(ours, tiny_model):
     assert got == ref
 
 
-def test_in_memory_hf_model(tiny_model, ours):
+def test_an_hf_model_in_memory_is_adopted_with_its_weights_shared(tiny_model, ours):
     hf, _ = tiny_model
-    mem = load_hf_model(hf)
+    mem = adopt_hf_model(hf)
     assert mem.dtype == torch.float32 and mem.device == torch.device("cpu")
-    assert mem.model.embed_tokens.weight is mem.lm_head.weight  # tied, as the checkpoint is
-    for (n, a), (_, b) in zip(mem.named_parameters(), ours.named_parameters()):
-        assert torch.equal(a, b), n
+    assert mem.model.embed_tokens.weight is hf.model.embed_tokens.weight is mem.lm_head.weight  # shared and tied
+    assert adopt_hf_model(mem) is mem  # a CausalLM is itself
+    ids = torch.tensor([[5, 17, 300, 2, 41]])
+    assert relative_error(mem(ids), ours(ids)) < 1e-5
 
 
 def test_dtype_defaults_to_the_checkpoints_and_is_logged(caplog):

@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 import torch
 
-from labkit.models import REPO_ROOT
+from labkit.data import REPO_ROOT
 from labkit.workbook import list_notebooks
 
 APPENDIX = REPO_ROOT / "notebooks" / "appendix"

@@ -5,7 +5,7 @@ exercise source and every appendix file, prose and code alike."""
 import re
 from pathlib import Path
 
-from labkit.models import REPO_ROOT
+from labkit.data import REPO_ROOT
 
 SOURCES = sorted([*(REPO_ROOT / "notebooks" / "src").glob("*.py"), *(REPO_ROOT / "notebooks" / "src" /
                                                                      "exercises").glob("*.py"),

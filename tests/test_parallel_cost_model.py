@@ -3,7 +3,7 @@ The step time of a layout is the planner's (tests/test_plan_layouts.py)."""
 
 import pytest
 
-from labkit.models import PRESETS, TINY
+from labkit.model import PRESETS, TINY
 from labkit.parallel import cost_model as cm
 from labkit.parallel.schedules import bubble_formula
 

@@ -11,7 +11,7 @@ from labkit.parallel.dtensor_plan import check_dtensor_tp_size, llama_tp_plan
 def test_plan_covers_every_linear_and_refuses_kv_replication():
     from transformers import AutoConfig
 
-    from labkit.models import EMBEDDED_MODEL_DIR
+    from labkit.data import EMBEDDED_MODEL_DIR
 
     plan = llama_tp_plan()
     assert {k.split(".")[-1] for k in plan} == {"embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj",

@@ -69,7 +69,7 @@ def test_the_same_function_runs_under_torchrun():
     import subprocess
     import sys
 
-    from labkit.models import REPO_ROOT
+    from labkit.data import REPO_ROOT
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
            "labkit.parallel.launch", "labkit.experiments.parallelism:hello", "--backend", "gloo"]

@@ -107,8 +107,7 @@ def labkit_pp_check(rank: int, world_size: int, prompt: torch.Tensor, max_new_to
                     num_microbatches: int = 1) -> dict:
     """One rank: its stage (a layer range) of labkit.model's decoder of the embedded model, greedy decoding through
     the pipeline (each stage on its own paged cache), and HF ``generate`` of the same checkpoint."""
-    from labkit.model import load_checkpoint
-    from labkit.models import load_model
+    from labkit.model import load_checkpoint, load_model
     from labkit.parallel.pipeline import LabkitStage, build_stage, pipeline_generate
 
     hf, _ = load_model()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from labkit.experiments import parallelism as ex
-from labkit.models import PRESETS
+from labkit.model import PRESETS
 from labkit.parallel import launch
 from labkit.parallel.tensor_parallel import allowed_tp_sizes, check_tp_size, head_rows
 
@@ -19,7 +19,7 @@ TOL = 1e-5  # DESIGN: float32
 def config():
     from transformers import AutoConfig
 
-    from labkit.models import EMBEDDED_MODEL_DIR
+    from labkit.data import EMBEDDED_MODEL_DIR
 
     return AutoConfig.from_pretrained(EMBEDDED_MODEL_DIR)
 

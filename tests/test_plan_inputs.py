@@ -8,7 +8,7 @@ import pytest
 from labkit.engine.metrics import SLO
 from labkit.engine.workload import LengthDist
 from labkit.hardware import get_hardware
-from labkit.models import PRESETS
+from labkit.model import PRESETS
 from labkit.plan import (
     NOMINAL,
     SCENARIO_175B,

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from labkit.hardware import get_hardware
-from labkit.models import PRESETS
+from labkit.model import PRESETS
 from labkit.plan import (
     MULTI_GPU_CAVEAT,
     NOMINAL,

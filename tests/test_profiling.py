@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from labkit.hardware import get_hardware
-from labkit.models import PRESETS
+from labkit.model import PRESETS
 from labkit.profiling import CATEGORIES, categorize, mbu, profile_run, roofline
 
 H200 = get_hardware("h200")

@@ -117,7 +117,7 @@ def test_wrong_types_are_refused(tiny_model):
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
 def test_cuda_quantised_model_generates(method):
-    from labkit.models import load_model
+    from labkit.model import load_model
 
     model, tok = load_model(device="cuda", dtype=torch.bfloat16)
     qmodel = quantize(model, method)
@@ -129,9 +129,9 @@ def test_labkit_model_layers_swapped_by_name_and_served(tiny_model, method):
     """``quantize`` on labkit's own decoder swaps each layer's qkv_proj, o_proj, gate_up_proj and down_proj (and
     the LM head by ``lm_head=``, untying it in a frozen config); the engine serves it, the epilogue fusions on, with
     the greedy tokens of the HF model quantised the same way (the same weights: RTN is row-wise)."""
+    from labkit.data import EMBEDDED_MODEL_DIR
     from labkit.engine import LLMEngine, SamplingParams
     from labkit.model import load_checkpoint
-    from labkit.models import EMBEDDED_MODEL_DIR
 
     ours = load_checkpoint(EMBEDDED_MODEL_DIR, dtype=torch.float32)
     qours = quantize(ours, method, lm_head="int8")

@@ -20,7 +20,7 @@ def target():
 def prompts():
     from transformers import AutoTokenizer
 
-    from labkit.models import EMBEDDED_MODEL_DIR
+    from labkit.data import EMBEDDED_MODEL_DIR
 
     tok = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
     texts = ["The list type", "To open a file, use :func:`open`. To open a file,", "A decorator is", "x = [1, 2"]

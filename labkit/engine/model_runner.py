@@ -30,19 +30,12 @@ import torch
 
 from labkit.engine.cuda_graph import StepGraphs, default_graph_batch_sizes
 from labkit.kvcache import KVSequence, PagedKVCache
-from labkit.model import CausalLM, FusionPlan
-from labkit.model.adopt import adopt_hf_model
+from labkit.model import FusionPlan, adopt_hf_model
 from labkit.model.attention import ModelInput, pack_step
 from labkit.model.fusion import KERNEL_NAMES
 
 KERNELS = KERNEL_NAMES
 """Kernel choices of the ModelRunner by name ('auto': Triton on CUDA, torch on the CPU); a FusionPlan also works."""
-
-
-def as_model(model, merge: bool = True) -> CausalLM:
-    """``model`` as a ``labkit.model.CausalLM``: itself, or an HF causal LM's modules adopted (weights shared,
-    ``labkit.model.adopt.adopt_hf_model``; ``merge``: merged q/k/v and gate/up where the layers allow)."""
-    return model if isinstance(model, CausalLM) else adopt_hf_model(model, merge)
 
 
 def uses_triton(kernels: str | FusionPlan, device: torch.device) -> bool:
@@ -51,8 +44,8 @@ def uses_triton(kernels: str | FusionPlan, device: torch.device) -> bool:
 
 
 class ModelRunner:
-    """Runs a ``labkit.model.CausalLM`` (or an HF Llama-family causal LM, adopted: ``as_model``) on a
-    ``PagedKVCache``.
+    """Runs a ``labkit.model.CausalLM`` (or an HF Llama-family causal LM, adopted: ``labkit.model.adopt_hf_model``,
+    weights shared) on a ``PagedKVCache``.
 
     * ``kernels``: a ``FusionPlan`` or 'auto' | 'torch' | 'triton' (module docstring); fitted to the family, and
       its int8/int4 epilogue fusions apply where every projection is labkit's int8/int4 linear (``CausalLM.use``).
@@ -68,7 +61,7 @@ class ModelRunner:
                  cuda_graphs: bool | str = "auto", max_num_seqs: int = 256, max_model_len: int | None = None,
                  graph_batch_sizes: Sequence[int] | None = None, graph_token_sizes: Sequence[int] = ()):
         plan = FusionPlan.named(kernels, cache.device)  # a bad name fails before the model is touched
-        self.model = m = as_model(model, merge=plan.merge_qkv and plan.merge_gate_up)
+        self.model = m = adopt_hf_model(model, merge=plan.merge_qkv and plan.merge_gate_up)
         m.check_cache(cache)
         self.cache, self.device, self.dtype = cache, cache.device, m.dtype
         merged = m.merge_qkv and m.merge_gate_up  # the epilogue fusions need both merges

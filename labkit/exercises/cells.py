@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from labkit.models import REPO_ROOT
+from labkit.data import REPO_ROOT
 
 EXERCISE_DIR = REPO_ROOT / "notebooks" / "src" / "exercises"
 _CHECK = re.compile(r"""check\(\s*["'](?P<name>\d\d\.\w+)["']""")

@@ -7,7 +7,7 @@ import random
 
 from labkit.exercises.core import Case, Exercise, Measurement, Prediction, register
 from labkit.exercises.measured import data_of, figure
-from labkit.models import ModelSpec, get_spec
+from labkit.model import ModelConfig, get_config
 from labkit.profiling import RooflineRow
 
 
@@ -39,19 +39,19 @@ register(Exercise(
     hint="a multiply-add is 2 FLOPs; bytes = weight + input + output, each read or written once"))
 
 
-def kv_cache_bytes(spec: ModelSpec, batch: int, context: int, dtype: str) -> float:
+def kv_cache_bytes(spec: ModelConfig, batch: int, context: int, dtype: str) -> float:
     """Solution: bytes of the KV cache of ``batch`` sequences of ``context`` tokens, stored in ``dtype``."""
     return spec.kv_bytes(batch * context, dtype)
 
 
 def _kv_cases() -> list[Case]:
-    gemma_like = ModelSpec(name="gemma-like (head_dim 256 != hidden / heads)", vocab_size=256000, hidden_size=3072,
-                           num_layers=28, num_heads=16, num_kv_heads=16, head_dim=256, intermediate_size=24576)
-    odd = ModelSpec(name="odd (GQA 6:1, head_dim 96)", vocab_size=32003, hidden_size=1152, num_layers=13,
-                    num_heads=12, num_kv_heads=2, head_dim=96, intermediate_size=3000)
+    gemma_like = ModelConfig(name="gemma-like (head_dim 256 != hidden / heads)", vocab_size=256000, hidden_size=3072,
+                             num_layers=28, num_heads=16, num_kv_heads=16, head_dim=256, intermediate_size=24576)
+    odd = ModelConfig(name="odd (GQA 6:1, head_dim 96)", vocab_size=32003, hidden_size=1152, num_layers=13,
+                      num_heads=12, num_kv_heads=2, head_dim=96, intermediate_size=3000)
     rows = [("llama-2-7b", 1, 4096, "bf16"), ("llama-3-8b", 16, 8192, "bf16"), ("llama-3-70b", 3, 1000, "fp8"),
             (gemma_like, 5, 777, "fp32"), (odd, 9, 131, "int8"), ("gpt3-175b", 2, 2048, "bf16")]
-    return [Case(f"{get_spec(s).name}: batch={b}, context={c}, {d}", (get_spec(s), b, c, d)) for s, b, c, d in rows]
+    return [Case(f"{get_config(s).name}: batch={b}, context={c}, {d}", (get_config(s), b, c, d)) for s, b, c, d in rows]
 
 
 register(Exercise(
@@ -60,20 +60,20 @@ register(Exercise(
     hint="K and V, every layer, one vector of head_dim per KV head (grouped-query attention has fewer KV heads)"))
 
 
-def decode_floor(spec: ModelSpec, batch: int, context: int, dtype: str, bandwidth: float) -> float:
+def decode_floor(spec: ModelConfig, batch: int, context: int, dtype: str, bandwidth: float) -> float:
     """Solution: the bandwidth floor of one decode step (seconds): every weight read once (the embedding table
     only as a tied LM head), plus the KV cache of ``batch`` sequences of ``context`` tokens, over ``bandwidth``."""
     return (spec.decode_weight_bytes(dtype) + batch * spec.kv_bytes(context, dtype)) / bandwidth
 
 
 def _floor_cases() -> list[Case]:
-    tied = ModelSpec(name="small-tied (embeddings shared with the LM head)", vocab_size=49152, hidden_size=2048,
-                     num_layers=30, num_heads=32, num_kv_heads=2, intermediate_size=8192, tie_embeddings=True)
+    tied = ModelConfig(name="small-tied (embeddings shared with the LM head)", vocab_size=49152, hidden_size=2048,
+                       num_layers=30, num_heads=32, num_kv_heads=2, intermediate_size=8192, tie_word_embeddings=True)
     rows = [("llama-3-8b", 1, 512, "bf16", 4.8e12), ("llama-3-8b", 64, 512, "bf16", 3.35e12),
             (tied, 7, 3000, "bf16", 1.0e12), ("llama-3-70b", 16, 4096, "fp8", 4.8e12),
             ("gpt3-175b", 3, 2048, "int8", 3.35e12), ("llama-2-7b", 1, 1, "fp32", 80e9)]
-    return [Case(f"{get_spec(s).name}: batch={b}, context={c}, {d}, {bw / 1e12:.2f} TB/s", (get_spec(s), b, c, d, bw))
-            for s, b, c, d, bw in rows]
+    return [Case(f"{get_config(s).name}: batch={b}, context={c}, {d}, {bw / 1e12:.2f} TB/s",
+                 (get_config(s), b, c, d, bw)) for s, b, c, d, bw in rows]
 
 
 register(Exercise(

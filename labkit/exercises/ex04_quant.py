@@ -16,7 +16,7 @@ import torch
 from labkit.exercises.core import Case, Decision, Measurement, Prediction, diff, register
 from labkit.exercises.measured import data_of, figure
 from labkit.kernels.quantized_matmul.packing import dequantize_int4
-from labkit.models import ModelSpec, get_spec
+from labkit.model import ModelConfig, get_config
 from labkit.quant.weight_only import quantize_int4
 
 
@@ -85,7 +85,7 @@ register(Decision(
          "weight 0.5 + 2 x scale_bytes / group; choose the fewest bytes among those under the bar, or None"))
 
 
-def decode_step_bytes(spec: ModelSpec, method: str, context: int, group_size: int = 128,
+def decode_step_bytes(spec: ModelConfig, method: str, context: int, group_size: int = 128,
                       scale_bytes: int = 2) -> float:
     """Bytes one batch-1 decode step reads: the decoder's linear layers in ``method`` (bf16, int8 per output channel,
     int4 per group), the LM head and the norms in bf16, the embedding not at all (one row), and the bf16 KV cache
@@ -98,7 +98,7 @@ def decode_step_bytes(spec: ModelSpec, method: str, context: int, group_size: in
     return linear * bpw[method] + bf16_rest * 2 + spec.kv_bytes(context, "bf16")
 
 
-def predict_decode_speedup(spec: ModelSpec, method: str, context: int, group_size: int = 128,
+def predict_decode_speedup(spec: ModelConfig, method: str, context: int, group_size: int = 128,
                            scale_bytes: int = 2) -> dict:
     """Solution: ``{"bf16_bytes", "bytes", "speedup"}`` of one batch-1 decode step with the linear layers in
     ``method``, if both steps ran at the same fraction of the memory bandwidth (``decode_step_bytes``)."""
@@ -108,12 +108,12 @@ def predict_decode_speedup(spec: ModelSpec, method: str, context: int, group_siz
 
 
 def _speedup_cases() -> list[Case]:
-    odd = ModelSpec(name="odd (GQA 6:1, 13 layers, head_dim 96)", vocab_size=32003, hidden_size=1152, num_layers=13,
-                    num_heads=12, num_kv_heads=2, head_dim=96, intermediate_size=3000)
+    odd = ModelConfig(name="odd (GQA 6:1, 13 layers, head_dim 96)", vocab_size=32003, hidden_size=1152, num_layers=13,
+                      num_heads=12, num_kv_heads=2, head_dim=96, intermediate_size=3000)
     rows = [("llama-3-8b", "int8", 512, 128, 2), ("llama-3-8b", "int4", 512, 128, 2),
             ("llama-3-8b", "int4", 8192, 32, 2), (odd, "int8", 100, 128, 4), (odd, "int4", 3000, 64, 4),
             ("gpt3-175b", "int4", 2048, 128, 2), ("llama-2-7b", "bf16", 1, 128, 2)]
-    return [Case(f"{get_spec(s).name}: {m}, context {c}, group {g}, {b}-byte scales", (get_spec(s), m, c, g, b))
+    return [Case(f"{get_config(s).name}: {m}, context {c}, group {g}, {b}-byte scales", (get_config(s), m, c, g, b))
             for s, m, c, g, b in rows]
 
 
@@ -125,7 +125,7 @@ def _speedup_measure() -> list[Measurement]:
         context = data["sizes"]["context"]
         steps = {("bf16" if r["method"] == "base" else r["method"]): r["decode step (ms)"] / 1e3
                  for r in data.get("trade_off", [])}
-        spec = get_spec("llama-3-8b")
+        spec = get_config("llama-3-8b")
 
         def explain(pred, meas, method=method, spec=spec, context=context, steps=steps):
             rates = ", ".join(f"{m} {decode_step_bytes(spec, m, context) / steps[m] / 1e12:.2f} TB/s"

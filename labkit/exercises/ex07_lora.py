@@ -11,12 +11,12 @@ from __future__ import annotations
 import random
 
 from labkit.exercises.core import Case, Decision, diff, register
-from labkit.models import ModelSpec, get_spec
+from labkit.model import ModelConfig, get_config
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def linear_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+def linear_shapes(spec: ModelConfig) -> dict[str, tuple[int, int]]:
     """``(in_features, out_features)`` of each linear of one layer of a Llama-family ``spec``."""
     h, q, kv, ff = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, \
         spec.intermediate_size
@@ -24,7 +24,7 @@ def linear_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
             "up_proj": (h, ff), "down_proj": (ff, h)}
 
 
-def choose_lora_rank(spec: ModelSpec, losses: dict[int, float], budget_bytes: float, targets=LINEARS,
+def choose_lora_rank(spec: ModelConfig, losses: dict[int, float], budget_bytes: float, targets=LINEARS,
                      bytes_per_trainable: int = 16, loss_tolerance: float = 0.0) -> dict:
     """Solution: for each rank of ``losses`` (rank -> held-out loss after training), the trainable parameters of
     LoRA on the ``targets`` linears of every layer and their training-state bytes; the choice is the smallest rank
@@ -53,9 +53,9 @@ def _losses(ranks, floor, scale, seed, overfit_from=None) -> dict[int, float]:
 
 
 def _cases() -> list[Case]:
-    gemma_like = ModelSpec(name="gemma-like (head_dim 256, 16 heads on hidden 3072)", vocab_size=256000,
-                           hidden_size=3072, num_layers=28, num_heads=16, num_kv_heads=16, head_dim=256,
-                           intermediate_size=24576)
+    gemma_like = ModelConfig(name="gemma-like (head_dim 256, 16 heads on hidden 3072)", vocab_size=256000,
+                             hidden_size=3072, num_layers=28, num_heads=16, num_kv_heads=16, head_dim=256,
+                             intermediate_size=24576)
     ranks = [1, 2, 4, 8, 16, 32, 64, 128]
     rows = [("llama-3-8b", ranks, 1.2e9, LINEARS, 0.0, _losses(ranks, 1.9, 0.3, 0), "all 7 linears, 1.2 GB"),
             ("llama-3-8b", ranks, 1.2e9, LINEARS, 0.03, _losses(ranks, 1.9, 0.3, 0),
@@ -68,7 +68,7 @@ def _cases() -> list[Case]:
              _losses([2, 8, 32], 2.2, 0.25, 3), "attention only, head_dim 256, within 0.04"),
             ("gpt3-175b", [8, 16], 1e8, LINEARS, 0.0, _losses([8, 16], 1.7, 0.2, 4),
              "all 7 linears of the 175B, 100 MB: nothing fits")]
-    return [Case(f"{get_spec(s).name}: {label}; ranks {list(losses)}", (get_spec(s), losses, b, tuple(t), tol))
+    return [Case(f"{get_config(s).name}: {label}; ranks {list(losses)}", (get_config(s), losses, b, tuple(t), tol))
             for s, _, b, t, tol, losses, label in rows]
 
 

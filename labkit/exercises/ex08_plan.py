@@ -11,16 +11,16 @@ import math
 
 from labkit.exercises.core import Case, Exercise, Measurement, Prediction, register
 from labkit.exercises.measured import data_of, figure
-from labkit.models import ModelSpec, dtype_bytes, get_spec
+from labkit.model import ModelConfig, dtype_bytes, get_config
 from labkit.parallel.cost_model import memory_per_device
 
-NEW_MODEL = ModelSpec(name="new-model-34b (GQA 7:1, 60 layers, untied)", vocab_size=102400, hidden_size=7168,
-                      num_layers=60, num_heads=56, num_kv_heads=8, head_dim=128, intermediate_size=20480)
-TIED = ModelSpec(name="small-tied (2 KV heads, tied embeddings)", vocab_size=49152, hidden_size=2048, num_layers=30,
-                 num_heads=32, num_kv_heads=2, intermediate_size=8192, tie_embeddings=True)
+NEW_MODEL = ModelConfig(name="new-model-34b (GQA 7:1, 60 layers, untied)", vocab_size=102400, hidden_size=7168,
+                        num_layers=60, num_heads=56, num_kv_heads=8, head_dim=128, intermediate_size=20480)
+TIED = ModelConfig(name="small-tied (2 KV heads, tied embeddings)", vocab_size=49152, hidden_size=2048, num_layers=30,
+                   num_heads=32, num_kv_heads=2, intermediate_size=8192, tie_word_embeddings=True)
 
 
-def memory_per_gpu(spec: ModelSpec, tp: int, pp: int, kv_tokens: int, dtype: str = "bf16",
+def memory_per_gpu(spec: ModelConfig, tp: int, pp: int, kv_tokens: int, dtype: str = "bf16",
                    kv_dtype: str | None = None) -> dict:
     """Solution: ``{"weights": bytes, "kv": bytes}`` on the busiest GPU of a ``tp x pp`` layout."""
     m = memory_per_device(spec, tp, pp, kv_tokens, dtype, kv_dtype)
@@ -32,8 +32,8 @@ def _mem_cases() -> list[Case]:
             (NEW_MODEL, 8, 3, 8191, "int4", "bf16"), ("llama-3-8b", 2, 2, 12345, "bf16", None),
             (TIED, 1, 1, 777, "bf16", None), (TIED, 8, 1, 3000, "int8", None), (TIED, 4, 7, 50, "bf16", "int8"),
             ("llama-3-70b", 16, 4, 1_000_000, "fp8", "fp8")]
-    return [Case(f"{get_spec(s).name}: TP{tp} x PP{pp}, {kv} KV tokens, weights {d}, KV {k or d}",
-                 (get_spec(s), tp, pp, kv, d, k)) for s, tp, pp, kv, d, k in rows]
+    return [Case(f"{get_config(s).name}: TP{tp} x PP{pp}, {kv} KV tokens, weights {d}, KV {k or d}",
+                 (get_config(s), tp, pp, kv, d, k)) for s, tp, pp, kv, d, k in rows]
 
 
 register(Exercise(
@@ -44,7 +44,7 @@ register(Exercise(
          "max(1, kv_heads // tp)"))
 
 
-def max_batch(spec: ModelSpec, tp: int, context: int, gpu_bytes: float, dtype: str = "bf16",
+def max_batch(spec: ModelConfig, tp: int, context: int, gpu_bytes: float, dtype: str = "bf16",
               kv_dtype: str | None = None, headroom: float = 0.9) -> int:
     """Solution: the most sequences of ``context`` tokens a ``tp``-way layout (one stage) serves, using at most
     ``headroom`` of each GPU's ``gpu_bytes``; 0 when the weights alone do not fit."""
@@ -59,8 +59,8 @@ def _batch_cases() -> list[Case]:
             (NEW_MODEL, 4, 32768, h100, "bf16", "fp8"), (NEW_MODEL, 8, 1000, h100, "int4", None),
             (TIED, 1, 8192, 24e9, "bf16", None), (TIED, 4, 2048, 24e9, "bf16", None),
             ("gpt3-175b", 8, 2048, h200, "int8", None), ("gpt3-175b", 4, 2048, h100, "bf16", None)]
-    return [Case(f"{get_spec(s).name}: TP{tp}, context {c}, {g / 1e9:.0f} GB GPUs, weights {d}, KV {k or d}",
-                 (get_spec(s), tp, c, g, d, k)) for s, tp, c, g, d, k in rows]
+    return [Case(f"{get_config(s).name}: TP{tp}, context {c}, {g / 1e9:.0f} GB GPUs, weights {d}, KV {k or d}",
+                 (get_config(s), tp, c, g, d, k)) for s, tp, c, g, d, k in rows]
 
 
 register(Exercise(
@@ -69,7 +69,7 @@ register(Exercise(
     hint="(headroom x GPU bytes - weight bytes per GPU) // KV bytes of one sequence per GPU, floored at 0"))
 
 
-def gpus_for_slo(spec: ModelSpec, batch: int, context: int, weights: str, kv: str, gpu_bytes: float,
+def gpus_for_slo(spec: ModelConfig, batch: int, context: int, weights: str, kv: str, gpu_bytes: float,
                  rate_req_s: float, output_mean: float, tpot_s: float, headroom: float = 0.9,
                  gpus_per_node: int = 8) -> dict:
     """Solution: GPUs to serve ``rate_req_s`` by hand, from memory and Little's law.
@@ -99,9 +99,9 @@ def _slo_cases() -> list[Case]:
             (TIED, 128, 1000, "bf16", "fp8", 24e9, 40.0, 64, 0.02, 4, "a small model on 24 GB GPUs, 4 per node"),
             ("llama-3-70b", 8, 8192, "bf16", "bf16", h100, 0.7, 512, 0.03, 8, "70B, long contexts, light traffic"),
             ("gpt3-175b", 64, 2048, "int4", "fp8", h100, 3.0, 100, 0.1, 8, "int4 weights, fp8 KV on H100s")]
-    return [Case(f"{get_spec(s).name}: {label}; batch {b}, context {c}, weights {w}, KV {k}, {g / 1e9:.0f} GB GPUs, "
+    return [Case(f"{get_config(s).name}: {label}; batch {b}, context {c}, weights {w}, KV {k}, {g / 1e9:.0f} GB GPUs, "
                  f"{r} req/s, {o} output tokens, TPOT {t * 1e3:.1f} ms, {n} GPUs per node",
-                 (get_spec(s), b, c, w, k, g, r, o, t, 0.9, n)) for s, b, c, w, k, g, r, o, t, n, label in rows]
+                 (get_config(s), b, c, w, k, g, r, o, t, 0.9, n)) for s, b, c, w, k, g, r, o, t, n, label in rows]
 
 
 def _slo_measure() -> list[Measurement]:
@@ -113,7 +113,7 @@ def _slo_measure() -> list[Measurement]:
     sc = SCENARIO_175B
     traffic = sc.traffic()
     context = int(traffic.quantile("prompt", 0.9) + traffic.quantile("output", 0.9))
-    args = (get_spec(sc.model), best["max_batch"], context, "bf16", best["kv"], get_hardware(sc.gpu).mem_capacity,
+    args = (get_config(sc.model), best["max_batch"], context, "bf16", best["kv"], get_hardware(sc.gpu).mem_capacity,
             sc.rate_req_s, traffic.mean("output"), best["tpot_ms"] / 1e3, 0.9, sc.gpus_per_node)
     layout = f"{best['replicas']} x TP{best['tp']} x PP{best['pp']}"
 

@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from labkit.models import REPO_ROOT
+from labkit.data import REPO_ROOT
 
 SUMMARY = REPO_ROOT / "results" / "summary.json"
 

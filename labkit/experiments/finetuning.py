@@ -49,7 +49,7 @@ from labkit.finetune import (
     trainable_parameters,
     training_memory,
 )
-from labkit.models import ModelSpec, get_spec
+from labkit.model import ModelConfig, get_config
 
 METHOD_NAMES = ("full", "lora", "qlora")
 # learning rates that work for a few hundred steps on the embedded model (adapters take larger steps)
@@ -76,7 +76,7 @@ def memory_row(model_factory: Callable[[], torch.nn.Module], setup: TrainSetup, 
                seed: int = 0) -> dict:
     """Measured peak of one training step of a fresh model prepared as ``setup`` against the memory model."""
     model = prepare_model(model_factory(), setup)
-    spec = get_spec(model)
+    spec = get_config(model)
     ids = torch.randint(0, spec.vocab_size, (setup.batch_size, setup.seq_len),
                         generator=torch.Generator().manual_seed(seed))
     measured = measure_step_memory(model, setup, ids)
@@ -139,7 +139,7 @@ def fresh(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:
 
 
 # --- arithmetic for large models ------------------------------------------------------------------------------
-def step_flops_per_token(spec: ModelSpec, setup: TrainSetup) -> float:
+def step_flops_per_token(spec: ModelConfig, setup: TrainSetup) -> float:
     """Matmul FLOPs per trained token: forward 2N, backward 2N for activation gradients, plus 2N for weight
     gradients when the weights train (full), plus another forward when checkpointing recomputes; attention
     scores and the adapters' own matmuls included (N = weights in matmuls)."""
@@ -150,19 +150,19 @@ def step_flops_per_token(spec: ModelSpec, setup: TrainSetup) -> float:
     total = passes * fwd + (fwd if setup.checkpointing else 0.0)
     if setup.method != "full":
         r = setup.lora_rank
-        h, i, q, kv = spec.hidden_size, spec.intermediate_size, spec.q_dim, spec.kv_dim
-        adapters = r * spec.num_layers * (2 * (h + q) + 2 * (h + kv) + (3 if spec.mlp == "swiglu" else 2) * (h + i))
+        h, i, q, kv = spec.hidden_size, spec.intermediate_size, spec.q_size, spec.kv_size
+        adapters = r * spec.num_layers * (2 * (h + q) + 2 * (h + kv) + (3 if spec.gated_mlp else 2) * (h + i))
         total += 6.0 * adapters
     return total
 
 
-def plan_rows(preset: str | ModelSpec, batch_size: int, seq_len: int, gpu_memory: float,
+def plan_rows(preset: str | ModelConfig, batch_size: int, seq_len: int, gpu_memory: float,
               data_parallel: int = 64, tensor_parallel: int = 8, serve_batch: int = 8) -> list[dict]:
     """The memory model on a large model: serving against full fine-tuning, sharded and not, LoRA and QLoRA.
 
     Each row: bytes per GPU by kind, peak, whether it fits ``gpu_memory``, and the GPUs the configuration uses.
     """
-    spec = get_spec(preset)
+    spec = get_config(preset)
     rows = []
     inf = inference_memory(spec, batch_size=serve_batch, context_len=seq_len)
     rows.append({"configuration": f"serve bf16, batch {serve_batch} x {seq_len} tokens (1 replica)", "gpus": 1,
@@ -197,7 +197,7 @@ def speed_row(model_factory: Callable[[], torch.nn.Module], setup: TrainSetup, s
     """Step time of a fresh model prepared as ``setup``, on random tokens (speed does not depend on the data or
     the weights' values), with the matmul FLOP rate it implies (``step_flops_per_token``)."""
     model = prepare_model(model_factory(), setup)
-    spec = get_spec(model)
+    spec = get_config(model)
     ids = torch.randint(0, spec.vocab_size, (setup.tokens * 4,), generator=torch.Generator().manual_seed(seed))
     result = finetune(model, ids, setup, steps=steps, lr=1e-5, seed=seed)
     del model

@@ -1,6 +1,6 @@
 """Fine-tuning instead of inference: the memory of training, LoRA / QLoRA, and a short training loop.
 
-* ``memory_model``: the memory of a training step for a ``ModelSpec`` at its peak (full / LoRA / QLoRA, fp32 / bf16
+* ``memory_model``: the memory of a training step for a ``ModelConfig`` at its peak (full / LoRA / QLoRA, fp32 / bf16
   autocast, checkpointing, 8-bit Adam, ZeRO and tensor-parallel sharding), against inference's weights and KV
   cache; its terms: ``state`` (``TrainSetup``, parameter inventory, weights, gradients, optimizer state) and
   ``activations`` (what autograd saves, op by op).

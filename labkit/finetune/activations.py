@@ -6,7 +6,7 @@ differ), and the bf16 weight copies autocast keeps (see ``memory_model.py`` for 
 from __future__ import annotations
 
 from labkit.finetune.state import TrainSetup, is_adapted, linear_names, lora_shapes, param_inventory, tp_divisor
-from labkit.models import ModelSpec
+from labkit.model import ModelConfig
 
 
 # --- activations --------------------------------------------------------------------------------------------
@@ -15,7 +15,7 @@ def nf4_out_bytes(setup: TrainSetup) -> float:
     return 2.0 if setup.base_dtype == "bf16" else 4.0
 
 
-def sdpa_math_backend(spec: ModelSpec, setup: TrainSetup) -> bool:
+def sdpa_math_backend(spec: ModelConfig, setup: TrainSetup) -> bool:
     """Whether PyTorch's ``scaled_dot_product_attention`` runs its math backend in HF's attention: on CUDA with
     fp32 inputs (no autocast) and grouped-query attention, flash attention refuses fp32 and the memory-efficient
     kernel takes no GQA, so SDPA falls back to the math path, which saves the attention probabilities ``[batch,
@@ -25,7 +25,7 @@ def sdpa_math_backend(spec: ModelSpec, setup: TrainSetup) -> bool:
     return setup.device == "cuda" and setup.precision == "fp32" and spec.num_kv_heads < spec.num_heads
 
 
-def layer_activation_bytes(spec: ModelSpec, setup: TrainSetup, first_layer: bool = False) -> dict[str, float]:
+def layer_activation_bytes(spec: ModelConfig, setup: TrainSetup, first_layer: bool = False) -> dict[str, float]:
     """Bytes per token that one decoder layer saves for backward (per TP rank), term by term.
 
     ``first_layer``: under LoRA the embedding is frozen, so the first layer's input needs no gradient and its
@@ -34,7 +34,7 @@ def layer_activation_bytes(spec: ModelSpec, setup: TrainSetup, first_layer: bool
     each keep their own bf16 copy of the normed input); ``o`` the dtype of the linears' outputs (NF4 layers
     return their input's dtype, fp32).
     """
-    h, i, q, kv, heads = spec.hidden_size, spec.intermediate_size, spec.q_dim, spec.kv_dim, spec.num_heads
+    h, i, q, kv, heads = spec.hidden_size, spec.intermediate_size, spec.q_size, spec.kv_size, spec.num_heads
     tp = setup.tensor_parallel
     mixed = setup.precision == "bf16-mixed"
     c = 2.0 if mixed else 4.0
@@ -51,7 +51,7 @@ def layer_activation_bytes(spec: ModelSpec, setup: TrainSetup, first_layer: bool
         n = sum(needs_input(nm) for nm in names)
         return c * h * (n > 0) if shared else c * h * n
 
-    mlp_in = ("gate_proj", "up_proj") if spec.mlp == "swiglu" else ("up_proj",)
+    mlp_in = ("gate_proj", "up_proj") if spec.gated_mlp else ("up_proj",)
     terms = {
         "norm1 input + rstd": 0.0 if (first_layer and lora) else 4.0 * (h + 1),
         "norm1 normalized (weight grad)": 4.0 * h if full else 0.0,
@@ -65,7 +65,7 @@ def layer_activation_bytes(spec: ModelSpec, setup: TrainSetup, first_layer: bool
         "mlp inputs": inputs(mlp_in),
         "lora x A^T": sum(c * r for nm in linear_names(spec) if is_adapted(setup, nm)) / tp,
     }
-    if spec.mlp == "swiglu":  # silu saves gate; the product saves silu(gate) and up; down saves the product
+    if spec.gated_mlp:  # silu saves gate; the product saves silu(gate) and up; down saves the product
         terms["mlp gate, silu(gate), up"] = 3 * o * i / tp
         terms["mlp down input"] = (c * i if needs_input("down_proj") else 0.0) / tp
     else:  # gelu saves its input; down saves gelu's output
@@ -73,7 +73,7 @@ def layer_activation_bytes(spec: ModelSpec, setup: TrainSetup, first_layer: bool
     return terms
 
 
-def head_activation_bytes(spec: ModelSpec, setup: TrainSetup) -> dict[str, float]:
+def head_activation_bytes(spec: ModelConfig, setup: TrainSetup) -> dict[str, float]:
     """Bytes per token saved by the final norm, the LM head and the loss (log-softmax output in fp32, as HF
     upcasts the logits before the loss), per TP rank (vocabulary-parallel head)."""
     h, v = spec.hidden_size, spec.vocab_size
@@ -87,7 +87,7 @@ def head_activation_bytes(spec: ModelSpec, setup: TrainSetup) -> dict[str, float
     }
 
 
-def autocast_weight_copies(spec: ModelSpec, setup: TrainSetup) -> dict[str, float]:
+def autocast_weight_copies(spec: ModelConfig, setup: TrainSetup) -> dict[str, float]:
     """bf16 copies of fp32 weights that autocast makes and autograd keeps until backward (bytes, per TP rank),
     for the decoder layers and for the head.
 
@@ -110,12 +110,12 @@ def autocast_weight_copies(spec: ModelSpec, setup: TrainSetup) -> dict[str, floa
             no_input_grad = setup.method != "full" and p.layer == 0 and p.linear in ("q_proj", "k_proj", "v_proj")
             if not nf4 and not no_input_grad:
                 out["layers"] += 2.0 * p.numel / div
-        elif p.kind == "lm_head" or (p.kind == "embedding" and spec.tie_embeddings):
+        elif p.kind == "lm_head" or (p.kind == "embedding" and spec.tie_word_embeddings):
             out["head"] += 2.0 * p.numel / div
     return out
 
 
-def activation_bytes(spec: ModelSpec, setup: TrainSetup) -> dict[str, float]:
+def activation_bytes(spec: ModelConfig, setup: TrainSetup) -> dict[str, float]:
     """Saved activations of one step on one rank, by part: layers, head, rotary tables, autocast copies.
 
     With checkpointing, each layer keeps only its input (fp32, [tokens, hidden]) and recomputes the rest in

@@ -1,4 +1,4 @@
-"""The memory of training a transformer, against the memory of serving it, from its shape (``ModelSpec``).
+"""The memory of training a transformer, against the memory of serving it, from its shape (``ModelConfig``).
 
 Inference holds the weights and a KV cache that grows with every token. Training holds no KV cache but, per
 trainable weight, a gradient and optimizer state (Adam: two moments, 8 bytes in fp32, ~2 in 8-bit), and, per
@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 
 from labkit.finetune.activations import activation_bytes, autocast_weight_copies, layer_activation_bytes, nf4_out_bytes
 from labkit.finetune.state import TrainSetup, linear_names, optimizer_bytes, trainable_tensors, weight_bytes
-from labkit.models import ModelSpec, dtype_bytes, get_spec
+from labkit.model import ModelConfig, dtype_bytes, get_config
 
 
 @dataclass
@@ -67,9 +67,9 @@ class MemoryBreakdown:
 
 
 # --- the whole step -----------------------------------------------------------------------------------------
-def training_memory(spec: ModelSpec | str, setup: TrainSetup) -> MemoryBreakdown:
+def training_memory(spec: ModelConfig | str, setup: TrainSetup) -> MemoryBreakdown:
     """Memory of one training step on one rank, by kind and at its peak (see the module docstring)."""
-    spec = get_spec(spec)
+    spec = get_config(spec)
     if setup.method != "full" and setup.lora_targets is not None:
         allowed = linear_names(spec)
         unknown = [t for t in setup.lora_targets if t not in allowed]
@@ -97,7 +97,7 @@ def training_memory(spec: ModelSpec | str, setup: TrainSetup) -> MemoryBreakdown
         "lm_head_backward": (saved - logits, head_w_grad, logits + 4.0 * t * h),
         # every gradient allocated; a tied embedding adds its lookup's grad to the head's grad, in place when
         # the head's grad is a fresh tensor (autocast's cast back to fp32), into a third buffer when it is not
-        "end_of_backward": (0.0, grads, head_w_grad * (1 if mixed else 2) if spec.tie_embeddings else 0.0),
+        "end_of_backward": (0.0, grads, head_w_grad * (1 if mixed else 2) if spec.tie_word_embeddings else 0.0),
     }
     if setup.optimizer == "adamw8bit" and setup.device == "cpu":
         # the largest tensor's two moments dequantised, its grad upcast, sqrt(v) and the denominator, in fp32
@@ -124,12 +124,12 @@ def training_memory(spec: ModelSpec | str, setup: TrainSetup) -> MemoryBreakdown
                                    **{f"activations: {k}": val for k, val in acts.items()}, "batch": batch})
 
 
-def inference_memory(spec: ModelSpec | str, batch_size: int, context_len: int, weight_dtype: str = "bf16",
+def inference_memory(spec: ModelConfig | str, batch_size: int, context_len: int, weight_dtype: str = "bf16",
                      kv_dtype: str = "bf16") -> MemoryBreakdown:
     """Serving memory: the weights once, a KV cache of ``batch_size * context_len`` tokens, and the transient
     working set of a decode step (one token's logits in fp32 per sequence). No gradients, no optimizer state,
     no saved activations: the KV cache is the part that grows."""
-    spec = get_spec(spec)
+    spec = get_config(spec)
     if batch_size < 1 or context_len < 1:
         raise ValueError(f"batch_size={batch_size} and context_len={context_len} must be positive")
     weights = spec.weight_bytes(weight_dtype)

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from labkit.finetune.lora import LLAMA_LINEARS
-from labkit.models import ModelSpec
+from labkit.model import ModelConfig
 
 METHODS = ("full", "lora", "qlora")
 PRECISIONS = ("fp32", "bf16-mixed")
@@ -97,13 +97,13 @@ class ParamTensor:
         return math.prod(self.shape)
 
 
-def linear_names(spec: ModelSpec) -> tuple[str, ...]:
-    return LLAMA_LINEARS if spec.mlp == "swiglu" else GELU_LINEARS
+def linear_names(spec: ModelConfig) -> tuple[str, ...]:
+    return LLAMA_LINEARS if spec.gated_mlp else GELU_LINEARS
 
 
-def param_inventory(spec: ModelSpec) -> list[ParamTensor]:
+def param_inventory(spec: ModelConfig) -> list[ParamTensor]:
     """Every weight tensor of ``spec``, in the order of a Hugging Face Llama checkpoint (biases not counted)."""
-    h, i, q, kv = spec.hidden_size, spec.intermediate_size, spec.q_dim, spec.kv_dim
+    h, i, q, kv = spec.hidden_size, spec.intermediate_size, spec.q_size, spec.kv_size
     shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
               "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
     out = [ParamTensor("embed_tokens", (spec.vocab_size, h), "embedding")]
@@ -113,7 +113,7 @@ def param_inventory(spec: ModelSpec) -> list[ParamTensor]:
         out.append(ParamTensor(f"layers.{layer}.input_layernorm", (h,), "norm", None, layer))
         out.append(ParamTensor(f"layers.{layer}.post_attention_layernorm", (h,), "norm", None, layer))
     out.append(ParamTensor("norm", (h,), "norm"))
-    if not spec.tie_embeddings:
+    if not spec.tie_word_embeddings:
         out.append(ParamTensor("lm_head", (spec.vocab_size, h), "lm_head"))
     return out
 
@@ -133,7 +133,7 @@ def is_adapted(setup: TrainSetup, name: str | None) -> bool:
     return setup.lora_targets is None or name in setup.lora_targets
 
 
-def lora_shapes(spec: ModelSpec, setup: TrainSetup) -> list[tuple[int, int]]:
+def lora_shapes(spec: ModelConfig, setup: TrainSetup) -> list[tuple[int, int]]:
     """(in, out) of every adapted linear."""
     return [(p.shape[1], p.shape[0]) for p in param_inventory(spec) if is_adapted(setup, p.linear)]
 
@@ -144,7 +144,7 @@ def tp_divisor(p: ParamTensor, tp: int) -> int:
     return 1 if p.kind == "norm" else tp
 
 
-def weight_bytes(spec: ModelSpec, setup: TrainSetup) -> dict[str, float]:
+def weight_bytes(spec: ModelConfig, setup: TrainSetup) -> dict[str, float]:
     """Base weights (fp32 masters, or NF4 for QLoRA's targets) and LoRA adapters (fp32), per TP rank."""
     base = adapters = 0.0
     for p in param_inventory(spec):
@@ -158,7 +158,7 @@ def weight_bytes(spec: ModelSpec, setup: TrainSetup) -> dict[str, float]:
     return {"base": base, "adapters": adapters}
 
 
-def trainable_tensors(spec: ModelSpec, setup: TrainSetup) -> list[int]:
+def trainable_tensors(spec: ModelConfig, setup: TrainSetup) -> list[int]:
     """Element counts of the trainable tensors (per TP rank): every weight, or the adapters' A and B."""
     tp = setup.tensor_parallel
     if setup.method == "full":

@@ -1,5 +1,7 @@
 """labkit's own decoder (gpt-fast / nano-vllm style): one plain implementation of the Llama family and its
-relatives (Mistral, Qwen2, Qwen3, Gemma, Phi-3), with the families' features behind ``ModelConfig``.
+relatives (Mistral, Qwen2, Qwen3, Gemma, Phi-3), with the families' features behind ``ModelConfig``, which also
+sizes a model (parameters, bytes, FLOPs, KV bytes; the presets); one way to build a model from each source
+(``labkit.model.build``).
 
     from labkit.model import load_checkpoint, ModelInput
     model = load_checkpoint("path/to/hf-checkpoint", device="cuda", dtype="bf16")
@@ -11,32 +13,25 @@ relatives (Mistral, Qwen2, Qwen3, Gemma, Phi-3), with the families' features beh
     last = model.forward_paged(inp, cache)                      # [num_seqs, vocab] float32
     cache.mark_computed(seq, len(prompt))
 
-``FusionPlan`` says which kernel runs each op of ``forward_paged`` (``model.use(plan)``; the engine's ``kernels``);
-``adopt_hf_model`` wraps an HF model in memory, sharing its weights (what the engine does with one).
+``FusionPlan`` says which kernel runs each op of ``forward_paged`` (``model.use(plan)``; the engine's ``kernels``).
 """
 
-from labkit.model.adopt import adopt_hf_model
-from labkit.model.attention import ModelInput, causal_attention, pack_step, paged_attention
-from labkit.model.config import FAMILIES, ROPE_TYPES, ModelConfig, RopeScaling
+from labkit.model.attention import ModelInput, cached_attention, causal_attention, pack_step
+from labkit.model.build import adopt_hf_model, from_config, load_checkpoint, load_model, random_model
+from labkit.model.config import FAMILIES, MODEL_TYPES, ROPE_TYPES, ModelConfig, RopeScaling
 from labkit.model.fusion import KERNEL_NAMES, KERNELS, FusionPlan
 from labkit.model.layers import MLP, Attention, DecoderLayer, RMSNorm
-from labkit.model.loader import (
-    MERGED,
-    Checkpoint,
-    empty_model,
-    from_config,
-    load_checkpoint,
-    load_hf_model,
-    load_weights,
-    weight_sources,
-)
+from labkit.model.loader import MERGED, Checkpoint, load_weights, weight_sources
 from labkit.model.model import CausalLM, Transformer
-from labkit.model.rope import RotaryEmbedding, apply_rope, inv_frequencies
+from labkit.model.presets import PRESETS, TINY, get_config
+from labkit.model.rotary import RotaryEmbedding, inv_frequencies, rotate
+from labkit.model.shapes import DTYPE_BYTES, count_parameters, dtype_bytes, dtype_name, human_bytes
 
 __all__ = [
-    "FAMILIES", "KERNELS", "KERNEL_NAMES", "MERGED", "ROPE_TYPES", "MLP", "Attention", "CausalLM", "Checkpoint",
-    "DecoderLayer", "FusionPlan", "ModelConfig", "ModelInput", "RMSNorm", "RopeScaling", "RotaryEmbedding",
-    "Transformer", "adopt_hf_model", "apply_rope", "causal_attention", "empty_model", "from_config",
-    "inv_frequencies", "load_checkpoint", "load_hf_model", "load_weights", "pack_step", "paged_attention",
+    "DTYPE_BYTES", "FAMILIES", "KERNELS", "KERNEL_NAMES", "MERGED", "MODEL_TYPES", "PRESETS", "ROPE_TYPES", "TINY",
+    "MLP", "Attention", "CausalLM", "Checkpoint", "DecoderLayer", "FusionPlan", "ModelConfig",
+    "ModelInput", "RMSNorm", "RopeScaling", "RotaryEmbedding", "Transformer", "adopt_hf_model", "cached_attention",
+    "causal_attention", "count_parameters", "dtype_bytes", "dtype_name", "from_config", "get_config", "human_bytes",
+    "inv_frequencies", "load_checkpoint", "load_model", "load_weights", "pack_step", "random_model", "rotate",
     "weight_sources",
 ]

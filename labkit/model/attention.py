@@ -8,7 +8,7 @@ lengths, query starts, logits rows, block tables): one host-to-device copy each,
 Padding (a captured step's shape): sequences of no tokens (context 1, tables of ``scratch_block``) and token rows
 writing to the scratch block's first slot at position 0.
 
-``paged_attention`` runs, with the layer's sliding window, the references of ``labkit.kvcache.attention`` on the
+``cached_attention`` runs, with the layer's sliding window, the references of ``labkit.kvcache.attention`` on the
 torch path (prefill rows causally per sequence, decode rows batched) or the kernels of ``labkit.kernels`` on the
 Triton path (``FusionPlan.attention``).
 """
@@ -191,7 +191,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out.transpose(1, 2)
 
 
-def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, inp: ModelInput, scale: float,
+def cached_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, inp: ModelInput, scale: float,
                     window: int | None = None, kernel: str = "torch", pdl: str = "") -> torch.Tensor:
     """Attention of every query row ``q`` ``[num_tokens, heads, head_dim]`` over ``layer``'s pools of ``cache``
     (this step's K/V already written); ``window``: the layer's sliding window or None.

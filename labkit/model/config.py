@@ -1,4 +1,6 @@
-"""``ModelConfig``: the shape and the family features of a decoder, read from a Hugging Face config.
+"""``ModelConfig``: the shape and the family features of a decoder, read from a Hugging Face config or given as a
+preset (``labkit.model.presets``), and the arithmetic of its size (``labkit.model.shapes``): one concept for the
+model that runs and for the model that is sized.
 
 One dataclass holds everything the model module needs; the families differ only in its fields:
 
@@ -15,19 +17,25 @@ phi3       q/k/v and gate/up stored fused in the checkpoint (``qkv_proj``, ``gat
            rotary; ``sliding_window`` on every layer
 =========  ========================================================================================
 
-Anything else (another ``model_type``, a RoPE type such as 'longrope', a quantised checkpoint, ...) is refused
-here with a ``ValueError`` that names it, so a checkpoint either runs right or does not load.
+GPT-2/3 (``model_type='gpt2'``) is sized, never built. Anything else (another ``model_type``, a RoPE type such as
+'longrope', a quantised checkpoint, ...) is refused here with a ``ValueError`` that names it, so a checkpoint either
+runs right or does not load.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from labkit.checks import check_choice, check_number, check_positive_int
+from labkit.model.shapes import ShapeArithmetic
+
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
 """The model families labkit.model builds (HF ``model_type`` values)."""
+MODEL_TYPES = (*FAMILIES, "gpt2")
+"""Families a ModelConfig sizes: those it builds, and GPT-2/3 (the 175B GPT-3 of the capstone; sized only)."""
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 """RoPE scalings labkit.model implements (HF ``rope_scaling['rope_type']``)."""
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new")
@@ -68,28 +76,32 @@ class RopeScaling:
                              f"{self.low_freq_factor} and {self.high_freq_factor}")
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    """The decoder's shape and features (HF names in brackets where ours differ).
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig(ShapeArithmetic):
+    """A decoder's shape and features (HF names in brackets where ours differ), and the arithmetic of its size
+    (``ShapeArithmetic``: parameters, bytes, FLOPs, KV bytes per token).
 
     ``num_layers`` [num_hidden_layers], ``num_heads`` [num_attention_heads], ``num_kv_heads``
-    [num_key_value_heads]; ``head_dim`` may differ from ``hidden_size // num_heads`` (Gemma, Qwen3).
-    ``layer_types`` holds 'full_attention' or 'sliding_attention' per layer; a sliding layer's queries see the
-    ``sliding_window`` newest keys (themselves included), as HF's mask does (key > query - window).
+    [num_key_value_heads] (default ``num_heads``); ``head_dim`` (default ``hidden_size // num_heads``) may differ
+    (Gemma, Qwen3). ``layer_types`` holds 'full_attention' or 'sliding_attention' per layer; a sliding layer's queries
+    see the ``sliding_window`` newest keys (themselves included), as HF's mask does (key > query - window).
     ``norm_offset`` is 1.0 for Gemma's ``x * (1 + w)`` RMSNorm and 0.0 for Llama's ``x * w``; ``embed_scale``
     multiplies the embeddings (Gemma: sqrt(hidden_size)). ``fused_checkpoint``: the checkpoint stores q/k/v as one
     ``qkv_proj`` and gate/up as one ``gate_up_proj`` (Phi-3). ``dtype``: the checkpoint's declared dtype name (or
     None). ``eos_token_ids``: every end-of-sequence id of ``config.json`` and ``generation_config.json``.
+    ``name``: a label (a preset's name). ``model_type='gpt2'`` (GPT-2/3: ``gated_mlp=False``, ``norm_bias``,
+    ``learned_positions``, no RoPE) is sized here but has no ``labkit.model`` decoder (``BUILDABLE``).
     """
 
-    model_type: str
+    model_type: str = "llama"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
     num_layers: int
     num_heads: int
-    num_kv_heads: int
-    head_dim: int
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    name: str = ""
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
@@ -100,6 +112,9 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    gated_mlp: bool = True
+    norm_bias: bool = False
+    learned_positions: bool = False
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
     hidden_act: str = "silu"
@@ -110,29 +125,34 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        if self.model_type not in FAMILIES:
-            raise ValueError(f"model_type={self.model_type!r} is not supported; allowed: {FAMILIES}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "max_position_embeddings"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name}={v!r} must be a positive int")
+        check_choice("model_type", self.model_type, MODEL_TYPES)
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "max_position_embeddings"):
+            check_positive_int(name, getattr(self, name))
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        check_positive_int("num_kv_heads", self.num_kv_heads)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
-        if self.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported; allowed: {ACTIVATIONS}")
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(f"hidden_size={self.hidden_size} is not a multiple of num_heads={self.num_heads}; "
+                                 f"give head_dim explicitly")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        check_positive_int("head_dim", self.head_dim)
+        check_choice("hidden_act", self.hidden_act, ACTIVATIONS)
         if not self.layer_types:
             object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
         if len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types):
             raise ValueError(f"layer_types={self.layer_types!r} must hold {self.num_layers} entries from "
                              f"{LAYER_TYPES}")
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"sliding_window={self.sliding_window!r} must be a positive int or None")
+        check_positive_int("sliding_window", self.sliding_window, none_ok=True)
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
             raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1] and give an "
                              f"even rotary dim (head_dim={self.head_dim})")
-        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
-            raise ValueError(f"rms_norm_eps={self.rms_norm_eps} and rope_theta={self.rope_theta} must be positive")
+        check_number("rms_norm_eps", self.rms_norm_eps, 0, 1, low_open=True, high_open=True)
+        # GPT-2/3 have no RoPE: rope_theta 0 says so
+        check_number("rope_theta", self.rope_theta, 0, low_open=self.model_type != "gpt2")
 
     # --- HF's names, so code written for an HF config reads ours (PagedKVCache.for_model, ModelSpec, ...) ---
     @property
@@ -152,15 +172,7 @@ class ModelConfig:
         """The first of ``eos_token_ids`` (HF's single-id view; a stop check should use ``eos_token_ids``)."""
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
-    # --- derived sizes --------------------------------------------------------------------------------------
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
+    # --- derived sizes (the rest: ShapeArithmetic) ------------------------------------------------------------
     @property
     def rotary_dim(self) -> int:
         """Leading dims of each head that RoPE rotates (all of them unless ``partial_rotary_factor < 1``)."""
@@ -205,6 +217,8 @@ class ModelConfig:
         embeddings); ``from_pretrained`` and ``from_hf`` see every default of HF's config class."""
         _check_family(d)
         family = d["model_type"]
+        if family == "gpt2":
+            return _gpt2(d)
         _refuse_unsupported(d)
         heads = d["num_attention_heads"]
         layers = d["num_hidden_layers"]
@@ -225,7 +239,8 @@ class ModelConfig:
             family, (bias, bias))
         window, layer_types = _sliding(d, family, layers)
         return cls(
-            model_type=family, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            model_type=family, name=d.get("_name_or_path") or family, vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_layers=layers, num_heads=heads,
             num_kv_heads=d.get("num_key_value_heads") or heads, head_dim=head_dim,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(rope.pop("rope_theta")),
@@ -239,12 +254,53 @@ class ModelConfig:
             fused_checkpoint=family == "phi3", dtype=_dtype_name(d.get("dtype") or d.get("torch_dtype")),
             eos_token_ids=_as_ids(d.get("eos_token_id")))
 
+    def with_name(self, name: str) -> ModelConfig:
+        return replace(self, name=name)
+
+    def to_hf_config(self):
+        """A Hugging Face config of this shape: ``LlamaConfig`` (the presets), or ``GPT2Config`` for 'gpt2'. Other
+        families come from their checkpoint's own config (``AutoConfig``)."""
+        from transformers import GPT2Config, LlamaConfig
+
+        if self.model_type == "gpt2":
+            return GPT2Config(vocab_size=self.vocab_size, n_embd=self.hidden_size, n_layer=self.num_layers,
+                              n_head=self.num_heads, n_inner=self.intermediate_size,
+                              n_positions=self.max_position_embeddings, layer_norm_epsilon=self.rms_norm_eps)
+        if self.model_type != "llama" or self.rope_scaling is not None:
+            raise ValueError(f"to_hf_config builds plain Llama and GPT-2 configs, not model_type="
+                             f"{self.model_type!r} with rope_scaling={self.rope_scaling}; read its checkpoint's")
+        return LlamaConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                           num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+                           num_key_value_heads=self.num_kv_heads, intermediate_size=self.intermediate_size,
+                           head_dim=self.head_dim, tie_word_embeddings=self.tie_word_embeddings,
+                           max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
+                           rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+                           attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias,
+                           bos_token_id=1, eos_token_id=2, pad_token_id=None)
+
+
+def _gpt2(d: dict[str, Any]) -> ModelConfig:
+    """GPT-2 / GPT-3's shape from a ``GPT2Config`` dict: ungated GELU MLP, LayerNorms with biases, biases on every
+    projection, learned positions, tied embeddings (sized only: no labkit.model decoder runs it)."""
+    missing = [k for k in ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions") if d.get(k) is None]
+    if missing:
+        raise ValueError(f"model_type='gpt2' needs GPT-2's keys; missing {missing}")
+    h = d["n_embd"]
+    return ModelConfig(model_type="gpt2", name=d.get("_name_or_path") or "gpt2-like", vocab_size=d["vocab_size"],
+                       hidden_size=h, intermediate_size=d.get("n_inner") or 4 * h, num_layers=d["n_layer"],
+                       num_heads=d["n_head"], max_position_embeddings=d["n_positions"],
+                       rms_norm_eps=float(d.get("layer_norm_epsilon", 1e-5)), rope_theta=0.0,
+                       tie_word_embeddings=True, qkv_bias=True, o_bias=True, mlp_bias=True, gated_mlp=False,
+                       norm_bias=True, learned_positions=True, hidden_act=d.get("activation_function", "gelu_new"),
+                       eos_token_ids=_as_ids(d.get("eos_token_id")))
+
 
 # --- reading HF's keys --------------------------------------------------------------------------------------
 def _check_family(d: dict[str, Any]) -> None:
     family = d.get("model_type")
-    if family not in FAMILIES:
-        raise ValueError(f"model_type={family!r} is not supported by labkit.model; allowed: {FAMILIES}")
+    if family not in MODEL_TYPES:
+        raise ValueError(f"model_type={family!r} is not supported by labkit.model; allowed: {MODEL_TYPES} (a "
+                         f"decoder of {FAMILIES}, or the shape of GPT-2/3)")
 
 
 # Keys whose presence (with a value that turns them on) means a feature labkit.model does not implement.

@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.kvcache.paged import PagedKVCache
-from labkit.model.attention import ModelInput, causal_attention, paged_attention
+from labkit.model.attention import ModelInput, cached_attention, causal_attention
 from labkit.model.config import ModelConfig
 from labkit.model.fusion import FusionPlan
-from labkit.model.ops import act_and_mul, add_norm, caches_raw, projection, qkv_rope_cache, rope_and_write
-from labkit.model.rope import apply_rope
+from labkit.model.ops import act_and_mul, add_norm, caches_raw, projection, qkv_projection, rope_and_write
+from labkit.model.rotary import rotate
 
 TORCH = FusionPlan()  # every op in torch: the references
 
@@ -107,7 +107,7 @@ class Attention(nn.Module):
         lead = x.shape[:-1]
         heads = self.qkv_heads(self.qkv_out(x.reshape(-1, x.shape[-1])))
         q, k, v = (t.view(*lead, *t.shape[1:]) for t in heads)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Dense: ``x`` ``[batch, T, hidden]``, cos/sin ``[batch, T, rotary_dim]`` -> ``[batch, T, hidden]``."""
@@ -144,7 +144,7 @@ class Attention(nn.Module):
 
     def _paged(self, q: torch.Tensor, cache: PagedKVCache, inp: ModelInput, plan: FusionPlan,
                pdl: str = "") -> torch.Tensor:
-        out = paged_attention(q, cache, self.layer, inp, self.scale, self.window, plan.attention, pdl)
+        out = cached_attention(q, cache, self.layer, inp, self.scale, self.window, plan.attention, pdl)
         return out.reshape(q.shape[0], self.q_size)
 
     def fused_input(self, stream: torch.Tensor, norm: RMSNorm, cos: torch.Tensor, sin: torch.Tensor,
@@ -154,7 +154,7 @@ class Attention(nn.Module):
         releases the launch after it when ``pdl``). Returns the o projection's input ``[T, heads * head_dim]``."""
         attn_pdl = "release" if pdl else ""
         if plan.qkv_rope_cache and caches_raw(cache, stream.dtype) and self.qkv_proj.uses_kernels(stream):
-            q, _ = qkv_rope_cache(self.qkv_proj, stream, norm, self.num_heads, cos, sin, cache, self.layer,
+            q, _ = qkv_projection(self.qkv_proj, stream, norm, self.num_heads, cos, sin, cache, self.layer,
                                   inp.slot_mapping, pdl)
             return self._paged(q, cache, inp, plan, attn_pdl)
         q, k, v = self.qkv_heads(projection(self.qkv_proj, stream, norm=norm, pdl=pdl))

@@ -1,5 +1,5 @@
-"""Weights by name: from a local HF checkpoint's safetensors (one file or shards), from an HF model in memory, or
-random (``from_config``, for speed measurements where weight values do not matter).
+"""Weights by name: a local HF checkpoint's safetensors (one file or shards) or an HF ``state_dict()``, mapped onto a
+``CausalLM``'s parameters (``labkit.model.build`` builds the models that use it).
 
 The model is built on the meta device and materialised once on the target device in the target dtype, then every
 parameter is filled from the checkpoint: no HF model is instantiated and no weight is held twice. HF names map to
@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-from labkit.device import resolve_device
 from labkit.model.config import ModelConfig
 from labkit.model.model import CausalLM
 
@@ -36,7 +35,8 @@ MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 # Tensors some checkpoints carry that are not weights (recomputed here): ignored when present.
 IGNORED = ("rotary_emb.inv_freq",)
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-_FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FLOAT_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""config.json's dtype names of the floating dtypes."""
 
 
 def _row_sizes(cfg: ModelConfig, merged: str) -> list[int]:
@@ -148,87 +148,3 @@ class Checkpoint(Mapping):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _choose_dtype(dtype, declared: torch.dtype | None, what: str) -> torch.dtype:
-    from labkit.models import torch_dtype
-
-    if dtype is not None:
-        chosen, why = torch_dtype(dtype), "dtype= argument"
-    elif declared is not None:
-        chosen, why = declared, "the checkpoint's own dtype; pass dtype= to change it"
-    else:
-        chosen, why = torch.float32, "no dtype declared; pass dtype= to change it"
-    logger.info("labkit.model: %s in %s (%s)", what, chosen, why)
-    return chosen
-
-
-def empty_model(cfg: ModelConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                merge_qkv: bool = True, merge_gate_up: bool = True) -> CausalLM:
-    """A ``CausalLM`` with uninitialised weights, allocated once on ``device`` in ``dtype`` (``"meta"``: shapes
-    only). Fill it with ``load_weights`` or an initialiser."""
-    dev = torch.device("meta") if str(device) == "meta" else resolve_device(device)
-    with torch.device("meta"):
-        model = CausalLM(cfg, merge_qkv, merge_gate_up).to(dtype)
-    if dev.type != "meta":
-        model.to_empty(device=dev)
-        if cfg.tie_word_embeddings:  # to_empty gives each name its own tensor: tie them again
-            model.lm_head.weight = model.model.embed_tokens.weight
-    return model.eval()
-
-
-def load_checkpoint(path: str | Path | None = None, device: str | torch.device = "cpu", dtype=None,
-                    merge_qkv: bool = True, merge_gate_up: bool = True) -> CausalLM:
-    """A ``CausalLM`` from a local HF checkpoint directory (``None``: the embedded model, ``data/pydocs-llama``),
-    without instantiating the HF model. ``dtype``: torch dtype or 'fp32' / 'bf16' / 'fp16'; None keeps the
-    checkpoint's own."""
-    if path is None:
-        from labkit.models import EMBEDDED_MODEL_DIR
-
-        path = EMBEDDED_MODEL_DIR
-    cfg = ModelConfig.from_pretrained(path)
-    with Checkpoint(path) as ckpt:
-        declared = _FLOAT_DTYPES.get(cfg.dtype or "") or ckpt.stored_dtype()
-        dt = _choose_dtype(dtype, declared, f"checkpoint {str(path)!r}")
-        model = empty_model(cfg, device, dt, merge_qkv, merge_gate_up)
-        load_weights(model, ckpt)
-    return model
-
-
-def load_hf_model(hf_model, device: str | torch.device | None = None, dtype=None, merge_qkv: bool = True,
-                  merge_gate_up: bool = True) -> CausalLM:
-    """A ``CausalLM`` with the weights of an HF model in memory (its ``state_dict()``, e.g. what
-    ``labkit.models.random_model("llama-3-8b")`` gives). ``device``/``dtype`` default to the HF model's. The
-    weights are copied (merged projections are new tensors anyway): free the HF model after if memory is short."""
-    cfg = ModelConfig.from_hf(hf_model.config)
-    p = next(hf_model.parameters())
-    dt = _choose_dtype(dtype, p.dtype, f"{type(hf_model).__name__} in memory")
-    model = empty_model(cfg, p.device if device is None else device, dt, merge_qkv, merge_gate_up)
-    load_weights(model, hf_model.state_dict())
-    return model
-
-
-def from_config(cfg, device: str | torch.device = "cpu", dtype=torch.bfloat16, seed: int = 0,
-                merge_qkv: bool = True, merge_gate_up: bool = True, std: float = 0.02) -> CausalLM:
-    """A ``CausalLM`` with random weights, created directly on ``device``: for speed, where values do not matter.
-
-    ``cfg``: a ``ModelConfig``, an HF config (object or dict) or a ``labkit.models`` preset name
-    ('llama-3-8b' ...). Matrices and biases are N(0, ``std``) (never zeros); norm weights are the identity."""
-    if isinstance(cfg, str):
-        from labkit.models import get_spec
-
-        cfg = ModelConfig.from_hf(get_spec(cfg).to_hf_config())
-    elif not isinstance(cfg, ModelConfig):
-        cfg = ModelConfig.from_hf(cfg)
-    dt = _choose_dtype(dtype, None, f"random {cfg.model_type} weights")
-    model = empty_model(cfg, device, dt, merge_qkv, merge_gate_up)
-    if model.device.type == "meta":
-        return model
-    gen = torch.Generator(device=model.device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0 - cfg.norm_offset)  # the identity for x * w and for x * (1 + w) alike
-            else:
-                p.normal_(0.0, std, generator=gen)
-    return model

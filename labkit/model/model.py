@@ -20,13 +20,14 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from labkit.checks import check_type
 from labkit.kvcache.paged import PagedKVCache
 from labkit.model.attention import ModelInput
-from labkit.model.config import ModelConfig
+from labkit.model.config import FAMILIES, ModelConfig
 from labkit.model.fusion import FusionPlan
 from labkit.model.layers import DecoderLayer, RMSNorm
 from labkit.model.ops import add_norm, epilogue_ready
-from labkit.model.rope import RotaryEmbedding
+from labkit.model.rotary import RotaryEmbedding
 
 
 class Transformer(nn.Module):
@@ -82,11 +83,15 @@ class Transformer(nn.Module):
 class CausalLM(nn.Module):
     """A decoder-only language model of any family ``ModelConfig`` admits.
 
-    Build it with ``labkit.model.load_checkpoint`` (a local HF checkpoint), ``load_hf_model`` (an HF model in
+    Build it with ``labkit.model.load_checkpoint`` (a local HF checkpoint), ``adopt_hf_model`` (an HF model in
     memory) or ``from_config`` (random weights); ``CausalLM(cfg)`` itself leaves the weights at torch's defaults.
     """
 
     def __init__(self, cfg: ModelConfig, merge_qkv: bool = True, merge_gate_up: bool = True):
+        check_type("cfg", cfg, ModelConfig)
+        if cfg.model_type not in FAMILIES:
+            raise ValueError(f"model_type={cfg.model_type!r} is sized by ModelConfig but has no labkit.model decoder; "
+                             f"allowed: {FAMILIES}")
         super().__init__()
         self.config = cfg
         self.merge_qkv, self.merge_gate_up = merge_qkv, merge_gate_up

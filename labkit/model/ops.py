@@ -7,7 +7,7 @@ here, by plain calls (no lookup by name, no module switch).
   kernel for both, ``apply_rope_and_cache``, with a cache stored in the activations' dtype)
 * ``act_and_mul``: the gated MLP's ``act(gate) * up`` (``plan.activation``: ``silu_and_mul``)
 * ``projection``: an int8/int4 projection with its neighbours inside the GEMV (``plan.quant_epilogues``): the
-  RMSNorm before it, the residual add after it, or SwiGLU of its input; ``qkv_rope_cache``: the merged q/k/v
+  RMSNorm before it, the residual add after it, or SwiGLU of its input; ``qkv_projection``: the merged q/k/v
   projection with RoPE and the cache write in its store (``plan.qkv_rope_cache``). The quantised linears
   themselves are plain linears (``weights()``, ``tuning``, ``uses_kernels``); which kernel takes which neighbour is
   decided here (``EPILOGUE_KERNELS``).
@@ -24,7 +24,7 @@ from torch import nn
 from labkit.kernels.quantized_matmul import w4a16_matmul, w4a16_qkv_rope_cache, w8a16_matmul, w8a16_qkv_rope_cache
 from labkit.kvcache.paged import PagedKVCache
 from labkit.model.fusion import FusionPlan
-from labkit.model.rope import apply_rope
+from labkit.model.rotary import rotate
 from labkit.quant.weight_only import Int4Linear, Int8Linear
 
 EPILOGUE_KERNELS = {Int8Linear: (w8a16_matmul, w8a16_qkv_rope_cache), Int4Linear: (w4a16_matmul, w4a16_qkv_rope_cache)}
@@ -66,7 +66,7 @@ def rope_and_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
 
         q, k = rope_kernel(q, k, cos, sin)
     else:
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     cache.write(layer, slot_mapping, k, v, check=False)  # slots from the engine's allocator; a check syncs per layer
     return q, k
 
@@ -119,7 +119,7 @@ def projection(lin: nn.Module, x: torch.Tensor, norm: nn.Module | None = None, r
     return y if residual is None or inside else residual + y
 
 
-def qkv_rope_cache(lin: nn.Module, x: torch.Tensor, norm: nn.Module, num_heads: int, cos: torch.Tensor,
+def qkv_projection(lin: nn.Module, x: torch.Tensor, norm: nn.Module, num_heads: int, cos: torch.Tensor,
                    sin: torch.Tensor, cache: PagedKVCache, layer: int, slot_mapping: torch.Tensor,
                    pdl: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """``norm``, the merged bias-free q/k/v projection ``lin``, RoPE and the cache write of ``layer`` in one kernel

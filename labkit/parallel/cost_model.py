@@ -1,4 +1,4 @@
-"""Cost model of tensor and pipeline parallelism for a ``ModelSpec``: bytes moved, time on a link, memory per GPU.
+"""Cost model of tensor and pipeline parallelism for a ``ModelConfig``: bytes moved, time on a link, memory per GPU.
 
 Communication follows the alpha-beta model of ring collectives (Thakur et al. 2005; what NCCL's ring does):
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from labkit.models import ModelSpec, dtype_bytes
+from labkit.model import ModelConfig, dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def measured_time(fits: dict | None, op: str, nbytes: float, p: int) -> float | 
     return f["alpha_s"] + nbytes / f["beta_bytes_per_s"]
 
 
-def tp_comm(spec: ModelSpec, tp: int, tokens: int, link: str | Link = "nvlink4", dtype: str = "bf16",
+def tp_comm(spec: ModelConfig, tp: int, tokens: int, link: str | Link = "nvlink4", dtype: str = "bf16",
             layers: int | None = None, fits: dict | None = None) -> dict:
     """Tensor-parallel communication of one forward over ``tokens`` tokens (a decode step: tokens = batch).
 
@@ -119,14 +119,14 @@ def tp_comm(spec: ModelSpec, tp: int, tokens: int, link: str | Link = "nvlink4",
             "time_s": n_ar * ar_s + ag_s}
 
 
-def pp_comm(spec: ModelSpec, pp: int, tokens: int, link: str | Link = "ib-ndr", dtype: str = "bf16") -> dict:
+def pp_comm(spec: ModelConfig, pp: int, tokens: int, link: str | Link = "ib-ndr", dtype: str = "bf16") -> dict:
     """Pipeline communication of one forward: ``pp - 1`` sends of ``tokens x hidden``, one after another."""
     nbytes = tokens * spec.hidden_size * dtype_bytes(dtype)
     return {"sends": pp - 1, "send_bytes": nbytes, "time_s": (pp - 1) * p2p_time(nbytes, link) if pp > 1 else 0.0}
 
 
 # --- memory per device ---------------------------------------------------------------------------
-def memory_per_device(spec: ModelSpec, tp: int, pp: int, kv_tokens: int, dtype: str = "bf16",
+def memory_per_device(spec: ModelConfig, tp: int, pp: int, kv_tokens: int, dtype: str = "bf16",
                       kv_dtype: str | None = None) -> dict:
     """Bytes on the busiest GPU: its stage's layers and (first/last stage) embedding or head, split ``tp`` ways,
     and the KV cache of ``kv_tokens`` tokens (batch x context) for its layers and KV heads (replicated when
@@ -137,7 +137,7 @@ def memory_per_device(spec: ModelSpec, tp: int, pp: int, kv_tokens: int, dtype: 
     layers = math.ceil(spec.num_layers / pp)
     table = spec.vocab_size * spec.hidden_size  # vocab-parallel, so split tp ways like the layers
     # one stage holds the embedding, another the head; a single stage holds both (one table if tied)
-    ends = 2 * table if (pp == 1 and not spec.tie_embeddings) else table
+    ends = 2 * table if (pp == 1 and not spec.tie_word_embeddings) else table
     sharded = layers * (spec.attn_params_per_layer + spec.mlp_params_per_layer) + ends
     weights = (sharded / tp + layers * spec.norm_params_per_layer) * b  # norms are replicated
     kv_heads = max(1, spec.num_kv_heads // tp)

@@ -1,6 +1,6 @@
 """An analytical planner: which layout serves a model on a cluster at a given traffic and latency objective.
 
-For a ``ModelSpec``, a ``Cluster`` (GPU type, GPUs per node, nodes, links), ``Traffic`` (arrival rate, prompt and
+For a ``ModelConfig``, a ``Cluster`` (GPU type, GPUs per node, nodes, links), ``Traffic`` (arrival rate, prompt and
 output lengths) and an ``SLO`` (p99 time to first token, time per output token), ``plan`` enumerates
 tensor-parallel x pipeline-parallel layouts, weight and KV precisions and maximum batch sizes, and predicts for
 each: memory per GPU (does it fit), the decode and prefill step times, communication, throughput and latency. The

@@ -8,30 +8,30 @@ from __future__ import annotations
 import math
 
 from labkit.hardware import get_hardware
-from labkit.models import ModelSpec, get_spec
+from labkit.model import ModelConfig, get_config
 from labkit.parallel.cost_model import memory_per_device
 
 USABLE = 0.9
 """Share of a GPU's memory the planner counts as usable (the rest: activations, the allocator, CUDA graphs)."""
 
 
-def min_tp(spec: ModelSpec | str, gpu: str, dtype: str = "bf16", usable: float = USABLE) -> int | None:
+def min_tp(spec: ModelConfig | str, gpu: str, dtype: str = "bf16", usable: float = USABLE) -> int | None:
     """The narrowest TP degree (a power of two dividing the heads, at most 8: one node) whose weight shard fits in
     ``usable`` of one ``gpu``'s memory, or None when even TP8 does not."""
-    spec, hw = get_spec(spec), get_hardware(gpu)
+    spec, hw = get_config(spec), get_hardware(gpu)
     for tp in (1, 2, 4, 8):
         if spec.num_heads % tp == 0 and memory_per_device(spec, tp, 1, 0, dtype)["weights"] <= usable * hw.mem_capacity:
             return tp
     return None
 
 
-def model_arithmetic(spec: ModelSpec | str = "gpt3-175b", gpus: tuple[str, ...] = ("h100", "h200"),
+def model_arithmetic(spec: ModelConfig | str = "gpt3-175b", gpus: tuple[str, ...] = ("h100", "h200"),
                      seq_len: int = 2048, usable: float = USABLE) -> dict[str, tuple]:
     """``{suffix: (value, unit, note)}``: weights per format (GB), the shape that sets the KV cache, KV per token
     (MiB, 2 x layers x KV heads x head dim x 2 bytes) and per ``seq_len``-token sequence (GiB), and per GPU kind the
     narrowest TP group for bf16 weights (``min_tp``), the memory it leaves per GPU and how many ``seq_len``-token
     sequences of bf16 KV that holds across the group."""
-    spec = get_spec(spec)
+    spec = get_config(spec)
     out: dict[str, tuple] = {}
     for w in ("bf16", "fp8", "int8", "int4"):
         out[f"weights_gb_{w}"] = (spec.weight_bytes(w) / 1e9, "GB", f"{spec.num_params / 1e9:.1f} B parameters "

@@ -15,8 +15,9 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+from labkit.data import REPO_ROOT
 from labkit.hardware import Hardware
-from labkit.models import REPO_ROOT, get_spec
+from labkit.model import get_config
 from labkit.plan.inputs import Calibration, Cluster, KernelPath
 from labkit.plan.steps import decode_parts, decode_step_time, prefill_time
 
@@ -79,7 +80,7 @@ def fit_calibration(rows: list[dict], spec, bandwidth: float, peak: float, sourc
     folded into ``bandwidth_eff`` (what a step pays besides the bytes' floor then scales with the weights, which
     under-states it for wide tensor-parallel layouts whose shards are small).
     """
-    spec = get_spec(spec)
+    spec = get_config(spec)
     dec = [r for r in rows if r["phase"] == "decode"]
     pre = [r for r in rows if r["phase"] == "prefill"]
     if not dec or not pre:
@@ -205,7 +206,7 @@ def validate(record: dict, cal: Calibration, gpu: Hardware, held_out: bool = Fal
     ``held_out=True`` predicts each row from a calibration fitted to the *other* rows (leave-one-out), the honest
     error of a model with several fitted parameters; ``cal`` is then not used. Only the sweep's own fitted path
     is validated (the kernel paths are other records' measurements)."""
-    spec = get_spec(record["data"]["preset"])
+    spec = get_config(record["data"]["preset"])
     cluster = Cluster(gpu, gpus_per_node=1, nodes=1)
     rows = record["data"]["rows"]
     cal = replace(cal, kernels=(), kv_paths=())

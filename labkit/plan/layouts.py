@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from labkit.figures import machine_class
 from labkit.hardware import Hardware, get_hardware, measured_hardware
-from labkit.models import ModelSpec, get_spec
+from labkit.model import ModelConfig, get_config
 from labkit.plan import steps
 from labkit.plan.calibration import STEP_SWEEP_RECORD, load_calibration
 from labkit.plan.inputs import Calibration, Cluster
@@ -39,19 +39,19 @@ def calibrated_cluster(gpu: str | Hardware = "h200", gpus_per_node: int = 8, nod
     return Cluster(hw, gpus_per_node=gpus_per_node, nodes=nodes, intra=intra, inter=inter), cal, note
 
 
-def layout_rows(spec: ModelSpec | str, cluster: Cluster, cal: Calibration, layouts: list[tuple[int, int, int]],
+def layout_rows(spec: ModelConfig | str, cluster: Cluster, cal: Calibration, layouts: list[tuple[int, int, int]],
                 batch: int, context: int, weights: str = "bf16", kv: str = "bf16") -> list[dict]:
     """One ``decode_step_parts`` row per ``(tp, pp, microbatches)`` layout, labelled ``TPa x PPb``."""
-    spec = get_spec(spec)
+    spec = get_config(spec)
     return [dict(steps.decode_step_parts(spec, cluster, cal, tp, pp, batch, context, weights, kv, m),
                  layout=f"TP{tp} x PP{pp}") for tp, pp, m in layouts]
 
 
-def every_layout(spec: ModelSpec | str, cluster: Cluster, cal: Calibration, num_gpus: int, batch: int,
+def every_layout(spec: ModelConfig | str, cluster: Cluster, cal: Calibration, num_gpus: int, batch: int,
                  context: int, weights: str = "bf16", kv: str = "bf16") -> list[dict]:
     """Every ``tp x pp = num_gpus`` split (TP sizes that divide the heads, ``pp`` micro-batches), fitting ones
     first, fastest first: PP against TP decided by the numbers."""
-    spec = get_spec(spec)
+    spec = get_config(spec)
     layouts = [(t, num_gpus // t, num_gpus // t) for t in range(1, num_gpus + 1)
                if num_gpus % t == 0 and spec.num_heads % t == 0 and num_gpus // t <= spec.num_layers]
     rows = layout_rows(spec, cluster, cal, layouts, batch, context, weights, kv)

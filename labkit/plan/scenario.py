@@ -14,7 +14,7 @@ from pathlib import Path
 from labkit.engine.metrics import SLO
 from labkit.engine.workload import LengthDist
 from labkit.hardware import Hardware, get_hardware, measured_hardware
-from labkit.models import get_spec
+from labkit.model import get_config
 from labkit.plan.calibration import STEP_SWEEP_RECORD, load_calibration
 from labkit.plan.inputs import Calibration, Cluster, Traffic, check_positive_int, check_rate
 from labkit.plan.serve import Plan, best_by_format, plan
@@ -39,7 +39,7 @@ class Scenario:
     batches: tuple = (8, 16, 32, 64, 128, 256)
 
     def __post_init__(self) -> None:
-        get_spec(self.model)
+        get_config(self.model)
         get_hardware(self.gpu)
         for name in ("gpus_per_node", "nodes", "prompt_median", "output_mean"):
             check_positive_int(name, getattr(self, name))

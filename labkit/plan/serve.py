@@ -15,7 +15,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from labkit.engine.metrics import SLO
-from labkit.models import ModelSpec, dtype_bytes, get_spec
+from labkit.model import ModelConfig, dtype_bytes, get_config
 from labkit.parallel.cost_model import get_link, memory_per_device
 from labkit.plan.inputs import (
     KV_DTYPES,
@@ -120,7 +120,7 @@ def plan(spec, cluster: Cluster, traffic: Traffic, slo: SLO, cal: Calibration | 
     the layers; replicas share the traffic."""
     from labkit.plan.calibration import load_calibration
 
-    spec = get_spec(spec)
+    spec = get_config(spec)
     weights, kv, batches = check_plan_inputs(cluster, traffic, slo, cal, weights, kv, batches)
     cal = cal or load_calibration()[0]
     out = []
@@ -174,7 +174,7 @@ def best_by_format(plans: list[Plan], key: str = "weights") -> dict[str, Plan]:
     return out
 
 
-def explain(p: Plan, spec: ModelSpec, cluster: Cluster) -> str:
+def explain(p: Plan, spec: ModelConfig, cluster: Cluster) -> str:
     """Why this layout, in the numbers that decide it."""
     weight_bytes = spec.weight_bytes(p.weights)
     need = math.ceil(weight_bytes / (0.9 * cluster.gpu.mem_capacity))

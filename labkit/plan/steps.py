@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from labkit.models import ModelSpec
+from labkit.model import ModelConfig
 from labkit.parallel.cost_model import memory_per_device, pp_comm, tp_comm
 from labkit.plan.inputs import KV_DTYPES, WEIGHT_DTYPES, Calibration, Cluster, check_formats, check_positive_int
 
@@ -41,7 +41,7 @@ def micro_batch(batch: int, pp: int, microbatches: int | None = None) -> int:
     return max(1, math.ceil(batch / m))
 
 
-def decode_parts(spec: ModelSpec, tp: int, pp: int, batch: int, context: int, weights: str,
+def decode_parts(spec: ModelConfig, tp: int, pp: int, batch: int, context: int, weights: str,
                  kv: str, microbatches: int | None = None) -> tuple[float, float]:
     """(weight bytes, KV bytes) one stage reads per micro-batch: the planner's floor of a decode step."""
     return _parts(spec, tp, pp, micro_batch(batch, pp, microbatches), context, weights, kv)
@@ -59,7 +59,7 @@ def links(cluster: Cluster, tp: int, pp: int) -> tuple[str, str]:
     return tp_link, pp_link
 
 
-def weight_paths(spec: ModelSpec, cluster: Cluster, cal: Calibration, tp: int, pp: int, batch: int, context: int,
+def weight_paths(spec: ModelConfig, cluster: Cluster, cal: Calibration, tp: int, pp: int, batch: int, context: int,
                  weights: str, microbatches: int | None = None) -> dict[str, float]:
     """Seconds one stage spends reading (and multiplying) its weights per micro-batch, by every measured path
     of ``weights`` at this micro-batch: ``{path: seconds}``. The step uses the smallest."""
@@ -84,7 +84,7 @@ def _weight_paths(spec, cluster, cal, tp, pp, batch, context, weights, mb) -> di
     return out
 
 
-def kv_read_time(spec: ModelSpec, cluster: Cluster, cal: Calibration, tp: int, pp: int, batch: int, context: int,
+def kv_read_time(spec: ModelConfig, cluster: Cluster, cal: Calibration, tp: int, pp: int, batch: int, context: int,
                  kv: str, microbatches: int | None = None) -> float:
     """Seconds one stage reads its micro-batch's KV cache: the bf16 read, times the best measured ratio of
     ``kv`` (1 where none is measured: the memory saving counts, an unmeasured speed-up does not)."""
@@ -99,7 +99,7 @@ def _kv_read(spec, cluster, cal, tp, pp, batch, context, kv, mb) -> float:
     return bf16 * min([p.ratio for p in cal.paths(kv, mb, kv=True)], default=1.0)
 
 
-def decode_step_parts(spec: ModelSpec, cluster: Cluster, cal: Calibration, tp: int, pp: int, batch: int,
+def decode_step_parts(spec: ModelConfig, cluster: Cluster, cal: Calibration, tp: int, pp: int, batch: int,
                       context: int, weights: str = "bf16", kv: str = "bf16", microbatches: int | None = None,
                       memory: bool = True) -> dict:
     """The one cost model of a decode step (every one of ``batch`` sequences gains a token) on ``tp x pp`` GPUs,
@@ -144,14 +144,14 @@ def decode_step_parts(spec: ModelSpec, cluster: Cluster, cal: Calibration, tp: i
     return out
 
 
-def decode_step_time(spec: ModelSpec, cluster: Cluster, cal: Calibration, tp: int, pp: int, batch: int,
+def decode_step_time(spec: ModelConfig, cluster: Cluster, cal: Calibration, tp: int, pp: int, batch: int,
                      context: int, weights: str, kv: str, microbatches: int | None = None) -> float:
     """Seconds for every one of ``batch`` sequences to gain a token: ``decode_step_parts(...)["step_s"]``."""
     return decode_step_parts(spec, cluster, cal, tp, pp, batch, context, weights, kv, microbatches,
                              memory=False)["step_s"]
 
 
-def prefill_time(spec: ModelSpec, cluster: Cluster, cal: Calibration, tp: int, pp: int, prompt_len: int,
+def prefill_time(spec: ModelConfig, cluster: Cluster, cal: Calibration, tp: int, pp: int, prompt_len: int,
                  weights: str) -> float:
     """Seconds to prefill one prompt of ``prompt_len`` tokens through all stages (compute-bound)."""
     check_layout(tp, pp, weights=weights)

@@ -32,7 +32,7 @@ from labkit.engine import LengthDist, make_workload
 from labkit.claims import Claim, show
 from labkit.experiments.baseline import hf_modes, offline_speedups, offline_throughput, run_generate, sweep_load
 from labkit.hardware import detect, measure_ceilings
-from labkit.models import get_spec, human_bytes, load_model, random_model
+from labkit.model import get_config, human_bytes, load_model, random_model
 from labkit.profiling import plot_timeline, profile_run, roofline
 from labkit.workbook import resolve_profile
 
@@ -62,7 +62,7 @@ if PROFILE == "gpu":
 else:
     model, tokenizer = load_model(device="cpu", dtype="fp32")
     source, weight_dtype, model_name = split_tokens("heldout", tokenizer), "fp32", "pydocs-llama (embedded)"
-spec = get_spec(model)
+spec = get_config(model)
 ceilings = measure_ceilings()
 hw = detect()
 print(f"{model_name}: {spec.num_params / 1e6:,.1f} M parameters, {human_bytes(spec.weight_bytes(weight_dtype))} "

@@ -31,7 +31,7 @@ from labkit.claims import Claim, show
 from labkit.experiments.diagnose import profile_decode, regimes
 from labkit.figures import machine_figures, read_summary
 from labkit.hardware import KNOWN, detect, measure_ceilings, measured_hardware
-from labkit.models import PRESETS, get_spec, load_model, random_model
+from labkit.model import PRESETS, get_config, load_model, random_model
 from labkit.profiling import mbu, mfu, plot_roofline, plot_timeline, profile_run, roofline
 from labkit.workbook import resolve_profile
 
@@ -95,7 +95,7 @@ if PROFILE == "gpu":
 else:
     model, _ = load_model(device="cpu", dtype="fp32")
     dtype = "fp32"
-spec = get_spec(model)
+spec = get_config(model)
 vocab = spec.vocab_size
 gen = torch.Generator().manual_seed(seed)
 

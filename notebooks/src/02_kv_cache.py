@@ -45,7 +45,7 @@ from labkit.engine import LLMEngine, SamplingParams
 from labkit.experiments.kv_cache import (attention_latency, draw_block_table, kv_format_accuracy, lognormal_mix,
                                          simulate_contiguous, simulate_paged)
 from labkit.kvcache import ContiguousKVCache, PagedKVCache, SeqBlocks, decode_attention, kv_format
-from labkit.models import PRESETS, get_spec, human_bytes, load_model, random_model
+from labkit.model import PRESETS, get_config, human_bytes, load_model, random_model
 from labkit.workbook import resolve_profile
 
 PROFILE = resolve_profile(profile)
@@ -89,8 +89,8 @@ rows = []
 for name in ("tiny", "llama-3-8b", "gpt3-175b"):
     spec = PRESETS[name]
     per_tok = spec.kv_bytes_per_token("bf16")
-    per_seq = per_tok * spec.max_position
-    row = {"model": name, "KV per token (bf16)": human_bytes(per_tok), "context": spec.max_position,
+    per_seq = per_tok * spec.max_position_embeddings
+    row = {"model": name, "KV per token (bf16)": human_bytes(per_tok), "context": spec.max_position_embeddings,
            "KV per sequence at full context": human_bytes(per_seq), "weights (bf16)": human_bytes(spec.weight_bytes())}
     for gpus, label in ((1, "1 x H200"), (8, "8 x H200 node")):
         free = mem_utilisation * gpus * H200.mem_capacity - spec.weight_bytes("bf16")
@@ -99,8 +99,8 @@ for name in ("tiny", "llama-3-8b", "gpt3-175b"):
 predict = pd.DataFrame(rows)
 display(predict)
 
-SIM_SPEC = get_spec(SIZES["sim_model"])
-MAX_LEN = SIM_SPEC.max_position
+SIM_SPEC = get_config(SIZES["sim_model"])
+MAX_LEN = SIM_SPEC.max_position_embeddings
 if SIZES["sim_budget_tokens"] is None:  # gpu: the KV memory one H200 leaves beside Llama-3-8B's weights
     kv_budget = mem_utilisation * H200.mem_capacity - SIM_SPEC.weight_bytes("bf16")
     SIZES["sim_budget_tokens"] = int(kv_budget // SIM_SPEC.kv_bytes_per_token("bf16"))

@@ -48,7 +48,8 @@ from labkit.figures import committed_figures
 from labkit.hardware import measure_ceilings
 from labkit.kernels.patch import patch_model, patch_summary, unpatch
 from labkit.kernels.rms_norm import _rms_norm_kernel, rms_norm_ref
-from labkit.models import REPO_ROOT, human_bytes, load_model, random_model
+from labkit.data import REPO_ROOT
+from labkit.model import human_bytes, load_model, random_model
 
 torch.manual_seed(seed)
 DEVICE = torch.device("cuda" if PROFILE == "gpu" else "cpu")

@@ -43,13 +43,13 @@ from labkit.bench import SUMMARY_PATH, record_figure, write_record
 from labkit.claims import Claim, show
 from labkit.device import native_bf16
 from labkit.hardware import KNOWN, measure_copy_bandwidth
-from labkit.models import PRESETS, load_model, random_model
+from labkit.model import PRESETS, load_model, random_model
 from labkit.experiments.quantization import (accuracy_rows, breakdown_tables, bytes_per_weight, decode_weight_bytes,
                                              plot_step_breakdown, speed_rows)
 from labkit.experiments.quantization import precision as P
 from labkit.experiments.quantization.kernel_count import count_summary, kernel_counts, linear_ops
 from labkit.figures import committed_figures
-from labkit.models import REPO_ROOT
+from labkit.data import REPO_ROOT
 from labkit.quant import METHODS, quantize
 from labkit.quant.fp8 import Fp8Linear
 from labkit.workbook import resolve_profile

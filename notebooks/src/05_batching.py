@@ -50,7 +50,7 @@ from labkit.claims import Claim, show
 from labkit.experiments.batching import (check_graph_replays, check_greedy_vs_hf, decode_rate, fifo_sweep,
                                          free_device_memory, profile_decode, serve_sweep)
 from labkit.hardware import measure_ceilings
-from labkit.models import get_spec, human_bytes, load_model, random_model
+from labkit.model import get_config, human_bytes, load_model, random_model
 from labkit.profiling import plot_timeline
 
 SIZES = {
@@ -106,7 +106,7 @@ else:
     torch.set_num_threads(1)  # the embedded model's matmuls are tiny; extra threads only contend
     speed_model, source = check_model, split_tokens("heldout", tokenizer)
     speed_dtype, model_name = "fp32", "pydocs-llama (embedded, fp32)"
-spec = get_spec(speed_model)
+spec = get_config(speed_model)
 ceilings = measure_ceilings("cuda" if ON_GPU else "cpu")
 bandwidth = ceilings["copy_bytes_per_s"]
 print(f"{model_name}: {spec.num_params / 1e6:,.1f} M parameters, {human_bytes(spec.weight_bytes(speed_dtype))}; "

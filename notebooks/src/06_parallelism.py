@@ -36,7 +36,8 @@ from labkit.bench import record_figure, time_fn, write_record
 from labkit.experiments import parallelism as ex
 from labkit.experiments.parallelism import bubble_table, comm_fits, plot_comm, plot_timeline, pp_bubble, pp_check
 from labkit.experiments.parallelism.report import case_175b_text
-from labkit.models import PRESETS, REPO_ROOT, TINY, human_bytes, load_model
+from labkit.data import REPO_ROOT
+from labkit.model import PRESETS, TINY, human_bytes, load_model
 from labkit.parallel import cost_model as cm
 from labkit.parallel import launch
 from labkit.workbook import resolve_profile

@@ -48,7 +48,7 @@ from labkit.experiments import finetuning as C
 from labkit.finetune import (LoRALinear, TrainSetup, apply_lora, heldout_loss, inference_memory, merge_lora,
                              trainable_parameters, training_memory)
 from labkit.hardware import get_hardware, measure_matmul_flops
-from labkit.models import PRESETS, get_spec, human_bytes, load_model, random_model
+from labkit.model import PRESETS, get_config, human_bytes, load_model, random_model
 from labkit.workbook import resolve_profile
 
 PROFILE = resolve_profile(profile)
@@ -91,7 +91,7 @@ print(PROFILE, DEVICE, SIZES, f"{torch.get_num_threads()} CPU threads", "recipes
 
 # %%
 base_model, tok = load_model(device=DEVICE, dtype="fp32")
-spec = get_spec(base_model)
+spec = get_config(base_model)
 B, S = SIZES["batch"], SIZES["seq"]
 setups = {m: C.recipe(m, B, S, device=DEVICE, lora_rank=lora_rank, bf16=BF16) for m in C.METHOD_NAMES}
 predict = []

@@ -28,7 +28,7 @@ from labkit.experiments import capstone as cap
 from labkit.plan import SCENARIO_175B, load_summary, model_arithmetic, recommend, validate, weight_paths
 from labkit.plan import mape as plan_mape
 from labkit.plan import load_sweep
-from labkit.models import get_spec
+from labkit.model import get_config
 from labkit.workbook import resolve_profile
 
 PROFILE = resolve_profile(profile)
@@ -52,7 +52,7 @@ print(f"{len(figures)} committed figures, {len(derived)} derived from GPU record
 # `recommend` on the same scenario.
 
 # %%
-spec = get_spec(SCENARIO_175B.model)
+spec = get_config(SCENARIO_175B.model)
 best = rec.best
 mb = best.max_batch if best else max(SCENARIO_175B.batches)
 ctx = int(rec.scenario.traffic().mean("prompt") + rec.scenario.traffic().mean("output") / 2)

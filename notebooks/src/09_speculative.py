@@ -41,7 +41,7 @@ from labkit.data import split_tokens
 from labkit.engine.proposers import DraftModelProposer, PromptLookupProposer
 from labkit.experiments import speculative as S
 from labkit.model import from_config, load_checkpoint
-from labkit.models import DATA_DIR, EMBEDDED_MODEL_DIR
+from labkit.data import DATA_DIR, EMBEDDED_MODEL_DIR
 
 SIZES = {"ci": dict(prompts=2, prompt_len=48, new=8, ks=[2], batches=[1, 4], iters=2),
          "cpu": dict(prompts=6, prompt_len=96, new=32, ks=[1, 2, 4], batches=[1, 4, 16, 64], iters=5),

@@ -30,9 +30,9 @@ DTYPES = ("auto", "fp32", "bf16", "fp16")
 def _load(args):
     """``(model, tokenizer, token source, label)`` for ``--model``: 'embedded', a preset (random weights) or a
     checkpoint directory."""
-    from labkit.data import split_tokens
+    from labkit.data import EMBEDDED_MODEL, split_tokens
     from labkit.device import resolve_device
-    from labkit.models import EMBEDDED_MODEL, PRESETS, load_model, random_model
+    from labkit.model import PRESETS, load_model, random_model
 
     device = resolve_device(args.device)
     if args.model in PRESETS:
@@ -97,10 +97,10 @@ def _decode(args) -> int:
     from labkit.bench import write_record
     from labkit.experiments.batching.measure import decode_rate
     from labkit.hardware import measure_ceilings
-    from labkit.models import get_spec
+    from labkit.model import get_config
 
     model, _, source, label = _load(args)
-    spec, dtype = get_spec(model), next(model.parameters()).dtype
+    spec, dtype = get_config(model), next(model.parameters()).dtype
     ceilings = measure_ceilings(next(model.parameters()).device, iters=5)
     bw, sheet = ceilings["copy_bytes_per_s"], ceilings["datasheet_bytes_per_s"]
     rows = []

@@ -15,7 +15,7 @@ import re
 
 from labkit.conditions import render
 from labkit.figures import class_order, machine_class, machine_figures, read_summary, summary_classes
-from labkit.models import PRESETS, TINY
+from labkit.model import PRESETS, TINY
 
 __all__ = ["ANSWER", "EMBEDDED_ONLY", "GROUPS", "HINTS", "TIERS", "answer", "by_class", "layout_figures", "proxy_label",
            "proxy_labelled", "render_paragraph", "templates"]

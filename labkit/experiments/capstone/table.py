@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from types import SimpleNamespace
 
-from labkit.models import REPO_ROOT
+from labkit.data import REPO_ROOT
 
 COLUMNS = ("accuracy", "latency", "throughput", "memory")
 """The trade-off columns of the technique table."""

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from labkit.bench import time_fn
-from labkit.models import get_spec
+from labkit.model import get_config
 
 # Bytes per element, bf16 activations, float32 statistics, counted pass by pass (read + write):
 FUSION_BYTES = {
@@ -47,7 +47,7 @@ def operator_costs(spec="llama-3-8b", tokens: int = 16384, batch: int = 32, cont
     Elementwise ops run on ``tokens`` rows; prefill attention on 4 sequences of ``seq`` (causal); decode
     attention on ``batch`` sequences of ``context``; linears at batch 1 (GEMV) and at ``tokens`` rows (GEMM).
     """
-    s = get_spec(spec)
+    s = get_config(spec)
     h, i, d, b = s.hidden_size, s.intermediate_size, s.head_dim, dtype_bytes
     qkv = (s.num_heads + s.num_kv_heads) * d
     rows = [

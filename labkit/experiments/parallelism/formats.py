@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.models import get_spec
+from labkit.model import get_config
 
 BATCHES = (1, 8, 32, 64, 128, 256)
 """Decode batches (rows of the activation) the planner plans for."""
@@ -22,7 +22,7 @@ BATCHES = (1, 8, 32, 64, 128, 256)
 
 def layer_shapes(preset: str = "llama-3-8b") -> list[tuple[int, int]]:
     """``(out_features, in_features)`` of one decoder layer's linears: fused q/k/v, o, fused gate/up, down."""
-    s = get_spec(preset)
+    s = get_config(preset)
     kv = s.num_kv_heads * s.head_dim
     return [(s.num_heads * s.head_dim + 2 * kv, s.hidden_size), (s.hidden_size, s.num_heads * s.head_dim),
             (2 * s.intermediate_size, s.hidden_size), (s.hidden_size, s.intermediate_size)]

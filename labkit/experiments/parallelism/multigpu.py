@@ -5,7 +5,7 @@ questions at full size on real GPUs.
 tiny shapes, which is how it is tested. Sub-groups ``ranks 0..k-1`` give TP/PP degrees below the world size; every
 rank calls every function in the same order (group creation is collective) and ranks outside a group wait.
 
-Full-size shapes come from ``ModelSpec`` presets with random weights, built on the meta device, sharded, then
+Full-size shapes come from ``ModelConfig`` presets with random weights, built on the meta device, sharded, then
 materialised directly on the GPU, so a 70B shape never exists whole on one device.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from labkit.models import get_spec
+from labkit.model import get_config
 from labkit.parallel import (
     allowed_tp_sizes,
     bubble_formula,
@@ -78,7 +78,7 @@ def _materialise(module: torch.nn.Module, owner, config, device: torch.device, s
 def _meta_model(preset: str, num_layers: int | None, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    spec = get_spec(preset)
+    spec = get_config(preset)
     spec = replace(spec, num_layers=num_layers) if num_layers else spec
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(spec.to_hf_config(), dtype=dtype), spec
@@ -220,7 +220,7 @@ def tp_row_check(rank: int, world_size: int, preset: str = "llama-3-8b", num_lay
 def _predicted_comm(preset: str, layers: int, tp: int, batch: int, fits: dict | None, dtype) -> dict:
     """The cost model's TP communication time per step: with the NVLink datasheet link, and with the alpha-beta
     fitted to this machine's all-reduce/all-gather at ``tp`` ranks (when the comm section ran)."""
-    spec = replace(get_spec(preset), num_layers=layers)
+    spec = replace(get_config(preset), num_layers=layers)
     name = str(dtype).split(".")[-1]
     c = cost_model.tp_comm(spec, tp, batch, "nvlink4", name)
     out = {"predicted_comm_datasheet_s": c["time_s"]}
@@ -238,7 +238,7 @@ def tp_section(device: torch.device, presets: list[tuple[str, int | None]], tp_s
     """TP decode rows for every ``(preset, num_layers)``, TP size (those the shape allows, <= world) and batch."""
     rows, rank, world = [], dist.get_rank(), dist.get_world_size()
     for preset, layers in presets:
-        config = get_spec(preset).to_hf_config()
+        config = get_config(preset).to_hf_config()
         for tp in [t for t in tp_sizes if t <= world and t in allowed_tp_sizes(config)]:
             group_of(tp), group_of(tp, "b")  # collective creation, every rank
             for batch in batches:

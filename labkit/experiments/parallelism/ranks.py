@@ -91,7 +91,7 @@ def tp_layers_check(rank: int, world_size: int, seed: int = 0) -> dict:
 
 
 def load_model_on(model_path, device):
-    from labkit.models import load_model
+    from labkit.model import load_model
 
     model, _ = load_model(model_path, device=device)
     return model

@@ -80,7 +80,7 @@ def case_175b_text(batch: int = 32, context: int = 2048, rec=None) -> str:
     and whether it fits an H100 and an H200, the all-reduce count and share of a TP8 step on NVLink, TP16 over
     InfiniBand against it, and (``rec``, a ``labkit.plan.Recommendation``) the planner's pick through the same
     function at the scenario's own batch and context."""
-    from labkit.models import PRESETS
+    from labkit.model import PRESETS
     from labkit.parallel import cost_model as cm
     from labkit.plan import steps, worked_example_175b
 

@@ -128,13 +128,13 @@ def bytes_per_weight(method: str, in_features: int = 4096, group_size: int = 128
 
 
 def decode_weight_bytes(spec, method: str, group_size: int = 128, lm_head: bool | str = False) -> float:
-    """Predicted weight bytes one decode step reads for a ``labkit.models.ModelSpec`` (or preset name) with its
+    """Predicted weight bytes one decode step reads for a ``labkit.model.ModelConfig`` (or preset name) with its
     linear layers in ``method``: the decoder's linears at ``bytes_per_weight``, the LM head in bf16 unless
     ``lm_head`` (True: in ``method`` too; a method name: in that one), norms in bf16; the embedding contributes one
     row per token (nothing, to this precision)."""
-    from labkit.models import get_spec
+    from labkit.model import get_config
 
-    spec = get_spec(spec)
+    spec = get_config(spec)
     linear = spec.num_layers * (spec.attn_params_per_layer + spec.mlp_params_per_layer)
     head = spec.vocab_size * spec.hidden_size
     bpw = bytes_per_weight(method, in_features=spec.hidden_size, group_size=group_size)
@@ -148,9 +148,9 @@ def decode_step_bytes(model: nn.Module, batch_size: int = 1, context_len: int = 
     """Bytes one decode step must read from memory, *measured* on ``model`` as it is held: every weight it keeps
     (quantised codes, scales and states included) except an untied embedding table (one row per token is
     read), plus the KV cache of ``batch_size`` sequences of ``context_len`` tokens in the model's dtype."""
-    from labkit.models import dtype_name, get_spec
+    from labkit.model import dtype_name, get_config
 
-    spec = get_spec(model)
+    spec = get_config(model)
     held = bytes_held(model)
     embed = model.get_input_embeddings().weight
     if embed is not getattr(model.get_output_embeddings(), "weight", None):  # untied: not read in full

@@ -217,7 +217,7 @@ def perplexity_by_dtype(dtypes=("fp32", "bf16", "fp16"), seq_len: int = 256, max
     """Held-out perplexity of the embedded model (or a local checkpoint) with all weights and activations in
     each dtype (HF keeps RMSNorm and softmax in float32 internally, as above)."""
     from labkit.experiments.quantization.metrics import heldout_perplexity
-    from labkit.models import load_model
+    from labkit.model import load_model
 
     bad = [d for d in dtypes if d not in FLOAT_DTYPES]
     if bad:

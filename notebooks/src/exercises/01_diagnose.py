@@ -33,13 +33,13 @@ check("01.linear_roofline", linear_roofline)
 # %% [markdown]
 # ### Exercise 01.kv_bytes (10 minutes)
 # Write `kv_cache_bytes(spec, batch, context, dtype)`: the bytes of the KV cache that `batch` sequences of `context`
-# tokens hold, stored in `dtype` (`"bf16"`, `"fp8"`, `"int8"`, `"fp32"`; `labkit.models.dtype_bytes(dtype)` gives
-# bytes per element). `spec` is a `labkit.models.ModelSpec`: use `spec.num_layers`, `spec.num_kv_heads` and
+# tokens hold, stored in `dtype` (`"bf16"`, `"fp8"`, `"int8"`, `"fp32"`; `labkit.model.dtype_bytes(dtype)` gives
+# bytes per element). `spec` is a `labkit.model.ModelConfig`: use `spec.num_layers`, `spec.num_kv_heads` and
 # `spec.head_dim` (not `hidden_size / num_heads`: some models differ). Every layer stores a K and a V vector of
 # `head_dim` per KV head per token.
 
 # %%
-from labkit.models import dtype_bytes
+from labkit.model import dtype_bytes
 
 
 def kv_cache_bytes(spec, batch, context, dtype):
@@ -56,7 +56,7 @@ check("01.kv_bytes", kv_cache_bytes)
 # `decode_floor(spec, batch, context, dtype, bandwidth)`, the seconds of one decode step at that floor:
 #
 # * every weight is read once, except the embedding table: a step reads only one row of it per token, so leave it
-#   out, unless the model ties it to the LM head (`spec.tie_embeddings`), which reads it in full;
+#   out, unless the model ties it to the LM head (`spec.tie_word_embeddings`), which reads it in full;
 #   `spec.num_params` counts every parameter, `spec.embedding_params` the table;
 # * plus the KV cache of `batch` sequences of `context` tokens (your `kv_cache_bytes` above).
 

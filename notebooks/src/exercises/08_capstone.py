@@ -8,9 +8,9 @@
 #
 # ### Exercise 08.memory_per_gpu (25 minutes)
 # `memory_per_gpu(spec, tp, pp, kv_tokens, dtype="bf16", kv_dtype=None)` returns `{"weights": bytes, "kv": bytes}`
-# on the busiest GPU of a layout of `pp` pipeline stages of `tp` GPUs. Use `labkit.models.dtype_bytes` and the
-# `ModelSpec` (`spec.attn_params_per_layer`, `spec.mlp_params_per_layer`, `spec.norm_params_per_layer`,
-# `spec.vocab_size`, `spec.hidden_size`, `spec.num_kv_heads`, `spec.head_dim`, `spec.tie_embeddings`).
+# on the busiest GPU of a layout of `pp` pipeline stages of `tp` GPUs. Use `labkit.model.dtype_bytes` and the
+# `ModelConfig` (`spec.attn_params_per_layer`, `spec.mlp_params_per_layer`, `spec.norm_params_per_layer`,
+# `spec.vocab_size`, `spec.hidden_size`, `spec.num_kv_heads`, `spec.head_dim`, `spec.tie_word_embeddings`).
 #
 # * A stage holds `ceil(num_layers / pp)` layers.
 # * Attention and MLP matrices are split `tp` ways; the embedding table and the LM head too (vocabulary-parallel).
@@ -23,7 +23,7 @@
 # %%
 import math
 
-from labkit.models import dtype_bytes
+from labkit.model import dtype_bytes
 
 
 def memory_per_gpu(spec, tp, pp, kv_tokens, dtype="bf16", kv_dtype=None):

@@ -163,7 +163,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[..., heads, head_dim]`` by ``cos``/``sin`` ``[..., rotary_dim]`` (float32, cast to ``x``'s
     dtype as HF does); dims past ``rotary_dim`` pass through (partial rotary)."""
     cos, sin = cos.to(x.dtype)[..., None, :], sin.to(x.dtype)[..., None, :]

@@ -3,18 +3,8 @@ import json
 import pytest
 import torch
 
-from labkit.models import (
-    EMBEDDED_MODEL_DIR,
-    PRESETS,
-    TINY,
-    ModelSpec,
-    count_parameters,
-    dtype_bytes,
-    get_spec,
-    load_model,
-    random_model,
-    torch_dtype,
-)
+from labkit.data import EMBEDDED_MODEL_DIR
+from labkit.model import PRESETS, TINY, ModelConfig, count_parameters, dtype_bytes, get_config, load_model, random_model
 
 
 def test_llama3_8b_arithmetic():
@@ -46,9 +36,9 @@ def test_tiny_matches_embedded_checkpoint():
     cfg = json.loads((EMBEDDED_MODEL_DIR / "config.json").read_text())
     from transformers import LlamaConfig
 
-    spec = ModelSpec.from_config(LlamaConfig(**cfg))
+    spec = get_config(LlamaConfig(**cfg))
     for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
-                  "head_dim", "tie_embeddings", "max_position"):
+                  "head_dim", "tie_word_embeddings", "max_position_embeddings", "rope_theta", "rms_norm_eps"):
         assert getattr(spec, field) == getattr(TINY, field), field
     assert TINY.num_kv_heads < TINY.num_heads  # grouped-query attention
     assert 5e6 <= TINY.num_params <= 12e6
@@ -65,14 +55,12 @@ def test_embedded_model_loads_and_counts(tiny_model):
 def test_load_model_logs_the_dtype_it_picks(caplog):
     import logging
 
-    from labkit.models import load_model
-
-    with caplog.at_level(logging.INFO, logger="labkit.models"):
+    with caplog.at_level(logging.INFO, logger="labkit.model.build"):
         model = load_model(dtype="auto")[0]
     assert model.dtype == torch.bfloat16  # the embedded checkpoint stores bfloat16
     assert "torch.bfloat16 on cpu (asked; the checkpoint stores bfloat16)" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="labkit.models"):
+    with caplog.at_level(logging.INFO, logger="labkit.model.build"):
         load_model()
     assert "torch.float32 on cpu (the default; the checkpoint stores bfloat16)" in caplog.text
 
@@ -96,16 +84,22 @@ def test_random_model_real_weights_not_zero():
 
 
 @pytest.mark.parametrize("call,match", [
-    (lambda: get_spec("llama-9"), "preset='llama-9' is unknown; allowed"),
+    (lambda: get_config("llama-9"), "preset='llama-9' is unknown; allowed"),
     (lambda: random_model("gpt5", device="meta"), "unknown; allowed"),
     (lambda: load_model("/nonexistent/ckpt"), "not a Hugging Face checkpoint directory"),
     (lambda: dtype_bytes("fp7"), "dtype='fp7' is unknown"),
-    (lambda: torch_dtype("int8"), "model weights must be one of"),
-    (lambda: load_model(dtype="fp7"), "dtype='fp7' is unknown"),
+    (lambda: load_model(dtype="int8"), "dtype='int8' is not allowed here"),
+    (lambda: load_model(dtype="fp7"), "dtype='fp7' is not allowed here"),
+    (lambda: load_model(42), "name_or_path=42 must be a checkpoint directory"),
+    (lambda: PRESETS["tiny"].kv_bytes(tokens=-5), "tokens=-5 must be a finite number >= 0"),
+    (lambda: PRESETS["tiny"].prefill_flops(prompt_len=-3), "prompt_len=-3 must be a finite number >= 0"),
+    (lambda: PRESETS["tiny"].kv_bytes(float("nan")), "tokens=nan"),
+    (lambda: get_config(42), "cannot read a ModelConfig from int"),
     (lambda: load_model(device="cuda:0") if not torch.cuda.is_available() else load_model(device="tpu"),
      "device="),
     (lambda: random_model("tiny", device="meta", num_layers=0), "num_layers=0"),
-    (lambda: ModelSpec("x", 10, 64, 1, 6, 4, 128), "multiple of num_kv_heads"),
+    (lambda: ModelConfig(name="x", vocab_size=10, hidden_size=64, num_layers=1, num_heads=6, num_kv_heads=4,
+                         intermediate_size=128), "multiple of num_kv_heads"),
 ])
 def test_bad_inputs(call, match):
     with pytest.raises(ValueError, match=match):
@@ -140,7 +134,7 @@ def test_spec_counts_every_parameter_of_each_family(family):
     config = _family_configs()[family]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    spec = ModelSpec.from_config(config)
+    spec = get_config(config)
     assert spec.num_params == count_parameters(model), family
     linears = sum(m.weight.numel() for n, m in model.named_modules()
                   if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")
@@ -148,18 +142,20 @@ def test_spec_counts_every_parameter_of_each_family(family):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(num_heads=0), "num_heads=0 must be a positive integer"),
-    (dict(hidden_size=-64), "hidden_size=-64 must be a positive integer"),
-    (dict(vocab_size=10.5), "vocab_size=10.5 must be a positive integer"),
-    (dict(num_layers=True), "num_layers=True must be a positive integer"),
+    (dict(num_heads=0), "num_heads=0 must be an int >= 1"),
+    (dict(hidden_size=-64), "hidden_size=-64 must be an int >= 1"),
+    (dict(vocab_size=10.5), "vocab_size=10.5 must be an int"),
+    (dict(num_layers=True), "num_layers=True must be an int"),
     (dict(hidden_size=65), "not a multiple of num_heads"),
     (dict(head_dim=0), "head_dim=0"),
     (dict(rope_theta=float("nan")), "rope_theta=nan"),
+    (dict(rope_theta=0.0), "rope_theta=0.0 must be a finite number > 0"),
     (dict(rms_norm_eps=0), "rms_norm_eps=0"),
-    (dict(mlp="relu"), "mlp='relu'"),
+    (dict(hidden_act="relu"), "hidden_act='relu' is unknown"),
+    (dict(model_type="gpt_neox"), "model_type='gpt_neox' is unknown"),
 ])
 def test_spec_refuses_bad_shapes(kwargs, match):
     base = dict(name="x", vocab_size=10, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
                 intermediate_size=128)
     with pytest.raises(ValueError, match=match):
-        ModelSpec(**{**base, **kwargs})
+        ModelConfig(**{**base, **kwargs})
