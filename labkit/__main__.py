@@ -87,10 +87,10 @@ def _bench(args) -> int:
 
 def _claims(args) -> int:
     from labkit.claims import check_all
-    from labkit.claims_report import report, write_figures
+    from labkit.claims_report import claims_table, write_figures
 
     checks = check_all()
-    print(report(checks))
+    print(claims_table(checks))
     if args.write:
         print(f"wrote {write_figures(checks)}")
     return 1 if any(ch.status in ("false", "refused") for ch in checks) else 0

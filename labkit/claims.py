@@ -60,7 +60,7 @@ from labkit.data import REPO_ROOT
 from labkit.figures import machine_class, machine_figures, read_summary, summary_classes
 
 __all__ = ["MACHINES", "STATUSES", "Claim", "ClaimCheck", "ClaimError", "ClaimRefused", "RefusedClaim", "Verdict",
-           "check", "check_all", "collect", "evaluate", "load_summary", "machine_class", "render", "show",
+           "check_claim", "check_all", "collect", "evaluate", "machine_class", "render", "show",
            "wording_problems"]
 
 MACHINES = ("any", "gpu", "cpu")
@@ -231,7 +231,7 @@ def evaluate(claim: Claim, figures: dict, machine: str | None = None, label: str
     return Verdict(claim, machine, "holds" if holds else "false", sentence, source)
 
 
-def check(claim: Claim, summary: dict) -> list[Verdict]:
+def check_claim(claim: Claim, summary: dict) -> list[Verdict]:
     """``claim`` on every machine class of ``summary`` (``labkit.figures.read_summary``) it applies to and that
     measured at least one of its figures."""
     out = []
@@ -269,15 +269,10 @@ def collect(sources: list[Path] | None = None) -> list[tuple[str, Claim | Refuse
     return sorted(found, key=lambda wc: (wc[0].split(":")[0], int(wc[0].split(":")[1])))
 
 
-def load_summary(path: Path | str | None = None) -> dict:
-    """``results/summary.json`` (or ``path``) in the current format (``labkit.figures.read_summary``)."""
-    return read_summary(path)
-
-
 def check_all(summary: Path | str | None = None, sources: list[Path] | None = None) -> list[ClaimCheck]:
     """Every claim of the notebooks checked on every machine of the committed summary it applies to."""
-    data = load_summary(summary)
-    return [ClaimCheck(c, where, [] if isinstance(c, RefusedClaim) else check(c, data))
+    data = read_summary(summary)
+    return [ClaimCheck(c, where, [] if isinstance(c, RefusedClaim) else check_claim(c, data))
             for where, c in collect(sources)]
 
 
@@ -331,7 +326,7 @@ def show(*items: Claim | str, title: str = "Takeaways") -> list[ClaimCheck]:
             continue
         here = [evaluate(c, figs, m, "this run") for m, figs in by_class.items()
                 if c.applies_to(m) and any(n in figs for n in c.figures())]
-        before = check(c, committed)
+        before = check_claim(c, committed)
         checks.append(ClaimCheck(c, "", here + before))
         bad += [v for v in here if v.status in ("false", "refused")]
         shown = next((v for v in here + before if v.status in ("holds", "false")), None)

@@ -13,7 +13,7 @@ from labkit.figures import class_order, put_figure, read_summary, write_summary
 _CELL = {"holds": "holds", "false": "FALSE", "missing": "missing", "cross-run": "cross-run", "refused": "REFUSED"}
 
 
-def report(checks: list[ClaimCheck], width: int = 72) -> str:
+def claims_table(checks: list[ClaimCheck], width: int = 72) -> str:
     """A table claim x machine (holds / FALSE / missing / cross-run / REFUSED; blank: the machine measured none of
     its figures, or the claim is not about it), then every claim that is false, refused or evaluated nowhere."""
     classes = []

@@ -43,9 +43,9 @@ def test_technique_table_counts_empty_cells_and_links_records():
 
 def test_render_fills_figures_and_refuses_missing_ones():
     figs = {"a.b": {"value": 0.123}, "c.d": {"value": 7}}
-    assert cap.render("{a.b:.0%} and {c.d}", figs) == "12% and 7"
+    assert cap.fill_template("{a.b:.0%} and {c.d}", figs) == "12% and 7"
     with pytest.raises(AttributeError):
-        cap.render("{a.missing}", figs)
+        cap.fill_template("{a.missing}", figs)
 
 
 def test_derived_figures_come_from_gpu_records():

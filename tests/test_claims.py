@@ -6,8 +6,8 @@ import json
 import pytest
 
 from labkit import claims as C
-from labkit.claims import Claim, ClaimRefused, RefusedClaim, check, collect, evaluate
-from labkit.claims_report import report, write_figures
+from labkit.claims import Claim, ClaimRefused, RefusedClaim, check_claim, collect, evaluate
+from labkit.claims_report import claims_table, write_figures
 from labkit.conditions import wording_problems
 from labkit.figures import read_summary
 
@@ -95,20 +95,20 @@ def test_a_claim_is_checked_on_every_machine_it_applies_to():
                 h200=("NVIDIA H200", "r2", {"k.w8": 1.84, "k.w4": 2.46}),
                 cpu=("cpu", "r3", {"k.w8": 0.2}))
     gpu = Claim("int8 {k.w8:if >= 2 then reaches else falls short of} 2x", "k.w4 > k.w8 > 1", machine="gpu")
-    verdicts = check(gpu, s)
+    verdicts = check_claim(gpu, s)
     assert [(v.machine, v.status) for v in verdicts] == [("h100", "holds"), ("h200", "holds")]
     assert [v.sentence for v in verdicts] == ["int8 reaches 2x", "int8 falls short of 2x"]
     below = Claim("int8 under 2x", "k.w8 < 2", machine="gpu")
-    assert [v.status for v in check(below, s)] == ["false", "holds"]  # false on the H100: the checker says so
-    anywhere = check(Claim("s", "k.w4 > k.w8", machine="any"), s)
+    assert [v.status for v in check_claim(below, s)] == ["false", "holds"]  # false on the H100: the checker says so
+    anywhere = check_claim(Claim("s", "k.w4 > k.w8", machine="any"), s)
     assert [(v.machine, v.status) for v in anywhere] == [("h100", "holds"), ("h200", "holds"), ("cpu", "missing")]
-    assert [v.machine for v in check(Claim("s", "k.w8 < 1", machine="cpu"), s)] == ["cpu"]
+    assert [v.machine for v in check_claim(Claim("s", "k.w8 < 1", machine="cpu"), s)] == ["cpu"]
 
 
 def test_a_new_gpu_gets_its_own_column():
     s = summary(h200=("NVIDIA H200", "r2", {"k.w8": 1.84}),
                 **{"a100-sxm4-80gb": ("NVIDIA A100-SXM4-80GB", "r4", {"k.w8": 1.2})})
-    assert [v.machine for v in check(Claim("s", "k.w8 > 1", machine="gpu"), s)] == ["h200", "a100-sxm4-80gb"]
+    assert [v.machine for v in check_claim(Claim("s", "k.w8 > 1", machine="gpu"), s)] == ["h200", "a100-sxm4-80gb"]
 
 
 # --- refusals: each names its rule --------------------------------------------------------------------------------
@@ -217,7 +217,7 @@ def test_check_all_report_and_figures(tmp_path, monkeypatch):
                    "Claim('as a number', 'engine.flag > 0')\nClaim('none', '1 < 2')\n")
     checks = C.check_all(path, [src])
     assert [ch.status for ch in checks] == ["false", "holds", "unchecked", "refused", "refused"]
-    text = report(checks)
+    text = claims_table(checks)
     assert text.startswith("5 claims checked") and "1 hold, 1 false, 2 refused, 1 evaluated on no machine" in text
     row = next(ln for ln in text.splitlines() if ln.startswith("03_z.py:1 "))
     assert "FALSE" in row and "holds" in row  # false on the H100, holds on the H200: one row, two columns
@@ -260,8 +260,8 @@ def test_the_workbook_claims_hold():
     is false or refused on any machine. A claim no machine could evaluate (figures of two runs, or not measured yet)
     is reported, not failed: the run that records its figures together checks it."""
     checks = C.check_all()
-    assert not [ch for ch in checks if ch.status in ("false", "refused")], report(checks)
-    assert sum(ch.status == "holds" for ch in checks) >= 60, report(checks)
+    assert not [ch for ch in checks if ch.status in ("false", "refused")], claims_table(checks)
+    assert sum(ch.status == "holds" for ch in checks) >= 60, claims_table(checks)
 
 
 def test_the_cli_exits_1_on_a_false_or_refused_claim(monkeypatch, capsys):
@@ -273,7 +273,7 @@ def test_the_cli_exits_1_on_a_false_or_refused_claim(monkeypatch, capsys):
             item = Claim("s", cond, machine="gpu")
         except ClaimRefused as e:
             item = RefusedClaim("s", cond, "gpu", str(e))
-        checks = [C.ClaimCheck(item, "09_x.py:1", [] if isinstance(item, RefusedClaim) else check(item, s))]
+        checks = [C.ClaimCheck(item, "09_x.py:1", [] if isinstance(item, RefusedClaim) else check_claim(item, s))]
         monkeypatch.setattr(C, "check_all", lambda checks=checks: checks)
         assert main(["claims"]) == code, cond
         assert "claims checked" in capsys.readouterr().out
@@ -293,7 +293,7 @@ def test_the_lessons_an_h100_contradicted_now_say_what_it_measured():
     for n in h100:  # the H200's committed values beside the H100's
         s["figures"][n]["machines"].update(read_summary()["figures"][n]["machines"])
     claims = [c for w, c in collect() if w.startswith(("03_kernels.py", "08_capstone.py")) and isinstance(c, Claim)]
-    by_text = {c.text: check(c, s) for c in claims if set(c.figures()) & set(h100)}
+    by_text = {c.text: check_claim(c, s) for c in claims if set(c.figures()) & set(h100)}
     assert by_text and all(v.status != "false" for vs in by_text.values() for v in vs), by_text
     gemv = next(vs for t, vs in by_text.items() if "int8 GEMV runs" in t)
     assert "the int8 GEMV reaches its 2x" in next(v.sentence for v in gemv if v.machine == "h100")

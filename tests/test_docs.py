@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 
-from labkit.docs import API_PAGE, REGENERATE, example, first_paragraph, render, signature, undocumented
+from labkit.docs import API_PAGE, REGENERATE, example, first_paragraph, render_api_page, signature, undocumented
 
 
 def test_every_exported_name_has_a_docstring():
@@ -16,7 +16,7 @@ def test_every_exported_name_has_a_docstring():
 
 def test_api_page_is_current():
     assert API_PAGE.exists(), f"{API_PAGE} is missing: run `{REGENERATE}`"
-    assert API_PAGE.read_text() == render(), f"docs/api.md is out of date: run `{REGENERATE}` and commit it"
+    assert API_PAGE.read_text() == render_api_page(), f"docs/api.md is out of date: run `{REGENERATE}` and commit it"
 
 
 FAKE = {
@@ -81,7 +81,7 @@ def fake(tmp_path, monkeypatch):
 
 
 def test_page_of_a_made_up_package(fake):
-    page = render(fake)
+    page = render_api_page(fake)
     assert "A made-up package for the API page's tests." in page and "More about it" not in page
     assert "```python\nfrom fakedocs import f\nf(1, 2)\n```" in page
     assert "f(x: torch.Tensor, y: int = 2, *, mode: str = 'a, b') -> torch.Tensor" in page
@@ -98,7 +98,7 @@ def test_page_of_a_made_up_package(fake):
 
 def test_an_import_error_inside_a_package_is_raised_not_skipped(fake):
     with pytest.raises(ModuleNotFoundError, match="fakedocs_dependency_that_is_not_installed"):
-        render(("fakedocs.broken",))
+        render_api_page(("fakedocs.broken",))
 
 
 def test_example_is_the_first_fenced_or_indented_block():

@@ -7,7 +7,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from labkit.experiments.parallelism import bubble_table, comm_fits, plot_comm, plot_timeline  # noqa: E402
+from labkit.experiments.parallelism import bubble_table, comm_fits, plot_comm, plot_schedule_timeline  # noqa: E402
 
 
 def _rank(rank, bubble, busy, total, act):
@@ -37,7 +37,7 @@ def test_comm_fits_and_plots():
     assert "error" in fits["send_recv"]
     fig, (a, b) = plt.subplots(1, 2)
     plot_comm(rows, fits, a)
-    plot_timeline([_rank(0, 0.2, 0.8, 1.0, 10), _rank(1, 0.4, 0.6, 1.1, 30)], "forward", 2, b)
+    plot_schedule_timeline([_rank(0, 0.2, 0.8, 1.0, 10), _rank(1, 0.4, 0.6, 1.1, 30)], "forward", 2, b)
     assert len(a.get_lines()) == 3 and len(b.patches) == 4
     plt.close(fig)
 

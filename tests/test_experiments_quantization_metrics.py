@@ -53,7 +53,7 @@ def test_heldout_perplexity_moves_little_under_int8(tiny_model):
 
 def test_peak_memory_sees_a_temporary():
     n = 32 * 2**20
-    got = qm.peak_memory(lambda: torch.ones(n // 4).sum())
+    got = qm.peak_allocated(lambda: torch.ones(n // 4).sum())
     assert got["how"] == "cpu_profiler_allocations" and n <= got["peak_bytes"] < 1.1 * n
 
     def two_live():
@@ -63,11 +63,11 @@ def test_peak_memory_sees_a_temporary():
         return torch.ones(n // 2).sum() + b.sum()
 
     # bytes live: n, then 1.5 n, then n/2 after the free, then 2.5 n: the peak is the last, not the sum of all
-    assert 2.5 * n <= qm.peak_memory(two_live)["peak_bytes"] < 2.6 * n
+    assert 2.5 * n <= qm.peak_allocated(two_live)["peak_bytes"] < 2.6 * n
 
 
 def test_decode_step_time_runs_on_a_quantised_model(tiny_model):
-    t = qm.decode_step_time(quantize(tiny_model[0], "int4"), batch_size=2, context_len=16, iters=2)
+    t = qm.hf_decode_step_time(quantize(tiny_model[0], "int4"), batch_size=2, context_len=16, iters=2)
     assert len(t.samples_s) == 2 and t.median_s > 0
 
 
@@ -87,12 +87,12 @@ def test_decode_step_bytes(tiny_model):
 
     model = tiny_model[0]  # tied: the embedding is the LM head, read in full
     kv = 2 * 8 * 2 * 64 * 4 * 3 * 100  # K and V, layers, KV heads, head dim, fp32 bytes, batch 3 x 100 tokens
-    assert qm.decode_step_bytes(model, 3, 100) == qm.bytes_held(model) + kv
+    assert qm.model_decode_bytes(model, 3, 100) == qm.bytes_held(model) + kv
     big = random_model("llama-3-8b", device="meta", num_layers=1)  # untied, bf16: shapes only
     spec = PRESETS["llama-3-8b"]
     expect = 2 * (spec.layer_params + spec.hidden_size + spec.vocab_size * spec.hidden_size)
     # plus RoPE's inverse-frequency buffers (a few hundred bytes)
-    assert qm.decode_step_bytes(big, 1, 512) == pytest.approx(expect + 512 * 2 * 8 * 128 * 2, abs=1024)
+    assert qm.model_decode_bytes(big, 1, 512) == pytest.approx(expect + 512 * 2 * 8 * 128 * 2, abs=1024)
 
 
 def test_bytes_per_weight_bad_method():
@@ -102,5 +102,5 @@ def test_bytes_per_weight_bad_method():
 
 @pytest.mark.gpu
 def test_cuda_peak_memory():
-    got = qm.peak_memory(lambda: torch.ones(2**20, device="cuda").sum(), "cuda")
+    got = qm.peak_allocated(lambda: torch.ones(2**20, device="cuda").sum(), "cuda")
     assert got["peak_bytes"] >= 4 * 2**20

@@ -7,7 +7,7 @@ from labkit.experiments.quantization import precision as P
 
 
 def test_matmul_rates_rows():
-    rows = {r["dtype"]: r for r in P.matmul_rates(64, dtypes=("fp32", "tf32", "bf16", "int8"), iters=2)}
+    rows = {r["dtype"]: r for r in P.dtype_matmul_rates(64, dtypes=("fp32", "tf32", "bf16", "int8"), iters=2)}
     for name in ("fp32", "bf16", "int8"):
         assert rows[name]["status"].startswith("ok") and rows[name]["tflops"] > 0
     if not torch.cuda.is_available():
@@ -16,9 +16,9 @@ def test_matmul_rates_rows():
 
 def test_matmul_rates_bad_input():
     with pytest.raises(ValueError, match="allowed"):
-        P.matmul_rates(64, dtypes=("fp64",))
+        P.dtype_matmul_rates(64, dtypes=("fp64",))
     with pytest.raises(ValueError, match="multiple of 16"):
-        P.matmul_rates(100)
+        P.dtype_matmul_rates(100)
 
 
 def test_bf16_keeps_fp32_range_and_fp16_does_not():

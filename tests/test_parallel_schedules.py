@@ -5,7 +5,7 @@ import pytest
 
 from labkit.experiments.parallelism import pp_bubble
 from labkit.parallel import launch
-from labkit.parallel.schedules import ScheduleStats, bubble_formula, train_step
+from labkit.parallel.schedules import ScheduleStats, bubble_formula, pipeline_train_step
 
 
 def test_bubble_formula():
@@ -23,7 +23,7 @@ def test_stats_arithmetic():
 
 def test_unknown_schedule():
     with pytest.raises(ValueError, match="allowed: \\('gpipe', '1f1b'\\)"):
-        train_step(None, None, 2, schedule="interleaved")
+        pipeline_train_step(None, None, 2, schedule="interleaved")
 
 
 @pytest.mark.distributed

@@ -30,10 +30,10 @@ SLO1 = SLO(1.0, 0.05)
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"gpus_per_node": 0}, r"gpus_per_node=0 must be an integer >= 1"),
+    ({"gpus_per_node": 0}, r"gpus_per_node=0 must be an int >= 1"),
     ({"gpus_per_node": -8}, r"gpus_per_node=-8"),
     ({"gpus_per_node": 2.5}, r"gpus_per_node=2.5"),
-    ({"nodes": 0}, r"nodes=0 must be an integer >= 1"),
+    ({"nodes": 0}, r"nodes=0 must be an int >= 1"),
     ({"intra": "carrier-pigeon"}, r"link='carrier-pigeon' is unknown; allowed"),
 ])
 def test_cluster_refuses(kwargs, match):
@@ -54,8 +54,8 @@ def test_traffic_refuses_bad_rates(rate):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"batches": (8, -4)}, r"batches=-4 must be an integer >= 1"),
-    ({"batches": (0,)}, r"batches=0 must be an integer >= 1"),
+    ({"batches": (8, -4)}, r"batches=-4 must be an int >= 1"),
+    ({"batches": (0,)}, r"batches=0 must be an int >= 1"),
     ({"batches": ()}, r"batches=\(\) must be a non-empty tuple"),
     ({"weights": ("fp4",)}, r"weights='fp4' is unknown; allowed: \['bf16', 'fp8', 'int8', 'int4'\]"),
     ({"weights": ()}, r"weights=\(\) is empty"),
@@ -80,8 +80,8 @@ def test_plan_refuses_bad_slo(slo, match):
 
 
 @pytest.mark.parametrize("fn", [decode_step_time, kv_read_time])
-@pytest.mark.parametrize("tp,pp,match", [(0, 1, r"tp=0 must be an integer >= 1"),
-                                         (1, 0, r"pp=0 must be an integer >= 1"),
+@pytest.mark.parametrize("tp,pp,match", [(0, 1, r"tp=0 must be an int >= 1"),
+                                         (1, 0, r"pp=0 must be an int >= 1"),
                                          (-2, 1, r"tp=-2")])
 def test_step_times_refuse_empty_layouts(fn, tp, pp, match):
     args = ("bf16", "bf16") if fn is decode_step_time else ("bf16",)
@@ -91,8 +91,12 @@ def test_step_times_refuse_empty_layouts(fn, tp, pp, match):
 
 def test_step_times_refuse_bad_batch_and_formats():
     spec = PRESETS["llama-3-8b"]
-    with pytest.raises(ValueError, match=r"batch=-1 must be an integer >= 1"):
+    with pytest.raises(ValueError, match=r"batch=-1 must be an int >= 1"):
         decode_step_time(spec, ONE, NOMINAL, 1, 1, -1, 512, "bf16", "bf16")
+    with pytest.raises(ValueError, match=r"context=-100 must be a finite number >= 1"):  # was a time
+        decode_step_time(spec, ONE, NOMINAL, 1, 1, 1, -100, "bf16", "bf16")
+    with pytest.raises(ValueError, match=r"context='512' must be a number"):
+        decode_step_time(spec, ONE, NOMINAL, 1, 1, 1, "512", "bf16", "bf16")
     with pytest.raises(ValueError, match=r"weights='fp16x' is unknown"):
         decode_step_time(spec, ONE, NOMINAL, 1, 1, 1, 512, "fp16x", "bf16")
     with pytest.raises(ValueError, match=r"kv='int2' is unknown"):
@@ -100,7 +104,7 @@ def test_step_times_refuse_bad_batch_and_formats():
 
 
 def test_scenario_refuses():
-    with pytest.raises(ValueError, match=r"nodes=0 must be an integer >= 1"):
+    with pytest.raises(ValueError, match=r"nodes=0 must be an int >= 1"):
         Scenario(nodes=0)
     with pytest.raises(ValueError, match=r"rate_req_s=nan must be a finite number > 0"):
         Scenario(rate_req_s=float("nan"))

@@ -22,11 +22,12 @@ from labkit.exercises.status import load_status, status_file
 
 
 def check(name: str, impl, **options):
-    """Check ``impl`` against exercise ``name`` and print the report; see ``labkit.exercises.checker.check`` (imported
-    here on first use: building notebooks needs this package, not the kernels and models the exercises load)."""
-    from labkit.exercises.checker import check as _check
+    """Check ``impl`` against exercise ``name`` and print the report; see ``labkit.exercises.checker.run_check``
+    (imported here on first use: building notebooks needs this package, not the kernels and models the exercises
+    load)."""
+    from labkit.exercises.checker import run_check
 
-    return _check(name, impl, **options)
+    return run_check(name, impl, **options)
 
 
 def exercises() -> list[Exercise]:

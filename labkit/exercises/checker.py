@@ -157,7 +157,7 @@ def non_interactive() -> bool:
     return bool(os.environ.get("LABKIT_PROFILE")) or os.environ.get("LABKIT_EXERCISES") == "solutions"
 
 
-def check(name: str, impl: Any, *, verbose: bool = True, record: bool | None = None,
+def run_check(name: str, impl: Any, *, verbose: bool = True, record: bool | None = None,
           status_path: str | os.PathLike | None = None, solution_if_skeleton: bool | None = None) -> Result:
     """Check ``impl`` (a function, class or Triton kernel, as the exercise asks) against exercise ``name``.
 

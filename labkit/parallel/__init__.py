@@ -33,8 +33,8 @@ from labkit.parallel.schedules import (
     ScheduleStats,
     bubble_formula,
     gpipe_forward,
+    pipeline_train_step,
     torch_pipelining_forward,
-    train_step,
 )
 from labkit.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -52,5 +52,5 @@ __all__ = ["comm", "cost_model", "launch", "RankError", "rank_device", "init_ran
            "VocabParallelEmbedding", "tensor_parallel", "allowed_tp_sizes", "check_tp_size", "head_rows",
            "shard_range", "dtensor_tensor_parallel", "llama_tp_plan", "check_dtensor_tp_size", "local_shard",
            "LlamaStage", "StageKVCache", "build_stage", "partition_layers", "head_cost_layers", "pipeline_generate",
-           "sync_tied_embeddings", "SCHEDULES", "ScheduleStats", "bubble_formula", "gpipe_forward", "train_step",
-           "torch_pipelining_forward"]
+           "sync_tied_embeddings", "SCHEDULES", "ScheduleStats", "bubble_formula", "gpipe_forward",
+           "pipeline_train_step", "torch_pipelining_forward"]

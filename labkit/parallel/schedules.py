@@ -146,7 +146,7 @@ class _ActivationMeter:
         self.live -= self.per_mb.pop(j)
 
 
-def train_step(stage: LlamaStage, input_ids: torch.Tensor, num_microbatches: int, schedule: str = "1f1b"):
+def pipeline_train_step(stage: LlamaStage, input_ids: torch.Tensor, num_microbatches: int, schedule: str = "1f1b"):
     """One training step's forward and backward of a next-token loss, micro-batched, under ``schedule``.
 
     Gradients accumulate in the stage's parameters (the mean loss over the batch, as the unsharded model would

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from labkit.checks import check_positive_int
 from labkit.engine.workload import LengthDist
 from labkit.hardware import Hardware
 
@@ -17,22 +18,6 @@ WEIGHT_DTYPES = ("bf16", "fp8", "int8", "int4")
 """Weight formats the planner can place: bf16 and three 8/4-bit formats with measured kernels."""
 KV_DTYPES = ("bf16", "fp8", "int8")
 """KV-cache formats the planner can place."""
-
-
-def check_positive_int(name: str, value, allow_zero: bool = False) -> int:
-    """``value`` as an int, or a ValueError naming ``name``, the value and what is allowed."""
-    low = 0 if allow_zero else 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}={value!r} must be an integer >= {low}")
-    return value
-
-
-def check_rate(name: str, value, allow_zero: bool = False) -> float:
-    """A finite positive (or non-negative) number, else a ValueError naming it."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name}={value!r} must be a finite number {'>= 0' if allow_zero else '> 0'}")
-    return float(value)
 
 
 def check_formats(name: str, values, allowed: tuple[str, ...]) -> tuple[str, ...]:

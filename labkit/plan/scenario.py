@@ -11,12 +11,13 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from labkit.checks import check_number, check_positive_int
 from labkit.engine.metrics import SLO
 from labkit.engine.workload import LengthDist
 from labkit.hardware import Hardware, get_hardware, measured_hardware
 from labkit.model import get_config
 from labkit.plan.calibration import STEP_SWEEP_RECORD, load_calibration
-from labkit.plan.inputs import Calibration, Cluster, Traffic, check_positive_int, check_rate
+from labkit.plan.inputs import Calibration, Cluster, Traffic
 from labkit.plan.serve import Plan, best_by_format, plan
 
 
@@ -44,7 +45,7 @@ class Scenario:
         for name in ("gpus_per_node", "nodes", "prompt_median", "output_mean"):
             check_positive_int(name, getattr(self, name))
         for name in ("rate_req_s", "ttft_s", "tpot_s"):
-            check_rate(name, getattr(self, name))
+            check_number(name, getattr(self, name), 0, low_open=True)
 
     def cluster(self, gpu: Hardware) -> Cluster:
         return Cluster(gpu, gpus_per_node=self.gpus_per_node, nodes=self.nodes, intra=self.intra, inter=self.inter)

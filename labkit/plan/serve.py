@@ -14,19 +14,11 @@ import functools
 import math
 from dataclasses import asdict, dataclass, field
 
+from labkit.checks import check_number, check_positive_int
 from labkit.engine.metrics import SLO
 from labkit.model import ModelConfig, dtype_bytes, get_config
 from labkit.parallel.cost_model import get_link, memory_per_device
-from labkit.plan.inputs import (
-    KV_DTYPES,
-    WEIGHT_DTYPES,
-    Calibration,
-    Cluster,
-    Traffic,
-    check_formats,
-    check_positive_int,
-    check_rate,
-)
+from labkit.plan.inputs import KV_DTYPES, WEIGHT_DTYPES, Calibration, Cluster, Traffic, check_formats
 from labkit.plan.steps import MULTI_GPU_CAVEAT, decode_step_time, prefill_time
 
 
@@ -101,8 +93,8 @@ def check_plan_inputs(cluster, traffic, slo, cal, weights, kv, batches) -> tuple
         raise ValueError(f"traffic={traffic!r} must be a labkit.plan.Traffic")
     if not isinstance(slo, SLO):
         raise ValueError(f"slo={slo!r} must be a labkit.engine.metrics.SLO")
-    check_rate("slo.ttft_s", slo.ttft_s)
-    check_rate("slo.tpot_s", slo.tpot_s)
+    check_number("slo.ttft_s", slo.ttft_s, 0, low_open=True)
+    check_number("slo.tpot_s", slo.tpot_s, 0, low_open=True)
     if cal is not None and not isinstance(cal, Calibration):
         raise ValueError(f"cal={cal!r} must be a labkit.plan.Calibration or None (the committed calibration)")
     weights = check_formats("weights", weights, WEIGHT_DTYPES)

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import math
 
+from labkit.checks import check_number, check_positive_int
 from labkit.model import ModelConfig
 from labkit.parallel.cost_model import memory_per_device, pp_comm, tp_comm
-from labkit.plan.inputs import KV_DTYPES, WEIGHT_DTYPES, Calibration, Cluster, check_formats, check_positive_int
+from labkit.plan.inputs import KV_DTYPES, WEIGHT_DTYPES, Calibration, Cluster, check_formats
 
 MULTI_GPU_CAVEAT = "not validated on multi-GPU"
 """How a prediction for more than one GPU is labelled while no multi-GPU record has checked the step model."""
@@ -115,6 +116,7 @@ def decode_step_parts(spec: ModelConfig, cluster: Cluster, cal: Calibration, tp:
     more than one GPU while the calibration holds no multi-GPU record.
     """
     check_layout(tp, pp, batch, weights, kv)
+    check_number("context", context, 1)  # the tokens a step attends to, its own included
     m = pp if microbatches is None else check_positive_int("microbatches", microbatches)
     mb = micro_batch(batch, pp, m)
     layers = math.ceil(spec.num_layers / pp)

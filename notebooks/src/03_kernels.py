@@ -43,7 +43,7 @@ from labkit.experiments.kernels import bench as kb
 from labkit.experiments.kernels.study import (FUSION_BYTES, INT8_ATTN_FIGURE, INT8_ATTN_SHAPE, decode_step_figures,
                                              decode_steps, int8_attention_speedup, kv_quant_attention, matmul_rates,
                                              norm_sweep, operator_costs, plot_bandwidth)
-from labkit.experiments.quantization.metrics import peak_memory
+from labkit.experiments.quantization.metrics import peak_allocated
 from labkit.figures import committed_figures
 from labkit.hardware import measure_ceilings
 from labkit.kernels.patch import patch_model, patch_summary, unpatch
@@ -222,9 +222,9 @@ with torch.no_grad():
     print(patch_summary(tiny))
     got_tokens = tiny.generate(ids, max_new_tokens=SIZES["new_tokens"], do_sample=False)
     logits_err = relative_error(tiny(ids).logits, ref_logits)
-    patched_peak = peak_memory(lambda: tiny(ids), DEVICE)["peak_bytes"]
+    patched_peak = peak_allocated(lambda: tiny(ids), DEVICE)["peak_bytes"]
     unpatch(tiny)
-    plain_peak = peak_memory(lambda: tiny(ids), DEVICE)["peak_bytes"]
+    plain_peak = peak_allocated(lambda: tiny(ids), DEVICE)["peak_bytes"]
 assert torch.equal(got_tokens, ref_tokens)
 print(f"patched greedy output identical ({SIZES['new_tokens']} tokens); logits rel. error {logits_err:.1e}")
 fused_peak_ratio = patched_peak / plain_peak

@@ -375,7 +375,7 @@ plt.show()
 # (`quant.int8_matmul_vs_bf16`, `quant.fp8_matmul_vs_bf16`). The committed GPU record's rates follow this run's.
 
 # %%
-rates = pd.DataFrame(P.matmul_rates(SIZES["matmul_size"], iters=10))
+rates = pd.DataFrame(P.dtype_matmul_rates(SIZES["matmul_size"], iters=10))
 bf16_rate = rates.set_index("dtype")["tflops"].get("bf16")
 rates["vs bf16"] = rates["tflops"] / bf16_rate if bf16_rate else float("nan")
 display(rates.round(3))

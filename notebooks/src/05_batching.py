@@ -48,7 +48,7 @@ from labkit.engine import SLO, LengthDist, make_workload
 from labkit.experiments.baseline import run_generate
 from labkit.claims import Claim, show
 from labkit.experiments.batching import (check_graph_replays, check_greedy_vs_hf, decode_rate, fifo_sweep,
-                                         free_device_memory, profile_decode, serve_sweep)
+                                         free_device_memory, profile_engine_decode, serve_sweep)
 from labkit.hardware import measure_ceilings
 from labkit.model import get_config, human_bytes, load_model, random_model
 from labkit.profiling import plot_timeline
@@ -331,11 +331,11 @@ if ON_GPU:
     for graphs in (False, True):
         name = "CUDA graph" if graphs else "eager"
         trace = str(output_dir() / f"05_decode_{'graph' if graphs else 'eager'}_trace.json")
-        profiles[name] = profile_decode(speed_model, 1, ctx, SIZES["profile_steps"], source, cuda_graphs=graphs,
+        profiles[name] = profile_engine_decode(speed_model, 1, ctx, SIZES["profile_steps"], source, cuda_graphs=graphs,
                                         trace_path=trace)
 else:
     print("CUDA graphs exist only on CUDA: on the CPU the engine runs eager, shown alone below")
-    profiles["eager"] = profile_decode(speed_model, 1, ctx, SIZES["profile_steps"], source, cuda_graphs=False)
+    profiles["eager"] = profile_engine_decode(speed_model, 1, ctx, SIZES["profile_steps"], source, cuda_graphs=False)
 prof_rows = [{"mode": k, "wall per step (ms)": p.wall_s / p.steps * 1e3, "busy share": p.busy_s / p.wall_s,
               "kernels per step": p.kernels_per_step, "trace": p.trace_path} for k, p in profiles.items()]
 display(pd.DataFrame(prof_rows).round(3))

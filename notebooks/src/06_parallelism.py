@@ -34,7 +34,7 @@ from IPython.display import Markdown, display
 import labkit  # noqa: F401
 from labkit.bench import record_figure, time_fn, write_record
 from labkit.experiments import parallelism as ex
-from labkit.experiments.parallelism import bubble_table, comm_fits, plot_comm, plot_timeline, pp_bubble, pp_check
+from labkit.experiments.parallelism import bubble_table, comm_fits, plot_comm, plot_schedule_timeline, pp_bubble, pp_check
 from labkit.experiments.parallelism.report import case_175b_text
 from labkit.data import REPO_ROOT
 from labkit.model import PRESETS, TINY, human_bytes, load_model
@@ -199,8 +199,8 @@ plt.show()
 res2 = bubbles[SIZES["pp_worlds"][0]][0]
 m_show = min(4, max(SIZES["ms"]))
 fig, axes = plt.subplots(1, 2, figsize=(16, 2.8))
-plot_timeline(res2, "train_gpipe", m_show, axes[0])
-plot_timeline(res2, "train_1f1b", m_show, axes[1])
+plot_schedule_timeline(res2, "train_gpipe", m_show, axes[0])
+plot_schedule_timeline(res2, "train_1f1b", m_show, axes[1])
 plt.show()
 
 # %% [markdown]

@@ -9,7 +9,7 @@ from labkit.experiments.batching.measure import (
     fifo_sweep,
     free_device_memory,
     hf_greedy,
-    profile_decode,
+    profile_engine_decode,
     runner_step,
     serve_row,
     serve_sweep,
@@ -17,4 +17,5 @@ from labkit.experiments.batching.measure import (
 )
 
 __all__ = ["check_graph_replays", "check_greedy_vs_hf", "decode_rate", "fifo_executions", "fifo_sweep",
-           "free_device_memory", "hf_greedy", "profile_decode", "runner_step", "serve_row", "serve_sweep", "token_gaps"]
+           "free_device_memory", "hf_greedy", "profile_engine_decode", "runner_step", "serve_row", "serve_sweep",
+           "token_gaps"]

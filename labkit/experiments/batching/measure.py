@@ -8,7 +8,7 @@
   the device time of one captured step replayed alone
 * ``runner_step``: one engine forward (a decode step of a batch at a context, or one prefill) as a callable, on
   a cache filled without a prefill, for sweeps of step time over batch, context and precision
-* ``profile_decode``: a profiler trace of decode steps, eager or replayed from CUDA graphs
+* ``profile_engine_decode``: a profiler trace of decode steps, eager or replayed from CUDA graphs
 * ``serve_sweep``: policies x offered loads on one workload (Poisson arrivals), with latency percentiles,
   inter-token gaps, throughput, busy fraction and memory
 * ``fifo_sweep``: the FIFO engine run once with every request queued, its per-request service replayed at each
@@ -260,7 +260,7 @@ def _steps(engine: LLMEngine, n: int) -> None:
         engine.step()
 
 
-def profile_decode(model, batch_size: int, context: int, steps: int, source, cuda_graphs: bool,
+def profile_engine_decode(model, batch_size: int, context: int, steps: int, source, cuda_graphs: bool,
                    trace_path: str | None = None, seed: int = 0, **engine_kwargs) -> ProfileResult:
     """A profiler trace of ``steps`` decode steps of the engine, eager or from CUDA graphs."""
     engine = _prefilled_engine(model, batch_size, context, 2 * steps + 4, source, seed, cuda_graphs=cuda_graphs,

@@ -2,9 +2,9 @@
 planner.
 
 ``table``: the technique x trade-off table as data (``TECHNIQUES``), the figures committed GPU records hold but the
-summary does not (``derived_figures``) and plain rendering (``render``). ``answer``: the two-minute answer, the hints
-and the follow-ups as templates, rendered with each measured number labelled by the proxy and machine it comes from
-(``answer``, ``proxy_labelled``), and the planner's layout as figures (``layout_figures``).
+summary does not (``derived_figures``) and plain rendering (``fill_template``). ``answer``: the two-minute answer, the
+hints and the follow-ups as templates, rendered with each measured number labelled by the proxy and machine it comes
+from (``answer``, ``proxy_labelled``), and the planner's layout as figures (``layout_figures``).
 """
 
 from labkit.experiments.capstone.answer import (
@@ -24,13 +24,13 @@ from labkit.experiments.capstone.table import (
     COLUMNS,
     TECHNIQUES,
     derived_figures,
+    fill_template,
     markdown_digits,
     namespace,
-    render,
     technique_table,
     word_count,
 )
 
 __all__ = ["ANSWER", "COLUMNS", "GROUPS", "HINTS", "TECHNIQUES", "TIERS", "answer", "by_class", "derived_figures",
-           "layout_figures", "markdown_digits", "namespace", "proxy_label", "proxy_labelled", "render",
+           "layout_figures", "markdown_digits", "namespace", "proxy_label", "proxy_labelled", "fill_template",
            "render_paragraph", "technique_table", "templates", "word_count"]

@@ -4,8 +4,8 @@
 names (accuracy, latency, throughput, memory) plus when to use it and when not; a later technique adds one row.
 Each latency and throughput cell names the headline figure of its technique (``labkit.headlines``: the strongest
 baseline measured). ``derived_figures`` reads figures that committed GPU records hold but the summary does not (each
-with its record and machine). ``render`` fills a template's ``{area.figure:fmt}`` fields from the figures, so prose
-carries no typed number.
+with its record and machine). ``fill_template`` fills a template's ``{area.figure:fmt}`` fields from the figures, so
+prose carries no typed number.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def namespace(figures: dict) -> dict:
     return {a: SimpleNamespace(**kv) for a, kv in areas.items()}
 
 
-def render(template: str, figures: dict) -> str:
+def fill_template(template: str, figures: dict) -> str:
     """``template`` with every ``{area.figure:fmt}`` field filled from ``figures``."""
     return template.format_map(namespace(figures))
 

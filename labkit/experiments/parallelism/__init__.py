@@ -17,8 +17,8 @@ from labkit.experiments.parallelism.ranks import (
     tp_demo,
     tp_layers_check,
 )
-from labkit.experiments.parallelism.report import bubble_table, comm_fits, plot_comm, plot_timeline
+from labkit.experiments.parallelism.report import bubble_table, comm_fits, plot_comm, plot_schedule_timeline
 
 __all__ = ["multigpu", "hello", "fail_on", "sequence", "collectives_check", "tp_layers_check", "load_model_on",
            "tp_check", "dtensor_check", "comm_check", "tp_demo", "pp_check", "pp_bubble", "bubble_table", "comm_fits",
-           "plot_comm", "plot_timeline"]
+           "plot_comm", "plot_schedule_timeline"]

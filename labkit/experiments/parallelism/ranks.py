@@ -24,10 +24,10 @@ from labkit.parallel import (
     comm,
     gpipe_forward,
     pipeline_generate,
+    pipeline_train_step,
     rank_device,
     sync_tied_embeddings,
     torch_pipelining_forward,
-    train_step,
 )
 
 
@@ -241,7 +241,7 @@ def pp_check(rank: int, world_size: int, prompt_ids: torch.Tensor, max_new_token
     if train:
         for sched in SCHEDULES:
             stage.zero_grad(set_to_none=True)
-            loss, st = train_step(stage, ids, num_microbatches, sched)
+            loss, st = pipeline_train_step(stage, ids, num_microbatches, sched)
             sync_tied_embeddings(stage, tied_group)
             errs = [relative_error(p.grad, ref_grads[names[id(p)]]) for p in stage.parameters()]
             out[f"train_{sched}"] = {"grad_rel_err_max": max(errs), "stats": st.to_dict(),
@@ -267,7 +267,7 @@ def pp_bubble(rank: int, world_size: int, microbatch_counts: list[int], microbat
         runs = {"forward": lambda ids=ids, m=m: gpipe_forward(stage, ids, m)[1]}
         if train:
             for sched in SCHEDULES:
-                runs[f"train_{sched}"] = lambda ids=ids, m=m, s=sched: train_step(stage, ids, m, s)[1]
+                runs[f"train_{sched}"] = lambda ids=ids, m=m, s=sched: pipeline_train_step(stage, ids, m, s)[1]
         for kind, run in runs.items():
             run()  # warm-up
             stats = sorted((run() for _ in range(repeats)), key=lambda s: s.total_s)

@@ -29,7 +29,7 @@ def bubble_table(results: list[dict]) -> list[dict]:
     return rows
 
 
-def plot_timeline(results: list[dict], kind: str, m: int, ax) -> None:
+def plot_schedule_timeline(results: list[dict], kind: str, m: int, ax) -> None:
     """Gantt chart of one schedule: a bar per forward (F) and backward (B) micro-batch on each stage."""
     colors = {"F": "tab:blue", "B": "tab:orange"}
     for res in results:

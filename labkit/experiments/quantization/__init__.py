@@ -15,15 +15,15 @@ from labkit.experiments.quantization.compare import (
 from labkit.experiments.quantization.metrics import (
     bytes_held,
     bytes_per_weight,
-    decode_step_bytes,
-    decode_step_time,
     decode_weight_bytes,
     heldout_perplexity,
+    hf_decode_step_time,
     layer_errors,
     linear_weight_bytes,
-    peak_memory,
+    model_decode_bytes,
+    peak_allocated,
 )
 
 __all__ = ["precision", "BASELINE", "accuracy_rows", "breakdown_tables", "method_options", "plot_step_breakdown",
-           "speed_rows", "step_parts", "bytes_held", "bytes_per_weight", "decode_step_bytes", "decode_step_time",
-           "decode_weight_bytes", "heldout_perplexity", "layer_errors", "linear_weight_bytes", "peak_memory"]
+           "speed_rows", "step_parts", "bytes_held", "bytes_per_weight", "model_decode_bytes", "hf_decode_step_time",
+           "decode_weight_bytes", "heldout_perplexity", "layer_errors", "linear_weight_bytes", "peak_allocated"]

@@ -18,12 +18,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from labkit.experiments.quantization.metrics import (
-    decode_step_bytes,
-    decode_step_time,
     heldout_perplexity,
+    hf_decode_step_time,
     layer_errors,
     linear_weight_bytes,
-    peak_memory,
+    model_decode_bytes,
+    peak_allocated,
 )
 from labkit.quant import HEAD_METHODS, METHODS, quantize, target_linears
 
@@ -134,7 +134,7 @@ def _accuracy_row(model, tokenizer, method, names, ids, seq_len, max_windows, ca
         with torch.no_grad():
             qm(input_ids=ids, use_cache=False, logits_to_keep=1)
 
-    row["forward_peak_bytes"] = peak_memory(forward, _device(model))["peak_bytes"]
+    row["forward_peak_bytes"] = peak_allocated(forward, _device(model))["peak_bytes"]
     row["status"] = "ok"
     return row
 
@@ -159,7 +159,7 @@ def speed_rows(model: nn.Module, methods=("int8", "int4", "fp8", "bnb-int8", "bn
     (``labkit.kernels.patch``) in every model timed, so the non-matmul kernels cost the same on both sides
     of each ratio and the bytes saved by the weights show through.
 
-    ``bandwidth`` (bytes/s, measured): adds each step's floor, the bytes it must read (``decode_step_bytes``)
+    ``bandwidth`` (bytes/s, measured): adds each step's floor, the bytes it must read (``model_decode_bytes``)
     over that bandwidth, and the fraction of the floor reached.
 
     ``breakdown > 0``: each CUDA-graph row (and each engine row) also gets ``breakdown``, its step's top kernels
@@ -203,7 +203,7 @@ def speed_rows(model: nn.Module, methods=("int8", "int4", "fp8", "bnb-int8", "bn
 
 def _step_bytes(qm, model, batch_size, context_len) -> tuple[dict, float]:
     """The quantised copy's linear weight bytes (held and over bf16) and the bytes one decode step reads."""
-    return linear_weight_bytes(qm, list(target_linears(model))), decode_step_bytes(qm, batch_size, context_len)
+    return linear_weight_bytes(qm, list(target_linears(model))), model_decode_bytes(qm, batch_size, context_len)
 
 
 def _row(method, timing, t, base_ms, wb: dict, step_bytes: float, bandwidth, **extra) -> dict:
@@ -257,7 +257,7 @@ def _speed_rows(model, method, batch_size, context_len, iters, patch, bandwidth,
 
             patch_model(qm)
         try:
-            t = decode_step_time(qm, batch_size, context_len, cuda_graph=use_graph, iters=iters,
+            t = hf_decode_step_time(qm, batch_size, context_len, cuda_graph=use_graph, iters=iters,
                                  breakdown=breakdown if use_graph else 0)
         finally:
             if patch:

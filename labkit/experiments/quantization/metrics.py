@@ -144,7 +144,7 @@ def decode_weight_bytes(spec, method: str, group_size: int = 128, lm_head: bool 
     return linear * bpw + head * head_bpw + norms
 
 
-def decode_step_bytes(model: nn.Module, batch_size: int = 1, context_len: int = 512) -> int:
+def model_decode_bytes(model: nn.Module, batch_size: int = 1, context_len: int = 512) -> int:
     """Bytes one decode step must read from memory, *measured* on ``model`` as it is held: every weight it keeps
     (quantised codes, scales and states included) except an untied embedding table (one row per token is
     read), plus the KV cache of ``batch_size`` sequences of ``context_len`` tokens in the model's dtype."""
@@ -174,7 +174,7 @@ def _cpu_alloc_peak(fn: Callable[[], object]) -> int:
     return peak
 
 
-def peak_memory(fn: Callable[[], object], device: torch.device | str = "cpu") -> dict[str, int | str]:
+def peak_allocated(fn: Callable[[], object], device: torch.device | str = "cpu") -> dict[str, int | str]:
     """Run ``fn`` once and return the peak of tensor memory it allocated above what was live before:
     ``{"peak_bytes", "how"}``. CUDA: the caching allocator's ``max_memory_allocated``. CPU: the same quantity
     rebuilt from ``torch.profiler``'s allocation events (the CPU allocator keeps no peak statistic, and the
@@ -192,7 +192,7 @@ def peak_memory(fn: Callable[[], object], device: torch.device | str = "cpu") ->
     return {"peak_bytes": _cpu_alloc_peak(fn), "how": "cpu_profiler_allocations"}
 
 
-def decode_step_time(model: nn.Module, batch_size: int = 1, context_len: int = 512, cuda_graph: bool = True,
+def hf_decode_step_time(model: nn.Module, batch_size: int = 1, context_len: int = 512, cuda_graph: bool = True,
                      iters: int = 20, breakdown: int = 0):
     """``labkit.bench.Timing`` of one decode forward over a static KV cache (a CUDA-graph replay on CUDA when
     ``cuda_graph``; eager elsewhere), via ``labkit.experiments.decode_step.time_decode_step`` (``breakdown``: its kernel

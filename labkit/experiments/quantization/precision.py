@@ -2,7 +2,7 @@
 
 Four experiments, each a function returning plain rows for a table:
 
-* ``matmul_rates``: dense matmul throughput per dtype on the device at hand (tensor-core modes on the GPU:
+* ``dtype_matmul_rates``: dense matmul throughput per dtype on the device at hand (tensor-core modes on the GPU:
   TF32, ``torch._int_mm`` for int8, ``torch._scaled_mm`` for FP8; the CPU shows what runs there).
 * ``overflow_rows``: computations inside a transformer that overflow FP16's range (max 65504) and fit BF16's
   (max 3.4e38, the same exponent as FP32, with 8 bits of mantissa fewer).
@@ -56,7 +56,7 @@ def _matmul_fn(name: str, size: int, device: torch.device, g: torch.Generator):
     return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
 
 
-def matmul_rates(size: int = 4096, device: torch.device | str | None = None, dtypes=MATMUL_DTYPES,
+def dtype_matmul_rates(size: int = 4096, device: torch.device | str | None = None, dtypes=MATMUL_DTYPES,
                  iters: int = 10, seed: int = 0) -> list[dict]:
     """Throughput of a square ``size`` matmul per dtype: rows ``{dtype, tflops, ms, status}`` (``tflops`` None
     with the reason in ``status`` where the dtype does not run on this device). Inputs are random, never zeros.
