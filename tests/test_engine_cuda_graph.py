@@ -362,13 +362,13 @@ def test_host_graphs_catch_host_values(tiny_model, monkeypatch):
         m.setattr(ModelRunner, "forward", host_counter)
         runner = host_graph_runner(model, nan_cache(model, num_blocks=8, block_size=16), monkeypatch, sizes=(1,))
         with pytest.raises(AssertionError, match="differs from its capture"):
-            runner.graphs.replay(1)
+            runner.graphs.graphs[GraphKey("decode", 1, 1)].replay()
     cache = nan_cache(model, num_blocks=8, block_size=16)
     runner = host_graph_runner(model, cache, monkeypatch, sizes=(1,))
-    runner.graphs.replay(1)
+    runner.graphs.graphs[GraphKey("decode", 1, 1)].replay()
     cache.v_caches[3] = cache.v_caches[3].clone()  # a pool re-allocated after capture: the graph keeps the old one
     with pytest.raises(AssertionError, match=r"differs from its capture \(a host value or a buffer's address"):
-        runner.graphs.replay(1)
+        runner.graphs.graphs[GraphKey("decode", 1, 1)].replay()
 
 
 def test_check_graph_replays_passes_and_catches_a_kept_output_buffer(tiny_model, monkeypatch):
@@ -384,7 +384,7 @@ def test_check_graph_replays_passes_and_catches_a_kept_output_buffer(tiny_model,
 
     def hands_back_the_buffer(self, longs, ints, key, num_seqs):
         StepGraphs.run_packed(self, longs, ints, key, num_seqs)
-        return self.logits[self._key(key)][:num_seqs]
+        return self.logits[key][:num_seqs]
 
     monkeypatch.setattr(HostGraphs, "run_packed", hands_back_the_buffer)
     bad = [(r["round"], r["batch"]) for r in check_graph_replays(model, rounds=2, runner=runner) if not r["ok"]]
@@ -404,8 +404,8 @@ def test_run_refuses_inputs_that_do_not_fit(tiny_model, monkeypatch):
     _, narrow = pack_step([seq], [1], 16, num_seqs=n_seqs, num_rows=n_rows, width=1)  # tables 1 wide
     with pytest.raises(ValueError, match=r"packed ints \(9,\) do not match the static buffer \(15,\)"):
         runner.graphs.run_packed(longs, narrow, GraphKey("decode", 2, 2), 1)
-    with pytest.raises(ValueError, match="batch size 3 has no captured graph"):
-        runner.graphs.replay(3)
+    with pytest.raises(ValueError, match=r"GraphKey\(kind='decode', seqs=3, tokens=3\) has no captured graph"):
+        runner.graphs.run_packed(longs, ints, GraphKey("decode", 3, 3), 1)
     assert runner.graphs.run_packed(longs, ints, GraphKey("decode", 2, 2), 1).shape == \
         (1, model.config.vocab_size)  # the real row only
     with pytest.raises(ValueError, match=r"packed longs \(3, 1\) do not match the static buffer \(3, 2\)"):

@@ -1,6 +1,7 @@
 """LLMEngine on the embedded model: with greedy sampling every request's tokens equal HF ``generate``'s for that
 prompt alone, whatever the scheduler, batch, chunking, prefix caching or preemption did; seeded sampling does not
-depend on the batch; stop tokens; the online loop's clock and metrics; bad input."""
+depend on the batch; stop tokens; request timestamps; bad input (the serving benchmark:
+tests/test_bench_serving.py)."""
 
 import math
 
@@ -10,7 +11,6 @@ import torch
 from labkit.data import sample_prompts
 from labkit.engine.llm_engine import EngineConfig, LLMEngine
 from labkit.engine.sampling import SamplingParams
-from labkit.engine.workload import LengthDist, make_workload
 from labkit.kvcache import CacheFullError
 
 N = 10  # tokens per request
@@ -66,7 +66,7 @@ def test_greedy_equals_hf_generate(tiny_model, cases, name):
     outs = engine.generate(prompts, GREEDY, progress=False)
     assert [o.output_token_ids for o in outs] == refs
     assert all(o.finish_reason == "length" for o in outs)
-    stats = engine.result().stats
+    stats = engine.run_stats()
     if name in ("continuous_preempting", "continuous_swapping"):
         assert stats["preemptions"] > 0 and any(o.num_preemptions for o in outs)
     if name == "continuous_swapping":
@@ -74,7 +74,7 @@ def test_greedy_equals_hf_generate(tiny_model, cases, name):
     if name == "continuous_prefix_cache":
         assert stats["prefix_hit_tokens"] >= 24
     if name == "continuous_chunked":
-        assert max(stats["step_seqs"]) <= 4
+        assert stats["peak_running"] <= 4 and stats["scheduled_seqs"] <= 4 * stats["steps"]
     assert engine.cache.allocator.num_used == 0 and not any(s.block_table for s in engine.seqs.values())
 
 
@@ -103,28 +103,6 @@ def test_stop_tokens_and_text(tiny_model, cases):
     assert out.text == tok.decode(out.output_token_ids)
 
 
-def test_serve_poisson_workload_metrics(tiny_model):
-    model, tok = tiny_model
-    source = torch.arange(100, 5000)
-    wl = make_workload(8, 40.0, LengthDist.uniform(4, 20), LengthDist.exponential(5, low=1, high=9), source, seed=2)
-    streamed = []
-    fifo = make_engine(model, scheduler="fifo").serve(wl, on_token=streamed.append, progress=False)
-    by_id = {m.request_id: m for m in fifo.metrics}
-    assert len(streamed) == sum(r.max_new_tokens for r in wl) == sum(m.output_tokens for m in fifo.metrics)
-    order = sorted(wl, key=lambda r: r.arrival_s)
-    for a, b in zip(order, order[1:]):  # one at a time, in arrival order
-        assert by_id[b.request_id].first_token_s > by_id[a.request_id].finish_s
-    for r in wl:
-        m = by_id[r.request_id]
-        assert m.arrival_s == r.arrival_s and 0 < m.ttft_s <= m.e2e_s and m.output_tokens == r.max_new_tokens
-        assert m.token_times_s == sorted(m.token_times_s)
-    s = fifo.stats
-    assert s["clock"] == "virtual" and 0 < s["busy_frac"] <= 1 + 1e-9 and s["busy_s"] == pytest.approx(sum(s["step_s"]))
-    cont = make_engine(model, max_num_seqs=8, max_num_batched_tokens=32).serve(wl, clock="real", progress=False)
-    assert cont.stats["clock"] == "real" and [o.output_token_ids for o in cont.outputs] == \
-        [o.output_token_ids for o in fifo.outputs]
-
-
 def test_bad_input(tiny_model, cases):
     model, tok = tiny_model
     prompts, _ = cases
@@ -138,8 +116,6 @@ def test_bad_input(tiny_model, cases):
     assert not engine.has_unfinished()  # nothing was queued
     with pytest.raises(ValueError, match="got 2 for 3 prompts"):
         engine.generate(prompts[:3], [GREEDY, GREEDY], progress=False)
-    with pytest.raises(ValueError, match="clock='wall' is unknown"):
-        engine.reset("wall")
     with pytest.raises(CacheFullError, match="could never run"):
         make_engine(model, num_blocks=4, block_size=4).add_request(prompts[1], GREEDY)
     with pytest.raises(ValueError, match="max_model_len=4096 exceeds"):

@@ -11,7 +11,7 @@ from labkit.data import sample_prompts
 from labkit.engine.model_runner import ModelRunner
 from labkit.evaluate import relative_error
 from labkit.kvcache import PagedKVCache, SeqBlocks
-from labkit.model import FusionPlan
+from labkit.model import FusionPlan, KernelLog
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -131,79 +131,65 @@ def test_quantised_projections_merge(tiny_model, prompts, method):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the fused GEMVs; on CUDA "
                     "test_engine_llm_engine's GPU test checks the int4 engine against HF")
-def test_int4_layers_take_in_their_norms_and_residual_adds(tiny_model, prompts, monkeypatch):
-    """float16 int4 layers at decode batch 1: each RMSNorm runs inside the GEMV after it, each residual add and the
-    SwiGLU inside the GEMV before it (``fuse_layer_ops``, the interpreter's stationary GEMV). A prompt and three
-    single-sequence decode steps give the same greedy tokens as the separate kernels, logits within float16
-    rounding; the prompt's step (rows > 1) takes the separate kernels on both."""
-    import labkit.kernels.paged_attention as pa
-    import labkit.kernels.quantized_matmul.matmul as qmm
+def test_int4_layers_take_in_their_norms_and_residual_adds(tiny_model, prompts):
+    """float16 int4 layers: the ops hand each RMSNorm to the GEMV after it, each residual add and the SwiGLU to the
+    GEMV before it, on every step of a sequence (at decode batch 1 the interpreter's stationary GEMV takes them in;
+    the quantised matmul's own tests check its paths). A prompt and a single-sequence decode step give the same
+    greedy tokens as the separate kernels, logits within float16 rounding. Which kernel took what is read from the
+    runner's ``KernelLog``."""
     from labkit.quant import quantize
 
-    inside, modes = [], []
-
-    def record(*a, f=qmm.w4_gemv_xs, **kw):
-        inside.append(sorted(key for key in kw if key != "pdl"))
-        modes.append(kw.get("pdl", ""))
-        return f(*a, **kw)
-
-    monkeypatch.setattr(qmm, "w4_gemv_xs", record)
     qmodel = quantize(tiny_model[0], "int4", backend="triton").half()  # the kernels on the CPU too
     _wide_tiles(qmodel)
     qmodel.model.layers = qmodel.model.layers[:1]  # one layer, one decode step: the interpreter is slow, and
     qmodel.config.num_hidden_layers = 1            # every fused path runs in each layer's step
     layers, steps = len(qmodel.model.layers), 1
-    fused, separate = (decode_logits(qmodel, prompts[1][:4], steps, fuse, fuse_qkv_rope=False)
-                       for fuse in (True, False))
+    n = (1 + steps) * layers  # the prompt's step and each decode step, per layer
+    log = KernelLog()
+    fused = decode_logits(qmodel, prompts[1][:4], steps, True, fuse_qkv_rope=False, kernel_log=log)
+    separate = decode_logits(qmodel, prompts[1][:4], steps, False)
+    inside = [c.fused for c in log if c.op == "projection" and c.kernel != "torch"]
     # per layer and decode step: q/k/v and gate/up with their norms, o and down with residual adds
-    assert inside.count(["norm"]) == 2 * steps * layers and inside.count(["residual"]) == steps * layers
-    assert inside.count(["residual", "swiglu"]) == steps * layers
+    assert {c.kernel for c in log if c.op == "projection" and c.kernel != "torch"} == {"w4a16_matmul"}
+    assert inside.count(("norm",)) == 2 * n and inside.count(("residual",)) == n
+    assert inside.count(("residual", "swiglu")) == n
     for a, b in zip(fused, separate):
         assert a.argmax() == b.argmax() and relative_error(a, b) < 2e-2
-    inside.clear()  # RoPE and the cache write in the q/k/v GEMV too (the default): the same bits as without
-    modes.clear()
-    with_rope = decode_logits(qmodel, prompts[1][:4], steps, True, gemv_pdl=False)
-    assert inside.count(["norm", "rope"]) == steps * layers and inside.count(["norm"]) == steps * layers
+    log = KernelLog()  # RoPE and the cache write in the q/k/v GEMV too (the default): the same bits as without
+    with_rope = decode_logits(qmodel, prompts[1][:4], steps, True, gemv_pdl=False, kernel_log=log)
+    assert [c.kernel for c in log if c.op == "qkv_projection"] == ["w4a16_qkv_rope_cache"] * n
+    assert [c.fused for c in log if c.op == "projection" and c.kernel != "torch"].count(("norm",)) == n
     assert all(torch.equal(a, b) for a, b in zip(with_rope, fused))
-    assert set(modes) == {""}
-    modes.clear()  # gemv_pdl (the default): every GEMV but the first overlaps the kernel ahead (plain on the CPU)
-    with_pdl = decode_logits(qmodel, prompts[1][:4], steps, True)
-    assert modes == (["release"] + ["overlap"] * (4 * layers - 1)) * steps
+    assert {c.pdl for c in log} == {""}
+    log = KernelLog()  # gemv_pdl (the default): every GEMV but the first overlaps the kernel ahead (plain on the CPU)
+    with_pdl = decode_logits(qmodel, prompts[1][:4], steps, True, kernel_log=log)
+    gemvs = [c for c in log if c.op in ("projection", "qkv_projection") and c.kernel != "torch"]
+    assert [c.pdl for c in gemvs] == (["release"] + ["overlap"] * (4 * layers - 1)) * (1 + steps)
     assert all(torch.equal(a, b) for a, b in zip(with_pdl, with_rope))
     # decode attention releases the launch after it (the o GEMV) and is a plain launch itself
-    attention_modes = []
-
-    def attention(*a, f=pa.paged_attention, **kw):
-        attention_modes.append(kw.get("pdl", ""))
-        return f(*a, **kw)
-
-    monkeypatch.setattr(pa, "paged_attention", attention)
-    decode_logits(qmodel, prompts[1][:4], steps, True)
-    assert attention_modes == ["release"] * steps * layers
+    decode_attention = [c for c in log if c.op == "attention" and c.kernel == "paged_attention"]
+    assert [c.pdl for c in decode_attention] == ["release"] * steps * layers
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the fused GEMVs")
-def test_int8_layers_take_in_their_neighbours(tiny_model, prompts, monkeypatch):
-    """float16 int8 layers at decode batch 1 take the stationary int8 GEMV with what the int4 ones take in: the
-    RMSNorms, residual adds, SwiGLU, and RoPE with the cache write in the q/k/v GEMV. The greedy tokens of the
-    separate kernels, logits within float16 rounding."""
-    import labkit.kernels.quantized_matmul.matmul as qmm
+def test_int8_layers_take_in_their_neighbours(tiny_model, prompts):
+    """float16 int8 layers are handed what the int4 ones are: the RMSNorms, residual adds, SwiGLU, and RoPE with the
+    cache write in the q/k/v GEMV (``KernelLog``). The greedy tokens of the separate kernels, logits within float16
+    rounding."""
     from labkit.quant import quantize
 
-    inside = []
-
-    def record(*a, f=qmm.w8_gemv_xs, **kw):
-        inside.append(sorted(key for key in kw if key != "pdl"))
-        return f(*a, **kw)
-
-    monkeypatch.setattr(qmm, "w8_gemv_xs", record)
     qmodel = quantize(tiny_model[0], "int8", backend="triton").half()
     _wide_tiles(qmodel)
     qmodel.model.layers = qmodel.model.layers[:1]  # one layer, two decode steps: the interpreter is slow
     qmodel.config.num_hidden_layers = 1
-    fused, separate = (decode_logits(qmodel, prompts[1][:4], 2, fuse) for fuse in (True, False))
-    assert inside.count(["norm", "rope"]) == 2 and inside.count(["norm"]) == 2
-    assert inside.count(["residual"]) == 2 and inside.count(["residual", "swiglu"]) == 2
+    log = KernelLog()
+    fused = decode_logits(qmodel, prompts[1][:4], 2, True, kernel_log=log)
+    separate = decode_logits(qmodel, prompts[1][:4], 2, False)
+    inside = [(c.kernel, c.fused) for c in log if c.op in ("projection", "qkv_projection") and c.kernel != "torch"]
+    n = 3  # the prompt's step and two decode steps of one layer
+    assert inside.count(("w8a16_qkv_rope_cache", ("cache", "norm", "rope"))) == n
+    assert inside.count(("w8a16_matmul", ("norm",))) == n and inside.count(("w8a16_matmul", ("residual",))) == n
+    assert inside.count(("w8a16_matmul", ("residual", "swiglu"))) == n
     for a, b in zip(fused, separate):
         assert a.argmax() == b.argmax() and relative_error(a, b) < 2e-2
 

@@ -34,7 +34,7 @@ def workload(tiny_model):
     lens_in, lens_out = [30, 5, 17, 23, 9, 12], [20, 14, 6, 18, 11, 16]
     prompts = [p[:n] for p, n in zip(sample_prompts(tok, 6, 30, seed=21), lens_in, strict=True)]
     ref, engine = run(model, prompts, lens_out, num_blocks=64)
-    assert engine.result().stats["preemptions"] == 0
+    assert engine.run_stats()["preemptions"] == 0
     return prompts, lens_out, ref
 
 
@@ -54,7 +54,7 @@ def test_oversubscribed_run_preempts_and_matches(tiny_model, workload, mode):
     # 13 blocks of 4 = 52 slots; the longest request needs 49 at its end, the six together 238
     out, engine = run(model, prompts, lens_out, num_blocks=13, preemption_mode=mode)
     assert out == ref
-    s = engine.result().stats
+    s = engine.run_stats()
     assert s["preemptions"] > 0 and s["peak_blocks_used"] <= 13 and s["preemption_mode"] == mode
     if mode == "swap":
         assert s["swapped_out_blocks"] > 0 and s["swapped_in_blocks"] == s["swapped_out_blocks"]
@@ -73,7 +73,7 @@ def test_swap_space_full_falls_back_to_recompute(tiny_model, workload):
     out, engine = run(model, prompts, lens_out, num_blocks=13, preemption_mode="swap",
                       swap_space=4 * cache_bytes / (1 << 30))  # room for 4 blocks: too few for some victims
     assert engine.scheduler.swap.allocator.num_blocks == 4
-    s = engine.result().stats
+    s = engine.run_stats()
     assert out == ref and s["recomputed_tokens"] > 0
 
 
@@ -81,7 +81,7 @@ def test_recompute_with_prefix_caching_reuses_freed_blocks(tiny_model, workload)
     model, _ = tiny_model
     prompts, lens_out, ref = workload
     out, engine = run(model, prompts, lens_out, num_blocks=13, enable_prefix_caching=True)
-    s = engine.result().stats
+    s = engine.run_stats()
     assert out == ref and s["preemptions"] > 0 and s["prefix_hit_tokens"] > 0
 
 

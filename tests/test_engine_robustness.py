@@ -1,7 +1,7 @@
 """Failure isolation in the engine (vLLM's behaviour): every request is checked before it is admitted
-(``generate``, ``serve`` and ``add_request`` alike); a request that still fails inside a step is finished with an
-error and its blocks freed while the others complete; ``abort_request`` and ``reset(abort=True)`` leave a clean
-engine; every EOS id stops a request."""
+(``generate`` and ``add_request`` alike; a benchmark's ``serve`` too: tests/test_bench_serving.py); a request that
+still fails inside a step is finished with an error and its blocks freed while the others complete;
+``abort_request`` and ``reset(abort=True)`` leave a clean engine; every EOS id stops a request."""
 
 import math
 
@@ -10,7 +10,6 @@ import pytest
 from labkit.data import sample_prompts
 from labkit.engine.llm_engine import EngineConfig, LLMEngine
 from labkit.engine.sampling import SamplingParams
-from labkit.engine.workload import RequestSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -46,13 +45,13 @@ def test_one_bad_request_among_100_fails_alone(tiny_model, prompts):
     poison(engine, ids[37])
     while engine.has_unfinished():
         engine.step()
-    outs = engine.result().outputs
+    outs = engine.outputs()
     assert len(outs) == 100 and clean(engine)
     bad = [o for o in outs if not o.ok]
     assert [o.request_id for o in bad] == [ids[37]] and bad[0].finish_reason == "error"
     assert "IndexError" in bad[0].error and bad[0].metrics is None
     assert all(len(o.output_token_ids) == 2 and o.finish_reason == "length" for o in outs if o.ok)
-    assert engine.result().stats["errors"] == 1
+    assert engine.run_stats()["errors"] == 1
     # the survivors' tokens equal a run without the bad request
     ref = LLMEngine(model, tok, max_num_seqs=32, max_num_batched_tokens=256).generate(
         [p for i, p in enumerate(prompts) if i != 37], GREEDY, progress=False)
@@ -88,7 +87,7 @@ def test_abort_and_reset_leave_a_clean_engine(tiny_model, prompts):
         engine.abort_request(99)
     while engine.has_unfinished():
         engine.step()
-    outs = {o.request_id: o for o in engine.result().outputs}
+    outs = {o.request_id: o for o in engine.outputs()}
     assert outs[a].finish_reason == "abort" and outs[c].finish_reason == "abort" and outs[b].ok and clean(engine)
 
     engine.reset()
@@ -142,23 +141,6 @@ def test_requests_are_checked_before_admission(tiny_model, prompts):
     with pytest.raises(ValueError, match="arrival_s=nan"):
         engine.add_request([1], arrival_s=math.nan)
     assert clean(engine) and not engine.seqs  # nothing was queued
-
-
-def test_serve_checks_the_whole_workload_before_running(tiny_model, prompts):
-    model, _ = tiny_model
-    engine = LLMEngine(model, max_num_seqs=4, max_num_batched_tokens=64)
-    wl = [RequestSpec(i, 0.01 * i, tuple(p), 3) for i, p in enumerate(prompts[:6])]
-    bad = [*wl[:3], RequestSpec(3, 0.03, (1, 9000, 2), 3), *wl[4:]]
-    streamed = []
-    with pytest.raises(ValueError, match="request 3: prompt token 1 is 9000"):
-        engine.serve(bad, on_token=streamed.append, progress=False)
-    assert not streamed and clean(engine)  # nothing ran
-    with pytest.raises(ValueError, match="request ids repeat"):
-        engine.serve([*wl, wl[0]], progress=False)
-    with pytest.raises(TypeError, match="params='greedy'"):
-        engine.serve(wl, params="greedy", progress=False)
-    res = engine.serve(wl, progress=False)
-    assert len(res.outputs) == 6 and all(o.ok for o in res.outputs)
 
 
 def test_every_eos_id_stops(tiny_model, prompts):
@@ -228,6 +210,6 @@ def test_abort_a_swapped_out_request(tiny_model, prompts):
     assert engine.abort_request(victim) and not engine.seqs[victim].block_table
     while engine.has_unfinished():
         engine.step()
-    outs = {o.request_id: o for o in engine.result().outputs}
+    outs = {o.request_id: o for o in engine.outputs()}
     assert outs[victim].finish_reason == "abort" and all(outs[i].ok for i in ids if i != victim)
     assert clean(engine) and engine.scheduler.swap.allocator.num_free == engine.scheduler.swap.allocator.num_blocks

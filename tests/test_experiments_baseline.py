@@ -3,8 +3,9 @@ import math
 import pytest
 import torch
 
-from labkit.engine.metrics import SLO, RequestMetrics, summarize
-from labkit.engine.workload import LengthDist, RequestSpec, at_rate, make_workload
+from labkit.bench.serving import SLO, summarize
+from labkit.bench.workload import LengthDist, RequestSpec, at_rate, make_workload
+from labkit.engine import RequestMetrics
 from labkit.experiments.baseline import Execution, replay_fifo, run_generate, serve_static
 
 

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from labkit.engine.metrics import SLO, RequestMetrics
-from labkit.engine.workload import LengthDist, make_workload
+from labkit.bench.serving import SLO
+from labkit.bench.workload import LengthDist, make_workload
+from labkit.engine import RequestMetrics
 from labkit.experiments.batching import (
     check_greedy_vs_hf,
     decode_rate,

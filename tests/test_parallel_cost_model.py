@@ -21,7 +21,7 @@ def test_collective_formulas():
 
 
 def test_tp_traffic_matches_what_the_tp_layers_send():
-    # what tests/test_parallel_tensor_parallel measures through comm.STATS: batch 2 x 13 tokens, float32
+    # what tests/test_parallel_tensor_parallel counts (bench.collectives.CountingCollectives): batch 2 x 13, fp32
     c = cm.tp_comm(TINY, tp=2, tokens=2 * 13, dtype="fp32")
     assert c["all_reduces"] == 2 * TINY.num_layers + 1
     assert c["all_reduces"] * c["all_reduce_bytes"] == 452608

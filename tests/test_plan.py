@@ -3,8 +3,8 @@ from dataclasses import replace
 
 import pytest
 
-from labkit.engine.metrics import SLO
-from labkit.engine.workload import LengthDist
+from labkit.bench.serving import SLO
+from labkit.bench.workload import LengthDist
 from labkit.hardware import get_hardware
 from labkit.model import PRESETS
 from labkit.plan import (

@@ -1,13 +1,12 @@
 """The serving engine: requests in, tokens out, over one model and one paged KV cache.
 
-* ``LLMEngine`` (llm_engine.py): ``generate`` (offline), ``add_request`` + ``step`` or ``serve`` (online);
-  ``EngineConfig`` holds its settings (vLLM's names)
+* ``LLMEngine`` (llm_engine.py): ``generate`` (offline), ``add_request`` + ``step`` (online; a benchmark replays a
+  workload against it: ``labkit.bench.serving``); ``EngineConfig`` holds its settings (vLLM's names)
 * schedulers (scheduler.py): FIFO, static batches, continuous batching with chunked prefill and preemption by
   recompute or swap
 * ``ModelRunner`` (model_runner.py): the model over a flat token batch on the paged cache, Triton kernels on CUDA,
   steps replayed from CUDA graphs (cuda_graph.py); ``ModelInput`` (``labkit.model.attention``) is one step's inputs
-* ``SamplingParams`` / ``Sampler`` (sampling.py), requests and outputs (sequence.py), workloads (workload.py) and
-  serving metrics (metrics.py)
+* ``SamplingParams`` / ``Sampler`` (sampling.py), requests, sequences and outputs (sequence.py)
 * speculative decoding (speculative.py, proposers.py): ``SpeculativeDecoder`` verifies the guesses of a
   ``PromptLookupProposer`` or a ``DraftModelProposer`` in one target forward, with the exact acceptance rule
 
@@ -17,8 +16,7 @@
 """
 
 from labkit.engine.cuda_graph import StepGraphs, default_graph_batch_sizes, default_graph_token_sizes
-from labkit.engine.llm_engine import CLOCKS, EngineConfig, EngineStats, LLMEngine, ServeResult
-from labkit.engine.metrics import SLO, RequestMetrics, percentile, summarize
+from labkit.engine.llm_engine import EngineConfig, EngineStats, LLMEngine
 from labkit.engine.model_runner import KERNELS, ModelRunner
 from labkit.engine.proposers import DraftModelProposer, PromptLookupProposer, Proposer
 from labkit.engine.sampling import Sampler, SamplingParams
@@ -32,15 +30,21 @@ from labkit.engine.scheduler import (
     StaticBatchScheduler,
     make_scheduler,
 )
-from labkit.engine.sequence import FinishReason, Request, RequestOutput, Sequence, SequenceStatus, TokenOutput
+from labkit.engine.sequence import (
+    FinishReason,
+    Request,
+    RequestMetrics,
+    RequestOutput,
+    Sequence,
+    SequenceStatus,
+    TokenOutput,
+)
 from labkit.engine.speculative import SpecStats, SpeculativeDecoder, accept
-from labkit.engine.workload import LengthDist, RequestSpec, at_rate, make_workload
 from labkit.model.attention import ModelInput
 
-__all__ = ["LLMEngine", "EngineConfig", "EngineStats", "ServeResult", "CLOCKS", "SamplingParams", "Sampler",
-           "Request", "RequestOutput", "TokenOutput", "Sequence", "SequenceStatus", "FinishReason", "Scheduler",
+__all__ = ["LLMEngine", "EngineConfig", "EngineStats", "SamplingParams", "Sampler", "Request", "RequestMetrics",
+           "RequestOutput", "TokenOutput", "Sequence", "SequenceStatus", "FinishReason", "Scheduler",
            "FIFOScheduler", "StaticBatchScheduler", "ContinuousBatchingScheduler", "ScheduledBatch", "make_scheduler",
            "SCHEDULERS", "PREEMPTION_MODES", "ModelRunner", "ModelInput", "KERNELS", "StepGraphs",
-           "default_graph_batch_sizes", "default_graph_token_sizes", "RequestMetrics", "SLO", "percentile",
-           "summarize", "LengthDist", "RequestSpec", "make_workload", "at_rate",
-           "SpeculativeDecoder", "SpecStats", "accept", "Proposer", "PromptLookupProposer", "DraftModelProposer"]
+           "default_graph_batch_sizes", "default_graph_token_sizes", "SpeculativeDecoder", "SpecStats", "accept",
+           "Proposer", "PromptLookupProposer", "DraftModelProposer"]

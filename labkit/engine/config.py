@@ -1,20 +1,16 @@
 """The engine's settings (``EngineConfig``, vLLM's names, each checked when built), its run statistics
-(``EngineStats``), the serving clocks, and what the engine reads off the model: its vocabulary and EOS ids."""
+(``EngineStats``: counts, no times) and what the engine reads off the model: its vocabulary and EOS ids."""
 
 from __future__ import annotations
 
 import math
 import numbers
-import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from labkit.engine.sampling import token_id_tuple
 from labkit.engine.scheduler import PREEMPTION_MODES, SCHEDULERS
 from labkit.model import FusionPlan
-
-CLOCKS = ("virtual", "real")
-"""Serving clocks: 'virtual' (arrivals in model time, reproducible) or 'real' (wall clock)."""
 
 
 @dataclass(frozen=True)
@@ -108,57 +104,17 @@ class EngineConfig:
 
 @dataclass
 class EngineStats:
-    """What the engine did since the last reset: steps, time busy, tokens computed, memory."""
+    """What the engine did since the last reset, counted (the times are a benchmark's: ``labkit.bench.serving``)."""
 
     steps: int = 0
-    busy_s: float = 0.0
     prefill_tokens: int = 0  # prompt (and recomputed) tokens computed
     decode_tokens: int = 0
     output_tokens: int = 0
+    scheduled_seqs: int = 0  # sequences summed over steps (over ``steps``: the mean batch)
     graph_steps: int = 0  # steps replayed from a CUDA graph
-    peak_device_bytes: int | None = None
-    step_s: list[float] = field(default_factory=list)
-    step_seqs: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-class VirtualClock:
-    """Advances by the measured duration of each step; jumps over idle time (see the module docstring)."""
-
-    name = "virtual"
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> float:
-        self.t += dt
-        return self.t
-
-    def wait_until(self, t: float) -> None:
-        self.t = max(self.t, t)
-
-
-class RealClock:
-    """Seconds since the run started (``perf_counter``); waiting sleeps."""
-
-    name = "real"
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-
-    def now(self) -> float:
-        return time.perf_counter() - self.start
-
-    def advance(self, dt: float) -> float:
-        return self.now()
-
-    def wait_until(self, t: float) -> None:
-        time.sleep(max(0.0, t - self.now()))
 
 
 def vocab_size(model) -> int:

@@ -171,22 +171,8 @@ class StepGraphs:
                 raise ValueError(f"packed {name} {src.shape} do not match the static buffer {tuple(dst.shape)}; "
                                  f"pack at static_shape={self.static_shape}, width=max_blocks")
             dst.copy_(torch.from_numpy(src), non_blocking=True)
-        return self.replay(key)[:num_seqs].clone()
-
-    def replay(self, key: GraphKey | int) -> torch.Tensor:
-        """Replay the captured step ``key`` on whatever its buffers hold (for timing the device alone: the last
-        step's inputs rewrite the same slots with the same K/V). Returns the graph's output buffer itself,
-        ``[seqs, vocab]``: valid until the next replay."""
-        key = self._key(key)
-        self.graphs[key].replay()
-        return self.logits[key]
-
-    def _key(self, key: GraphKey | int) -> GraphKey:
-        if isinstance(key, int):
-            if key not in self.batch_sizes:
-                raise ValueError(f"batch size {key} has no captured graph; captured: {self.batch_sizes}")
-            return GraphKey("decode", key, key)
         if key not in self.keys:
             raise ValueError(f"{key} has no captured graph; captured decode batches {self.batch_sizes}, token "
                              f"counts {self.token_sizes}")
-        return key
+        self.graphs[key].replay()
+        return self.logits[key][:num_seqs].clone()

@@ -1,17 +1,12 @@
 """LLMEngine: requests in, tokens out. A scheduler picks each step's work, the ModelRunner computes it on the paged
 cache, the Sampler picks the tokens, and the step's tokens are streamed back.
 
-* offline: ``generate(prompts, params)`` queues every prompt at time 0 and steps until all are done
-* online: ``add_request`` + ``step()`` (each call returns the tokens it produced, ``TokenOutput``), or
-  ``serve(workload)``, which replays a workload's Poisson arrivals against the step loop
+* offline: ``generate(prompts, params)`` queues every prompt at once and steps until all are done
+* online: ``add_request`` + ``step()`` (each call returns the tokens it produced, ``TokenOutput``); a benchmark
+  replays a workload's arrivals against ``step`` (``labkit.bench.serving.serve``)
 
-The serving clock. ``clock='virtual'`` (the default): each step is timed for real (wall clock, the device
-synchronised by the sampled tokens reaching the host) and the clock advances by exactly that; while the engine is
-idle the clock jumps to the next arrival instead of sleeping. The queueing is therefore that of a real server
-whose steps take what they took, without waiting through idle gaps (which at low load would be most of a run)
-and without the noise of a shared machine's sleeps; it is also how ``labkit.experiments.baseline`` replays HF
-``generate``, so the two compare on one footing. ``clock='real'`` sleeps until arrivals and stamps tokens with
-``perf_counter``: the honest end-to-end mode for a dedicated machine.
+Each request's arrival and each token are stamped with ``clock`` (a function returning seconds, ``time.perf_counter``
+by default; a benchmark may lend its own): the one place the engine reads a time. Nothing else is timed here.
 """
 
 from __future__ import annotations
@@ -20,43 +15,23 @@ import logging
 import math
 import numbers
 import time
-from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import replace
 
 import torch
 from tqdm.auto import tqdm
 
-from labkit.engine.config import (
-    CLOCKS,
-    EngineConfig,
-    EngineStats,
-    RealClock,
-    VirtualClock,
-    default_eos_token_ids,
-    vocab_size,
-)
+from labkit.engine.config import EngineConfig, EngineStats, default_eos_token_ids, vocab_size
 from labkit.engine.cuda_graph import default_graph_batch_sizes, default_graph_token_sizes
-from labkit.engine.metrics import RequestMetrics
 from labkit.engine.model_runner import ModelRunner, uses_triton
 from labkit.engine.sampling import Sampler, SamplingParams, token_seed
 from labkit.engine.scheduler import ScheduledBatch, make_scheduler
-from labkit.engine.sequence import FinishReason, Request, RequestOutput, TokenOutput, prompt_token_list
-from labkit.engine.sequence import Sequence as Seq
-from labkit.engine.workload import RequestSpec
+from labkit.engine.sequence import FinishReason, Request, RequestOutput, Sequence, TokenOutput, prompt_token_list
 from labkit.kvcache import PagedKVCache
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LLMEngine", "ServeResult", "EngineConfig", "EngineStats", "CLOCKS"]
-
-
-@dataclass
-class ServeResult:
-    """A served workload: per-request metrics and outputs, and what the engine did."""
-
-    metrics: list[RequestMetrics]
-    outputs: list[RequestOutput]
-    stats: dict
+__all__ = ["LLMEngine", "EngineConfig", "EngineStats"]
 
 
 class LLMEngine:
@@ -86,7 +61,8 @@ class LLMEngine:
         self.vocab_size = vocab_size(model)
         self.eos_token_ids = (cfg.eos_token_ids if cfg.eos_token_ids is not None
                               else default_eos_token_ids(model, tokenizer))
-        self.seqs: dict[int, Seq] = {}
+        self.clock: Callable[[], float] = time.perf_counter
+        self.seqs: dict[int, Sequence] = {}
         self._next_id = 0
         self.reset()
 
@@ -127,18 +103,15 @@ class LLMEngine:
         """The first EOS id (HF's single-id name; the engine stops on every id of ``eos_token_ids``)."""
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
-    def reset(self, clock: str = "virtual", abort: bool = False) -> None:
-        """Start a new run: a fresh clock and statistics. Requests still unfinished are refused (``RuntimeError``)
-        unless ``abort=True``, which aborts them (finish reason 'abort', blocks freed) first."""
-        if clock not in CLOCKS:
-            raise ValueError(f"clock={clock!r} is unknown; allowed: {CLOCKS}")
+    def reset(self, abort: bool = False) -> None:
+        """Start a new run: fresh statistics. Requests still unfinished are refused (``RuntimeError``) unless
+        ``abort=True``, which aborts them (finish reason 'abort', blocks freed) first."""
         if self.scheduler.has_unfinished():
             if not abort:
                 n = sum(not s.is_finished for s in self.seqs.values())
                 raise RuntimeError(f"{n} requests are still unfinished; step until they finish, abort_request(id) "
                                    "them, or reset(abort=True)")
             self.scheduler.abort_all()
-        self.clock = VirtualClock() if clock == "virtual" else RealClock()
         self.stats = EngineStats()
         self.scheduler.reset_stats()
         self.seqs = {}
@@ -146,7 +119,7 @@ class LLMEngine:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     # --- requests -------------------------------------------------------------------------------------------
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: str | Iterable[int], params: SamplingParams | None = None,
                     arrival_s: float | None = None, request_id: int | None = None) -> int:
         """Queue a prompt (text needs the tokenizer); returns its request id. Refuses (``TypeError`` /
         ``ValueError`` / ``CacheFullError``, naming the request and the bad value) a request that could never run:
@@ -155,6 +128,11 @@ class LLMEngine:
         seq = self._sequence(prompt, params, arrival_s, request_id)
         self._enqueue(seq)
         return seq.seq_id
+
+    def check_request(self, prompt: str | Iterable[int], params: SamplingParams | None = None,
+                      request_id: int | None = None) -> None:
+        """Raise as ``add_request`` would for this request, without queueing it (to check a batch before any runs)."""
+        self._sequence(prompt, params, 0.0, request_id)
 
     def abort_request(self, request_id: Hashable) -> bool:
         """Take an unfinished request out (queued, running or swapped out): its blocks are freed and its result
@@ -169,7 +147,7 @@ class LLMEngine:
         return True
 
     def _sequence(self, prompt, params: SamplingParams | None, arrival_s: float | None,
-                  request_id: int | None) -> Seq:
+                  request_id: int | None) -> Sequence:
         """A checked sequence for a request (not queued): see ``add_request`` for what is refused."""
         rid = self._next_id if request_id is None else request_id
         if not isinstance(rid, numbers.Integral) or isinstance(rid, bool) or rid < 0:
@@ -189,12 +167,12 @@ class LLMEngine:
         if arrival_s is not None and (not isinstance(arrival_s, numbers.Real) or not math.isfinite(arrival_s)):
             raise ValueError(f"request {rid}: arrival_s={arrival_s!r} must be a finite number of seconds")
         seed = params.seed if params.seed is not None else token_seed(self.config.seed, rid) % (1 << 31)
-        req = Request(int(rid), prompt, params, self.clock.now() if arrival_s is None else float(arrival_s))
-        seq = Seq(req, seed, self.eos_token_ids)
+        req = Request(int(rid), prompt, params, self.clock() if arrival_s is None else float(arrival_s))
+        seq = Sequence(req, seed, self.eos_token_ids)
         self.scheduler.check(seq)
         return seq
 
-    def _enqueue(self, seq: Seq) -> None:
+    def _enqueue(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
         self.seqs[seq.seq_id] = seq
         self._next_id = max(self._next_id, seq.seq_id + 1)
@@ -204,12 +182,11 @@ class LLMEngine:
 
     # --- the step -------------------------------------------------------------------------------------------
     def step(self) -> list[TokenOutput]:
-        """Schedule, run and sample one step; returns the tokens it produced (empty if idle).
+        """Schedule, run and sample one step; returns the tokens it produced (empty if idle), stamped by ``clock``.
 
         A step that raises is run again one sequence at a time: a sequence that fails alone is finished with
         finish reason 'error' (the message on its result) and its blocks are freed; the others go on (vLLM's
         failure isolation). A failing step therefore costs one extra pass, never the batch."""
-        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
@@ -217,11 +194,14 @@ class LLMEngine:
             tokens = self._run(batch)
         except Exception as e:  # noqa: BLE001 (any error of one request must not take the others down)
             batch, tokens = self._isolate(batch, e)
-        if not tokens and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # nothing came back to the host: wait for the step itself
-        dt = time.perf_counter() - t0
-        outs = self.scheduler.postprocess(batch, tokens, self.clock.advance(dt))
-        self._count(batch, dt, len(tokens))
+        outs = self.scheduler.postprocess(batch, tokens, self.clock())
+        s = self.stats
+        s.steps += 1
+        s.decode_tokens += batch.num_decode
+        s.prefill_tokens += batch.num_prefill_tokens
+        s.output_tokens += len(tokens)
+        s.scheduled_seqs += len(batch.seqs)
+        s.graph_steps += int(self.runner.last_step_replayed)
         return outs
 
     def _run(self, batch: ScheduledBatch) -> list[int]:
@@ -256,22 +236,10 @@ class LLMEngine:
             tokens += out
         return kept, tokens
 
-    def _count(self, batch, dt: float, n_out: int) -> None:
-        s = self.stats
-        s.steps += 1
-        s.busy_s += dt
-        s.decode_tokens += batch.num_decode
-        s.prefill_tokens += batch.num_prefill_tokens
-        s.output_tokens += n_out
-        s.graph_steps += int(self.runner.last_step_replayed)
-        s.step_s.append(dt)
-        s.step_seqs.append(len(batch.seqs))
-
-    # --- offline and online loops ---------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+    # --- the offline loop and a run's results ----------------------------------------------------------------
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  progress: bool = True) -> list[RequestOutput]:
-        """Offline: every prompt queued at time 0; returns one ``RequestOutput`` per prompt, in order.
+        """Offline: every prompt queued at once; returns one ``RequestOutput`` per prompt, in order.
 
         ``prompts``: a list of strings (with a tokenizer) or of token-id lists, never one bare string. Every request
         is checked before any is queued (see ``add_request``): a bad one raises and nothing runs. A request that
@@ -293,7 +261,8 @@ class LLMEngine:
         if len(plist) != len(prompts):
             raise ValueError(f"params: got {len(plist)} for {len(prompts)} prompts; give one, or one per prompt")
         self.reset()
-        seqs = [self._sequence(p, sp, 0.0, self._next_id + i) for i, (p, sp) in enumerate(zip(prompts, plist))]
+        now = self.clock()
+        seqs = [self._sequence(p, sp, now, self._next_id + i) for i, (p, sp) in enumerate(zip(prompts, plist))]
         for seq in seqs:  # every request checked: queue them all
             self._enqueue(seq)
         total = sum(seq.params.max_tokens for seq in seqs)
@@ -301,76 +270,24 @@ class LLMEngine:
             self._loop(lambda: bar.update(len(self.step())))
         return [RequestOutput.from_sequence(seq, self.tokenizer) for seq in seqs]
 
-    def _loop(self, body: Callable[[], None], more: Callable[[], bool] = lambda: False) -> None:
-        """Call ``body`` while requests are unfinished (or ``more()``); if it raises (an interrupt, a scheduler
-        error) every unfinished request is aborted first, so the engine is never left wedged."""
+    def _loop(self, body: Callable[[], None]) -> None:
+        """Call ``body`` while requests are unfinished; if it raises (an interrupt, a scheduler error) every
+        unfinished request is aborted first, so the engine is never left wedged."""
         try:
-            while self.has_unfinished() or more():
+            while self.has_unfinished():
                 body()
         except BaseException:
             self.scheduler.abort_all()
             raise
 
-    def serve(self, workload: Sequence[RequestSpec],
-              params: SamplingParams | Callable[[RequestSpec], SamplingParams] | None = None,
-              clock: str = "virtual", on_token: Callable[[TokenOutput], None] | None = None,
-              progress: bool = True) -> ServeResult:
-        """Online: requests arrive at their ``arrival_s`` (Poisson in ``make_workload``) while the engine steps.
+    def outputs(self) -> list[RequestOutput]:
+        """A ``RequestOutput`` for every finished request of the current run (failed and aborted ones included), by
+        request id."""
+        seqs = sorted((s for s in self.seqs.values() if s.is_finished), key=lambda s: s.seq_id)
+        return [RequestOutput.from_sequence(s, self.tokenizer) for s in seqs]
 
-        ``params``: one ``SamplingParams``, a function of the ``RequestSpec``, or ``None`` (greedy, exactly
-        ``max_new_tokens`` tokens: EOS ignored, as a benchmark wants). ``on_token`` sees every streamed token.
-        Every request is checked before the run starts (see ``add_request``); a bad one raises and nothing runs.
-        """
-        if params is not None and not (isinstance(params, SamplingParams) or callable(params)):
-            raise TypeError(f"params={params!r} must be a SamplingParams, a function of the RequestSpec or None")
-        self.reset(clock)
-        specs = sorted(workload, key=lambda r: (r.arrival_s, r.request_id))
-        pending = [self._sequence(list(r.prompt_ids), _params_for(r, params), r.arrival_s, r.request_id)
-                   for r in specs]
-        ids = [seq.seq_id for seq in pending]
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"workload: request ids repeat ({len(ids) - len(set(ids))} duplicates); each needs its "
-                             "own")
-        i = 0
-        with tqdm(total=len(pending), desc=f"serve ({self.config.scheduler})", unit="req",
-                  disable=not progress) as bar:
-            def body() -> None:
-                nonlocal i
-                while i < len(pending) and pending[i].request.arrival_s <= self.clock.now():
-                    self._enqueue(pending[i])
-                    i += 1
-                if not self.has_unfinished():
-                    self.clock.wait_until(pending[i].request.arrival_s)
-                    return
-                for out in self.step():
-                    bar.update(int(out.finished))
-                    if on_token is not None:
-                        on_token(out)
-
-            self._loop(body, more=lambda: i < len(pending))
-        return self.result()
-
-    def result(self) -> ServeResult:
-        """Metrics, outputs and statistics of the current run (every request of it finished). ``metrics`` holds
-        the requests that produced tokens; ``outputs`` every request, failed and aborted ones included."""
-        seqs = sorted(self.seqs.values(), key=lambda s: s.seq_id)
-        metrics = [s.metrics() for s in seqs if s.token_times_s]
-        if self.device.type == "cuda":
-            self.stats.peak_device_bytes = torch.cuda.max_memory_allocated(self.device)
-        start = min((s.request.arrival_s for s in seqs), default=0.0)
-        makespan = max((m.finish_s for m in metrics), default=start) - start
-        stats = {**self.stats.to_dict(), **self.scheduler.stats(), "clock": self.clock.name,
-                 "makespan_s": makespan, "busy_frac": self.stats.busy_s / makespan if makespan > 0 else math.nan,
-                 "peak_kv_bytes": self.scheduler.peak_blocks_used * self.cache.bytes_per_block,
-                 "kv_capacity_bytes": self.scheduler.usable_blocks * self.cache.bytes_per_block,
-                 "errors": sum(s.finish_reason is FinishReason.ERROR for s in seqs),
-                 "config": asdict(self.config)}
-        return ServeResult(metrics, [RequestOutput.from_sequence(s, self.tokenizer) for s in seqs], stats)
-
-
-def _params_for(spec: RequestSpec, params) -> SamplingParams:
-    if params is None:
-        return SamplingParams(max_tokens=spec.max_new_tokens, ignore_eos=True)
-    if callable(params):
-        return params(spec)
-    return params
+    def run_stats(self) -> dict:
+        """What the current run did: the engine's counts (``EngineStats``), the scheduler's (preemptions, prefix
+        hits, peaks, swaps) and the requests that failed."""
+        return {**self.stats.to_dict(), **self.scheduler.stats(),
+                "errors": sum(s.finish_reason is FinishReason.ERROR for s in self.seqs.values())}

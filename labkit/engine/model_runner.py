@@ -30,7 +30,7 @@ import torch
 
 from labkit.engine.cuda_graph import StepGraphs, default_graph_batch_sizes
 from labkit.kvcache import KVSequence, PagedKVCache
-from labkit.model import FusionPlan, adopt_hf_model
+from labkit.model import FusionPlan, KernelLog, adopt_hf_model
 from labkit.model.attention import ModelInput, pack_step
 from labkit.model.fusion import KERNEL_NAMES
 
@@ -55,11 +55,14 @@ class ModelRunner:
       prefill chunks for ``graph_token_sizes`` (total tokens of the step; default none, see
       ``cuda_graph.default_graph_token_sizes``)
     * ``max_model_len``: longest sequence (sets the graphs' block-table width); default the model's maximum
+    * ``kernel_log``: a ``labkit.model.KernelLog`` every eager step records its ops' kernels in (tests, notebooks:
+      which kernel ran); replayed steps record nothing
     """
 
     def __init__(self, model, cache: PagedKVCache, kernels: str | FusionPlan = "auto",
                  cuda_graphs: bool | str = "auto", max_num_seqs: int = 256, max_model_len: int | None = None,
-                 graph_batch_sizes: Sequence[int] | None = None, graph_token_sizes: Sequence[int] = ()):
+                 graph_batch_sizes: Sequence[int] | None = None, graph_token_sizes: Sequence[int] = (),
+                 kernel_log: KernelLog | None = None):
         plan = FusionPlan.named(kernels, cache.device)  # a bad name fails before the model is touched
         self.model = m = adopt_hf_model(model, merge=plan.merge_qkv and plan.merge_gate_up)
         m.check_cache(cache)
@@ -75,6 +78,7 @@ class ModelRunner:
         self.scratch_block: int | None = None  # padding rows of captured steps write here (cuda_graph.py)
         self.graphs = None
         self.last_step_replayed = False  # whether the last ``execute`` replayed a graph
+        self.kernel_log = kernel_log
         if self._want_graphs(cuda_graphs):
             self.graphs = StepGraphs(self, graph_batch_sizes or default_graph_batch_sizes(max_num_seqs),
                                      graph_token_sizes)
@@ -118,7 +122,7 @@ class ModelRunner:
         if pad_to is not None and pad_tokens is None and num_decode == len(seqs):
             num_decode = pad_to
         return ModelInput.build(self.cache, seqs, num_tokens, num_decode, num_seqs=pad_to, width=width,
-                                num_rows=pad_tokens, scratch_block=self.scratch_block or 0)
+                                num_rows=pad_tokens, scratch_block=self.scratch_block or 0, kernel_log=self.kernel_log)
 
     def _check_width(self, seqs, width: int) -> None:
         if any(len(s.block_table) > width for s in seqs):

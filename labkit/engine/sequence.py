@@ -2,7 +2,8 @@
 what it gets back (``RequestOutput``).
 
 A ``Sequence`` is the one owner of a request's state: its tokens (prompt + output so far, ``token_ids``), the
-sampling parameters, its status and the times its tokens came out, and what the KV cache's block manager keeps on it
+sampling parameters, its status and the times its tokens came out (stamped by the engine's clock: the one place
+request timestamps are taken), and what the KV cache's block manager keeps on it
 (``labkit.kvcache.KVSequence``): its ``block_table``, how many of its tokens have K/V written (``num_computed``,
 advanced by the scheduler after each step) and the chained hashes of its computed full blocks. A sequence preempted
 by recompute gives its blocks back and is prefilled again from ``token_ids`` when readmitted, so nothing it
@@ -19,7 +20,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from labkit.engine.metrics import RequestMetrics
 from labkit.engine.sampling import SamplingParams
 
 
@@ -64,6 +64,34 @@ def prompt_token_list(prompt, vocab_size: int | None = None, request_id=None) ->
             allowed = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
             raise ValueError(f"{who}prompt token {i} is {t}, outside the vocabulary; allowed: {allowed}")
     return [int(t) for t in ids]
+
+
+@dataclass
+class RequestMetrics:
+    """A request's times, in seconds on the engine's clock (``LLMEngine.clock``): arrival, first and last token,
+    every token; its time to first token (queueing plus prefill), time per output token after the first and
+    end-to-end latency derive from them (``labkit.bench.serving`` summarises many)."""
+
+    request_id: int
+    arrival_s: float
+    first_token_s: float
+    finish_s: float
+    prompt_tokens: int
+    output_tokens: int
+    token_times_s: list[float] = field(default_factory=list)
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def e2e_s(self) -> float:
+        return self.finish_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float:
+        """0 for a one-token output."""
+        return (self.finish_s - self.first_token_s) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
 
 
 @dataclass

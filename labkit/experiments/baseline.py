@@ -24,7 +24,9 @@ from functools import partial
 import torch
 from tqdm.auto import tqdm
 
-from labkit.engine import RequestMetrics, RequestSpec, at_rate, summarize
+from labkit.bench.serving import serve, summarize
+from labkit.bench.workload import RequestSpec, at_rate
+from labkit.engine import RequestMetrics
 from labkit.profiling import profile_run
 
 
@@ -240,14 +242,14 @@ def sweep_load(model, workload: list[RequestSpec], loads: list[float], static_ba
         "FIFO": kernel_share(lambda: run_generate(model, [median.prompt_ids], median.max_new_tokens, pad_token_id)),
         "static": kernel_share(lambda: run_generate(model, [r.prompt_ids for r in head],
                                                     max(r.max_new_tokens for r in head), pad_token_id)),
-        "continuous": kernel_share(partial(engine.serve, warm, progress=False)),
+        "continuous": kernel_share(partial(serve, engine, warm, progress=False)),
     }
     cache: dict = {}
     rows = []
     for load in tqdm(loads, desc="offered loads", disable=not progress):
         wl = at_rate(workload, load * capacity, seed)
         static_metrics, static_busy = serve_static(model, wl, static_batch, pad_token_id, cache)
-        served = engine.serve(wl, progress=False)
+        served = serve(engine, wl, progress=False)
         fifo_busy = sum(fifo_exec[r.request_id].total_s for r in wl)
         for policy, metrics, busy in (("FIFO", replay_fifo(wl, fifo_exec), fifo_busy),
                                       ("static", static_metrics, static_busy),
@@ -293,8 +295,8 @@ def offline_throughput(model, workload: list[RequestSpec], batch_size: int, engi
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the engine sizes its KV cache from what is free
     engine = LLMEngine(model, **engine_kwargs)
-    engine.serve(at_rate(order[:batch_size], math.inf), progress=False)  # warm-up
-    res = engine.serve(at_rate(order, math.inf), progress=False)
+    serve(engine, at_rate(order[:batch_size], math.inf), progress=False)  # warm-up
+    res = serve(engine, at_rate(order, math.inf), progress=False)
     rows.append({"server": "labkit engine (continuous batching)", "mode": "engine", "requests": len(order),
                  "seconds": res.stats["busy_s"], "output_tok_s": tokens / res.stats["busy_s"],
                  "peak_kv_bytes": res.stats.get("peak_kv_bytes"), "preemptions": res.stats.get("preemptions")})

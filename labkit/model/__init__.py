@@ -13,7 +13,8 @@ sizes a model (parameters, bytes, FLOPs, KV bytes; the presets); one way to buil
     last = model.forward_paged(inp, cache)                      # [num_seqs, vocab] float32
     cache.mark_computed(seq, len(prompt))
 
-``FusionPlan`` says which kernel runs each op of ``forward_paged`` (``model.use(plan)``; the engine's ``kernels``).
+``FusionPlan`` says which kernel runs each op of ``forward_paged`` (``model.use(plan)``; the engine's ``kernels``);
+a ``KernelLog`` handed to a step (``ModelInput.kernel_log``, ``ModelRunner(kernel_log=...)``) records which ran.
 """
 
 from labkit.model.attention import ModelInput, cached_attention, causal_attention, pack_step
@@ -23,15 +24,16 @@ from labkit.model.fusion import KERNEL_NAMES, KERNELS, FusionPlan
 from labkit.model.layers import MLP, Attention, DecoderLayer, RMSNorm
 from labkit.model.loader import MERGED, Checkpoint, load_weights, weight_sources
 from labkit.model.model import CausalLM, Transformer
+from labkit.model.ops import KernelCall, KernelLog
 from labkit.model.presets import PRESETS, TINY, get_config
 from labkit.model.rotary import RotaryEmbedding, inv_frequencies, rotate
 from labkit.model.shapes import DTYPE_BYTES, count_parameters, dtype_bytes, dtype_name, human_bytes
 
 __all__ = [
     "DTYPE_BYTES", "FAMILIES", "KERNELS", "KERNEL_NAMES", "MERGED", "MODEL_TYPES", "PRESETS", "ROPE_TYPES", "TINY",
-    "MLP", "Attention", "CausalLM", "Checkpoint", "DecoderLayer", "FusionPlan", "ModelConfig",
-    "ModelInput", "RMSNorm", "RopeScaling", "RotaryEmbedding", "Transformer", "adopt_hf_model", "cached_attention",
-    "causal_attention", "count_parameters", "dtype_bytes", "dtype_name", "from_config", "get_config", "human_bytes",
-    "inv_frequencies", "load_checkpoint", "load_model", "load_weights", "pack_step", "random_model", "rotate",
-    "weight_sources",
+    "MLP", "Attention", "CausalLM", "Checkpoint", "DecoderLayer", "FusionPlan", "KernelCall", "KernelLog",
+    "ModelConfig", "ModelInput", "RMSNorm", "RopeScaling", "RotaryEmbedding", "Transformer", "adopt_hf_model",
+    "cached_attention", "causal_attention", "count_parameters", "dtype_bytes", "dtype_name", "from_config",
+    "get_config", "human_bytes", "inv_frequencies", "load_checkpoint", "load_model", "load_weights", "pack_step",
+    "random_model", "rotate", "weight_sources",
 ]

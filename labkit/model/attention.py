@@ -39,6 +39,7 @@ class ModelInput:
     * ``logits_indices``: int32 ``[num_logits]``: the rows whose logits the forward returns (each sequence's last,
       or every row: the speculative decoder's verify step)
     * ``num_decodes``: the leading sequences with one row each (a host int)
+    * ``kernel_log``: a ``labkit.model.ops.KernelLog`` the step's ops record the kernels they ran in, or None
     """
 
     input_ids: torch.Tensor
@@ -50,6 +51,7 @@ class ModelInput:
     logits_indices: torch.Tensor
     num_decodes: int = 0
     buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+    kernel_log: list | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -87,10 +89,10 @@ class ModelInput:
     @classmethod
     def build(cls, cache: PagedKVCache, seqs: Sequence[KVSequence], num_tokens: Sequence[int], num_decodes: int = 0,
               *, num_seqs: int | None = None, width: int | None = None, all_logits: bool = False,
-              **padding) -> ModelInput:
+              kernel_log: list | None = None, **padding) -> ModelInput:
         """``pack_step`` over ``seqs`` with ``cache``'s block size, copied to ``cache``'s device (two copies).
         ``num_seqs``, ``width`` and ``padding`` (``num_rows``, ``scratch_block``, ``token_ids``) as ``pack_step``
-        takes them."""
+        takes them; ``kernel_log`` as the field."""
         num_seqs = num_seqs or len(seqs)
         width = width or max((len(s.block_table) for s in seqs), default=1)
         longs, ints = pack_step(seqs, num_tokens, cache.block_size, num_seqs=num_seqs, width=width,
@@ -98,7 +100,7 @@ class ModelInput:
         longs, ints = (torch.from_numpy(a).to(cache.device, non_blocking=True) for a in (longs, ints))
         c, q, g, t0 = layout(num_seqs, longs.shape[1] if all_logits else num_seqs)  # views of the two arrays
         return cls(longs[0], longs[1], longs[2], ints[t0:].view(num_seqs, width), ints[c:q], ints[q:g], ints[g:t0],
-                   num_decodes, (longs, ints))
+                   num_decodes, (longs, ints), kernel_log)
 
 
 def layout(num_seqs: int, num_logits: int) -> tuple[int, int, int, int]:
@@ -205,21 +207,27 @@ def cached_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, inp: Mode
         k_cache, v_cache, tables = dequantised_blocks(cache, layer, inp.block_tables, q.dtype)
     else:
         k_cache, v_cache, tables = cache.k_caches[layer], cache.v_caches[layer], inp.block_tables
-    d = inp.num_decodes
+    d, log = inp.num_decodes, inp.kernel_log
     if kernel == "triton":
         if window is not None:
             raise ValueError(f"kernel='triton' has no sliding window (window={window}); use 'torch'")
         if d == inp.num_seqs:
             from labkit.kernels.paged_attention import paged_attention as decode
 
+            if log is not None:
+                log.record("attention", "paged_attention", pdl=pdl)
             # check=False: the engine's tables come from its allocator (width checked when packed); the host check
             # would synchronise every layer and break a graph capture
             return decode(q, k_cache, v_cache, tables, inp.context_lens, scale=scale, pdl=pdl, check=False)
         from labkit.kernels.paged_prefill_attention import paged_prefill_attention
 
+        if log is not None:
+            log.record("attention", "paged_prefill_attention")
         return paged_prefill_attention(q, k_cache, v_cache, tables, inp.query_start_loc, inp.context_lens, scale,
                                        out=torch.zeros_like(q),  # padding rows of a captured step stay finite
                                        check=False)
+    if log is not None:
+        log.record("attention", "torch")
     if d == inp.num_seqs:
         return paged_decode_attention_ref(q, k_cache, v_cache, tables, inp.context_lens, scale, window)
     out = torch.empty_like(q)

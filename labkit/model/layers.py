@@ -67,12 +67,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=bias)
         self.act = activation(cfg.hidden_act)
 
-    def forward(self, x: torch.Tensor, plan: FusionPlan = TORCH) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: FusionPlan = TORCH, log=None) -> torch.Tensor:
         if self.merged:
-            return self.down_proj(act_and_mul(self.act, self.gate_up_proj(x), plan))
+            return self.down_proj(act_and_mul(self.act, self.gate_up_proj(x), plan, log))
         gate, up = self.gate_proj(x), self.up_proj(x)
         if plan.activation == "triton":
-            return self.down_proj(act_and_mul(self.act, torch.cat((gate, up), -1), plan))
+            return self.down_proj(act_and_mul(self.act, torch.cat((gate, up), -1), plan, log))
         return self.down_proj(self.act(gate) * up)
 
 
@@ -139,7 +139,7 @@ class Attention(nn.Module):
                cache: PagedKVCache, inp: ModelInput, plan: FusionPlan, pdl: str = "") -> torch.Tensor:
         """RoPE, the cache write and attention of heads ``q``, ``k``, ``v``: ``[T, heads * head_dim]``, the o
         projection's input."""
-        q, k = rope_and_write(q, k, v, cos, sin, cache, self.layer, inp.slot_mapping, plan)
+        q, k = rope_and_write(q, k, v, cos, sin, cache, self.layer, inp.slot_mapping, plan, inp.kernel_log)
         return self._paged(q, cache, inp, plan, pdl)
 
     def _paged(self, q: torch.Tensor, cache: PagedKVCache, inp: ModelInput, plan: FusionPlan,
@@ -155,9 +155,9 @@ class Attention(nn.Module):
         attn_pdl = "release" if pdl else ""
         if plan.qkv_rope_cache and caches_raw(cache, stream.dtype) and self.qkv_proj.uses_kernels(stream):
             q, _ = qkv_projection(self.qkv_proj, stream, norm, self.num_heads, cos, sin, cache, self.layer,
-                                  inp.slot_mapping, pdl)
+                                  inp.slot_mapping, pdl, inp.kernel_log)
             return self._paged(q, cache, inp, plan, attn_pdl)
-        q, k, v = self.qkv_heads(projection(self.qkv_proj, stream, norm=norm, pdl=pdl))
+        q, k, v = self.qkv_heads(projection(self.qkv_proj, stream, norm=norm, pdl=pdl, log=inp.kernel_log))
         return self.attend(q, k, v, cos, sin, cache, inp, plan, attn_pdl)
 
 
@@ -182,10 +182,11 @@ class DecoderLayer(nn.Module):
         """Paged, vLLM's layout: ``h`` ``[num_tokens, hidden]`` is the last block's output and ``residual`` the
         stream before it (None at the first layer); returns the pair for the next layer, whose first op adds them
         (one kernel with its RMSNorm on the Triton path)."""
-        x, residual = add_norm(self.input_layernorm, h, residual, plan)
+        log = inp.kernel_log
+        x, residual = add_norm(self.input_layernorm, h, residual, plan, log)
         h = self.self_attn.forward_paged(x, cos, sin, cache, inp, plan)
-        x, residual = add_norm(self.post_attention_layernorm, h, residual, plan)
-        return self.mlp(x, plan), residual
+        x, residual = add_norm(self.post_attention_layernorm, h, residual, plan, log)
+        return self.mlp(x, plan, log), residual
 
     def forward_fused(self, stream: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKVCache,
                       inp: ModelInput, plan: FusionPlan, pdl: str = "") -> torch.Tensor:
@@ -194,8 +195,8 @@ class DecoderLayer(nn.Module):
         stream ``[num_tokens, hidden]`` passes between layers; at decode batch 1 a layer is four GEMVs and
         attention. ``pdl``: this layer's q/k/v GEMV launch mode; with ``plan.gemv_pdl`` every later GEMV overlaps
         the kernel ahead of it."""
-        overlap = "overlap" if plan.gemv_pdl else ""
+        overlap, log = "overlap" if plan.gemv_pdl else "", inp.kernel_log
         attn = self.self_attn.fused_input(stream, self.input_layernorm, cos, sin, cache, inp, plan, pdl)
-        stream = projection(self.self_attn.o_proj, attn, residual=stream, pdl=overlap)
-        gate_up = projection(self.mlp.gate_up_proj, stream, norm=self.post_attention_layernorm, pdl=overlap)
-        return projection(self.mlp.down_proj, gate_up, swiglu=True, residual=stream, pdl=overlap)
+        stream = projection(self.self_attn.o_proj, attn, residual=stream, pdl=overlap, log=log)
+        gate_up = projection(self.mlp.gate_up_proj, stream, norm=self.post_attention_layernorm, pdl=overlap, log=log)
+        return projection(self.mlp.down_proj, gate_up, swiglu=True, residual=stream, pdl=overlap, log=log)

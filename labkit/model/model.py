@@ -73,7 +73,7 @@ class Transformer(nn.Module):
             rows = inp.logits_indices
             h = h.index_select(0, rows)
             residual = residual.index_select(0, rows) if residual is not None else None
-        return add_norm(self.norm, h, residual, plan)[0]
+        return add_norm(self.norm, h, residual, plan, inp.kernel_log)[0]
 
     @property
     def _dynamic(self) -> bool:

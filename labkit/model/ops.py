@@ -13,9 +13,14 @@ here, by plain calls (no lookup by name, no module switch).
   decided here (``EPILOGUE_KERNELS``).
 
 Every torch expression rounds as the family's HF module does, so the torch plan's greedy output equals HF's.
+
+Which kernel ran is observable: each op appends a ``KernelCall`` to the ``KernelLog`` it is handed (``log``; the
+step's ``ModelInput.kernel_log``, set by ``ModelRunner(kernel_log=...)`` or ``ModelInput.build``), or to nothing.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +36,41 @@ EPILOGUE_KERNELS = {Int8Linear: (w8a16_matmul, w8a16_qkv_rope_cache), Int4Linear
 """Linear type -> (its GEMV with neighbours, its q/k/v GEMV with RoPE and the cache write)."""
 
 
-def add_norm(norm: nn.Module, h: torch.Tensor, residual: torch.Tensor | None,
-             plan: FusionPlan) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class KernelCall:
+    """One op of a paged forward: ``op`` ('norm', 'rope', 'attention', 'activation', 'projection',
+    'qkv_projection'), the ``kernel`` that ran it ('torch' for the reference expression, else the kernel function's
+    name), what the kernel took in besides its own work (``fused``: 'norm', 'residual', 'swiglu', 'rope', 'cache')
+    and its launch mode (``pdl``)."""
+
+    op: str
+    kernel: str
+    fused: tuple[str, ...] = ()
+    pdl: str = ""
+
+
+class KernelLog(list):
+    """The ``KernelCall`` of every op of the paged forwards it is handed, in order (a list). Pass one to
+    ``ModelRunner(kernel_log=...)`` (or ``ModelInput.build(..., kernel_log=...)``) to see which kernel each op of an
+    eager step ran; a replayed CUDA graph runs what its capture ran and records nothing."""
+
+    def record(self, op: str, kernel: str, fused=(), pdl: str = "") -> None:
+        self.append(KernelCall(op, kernel, tuple(sorted(fused)), pdl))
+
+    def kernels(self, op: str | None = None) -> list[str]:
+        """The kernels that ran ``op`` (every op: None), in order."""
+        return [c.kernel for c in self if op is None or c.op == op]
+
+
+def _note(log: KernelLog | None, op: str, kernel: str, fused=(), pdl: str = "") -> None:
+    if log is not None:
+        log.record(op, kernel, fused, pdl)
+
+
+def add_norm(norm: nn.Module, h: torch.Tensor, residual: torch.Tensor | None, plan: FusionPlan,
+             log: KernelLog | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norm(residual + h), residual + h)`` (``residual`` None: ``(norm(h), h)``)."""
+    _note(log, "norm", "rms_norm" if plan.norm == "triton" else "torch", () if residual is None else ("residual",))
     if plan.norm == "triton":
         from labkit.kernels.rms_norm import rms_norm
 
@@ -53,26 +90,30 @@ def caches_raw(cache: PagedKVCache, dtype: torch.dtype) -> bool:
 
 def rope_and_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    cache: PagedKVCache, layer: int, slot_mapping: torch.Tensor,
-                   plan: FusionPlan) -> tuple[torch.Tensor, torch.Tensor]:
+                   plan: FusionPlan, log: KernelLog | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on ``q`` ``[T, heads, D]`` and ``k`` ``[T, kv_heads, D]``; the rotated ``k`` and ``v`` written at
     ``slot_mapping`` of ``layer``. Returns the rotated ``(q, k)``."""
     if plan.rope == "triton":
         if plan.rope_cache_write and caches_raw(cache, q.dtype):
             from labkit.kernels.rope import apply_rope_and_cache
 
+            _note(log, "rope", "apply_rope_and_cache", ("cache",))
             return apply_rope_and_cache(q, k, v, cos, sin, cache.k_caches[layer], cache.v_caches[layer],
                                         slot_mapping)
         from labkit.kernels.rope import apply_rope as rope_kernel
 
+        _note(log, "rope", "apply_rope")
         q, k = rope_kernel(q, k, cos, sin)
     else:
+        _note(log, "rope", "torch")
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     cache.write(layer, slot_mapping, k, v, check=False)  # slots from the engine's allocator; a check syncs per layer
     return q, k
 
 
-def act_and_mul(act, gate_up: torch.Tensor, plan: FusionPlan) -> torch.Tensor:
+def act_and_mul(act, gate_up: torch.Tensor, plan: FusionPlan, log: KernelLog | None = None) -> torch.Tensor:
     """``act(gate) * up`` of ``gate_up`` ``[..., 2 * I]`` = ``[gate | up]``."""
+    _note(log, "activation", "silu_and_mul" if plan.activation == "triton" else "torch")
     if plan.activation == "triton":
         from labkit.kernels.silu_and_mul import silu_and_mul
 
@@ -87,7 +128,7 @@ def epilogue_ready(linears: list[nn.Module]) -> bool:
 
 
 def projection(lin: nn.Module, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None,
-               swiglu: bool = False, pdl: str = "") -> torch.Tensor:
+               swiglu: bool = False, pdl: str = "", log: KernelLog | None = None) -> torch.Tensor:
     """``residual + lin(pre(x))``, where ``pre`` is ``norm`` (an RMSNorm: the q/k/v and gate/up projections) or,
     with ``swiglu``, ``silu(gate) * up`` of ``x`` ``[..., 2 * in_features]`` (the down projection); ``residual``
     ``[..., out_features]`` (o and down end in the residual add). With the kernels (``lin.uses_kernels(x)``) one
@@ -101,6 +142,7 @@ def projection(lin: nn.Module, x: torch.Tensor, norm: nn.Module | None = None, r
         raise ValueError("norm and swiglu=True cannot be combined (an RMSNorm precedes q/k/v and gate/up, SwiGLU the "
                          "down projection)")
     if not lin.uses_kernels(x):
+        _note(log, "projection", "torch")
         if swiglu:
             gate, up = x.chunk(2, dim=-1)
             x = F.silu(gate) * up
@@ -113,6 +155,8 @@ def projection(lin: nn.Module, x: torch.Tensor, norm: nn.Module | None = None, r
     inside = residual is not None and lin.bias is None  # the bias comes between the product and the add
     if inside:
         opts["residual"] = residual.reshape(-1, lin.out_features)
+    fused = ("norm",) * (norm is not None) + ("residual",) * inside + ("swiglu",) * swiglu
+    _note(log, "projection", kernel.__name__, fused, pdl)
     y = kernel(x.reshape(-1, width), *lin.weights(), **opts).view(*x.shape[:-1], lin.out_features)
     if lin.bias is not None:
         y = y + lin.bias
@@ -121,10 +165,11 @@ def projection(lin: nn.Module, x: torch.Tensor, norm: nn.Module | None = None, r
 
 def qkv_projection(lin: nn.Module, x: torch.Tensor, norm: nn.Module, num_heads: int, cos: torch.Tensor,
                    sin: torch.Tensor, cache: PagedKVCache, layer: int, slot_mapping: torch.Tensor,
-                   pdl: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+                   pdl: str = "", log: KernelLog | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``norm``, the merged bias-free q/k/v projection ``lin``, RoPE and the cache write of ``layer`` in one kernel
     at decode batch 1 (``w4a16_qkv_rope_cache`` / ``w8a16_qkv_rope_cache``). Returns the rotated ``(q, k)``."""
     kernel = EPILOGUE_KERNELS[type(lin)][1]
+    _note(log, "qkv_projection", kernel.__name__, ("norm", "rope", "cache"), pdl)
     return kernel(x, *lin.weights(), num_heads, cos, sin, cache.k_caches[layer], cache.v_caches[layer],
                   slot_mapping, norm_weight=norm.weight, norm_eps=norm.eps, pdl=pdl, **_tuned(lin))
 

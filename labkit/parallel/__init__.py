@@ -1,5 +1,5 @@
 """Tensor and pipeline parallelism on torch.distributed: launch, TP layers, the DTensor plan, pipeline stages and
-schedules, counted and timed collectives (``comm``) and the analytical cost model (``cost_model``). Start with
+schedules, the collectives the TP layers issue (``comm``) and the analytical cost model (``cost_model``). Start with
 ``launch`` (runs a rank function on N processes); what notebook 06 measures with these is in
 ``labkit.experiments.parallelism``.
 
@@ -30,7 +30,6 @@ from labkit.parallel.pipeline import (
 )
 from labkit.parallel.schedules import (
     SCHEDULES,
-    ScheduleStats,
     bubble_formula,
     gpipe_forward,
     pipeline_train_step,
@@ -52,5 +51,5 @@ __all__ = ["comm", "cost_model", "launch", "RankError", "rank_device", "init_ran
            "VocabParallelEmbedding", "tensor_parallel", "allowed_tp_sizes", "check_tp_size", "head_rows",
            "shard_range", "dtensor_tensor_parallel", "llama_tp_plan", "check_dtensor_tp_size", "local_shard",
            "LlamaStage", "StageKVCache", "build_stage", "partition_layers", "head_cost_layers", "pipeline_generate",
-           "sync_tied_embeddings", "SCHEDULES", "ScheduleStats", "bubble_formula", "gpipe_forward",
+           "sync_tied_embeddings", "SCHEDULES", "bubble_formula", "gpipe_forward",
            "pipeline_train_step", "torch_pipelining_forward"]

@@ -15,6 +15,9 @@ heads use it, as vLLM does; this costs KV-cache memory (each replica stores the 
 
 Autograd: the all-reduce at a row-parallel output is the identity in backward, and the (free) copy at a
 column-parallel input is an all-reduce in backward (Megatron's ``g`` and ``f``), so the sharded model trains too.
+
+Each layer issues its collectives through the ``Collectives`` it holds (``layer.comm``, ``labkit.parallel.comm``):
+a measurement counts, skips or times them by lending the layers another (``labkit.bench.collectives``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.parallel import comm
+from labkit.parallel.comm import Collectives
 
 
 # --- Megatron's f and g: communication with the right backward ------------------------------------------
@@ -32,39 +35,39 @@ class _CopyToTP(torch.autograd.Function):
     """Forward: identity (the input is already replicated). Backward: all-reduce the input's gradient."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, comm, group):
+        ctx.comm, ctx.group = comm, group
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return comm.all_reduce(grad.contiguous(), ctx.group), None
+        return ctx.comm.all_reduce(grad.contiguous(), ctx.group), None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     """Forward: all-reduce (sum the partial outputs). Backward: identity."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, comm, group):
         return comm.all_reduce(x.contiguous(), group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _GatherFromTP(torch.autograd.Function):
     """Forward: all-gather along the last dim. Backward: keep this rank's slice of the gradient."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, comm, group):
         ctx.group, ctx.width = group, x.shape[-1]
         return comm.all_gather(x, dim=-1, group=group)
 
     @staticmethod
     def backward(ctx, grad):
         r = dist.get_rank(ctx.group)
-        return grad[..., r * ctx.width:(r + 1) * ctx.width].contiguous(), None
+        return grad[..., r * ctx.width:(r + 1) * ctx.width].contiguous(), None, None
 
 
 def shard_range(size: int, tp: int, rank: int, name: str = "size") -> slice:
@@ -83,24 +86,25 @@ class ColumnParallelLinear(nn.Module):
     with ``gather_output``, all-gathered).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, gather_output: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, gather_output: bool = False,
+                 comm: Collectives | None = None):
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.bias = None if bias is None else nn.Parameter(bias)
-        self.group, self.gather_output = group, gather_output
+        self.group, self.gather_output, self.comm = group, gather_output, comm or Collectives()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group, rows: slice | torch.Tensor | None = None,
-                    gather_output: bool = False) -> ColumnParallelLinear:
+                    gather_output: bool = False, comm: Collectives | None = None) -> ColumnParallelLinear:
         """Keep ``rows`` (a slice or int64 indices) of ``linear``'s output (default: this rank's equal share)."""
         tp, rank = dist.get_world_size(group), dist.get_rank(group)
         rows = rows if rows is not None else shard_range(linear.out_features, tp, rank, "out_features")
         bias = None if linear.bias is None else linear.bias.detach()[rows].clone()
-        return cls(linear.weight.detach()[rows].clone(), bias, group, gather_output)
+        return cls(linear.weight.detach()[rows].clone(), bias, group, gather_output, comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(_CopyToTP.apply(x, self.group), self.weight, self.bias)
-        return _GatherFromTP.apply(y, self.group) if self.gather_output else y
+        y = F.linear(_CopyToTP.apply(x, self.comm, self.group), self.weight, self.bias)
+        return _GatherFromTP.apply(y, self.comm, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return f"in={self.weight.shape[1]}, out_local={self.weight.shape[0]}, gather_output={self.gather_output}"
@@ -112,21 +116,22 @@ class RowParallelLinear(nn.Module):
     weight: ``[out, in_local]``; input ``[..., in_local]`` (this rank's slice); output ``[..., out]`` replicated.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, comm: Collectives | None = None):
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.bias = None if bias is None else nn.Parameter(bias)
-        self.group = group
+        self.group, self.comm = group, comm or Collectives()
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group, cols: slice | None = None) -> RowParallelLinear:
+    def from_linear(cls, linear: nn.Linear, group, cols: slice | None = None,
+                    comm: Collectives | None = None) -> RowParallelLinear:
         tp, rank = dist.get_world_size(group), dist.get_rank(group)
         cols = cols if cols is not None else shard_range(linear.in_features, tp, rank, "in_features")
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(linear.weight.detach()[:, cols].clone(), bias, group)
+        return cls(linear.weight.detach()[:, cols].clone(), bias, group, comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _ReduceFromTP.apply(F.linear(x, self.weight), self.group)
+        y = _ReduceFromTP.apply(F.linear(x, self.weight), self.comm, self.group)
         return y if self.bias is None else y + self.bias  # bias added once, after the sum
 
     def extra_repr(self) -> str:
@@ -140,25 +145,26 @@ class VocabParallelEmbedding(nn.Module):
     zeros, and one all-reduce adds the rank that owns each id).
     """
 
-    def __init__(self, weight: torch.Tensor, vocab_start: int, group, num_embeddings: int | None = None):
+    def __init__(self, weight: torch.Tensor, vocab_start: int, group, num_embeddings: int | None = None,
+                 comm: Collectives | None = None):
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.vocab_start, self.vocab_end = vocab_start, vocab_start + weight.shape[0]
-        self.group = group
+        self.group, self.comm = group, comm or Collectives()
         # the whole vocabulary (every rank's rows), as nn.Embedding reports it: what the engine checks ids against
         self.num_embeddings = num_embeddings if num_embeddings is not None else self.vocab_end
 
     @classmethod
-    def from_embedding(cls, emb: nn.Embedding, group) -> VocabParallelEmbedding:
+    def from_embedding(cls, emb: nn.Embedding, group, comm: Collectives | None = None) -> VocabParallelEmbedding:
         tp, rank = dist.get_world_size(group), dist.get_rank(group)
         rows = shard_range(emb.num_embeddings, tp, rank, "vocab_size")
-        return cls(emb.weight.detach()[rows].clone(), rows.start, group, emb.num_embeddings)
+        return cls(emb.weight.detach()[rows].clone(), rows.start, group, emb.num_embeddings, comm)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local = (input_ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return _ReduceFromTP.apply(out, self.group)
+        return _ReduceFromTP.apply(out, self.comm, self.group)
 
     def extra_repr(self) -> str:
         return f"vocab=[{self.vocab_start}, {self.vocab_end}), hidden={self.weight.shape[1]}"

@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from labkit.bench.workload import LengthDist
 from labkit.checks import check_positive_int
-from labkit.engine.workload import LengthDist
 from labkit.hardware import Hardware
 
 WEIGHT_DTYPES = ("bf16", "fp8", "int8", "int4")

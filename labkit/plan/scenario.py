@@ -11,9 +11,9 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from labkit.bench.serving import SLO
+from labkit.bench.workload import LengthDist
 from labkit.checks import check_number, check_positive_int
-from labkit.engine.metrics import SLO
-from labkit.engine.workload import LengthDist
 from labkit.hardware import Hardware, get_hardware, measured_hardware
 from labkit.model import get_config
 from labkit.plan.calibration import STEP_SWEEP_RECORD, load_calibration

@@ -14,8 +14,8 @@ import functools
 import math
 from dataclasses import asdict, dataclass, field
 
+from labkit.bench.serving import SLO
 from labkit.checks import check_number, check_positive_int
-from labkit.engine.metrics import SLO
 from labkit.model import ModelConfig, dtype_bytes, get_config
 from labkit.parallel.cost_model import get_link, memory_per_device
 from labkit.plan.inputs import KV_DTYPES, WEIGHT_DTYPES, Calibration, Cluster, Traffic, check_formats
@@ -92,7 +92,7 @@ def check_plan_inputs(cluster, traffic, slo, cal, weights, kv, batches) -> tuple
     if not isinstance(traffic, Traffic):
         raise ValueError(f"traffic={traffic!r} must be a labkit.plan.Traffic")
     if not isinstance(slo, SLO):
-        raise ValueError(f"slo={slo!r} must be a labkit.engine.metrics.SLO")
+        raise ValueError(f"slo={slo!r} must be a labkit.bench.serving.SLO")
     check_number("slo.ttft_s", slo.ttft_s, 0, low_open=True)
     check_number("slo.tpot_s", slo.tpot_s, 0, low_open=True)
     if cal is not None and not isinstance(cal, Calibration):

@@ -28,7 +28,7 @@ import torch
 import labkit  # noqa: F401  (sets up Triton for the host before anything imports it)
 from labkit.bench import record_figure, write_record
 from labkit.data import split_tokens
-from labkit.engine import LengthDist, make_workload
+from labkit.bench.workload import LengthDist, make_workload
 from labkit.claims import Claim, show
 from labkit.experiments.baseline import hf_modes, offline_speedups, offline_throughput, run_generate, sweep_load
 from labkit.hardware import detect, measure_ceilings

@@ -319,10 +319,9 @@ for on in (False, True):
     outs = engine.generate([sys_prompt + u for u in users], SamplingParams(max_tokens=12, ignore_eos=True),
                            progress=False)
     pc_out[on] = [o.output_token_ids for o in outs]
-    res = engine.result()  # of the second run only: each generate starts fresh statistics
-    pc_stats[on] = res.stats
-    pc_ttft[on] = sum(m.ttft_s for m in res.metrics) / len(res.metrics)
-    del engine, res
+    pc_stats[on] = engine.run_stats()  # of the second run only: each generate starts fresh statistics
+    pc_ttft[on] = sum(o.metrics.ttft_s for o in outs) / len(outs)
+    del engine
 print("outputs identical with and without prefix caching:", pc_out[True] == pc_out[False])
 assert pc_out[True] == pc_out[False]
 print(f"prefill tokens computed: {pc_stats[False]['admitted_tokens']} -> {pc_stats[True]['admitted_tokens']} "
@@ -358,7 +357,7 @@ def run_preemption(model, prompts, outputs, num_blocks, mode):
     out = {}
     timing = time_region(lambda: out.update(res=engine.generate(prompts, params, progress=False)), device=DEVICE,
                          warmup=0, iters=1)
-    s = engine.result().stats
+    s = engine.run_stats()
     del engine
     return [o.output_token_ids for o in out["res"]], {
         "mode": mode, "blocks": num_blocks, "seconds": timing.median_s, "tokens/s": sum(outputs) / timing.median_s,

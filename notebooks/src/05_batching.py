@@ -44,7 +44,8 @@ import labkit  # noqa: F401  (sets up Triton for the host before anything import
 from labkit.bench import output_dir, record_figure, write_record
 from labkit.data import sample_prompts, split_tokens
 from labkit.experiments.decode_step import time_decode_step
-from labkit.engine import SLO, LengthDist, make_workload
+from labkit.bench.workload import LengthDist, make_workload
+from labkit.bench.serving import SLO
 from labkit.experiments.baseline import run_generate
 from labkit.claims import Claim, show
 from labkit.experiments.batching import (check_graph_replays, check_greedy_vs_hf, decode_rate, fifo_sweep,

@@ -56,7 +56,8 @@ def _serve(args) -> int:
     import pandas as pd
 
     from labkit.bench import write_record
-    from labkit.engine import SLO, LengthDist, make_workload
+    from labkit.bench.serving import SLO
+    from labkit.bench.workload import LengthDist, make_workload
     from labkit.experiments.batching.measure import serve_sweep
 
     model, _, source, label = _load(args)
@@ -167,7 +168,7 @@ def hf_static_decode(model, batch: int, context: int, steps: int, source, seed: 
     mode does not run here. Each mode is called once first (the compile happens there; its time is recorded)."""
     import time
 
-    from labkit.engine import LengthDist, make_workload
+    from labkit.bench.workload import LengthDist, make_workload
     from labkit.experiments.baseline import hf_modes, run_generate
 
     wl = make_workload(batch, math.inf, LengthDist.fixed(context), LengthDist.fixed(steps), source, seed=seed)

@@ -31,19 +31,9 @@ import torch
 from tqdm.auto import tqdm
 
 from labkit.bench import time_fn
-from labkit.engine import (
-    SLO,
-    LengthDist,
-    LLMEngine,
-    ModelRunner,
-    RequestSpec,
-    SamplingParams,
-    at_rate,
-    default_graph_batch_sizes,
-    make_workload,
-    percentile,
-    summarize,
-)
+from labkit.bench.serving import SLO, percentile, serve, summarize
+from labkit.bench.workload import LengthDist, RequestSpec, at_rate, make_workload
+from labkit.engine import LLMEngine, ModelRunner, SamplingParams, default_graph_batch_sizes
 from labkit.evaluate import relative_error
 from labkit.experiments.baseline import Execution, replay_fifo
 from labkit.kvcache import PagedKVCache, SeqBlocks
@@ -76,13 +66,13 @@ def check_greedy_vs_hf(model, prompts: Sequence[Sequence[int]], max_tokens: int,
     for name, kw in configs.items():
         engine = LLMEngine(model, tokenizer, **kw)
         outs = engine.generate(prompts, params, progress=False)
-        res = engine.result()
+        st = engine.run_stats()
         same = [o.output_token_ids == r for o, r in zip(outs, refs)]
         rows.append({"config": name, "requests": len(prompts), "equal_to_hf": sum(same), "all_equal": all(same),
-                     "preemptions": res.stats["preemptions"], "steps": res.stats["steps"],
-                     "prefix_hit_tokens": res.stats["prefix_hit_tokens"],
-                     "max_batch": max(res.stats["step_seqs"]), "kernels": "triton" if engine.runner.use_triton
-                     else "torch", "cuda_graph_steps": res.stats["graph_steps"]})
+                     "preemptions": st["preemptions"], "steps": st["steps"],
+                     "prefix_hit_tokens": st["prefix_hit_tokens"],
+                     "max_batch": st["peak_running"], "kernels": "triton" if engine.runner.use_triton else "torch",
+                     "cuda_graph_steps": st["graph_steps"]})
         del engine
         free_device_memory()
     return rows
@@ -285,7 +275,7 @@ def serve_row(result, slo: SLO | None = None) -> dict:
     st = result.stats
     s.update(itl_p50_s=percentile(gaps, 50), itl_p99_s=percentile(gaps, 99), itl_max_s=max(gaps, default=math.nan),
              busy_frac=st["busy_frac"], steps=st["steps"], preemptions=st["preemptions"],
-             mean_batch=sum(st["step_seqs"]) / max(1, st["steps"]), peak_kv_bytes=st["peak_kv_bytes"],
+             mean_batch=st["scheduled_seqs"] / max(1, st["steps"]), peak_kv_bytes=st["peak_kv_bytes"],
              kv_capacity_bytes=st["kv_capacity_bytes"], peak_device_bytes=st["peak_device_bytes"],
              graph_steps=st["graph_steps"])
     return s
@@ -296,7 +286,7 @@ def _warm(engine: LLMEngine, workload: list[RequestSpec], warmup: bool | None, s
     each new shape bucket of the prefill and decode kernels, seconds that would otherwise land inside the timed
     steps as false latency). ``warmup=None``: on CUDA only."""
     if warmup or (warmup is None and engine.device.type == "cuda"):
-        engine.serve(at_rate(workload, math.inf, seed=seed), progress=False)
+        serve(engine, at_rate(workload, math.inf, seed=seed), progress=False)
 
 
 def serve_sweep(model, workload: list[RequestSpec], policies: dict[str, dict], rates: Sequence[float],
@@ -310,7 +300,7 @@ def serve_sweep(model, workload: list[RequestSpec], policies: dict[str, dict], r
         engine = LLMEngine(model, **kw)
         _warm(engine, workload, warmup, seed)
         for rate in tqdm(rates, desc=name, disable=not progress):
-            res = engine.serve(at_rate(workload, rate, seed=seed), progress=False)
+            res = serve(engine, at_rate(workload, rate, seed=seed), progress=False)
             rows.append({"policy": name, "rate_req_s": rate, **serve_row(res, slo)})
         del engine
         free_device_memory()
@@ -335,7 +325,7 @@ def fifo_sweep(model, workload: list[RequestSpec], loads: Sequence[float], slo: 
     ``serve_sweep``'s) and the capacity in requests/s."""
     engine = LLMEngine(model, **dict(engine_kwargs, scheduler="fifo"))
     _warm(engine, workload, warmup, seed)
-    offline = engine.serve(at_rate(workload, math.inf, seed=seed), progress=False)
+    offline = serve(engine, at_rate(workload, math.inf, seed=seed), progress=False)
     del engine
     free_device_memory()
     ex = fifo_executions(offline)

@@ -19,12 +19,13 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from labkit.bench import collectives
+from labkit.bench.schedules import timed_schedule
 from labkit.model import get_config
 from labkit.parallel import (
     allowed_tp_sizes,
     bubble_formula,
     build_stage,
-    comm,
     cost_model,
     gpipe_forward,
     pipeline_generate,
@@ -79,7 +80,7 @@ def _meta_model(preset: str, num_layers: int | None, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
     spec = get_config(preset)
-    spec = replace(spec, num_layers=num_layers) if num_layers else spec
+    spec = replace(spec, num_layers=num_layers, layer_types=spec.layer_types[:num_layers]) if num_layers else spec
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(spec.to_hf_config(), dtype=dtype), spec
 
@@ -118,17 +119,19 @@ def comm_section(device: torch.device, sizes: list[int], iters: int = 10, repeat
                  group_sizes: tuple[int, ...] = ()) -> dict:
     """nccl-tests-style sweep of all-reduce, all-gather and ring send/recv on all ranks, plus all-reduce and
     all-gather on the sub-groups ``group_sizes``; alpha-beta fits per (op, ranks). Complete on rank 0."""
-    rows = comm.sweep(comm.OPS, sizes, device, iters=iters, repeats=repeats, progress=dist.get_rank() == 0)
+    rows = collectives.sweep(collectives.OPS, sizes, device, iters=iters, repeats=repeats,
+                             progress=dist.get_rank() == 0)
     for g in group_sizes:
         grp = group_of(g)
         if dist.get_rank() < g:
-            rows += comm.sweep(("all_reduce", "all_gather"), sizes, device, iters=iters, repeats=repeats, group=grp)
+            rows += collectives.sweep(("all_reduce", "all_gather"), sizes, device, iters=iters, repeats=repeats,
+                                      group=grp)
         dist.barrier()
     fits = {}
     for op, n in {(r["op"], r["world_size"]) for r in rows}:
         pts = [(r["bytes"], r["seconds"]) for r in rows if r["op"] == op and r["world_size"] == n]
         try:
-            alpha, beta = comm.fit_alpha_beta(*zip(*pts, strict=True))
+            alpha, beta = collectives.fit_alpha_beta(*zip(*pts, strict=True))
             fits[f"{op}@{n}"] = {"alpha_s": alpha, "beta_bytes_per_s": beta}
         except ValueError as e:  # noisy timings (a busy CPU host): keep the rows, say why there is no fit
             fits[f"{op}@{n}"] = {"error": str(e)}
@@ -191,12 +194,14 @@ def tp_decode_row(preset: str, tp: int, batch: int, context: int, device: torch.
     row["step_s"] = _time_steps([full], device, iters, g)
     row["tokens_per_s"] = batch / row["step_s"]
     if tp > 1:
-        row["step_nocomm_s"] = _time_steps([step(batch, comm.skipped)], device, iters, g)
+        skipped = step(batch, lambda: collectives.use_collectives(model, collectives.SkippedCollectives()))
+        row["step_nocomm_s"] = _time_steps([skipped], device, iters, g)
         row["comm_s"] = max(row["step_s"] - row["step_nocomm_s"], 0.0)
         row["comm_frac"] = row["comm_s"] / row["step_s"]
         if overlap and batch >= 2:
             gb = group_of(tp, "b")
-            halves = [step(batch // 2, nullcontext), step(batch // 2, lambda: comm.on_group(gb))]
+            halves = [step(batch // 2, nullcontext),
+                      step(batch // 2, lambda: collectives.use_collectives(model, collectives.Collectives(gb)))]
             row["split_serial_s"] = _time_steps(halves, device, iters, g)
             row["split_overlap_s"] = _time_steps(halves, device, iters, g, concurrent=True)
             row["overlap_saving_frac"] = 1 - row["split_overlap_s"] / row["split_serial_s"]
@@ -220,7 +225,8 @@ def tp_row_check(rank: int, world_size: int, preset: str = "llama-3-8b", num_lay
 def _predicted_comm(preset: str, layers: int, tp: int, batch: int, fits: dict | None, dtype) -> dict:
     """The cost model's TP communication time per step: with the NVLink datasheet link, and with the alpha-beta
     fitted to this machine's all-reduce/all-gather at ``tp`` ranks (when the comm section ran)."""
-    spec = replace(get_config(preset), num_layers=layers)
+    spec = get_config(preset)
+    spec = replace(spec, num_layers=layers, layer_types=spec.layer_types[:layers])
     name = str(dtype).split(".")[-1]
     c = cost_model.tp_comm(spec, tp, batch, "nvlink4", name)
     out = {"predicted_comm_datasheet_s": c["time_s"]}
@@ -273,7 +279,8 @@ def pp_section(device: torch.device, preset: str, pp_sizes: list[int], microbatc
             for m in microbatch_counts:
                 ids = torch.randint(stage.config.vocab_size, (m * microbatch_size, seq_len), generator=gen)
                 gpipe_forward(stage, ids, m)  # warm-up
-                runs = sorted((gpipe_forward(stage, ids, m)[1] for _ in range(repeats)), key=lambda s: s.total_s)
+                runs = sorted((timed_schedule(gpipe_forward, stage, ids, m)[1] for _ in range(repeats)),
+                              key=lambda s: s.total_s)
                 med = runs[len(runs) // 2]
                 per_stage = [None] * p
                 dist.all_gather_object(per_stage, (med.bubble, med.total_s, med.busy_s), group=g)

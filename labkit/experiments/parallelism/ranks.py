@@ -17,17 +17,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from labkit.bench import collectives
+from labkit.bench.schedules import time_torch_pipelining, timed_schedule
 from labkit.evaluate import relative_error
 from labkit.parallel import (
     SCHEDULES,
     build_stage,
-    comm,
     gpipe_forward,
     pipeline_generate,
     pipeline_train_step,
     rank_device,
     sync_tied_embeddings,
-    torch_pipelining_forward,
 )
 
 
@@ -53,16 +53,16 @@ def sequence(rank: int, world_size: int, calls: list) -> list:
 
 
 def collectives_check(rank: int, world_size: int) -> dict:
-    """``comm.all_reduce`` / ``comm.all_gather`` on rank-distinct random data against the result computed from
-    every rank's data (regenerated locally from the same seeds), and the bytes ``comm.STATS`` tallied."""
-    comm.reset_stats()
+    """Counted collectives (``labkit.bench.collectives.CountingCollectives``) on rank-distinct random data against
+    the result computed from every rank's data (regenerated locally from the same seeds), and what they tallied."""
+    counted = collectives.CountingCollectives()
     device = rank_device()
     parts = [torch.randn(3, 5, generator=torch.Generator().manual_seed(100 + r)) for r in range(world_size)]
-    summed = comm.all_reduce(parts[rank].clone().to(device))
-    gathered = comm.all_gather(parts[rank].clone().to(device), dim=-1)
+    summed = counted.all_reduce(parts[rank].clone().to(device))
+    gathered = counted.all_gather(parts[rank].clone().to(device), dim=-1)
     return {"all_reduce_err": relative_error(summed.cpu(), torch.stack(parts).sum(0)),
             "all_gather_err": relative_error(gathered.cpu(), torch.cat(parts, dim=-1)),
-            "calls": dict(comm.STATS["calls"]), "bytes": dict(comm.STATS["bytes"])}
+            "calls": dict(counted.calls), "bytes": dict(counted.bytes)}
 
 
 def tp_layers_check(rank: int, world_size: int, seed: int = 0) -> dict:
@@ -130,11 +130,10 @@ def tp_check(rank: int, world_size: int, prompt_ids: torch.Tensor, max_new_token
         ref_grads = _grads(model, ids)
         model.zero_grad(set_to_none=True)
     tensor_parallel(model)
-    comm.reset_stats()
-    with torch.no_grad():
+    with torch.no_grad(), collectives.use_collectives(model, collectives.CountingCollectives()) as counted:
         logits = model(ids).logits
-    out["collectives_per_forward"] = dict(comm.STATS["calls"])
-    out["bytes_per_forward"] = dict(comm.STATS["bytes"])
+    out["collectives_per_forward"] = dict(counted.calls)
+    out["bytes_per_forward"] = dict(counted.bytes)
     out["logits_rel_err"] = relative_error(logits, ref_logits)
     out["tokens"] = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False).cpu()
     out["ref_tokens"] = ref_tokens.cpu()
@@ -186,11 +185,11 @@ def dtensor_check(rank: int, world_size: int, prompt_ids: torch.Tensor, max_new_
 
 
 def comm_check(rank: int, world_size: int, sizes: list[int], iters: int = 5, repeats: int = 3,
-               overlap_bytes: int = 1 << 20, overlap_matmul_n: int = 256, ops=comm.OPS) -> dict:
+               overlap_bytes: int = 1 << 20, overlap_matmul_n: int = 256, ops=collectives.OPS) -> dict:
     """Collective sweep over ``sizes`` plus one overlap measurement; identical on every rank."""
     device = rank_device()
-    rows = comm.sweep(tuple(ops), sizes, device, iters=iters, repeats=repeats)
-    overlap = comm.measure_overlap(overlap_bytes, overlap_matmul_n, device, iters=max(3, iters))
+    rows = collectives.sweep(tuple(ops), sizes, device, iters=iters, repeats=repeats)
+    overlap = collectives.measure_overlap(overlap_bytes, overlap_matmul_n, device, iters=max(3, iters))
     return {"rank": rank, "rows": rows, "overlap": overlap}
 
 
@@ -228,20 +227,20 @@ def pp_check(rank: int, world_size: int, prompt_ids: torch.Tensor, max_new_token
     stage = build_stage(model, rank, world_size)
     out = {"rank": rank, "layers": list(stage.layer_ids), "ref_tokens": ref_tokens, "model_param_bytes": model_bytes,
            "stage_param_bytes": sum(p.numel() * p.element_size() for p in stage.parameters())}
-    logits, stats = gpipe_forward(stage, ids, num_microbatches)
+    logits, stats = timed_schedule(gpipe_forward, stage, ids, num_microbatches)
     out["forward_stats"] = stats.to_dict()
     if stage.is_last:
         out["logits_rel_err"] = relative_error(logits, ref_logits)
     out["tokens"] = pipeline_generate(stage, ids, max_new_tokens, num_microbatches)
     if torch_api:
-        tlogits, secs = torch_pipelining_forward(stage, ids, num_microbatches)
+        tlogits, secs = time_torch_pipelining(stage, ids, num_microbatches)
         out["torch_pipelining_s"] = secs
         if stage.is_last:
             out["torch_pipelining_rel_err"] = relative_error(tlogits, ref_logits)
     if train:
         for sched in SCHEDULES:
             stage.zero_grad(set_to_none=True)
-            loss, st = pipeline_train_step(stage, ids, num_microbatches, sched)
+            loss, st = timed_schedule(pipeline_train_step, stage, ids, num_microbatches, schedule=sched)
             sync_tied_embeddings(stage, tied_group)
             errs = [relative_error(p.grad, ref_grads[names[id(p)]]) for p in stage.parameters()]
             out[f"train_{sched}"] = {"grad_rel_err_max": max(errs), "stats": st.to_dict(),
@@ -264,10 +263,11 @@ def pp_bubble(rank: int, world_size: int, microbatch_counts: list[int], microbat
     rows = []
     for m in microbatch_counts:
         ids = torch.randint(model.config.vocab_size, (m * microbatch_size, seq_len), generator=gen)
-        runs = {"forward": lambda ids=ids, m=m: gpipe_forward(stage, ids, m)[1]}
+        runs = {"forward": lambda ids=ids, m=m: timed_schedule(gpipe_forward, stage, ids, m)[1]}
         if train:
             for sched in SCHEDULES:
-                runs[f"train_{sched}"] = lambda ids=ids, m=m, s=sched: pipeline_train_step(stage, ids, m, s)[1]
+                runs[f"train_{sched}"] = lambda ids=ids, m=m, s=sched: timed_schedule(
+                    pipeline_train_step, stage, ids, m, schedule=s)[1]
         for kind, run in runs.items():
             run()  # warm-up
             stats = sorted((run() for _ in range(repeats)), key=lambda s: s.total_s)

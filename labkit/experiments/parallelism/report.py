@@ -6,7 +6,8 @@ helpers join the ranks' rows: the measured bubble of a schedule is the mean idle
 
 from __future__ import annotations
 
-from labkit.parallel import bubble_formula, comm
+from labkit.bench import collectives
+from labkit.parallel import bubble_formula
 
 
 def bubble_table(results: list[dict]) -> list[dict]:
@@ -45,13 +46,13 @@ def plot_schedule_timeline(results: list[dict], kind: str, m: int, ax) -> None:
 
 
 def comm_fits(rows: list[dict]) -> dict:
-    """Alpha-beta fit per op of a ``comm.sweep``: ``{op: {"alpha_us", "beta_gb_s"}}`` (or ``{"error"}`` when the
+    """Alpha-beta fit per op of a ``collectives.sweep``: ``{op: {"alpha_us", "beta_gb_s"}}`` (or ``{"error"}`` when the
     timings are too noisy to fit)."""
     out = {}
     for op in dict.fromkeys(r["op"] for r in rows):
         pts = [(r["bytes"], r["seconds"]) for r in rows if r["op"] == op]
         try:
-            alpha, beta = comm.fit_alpha_beta([b for b, _ in pts], [s for _, s in pts])
+            alpha, beta = collectives.fit_alpha_beta([b for b, _ in pts], [s for _, s in pts])
             out[op] = {"alpha_us": alpha * 1e6, "beta_gb_s": beta / 1e9}
         except ValueError as e:
             out[op] = {"error": str(e)}

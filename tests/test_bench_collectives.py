@@ -1,20 +1,36 @@
-"""labkit.parallel.comm: counted collectives, the sweep's bandwidth arithmetic, the alpha-beta fit, overlap."""
+"""labkit.bench.collectives: counted and skipped collectives lent to a model from outside, the sweep's bandwidth
+arithmetic, the alpha-beta fit, overlap."""
 
 import math
 
 import pytest
 import torch
 
+from labkit.bench import collectives
 from labkit.experiments import parallelism as ex
-from labkit.parallel import comm, launch
+from labkit.parallel import ColumnParallelLinear, RowParallelLinear, launch
+from labkit.parallel.comm import Collectives
 
 
 def test_bus_factors_follow_nccl_tests():
-    assert comm.bus_factor("all_reduce", 8) == pytest.approx(2 * 7 / 8)
-    assert comm.bus_factor("all_gather", 4) == pytest.approx(3 / 4)
-    assert comm.bus_factor("send_recv", 2) == 1.0
+    assert collectives.bus_factor("all_reduce", 8) == pytest.approx(2 * 7 / 8)
+    assert collectives.bus_factor("all_gather", 4) == pytest.approx(3 / 4)
+    assert collectives.bus_factor("send_recv", 2) == 1.0
     with pytest.raises(ValueError, match="allowed"):
-        comm.bus_factor("broadcast", 2)
+        collectives.bus_factor("broadcast", 2)
+
+
+def test_use_collectives_lends_the_layers_another_and_gives_theirs_back():
+    model = torch.nn.Sequential(ColumnParallelLinear(torch.randn(4, 3), None, None),
+                                RowParallelLinear(torch.randn(3, 4), None, None), torch.nn.ReLU())
+    own = [m.comm for m in model[:2]]
+    assert all(type(c) is Collectives for c in own)  # the product's default: plain torch.distributed
+    with collectives.use_collectives(model, collectives.SkippedCollectives()) as lent:
+        assert all(m.comm is lent for m in model[:2])
+    assert [m.comm for m in model[:2]] == own
+    with pytest.raises(ValueError, match="no tensor-parallel layer"):
+        with collectives.use_collectives(torch.nn.Linear(2, 2), collectives.CountingCollectives()):
+            pass
 
 
 def test_alpha_beta_fit_recovers_the_model():
@@ -23,16 +39,16 @@ def test_alpha_beta_fit_recovers_the_model():
     sizes = [float(2**k) for k in range(6, 26, 2)]
     noise = 1 + 0.01 * torch.randn(len(sizes), generator=gen)  # 1% relative noise
     times = [(alpha + n / beta) * e.item() for n, e in zip(sizes, noise, strict=True)]
-    a, b = comm.fit_alpha_beta(sizes, times)
+    a, b = collectives.fit_alpha_beta(sizes, times)
     assert a == pytest.approx(alpha, rel=0.05)
     assert b == pytest.approx(beta, rel=0.05)
 
 
 def test_alpha_beta_fit_bad_input():
     with pytest.raises(ValueError, match="at least 2"):
-        comm.fit_alpha_beta([1.0], [1.0])
+        collectives.fit_alpha_beta([1.0], [1.0])
     with pytest.raises(ValueError, match="non-positive"):
-        comm.fit_alpha_beta([1e3, 1e6, 1e9], [3e-3, 2e-3, 1e-3])
+        collectives.fit_alpha_beta([1e3, 1e6, 1e9], [3e-3, 2e-3, 1e-3])
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +71,10 @@ def test_counted_collectives_are_right(two_ranks):
 def test_sweep_rows_and_overlap(two_ranks):
     _, res = two_ranks[0]
     rows = res["rows"]
-    assert [(r["op"], r["bytes"]) for r in rows] == [(op, n) for op in comm.OPS for n in (256, 4096, 65536)]
+    assert [(r["op"], r["bytes"]) for r in rows] == [(op, n) for op in collectives.OPS for n in (256, 4096, 65536)]
     for r in rows:
         assert r["seconds"] > 0 and math.isfinite(r["seconds"])
-        assert r["busbw_gb_s"] == pytest.approx(r["algbw_gb_s"] * comm.bus_factor(r["op"], 2))
+        assert r["busbw_gb_s"] == pytest.approx(r["algbw_gb_s"] * collectives.bus_factor(r["op"], 2))
     # every rank reports the same (max-reduced) times
     assert [r["seconds"] for r in two_ranks[1][1]["rows"]] == [r["seconds"] for r in rows]
     ov = res["overlap"]

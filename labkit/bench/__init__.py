@@ -1,4 +1,8 @@
-"""Timing, result records and figures.
+"""The measurement layer: timing, result records and figures here; serving benchmarks (``labkit.bench.serving``:
+workloads replayed against the engine on a virtual or real clock, SLO metrics) and their workloads
+(``labkit.bench.workload``); counted, skipped and timed collectives (``labkit.bench.collectives``); timed pipeline
+schedules (``labkit.bench.schedules``). Product code (``labkit.model``, ``engine``, ``kvcache``, ``kernels``,
+``quant``, ``parallel``) never imports it: a measurement wraps the product from outside.
 
 Timing: CUDA events (through ``triton.testing.do_bench``, which also clears L2 between runs) on the GPU,
 optionally as CUDA-graph replays for launches shorter than ~50 us; ``perf_counter`` on the CPU. Always a warm-up,
