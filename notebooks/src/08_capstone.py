@@ -34,11 +34,11 @@ from labkit.workbook import resolve_profile
 PROFILE = resolve_profile(profile)
 figures = dict(load_summary())
 derived = cap.derived_figures()
-fresh = output_dir() / "records" / "format_gemm.json"  # measured by notebook 06 in this run (gpu profile)
-if PROFILE == "gpu" and not fresh.exists():  # each weight format's matmul paths, ours and cuBLAS, by batch
-    from labkit.experiments.parallelism import formats
+fresh = output_dir() / "records" / "format_gemm.json"  # measured earlier in this run (gpu profile), if at all
+if PROFILE == "gpu" and not fresh.exists():  # each weight format's kernels, labkit's and the peers', by batch
+    from labkit.experiments.quantization import peers
 
-    write_record("format_gemm", formats.measure())
+    peers.write_records(peers.measure(budget_s=240))
 format_gemm = json.loads(fresh.read_text())["data"] if fresh.exists() else None
 rec = recommend(SCENARIO_175B, format_gemm=format_gemm)
 sweep = load_sweep()

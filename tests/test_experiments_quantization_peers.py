@@ -1,0 +1,100 @@
+"""The per-format GEMM measurement (``labkit.experiments.quantization.peers``): its shapes, its paths, its checks,
+and how a measurement is read (the dispatch table, the figures)."""
+
+import pytest
+import torch
+from torch import nn
+
+from labkit.experiments.quantization import peers as P
+from labkit.quant.peers import LABKIT_PATHS
+
+
+def test_layer_shapes_of_the_8b_and_the_175b():
+    assert P.layer_shapes("llama-3-8b") == [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+    # GPT-3's MLP is not gated: one up projection of 4 x d_model
+    assert P.layer_shapes("gpt3-175b") == [(36864, 12288), (12288, 12288), (49152, 12288), (12288, 49152)]
+    assert P.layer_params("gpt3-175b") == 12 * 12288 ** 2
+
+
+def test_every_format_has_labkits_path_and_its_peers():
+    c = P.candidates()
+    assert next(iter(c)) == P.BF16
+    for fmt in ("int8", "int4", "fp8"):
+        names = [n for n, (f, _) in c.items() if f == fmt]
+        assert names[0] == LABKIT_PATHS[fmt] and len(names) >= 3
+    assert {lib for _, lib in c.values()} >= {"labkit", "torch", "gemlite", "torchao"}
+
+
+@pytest.mark.parametrize("name", [n for n in P.candidates()])
+def test_each_path_is_checked_or_says_why_it_cannot_run(name):
+    """On an irregular shape where the path takes one, else a regular one: a path that builds here computes the
+    product of the weights it holds within its format's bound; one that cannot says why (a library missing, CUDA,
+    a shape its kernel refuses)."""
+    fmt = P.candidates()[name][0]
+    for n, k in ((232, 640), (256, 512)):
+        torch.manual_seed(n)
+        lin = nn.Linear(k, n, bias=False)
+        lin.weight.data.normal_(0, 0.02)
+        try:
+            fn, w = P.build_path(name, lin)
+        except Exception as e:  # recorded by measure as the row's status
+            reason = P._error(e)
+            continue
+        x = torch.randn(5, k)
+        r = P.check_path(fn, w, lin, x, fmt)
+        assert r["ok"] and r["kernel_err"] <= P.TOLERANCE[fmt], r
+        assert r["rel_err"] < 0.15  # what the format costs on N(0, 0.02) weights (int4: about 0.1)
+        return
+    assert reason and ":" in reason
+
+
+def test_a_wrong_kernel_fails_its_check():
+    lin = nn.Linear(64, 32, bias=False)
+    fn, w = P.build_path(LABKIT_PATHS["int8"], lin)
+    r = P.check_path(lambda x: fn(x).flip(-1), w, lin, torch.randn(3, 64), "int8")
+    assert not r["ok"] and r["kernel_err"] > 0.5
+
+
+def test_weight_copies_on_the_cpu_and_bad_paths():
+    assert P.weight_copies(10, torch.device("cpu")) == 1
+    with pytest.raises(ValueError, match="unknown"):
+        P.build_path("marlin", nn.Linear(8, 8))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
+def test_measure_needs_cuda():
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        P.measure()
+
+
+def _data():
+    rows = []
+    for b, (bf, own, peer, bad) in {1: (100, 50, 80, 10), 64: (120, 170, 60, 10)}.items():
+        for path, fmt, us, status in ((P.BF16, "bf16", bf, "ok"), (LABKIT_PATHS["int4"], "int4", own, "ok"),
+                                      ("torch._weight_int4pack_mm (tinygemm)", "int4", peer, "ok"),
+                                      ("gemlite A16W4 (Triton)", "int4", bad, "wrong: kernel_err 1.3 > 0.1")):
+            rows.append({"preset": "llama-3-8b", "weights": fmt, "path": path, "library": "x", "batch": b, "us": us,
+                         "bf16_us": bf, "status": status})
+    return {"device": "NVIDIA H100 80GB HBM3", "rows": rows}
+
+
+def test_best_paths_and_figures(tmp_path):
+    d = _data()
+    best = P.best_paths(d)
+    assert best["int4"] == {"best": "torch._weight_int4pack_mm (tinygemm)", "best_speedup": 2.0,
+                            "labkit_speedup": 120 / 170}
+    assert best["fp8"]["best"] is None  # nothing timed: no figure
+    figs = P.figures(d, tmp_path / "records" / "format_gemm.json", out_dir=tmp_path, machine="NVIDIA H100 80GB HBM3")
+    assert figs["quant.int4_best_gemm_speedup_b64"]["value"] == 2.0
+    assert figs["quant.int4_best_path_b64"]["value"] == "torch._weight_int4pack_mm (tinygemm)"
+    assert "quant.fp8_best_gemm_speedup_b64" not in figs
+
+
+def test_write_records_writes_the_table_the_engine_reads(tmp_path):
+    from labkit.quant.dispatch import load_table
+
+    paths = P.write_records(_data(), out_dir=tmp_path)
+    table, why = load_table(path=paths["quant_dispatch"])
+    assert table.path_for("int4", 1) == LABKIT_PATHS["int4"]
+    assert table.path_for("int4", 64) == "torch._weight_int4pack_mm (tinygemm)"
+    assert table.machine == "NVIDIA H100 80GB HBM3" and "measured on NVIDIA H100" in why
