@@ -98,3 +98,21 @@ def test_write_records_writes_the_table_the_engine_reads(tmp_path):
     assert table.path_for("int4", 1) == LABKIT_PATHS["int4"]
     assert table.path_for("int4", 64) == "torch._weight_int4pack_mm (tinygemm)"
     assert table.machine == "NVIDIA H100 80GB HBM3" and "measured on NVIDIA H100" in why
+
+
+def test_the_measurement_loop_records_every_path_with_its_status():
+    """The whole loop on the CPU (float32, wall clock; the numbers mean nothing): every path of the list gets a row
+    per batch, timed where it runs here, else with the reason; the records it writes hold the table."""
+    names = (LABKIT_PATHS["int4"], "torch._weight_int4pack_mm (tinygemm)", "gemlite A16W4 (Triton)",
+             LABKIT_PATHS["int8"], "torch._int_mm W8A8 (cuBLAS)")
+    data = P.measure(presets=("tiny",), batches=(1, 20), iters=2, paths=names, device="cpu", progress=False)
+    rows = {(r["path"], r["batch"]): r for r in data["rows"]}
+    assert set(rows) == {(n, b) for n in (P.BF16, *names) for b in (1, 20)}
+    assert rows[("torch._weight_int4pack_mm (tinygemm)", 20)]["status"] == "ok"
+    assert rows[("torch._weight_int4pack_mm (tinygemm)", 20)]["kernel_err"] < 1e-5
+    assert rows[("gemlite A16W4 (Triton)", 1)]["status"].startswith("unavailable: PeerUnavailable")
+    assert all(r["us"] > 0 and r["bf16_us"] > 0 for r in data["rows"] if r["status"] == "ok")
+    assert data["device"] == "cpu" and {r["preset"] for r in data["rows"]} == {"tiny"}
+    spent = P.measure(presets=("tiny",), batches=(1,), iters=1, paths=names[:1], device="cpu", budget_s=0,
+                      progress=False)
+    assert all(r["status"].startswith("not timed: the time budget") for r in spent["rows"])

@@ -207,22 +207,25 @@ def check_path(fn: Callable, w_path: torch.Tensor, lin: nn.Linear, x: torch.Tens
 
 
 def measure(presets: tuple[str, ...] = PRESETS, batches: tuple[int, ...] = BATCHES, iters: int = 20,
-            budget_s: float = 300.0, paths: tuple[str, ...] | None = None, seed: int = 0, progress: bool = True
-            ) -> dict:
+            budget_s: float = 300.0, paths: tuple[str, ...] | None = None, seed: int = 0, progress: bool = True,
+            device: str | None = None) -> dict:
     """Check and time every path (``candidates``, or ``paths``) of one layer's linears of each preset at each batch
-    (module docstring); stops timing once ``budget_s`` seconds have passed (the rows left say so). CUDA only."""
-    if not torch.cuda.is_available():
+    (module docstring); stops timing once ``budget_s`` seconds have passed (the rows left say so). On CUDA, in bf16;
+    ``device="cpu"`` runs the same loop in float32 timed by wall clock (for tests of the loop, not for numbers)."""
+    if device is None and not torch.cuda.is_available():
         raise RuntimeError("peers.measure times GPU kernels (cuBLAS, tinygemm, Triton, FP8 tensor cores): it needs "
                            "CUDA; on the CPU notebooks read the committed results/<gpu>/records/format_gemm.json")
-    dev = torch.device("cuda")
+    dev = torch.device(device or "cuda")
     cands = candidates()
     names = [BF16, *[n for n in (paths or cands) if n != BF16]]
     start = time.perf_counter()
     rows: list[dict] = []
     for preset in presets:
         rows += _measure_preset(preset, names, cands, batches, iters, budget_s, start, seed, progress, dev)
-        torch.cuda.empty_cache()
-    return {"device": torch.cuda.get_device_name(), "presets": list(presets), "batches": list(batches),
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    return {"device": name, "presets": list(presets), "batches": list(batches),
             "rows": rows, "tolerance": TOLERANCE, "seconds": time.perf_counter() - start,
             "note": "one decoder layer's four linears per preset, CUDA-graph replays, weights cycled past L2; us = "
                     "median of the four linears' sum; ratio to bf16 = bf16_us / us"}
@@ -232,14 +235,14 @@ def _measure_preset(preset, names, cands, batches, iters, budget_s, start, seed,
     from labkit.bench import time_fn
 
     shapes = layer_shapes(preset)
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    gen = torch.Generator(device=dev).manual_seed(seed)
     base = []
     for n, k in shapes:
-        lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        lin = nn.Linear(k, n, bias=False, device=dev, dtype=dtype)
         lin.weight.data.normal_(0, 0.02, generator=gen)
         base.append(lin)
-    xs = {b: [torch.randn(b, k, device="cuda", dtype=torch.bfloat16, generator=gen) for _, k in shapes]
-          for b in batches}
+    xs = {b: [torch.randn(b, k, device=dev, dtype=dtype, generator=gen) for _, k in shapes] for b in batches}
     with torch.no_grad():  # the bf16 layers' products, every batch's rows stacked, per linear
         refs = [torch.cat([xs[b][i] for b in batches]).float() @ lin.weight.float().T for i, lin in enumerate(base)]
     built: dict[str, list] = {}
@@ -303,7 +306,7 @@ def _measure_preset(preset, names, cands, batches, iters, budget_s, start, seed,
                         fns = sets[next(turn)]
                         return [fn(xi) for fn, xi in zip(fns, x)]
                     with torch.no_grad():
-                        t = time_fn(step, device=dev, iters=iters, cuda_graph=True)
+                        t = time_fn(step, device=dev, iters=iters, cuda_graph=dev.type == "cuda")
                     times[name] = row["us"] = t.median_s * 1e6
                     row["status"] = "ok"
                 except Exception as e:  # e.g. a kernel that cannot be captured in a CUDA graph
