@@ -42,3 +42,5 @@ def test_bench_decode_formats_against_bf16_in_one_run(tmp_path):
     assert {f"quant.{w}_decode_speedup_b{b}" for w in ("int8", "fp8") for b in (1, 2)} <= set(figs)
     assert figs["quant.int8_decode_speedup_b2"]["value"] > 0 and "end to end" in figs["quant.int8_decode_speedup_b2"][
         "note"]
+    assert figs["quant.int8_decode_floor_ratio_b1"]["kind"] == "derived" and \
+        1 < figs["quant.int8_decode_floor_ratio_b1"]["value"] < 4  # fp32 base weights over int8 ones, KV alike

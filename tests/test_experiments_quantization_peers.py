@@ -115,4 +115,45 @@ def test_the_measurement_loop_records_every_path_with_its_status():
     assert data["device"] == "cpu" and {r["preset"] for r in data["rows"]} == {"tiny"}
     spent = P.measure(presets=("tiny",), batches=(1,), iters=1, paths=names[:1], device="cpu", budget_s=0,
                       progress=False)
-    assert all(r["status"].startswith("not timed: the time budget") for r in spent["rows"])
+    assert all(r["status"].startswith("not built: the time budget") for r in spent["rows"])
+
+
+def test_roofline_is_the_ratio_of_bytes_then_of_rates():
+    """A few rows: the ratio of bytes per weight; many rows: the ratio of tensor-core rates (one for weight-only paths,
+    which widen to 16 bits; the 8-bit rate over bf16's for W8A8)."""
+    from labkit.hardware import KNOWN
+
+    h = KNOWN["h100"]
+    assert P.roofline_speedup("int8", 1, h) == pytest.approx(2.0)
+    assert P.roofline_speedup("int4", 1, h) == pytest.approx(2 / (0.5 + 4 / 128))
+    assert P.roofline_speedup("int4", 4096, h) == pytest.approx(1.0)
+    assert P.roofline_speedup("fp8", 4096, h, w8a8=True) == pytest.approx(h.fp8_flops / h.bf16_flops)
+    assert P.roofline_speedup("int4", 64, h) > P.roofline_speedup("int4", 256, h) > 1
+    assert P.is_w8a8("Fp8Linear fused (Triton act quant + _scaled_mm)") and P.is_w8a8("torch._int_mm W8A8 (cuBLAS)")
+    assert not P.is_w8a8("gemlite A16W8 fp8 (Triton, weight-only)") and not P.is_w8a8(LABKIT_PATHS["int4"])
+
+
+def test_a_record_from_before_the_peers_reads_in_todays_names():
+    import json
+
+    from labkit.models import REPO_ROOT
+
+    data = json.loads((REPO_ROOT / "results" / "h200" / "records" / "format_gemm.json").read_text())["data"]
+    table = {r["path"]: r for r in P.speedup_table(data)}
+    assert LABKIT_PATHS["fp8"] in table and "torch._scaled_mm W8A8 (cuBLAS)" not in table
+    figs = {f["name"]: f for f in P.gemm_figures(data)}
+    assert figs["quant.fp8_labkit_gemm_speedup_b64"]["value"] == figs["quant.fp8_best_gemm_speedup_b64"]["value"]
+    assert figs["quant.int4_roofline_speedup_b64"]["derived"] and not figs["quant.int4_best_path_b64"]["derived"]
+    assert figs["quant.int4_labkit_gemm_speedup_b1"]["value"] > 1 > figs["quant.int4_labkit_gemm_speedup_b256"]["value"]
+
+
+def test_the_plot_has_a_panel_per_format():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from labkit.hardware import KNOWN
+
+    fig = P.plot_speedups(_data(), hw=KNOWN["h100"], title="t")
+    assert [ax.get_title() for ax in fig.axes] == ["int8 weights", "int4 weights", "fp8 weights"]
+    labels = [t.get_text() for t in fig.axes[1].get_legend().get_texts()]
+    assert "torch._weight_int4pack_mm (tinygemm)" in labels and "gemlite A16W4 (Triton)" not in labels  # not timed

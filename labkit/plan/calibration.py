@@ -20,6 +20,7 @@ from labkit.hardware import Hardware
 from labkit.models import REPO_ROOT, get_spec
 from labkit.plan.inputs import Calibration, Cluster, KernelPath
 from labkit.plan.steps import decode_parts, decode_step_time, prefill_time
+from labkit.quant.peers import LEGACY_NAMES
 
 RECORDS = REPO_ROOT / "results" / "h200" / "records"
 STEP_SWEEP_RECORD = RECORDS / "step_sweep.json"
@@ -163,7 +164,8 @@ def kernel_paths(records: Path | str = RECORDS, format_gemm: dict | None = None
         for r in g["rows"]:
             ok = r.get("status", "ok") == "ok" and _finite(r.get("us")) and _finite(r.get("bf16_us"))
             if r["weights"] != "bf16" and ok:
-                weights.append(KernelPath(r["weights"], r["path"], int(r["batch"]), r["us"] / r["bf16_us"], rec,
+                path = LEGACY_NAMES.get(r["path"], r["path"])
+                weights.append(KernelPath(r["weights"], path, int(r["batch"]), r["us"] / r["bf16_us"], rec,
                                           g.get("device", "?"), int(r.get("layer_params", eight_b_params))))
     return tuple(weights), tuple(kv)
 

@@ -42,6 +42,9 @@ from labkit.quant.weight_only import Int4Linear, Int8Linear
 LABKIT_PATHS = {"int8": "labkit Int8Linear (Triton)", "int4": "labkit Int4Linear (Triton)",
                 "fp8": "labkit Fp8Linear (eager act quant + _scaled_mm)"}
 """Each format's own path: the labkit layer's forward (for FP8 the eager quantisation of notebook 04)."""
+LEGACY_NAMES = {"torch._scaled_mm W8A8 (cuBLAS)": LABKIT_PATHS["fp8"]}
+"""Path names of records made before the peers were measured: their FP8 row was ``Fp8Linear``'s eager quantisation
+and ``_scaled_mm``, labkit's own FP8 path."""
 LAYER_TYPES = {"int8": Int8Linear, "int4": Int4Linear, "fp8": Fp8Linear}
 """The labkit layer each format's peers are built from."""
 TINYGEMM_INNER_K_TILES = 8

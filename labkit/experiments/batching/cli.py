@@ -124,6 +124,9 @@ def _decode(args) -> int:
             if not args.no_hf and fmt == "bf16":
                 r.update(hf_static_decode(model, b, args.context, args.steps, source, args.seed))
             rows.append(r)
+            path = write_record(args.name, {"model": label, "bandwidth_bytes_per_s": bw,
+                                            "datasheet_bytes_per_s": sheet, "context": args.context, "rows": rows,
+                                            "dispatch": tables}, out_dir=args.out)  # after each row: a run cut short
             replay = f", replayed step {r['replay_step_s'] * 1e3:.3f} ms" if r["replay_step_s"] else ""
             print(f"{label} {fmt} batch {b}: {r['tok_s']:.1f} tokens/s ({r['step_median_s'] * 1e3:.3f} ms/step"
                   f"{replay}); floor {r['floor_s'] * 1e3:.3f} ms -> MBU {r['mbu']:.2f}; kernels "
@@ -171,7 +174,9 @@ def _paths_at(model, rows: int) -> dict:
 def quant_decode_figures(rows: list[dict], record, out_dir) -> dict:
     """``quant.{fmt}_decode_speedup_b{b}`` for each quantised format and batch of a ``bench decode --formats`` run:
     the bf16 step's time over the format's, both the engine's captured decode step replayed alone (end-to-end steps
-    where no graph was captured), measured in the same run."""
+    where no graph was captured), measured in the same run; and ``quant.{fmt}_decode_floor_ratio_b{b}``, the bytes
+    the bf16 step must read over the format's (weights and KV cache: the speed-up reading them at one bandwidth
+    would give; derived)."""
     from labkit.bench import record_figure
 
     out = {}
@@ -184,6 +189,10 @@ def quant_decode_figures(rows: list[dict], record, out_dir) -> dict:
         speed = base[b][key] / r[key]
         e2e = base[b]["step_median_s"] / r["step_median_s"]
         kernels = ", ".join(f"{k} x{n}" for k, n in r.get("kernels_by_layer", {}).items())
+        out[f"quant.{fmt}_decode_floor_ratio_b{b}"] = record_figure(
+            f"quant.{fmt}_decode_floor_ratio_b{b}", base[b]["floor_bytes"] / r["floor_bytes"], "x", record,
+            out_dir=out_dir, derived=True, note=f"bytes a bf16 decode step reads over a {fmt} step's (weights and "
+            f"the KV cache of {b} sequences of {r['context']} tokens)")
         out[f"quant.{fmt}_decode_speedup_b{b}"] = record_figure(
             f"quant.{fmt}_decode_speedup_b{b}", speed, "x over bf16", record, out_dir=out_dir,
             note=f"engine decode step at batch {b}, context {r['context']}, "

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.models import get_spec
-from labkit.quant.peers import LABKIT_PATHS, PEERS, PeerUnavailable, build_peer
+from labkit.quant.peers import LABKIT_PATHS, LEGACY_NAMES, PEERS, PeerUnavailable, build_peer
 
 BATCHES = (1, 4, 8, 16, 32, 64, 128, 256)
 """Rows of the activation: decode batches from one sequence to a serving batch (the planner's batches among them)."""
@@ -42,6 +42,8 @@ TOLERANCE = {"bf16": 1e-2, "int8": 2e-2, "int4": 1e-1, "fp8": 1e-1}
 """Relative error bounds (DESIGN.md's table: bf16 compute 1e-2, int8 weights 2e-2, int4 weights 1e-1; FP8 e4m3 keeps
 four significant bits, an int4 grid's precision, and takes int4's bound)."""
 BF16 = "cuBLAS bf16"
+DECODE_RECORD = "quant_decode"
+"""Record name of the engine's decode steps per format (``bench decode --formats ... --name quant_decode``)."""
 HEADLINE_BATCH = 64
 """The serving batch notebook 04's and the capstone's figures quote (the 8B layer)."""
 
@@ -217,7 +219,7 @@ def measure(presets: tuple[str, ...] = PRESETS, batches: tuple[int, ...] = BATCH
                            "CUDA; on the CPU notebooks read the committed results/<gpu>/records/format_gemm.json")
     dev = torch.device(device or "cuda")
     cands = candidates()
-    names = [BF16, *[n for n in (paths or cands) if n != BF16]]
+    names = [BF16, *sorted((n for n in (paths or cands) if n != BF16), key=lambda n: _ORDER.get(cands[n][1], 1))]
     start = time.perf_counter()
     rows: list[dict] = []
     for preset in presets:
@@ -229,6 +231,11 @@ def measure(presets: tuple[str, ...] = PRESETS, batches: tuple[int, ...] = BATCH
             "rows": rows, "tolerance": TOLERANCE, "seconds": time.perf_counter() - start,
             "note": "one decoder layer's four linears per preset, CUDA-graph replays, weights cycled past L2; us = "
                     "median of the four linears' sum; ratio to bf16 = bf16_us / us"}
+
+
+_ORDER = {"labkit": 0, "torch": 1, "torchao": 2, "gemlite": 3}
+"""The order paths are built in, so that a time budget spent leaves the slowest to build last: gemlite compiles and
+autotunes its kernels per shape on first use."""
 
 
 def _measure_preset(preset, names, cands, batches, iters, budget_s, start, seed, progress, dev) -> list[dict]:
@@ -251,6 +258,9 @@ def _measure_preset(preset, names, cands, batches, iters, budget_s, start, seed,
     for name in names:
         fmt = cands[name][0]
         copies = weight_copies(sum(_format_bytes(fmt, n, k) for n, k in shapes), dev)
+        if time.perf_counter() - start > budget_s:
+            status[name], built[name] = f"not built: the time budget ({budget_s:.0f} s) was spent", []
+            continue
         try:
             first = [build_path(name, lin, {}) for lin in base]
         except Exception as e:  # a library missing, a shape its kernel refuses: recorded
@@ -328,13 +338,64 @@ def _fresh(lin: nn.Linear, gen: torch.Generator) -> nn.Linear:
 
 
 # --- reading a measurement ----------------------------------------------------------------------------------------
+W8A8 = ("_int_mm", "A8W8", "_scaled_mm", "Float8Dynamic")
+"""Path names with quantised activations: they multiply on the 8-bit tensor cores (twice bf16's rate on Hopper);
+every other quantised path widens its weights to 16 bits and multiplies at bf16's rate."""
+BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0, "fp8": 1.0, "int4": 0.5 + 4 / 128}
+"""Bytes one weight costs in each format, scales included (int4: a bf16 scale and zero per 128 weights)."""
+
+
+def path_name(name: str) -> str:
+    """A record's path name in today's terms (``LEGACY_NAMES``)."""
+    return LEGACY_NAMES.get(name, name)
+
+
+def rows_of(data: dict, preset: str = "llama-3-8b") -> list[dict]:
+    """The rows of ``preset`` (a record without presets is the 8B layer's), legacy names translated."""
+    return [dict(r, path=path_name(r["path"])) for r in data["rows"] if r.get("preset", "llama-3-8b") == preset]
+
+
 def ratios(data: dict, preset: str = "llama-3-8b") -> list[dict]:
     """``{weights, path, library, batch, speedup}`` of every timed path of ``preset``: bf16's time over the path's
     (above 1: faster than cuBLAS bf16)."""
     return [{"weights": r["weights"], "path": r["path"], "library": r.get("library", ""), "batch": r["batch"],
              "speedup": r["bf16_us"] / r["us"]}
-            for r in data["rows"] if r.get("preset", preset) == preset and r.get("status") == "ok"
-            and r["weights"] != "bf16" and r["us"] == r["us"] and r["bf16_us"] == r["bf16_us"]]
+            for r in rows_of(data, preset) if r.get("status", "ok") == "ok" and r["weights"] != "bf16"
+            and _positive(r["us"]) and _positive(r["bf16_us"])]
+
+
+def _positive(v) -> bool:
+    return isinstance(v, (int, float)) and v == v and 0 < v < float("inf")
+
+
+def speedup_table(data: dict, preset: str = "llama-3-8b") -> list[dict]:
+    """One row per path (``weights``, ``path``, ``library``) with its speed-up over bf16 at each batch measured
+    (``None`` where it was not timed) and its status where it was never timed."""
+    by = {}
+    for r in rows_of(data, preset):
+        if r["weights"] == "bf16":
+            continue
+        row = by.setdefault(r["path"], {"weights": r["weights"], "path": r["path"], "library": r.get("library", "")})
+        ok = r.get("status", "ok") == "ok" and _positive(r["us"]) and _positive(r["bf16_us"])
+        row[r["batch"]] = r["bf16_us"] / r["us"] if ok else None
+        if not ok:
+            row.setdefault("why not timed", r.get("status", ""))
+    return list(by.values())
+
+
+def roofline_speedup(fmt: str, batch: int, hw, w8a8: bool = False) -> float:
+    """The datasheet's bound on a path's speed-up over bf16 at ``batch`` rows (one weight matrix, activations
+    negligible): bf16 takes ``max(2 B / bandwidth, 2 batch FLOP / bf16 rate)`` per weight; the format ``max(bytes /
+    bandwidth, 2 batch / rate)``, at bf16's rate for weight-only paths (they widen to 16 bits) and at the 8-bit
+    rate (``hw.fp8_flops``) for ``w8a8`` paths. Few rows: the ratio of bytes; many rows: the ratio of rates."""
+    t16 = max(2 / hw.mem_bandwidth, 2 * batch / hw.bf16_flops)
+    rate = hw.fp8_flops if w8a8 and hw.fp8_flops else hw.bf16_flops
+    return t16 / max(BYTES_PER_WEIGHT[fmt] / hw.mem_bandwidth, 2 * batch / rate)
+
+
+def is_w8a8(path: str) -> bool:
+    """Whether a path quantises its activations too (``W8A8``)."""
+    return any(k in path for k in W8A8) or path.startswith(("labkit Fp8Linear", "Fp8Linear", "torch.compile(fp8"))
 
 
 def best_paths(data: dict, preset: str = "llama-3-8b", batch: int = HEADLINE_BATCH) -> dict[str, dict]:
@@ -351,30 +412,94 @@ def best_paths(data: dict, preset: str = "llama-3-8b", batch: int = HEADLINE_BAT
     return out
 
 
-def figures(data: dict, record, out_dir=None, machine: str | None = None) -> dict:
-    """Record notebook 04's and the capstone's figures of a measurement: per format at ``HEADLINE_BATCH`` rows on the
-    8B layer, ``quant.{fmt}_best_gemm_speedup_b64`` (the fastest path over bf16), ``quant.{fmt}_best_path_b64`` (its
-    name) and ``quant.{fmt}_labkit_gemm_speedup_b64`` (labkit's own path), all timed in one run."""
-    from labkit.bench import record_figure
+def gemm_figures(data: dict, machine: str | None = None) -> list[dict]:
+    """The figures of a measurement (all timed in one run, on the 8B layer), as ``{name, value, unit, note,
+    derived}``: per format at ``HEADLINE_BATCH`` rows ``quant.{fmt}_best_gemm_speedup_b64`` (the fastest path over
+    bf16), ``quant.{fmt}_best_path_b64`` (its name), ``quant.{fmt}_labkit_gemm_speedup_b64`` (labkit's own path) and
+    ``quant.{fmt}_roofline_speedup_b64`` (the datasheet's bound for the best path's kind, derived; on the machines of
+    ``labkit.hardware.KNOWN``); labkit's own path at one row and at 256, ``quant.{fmt}_labkit_gemm_speedup_b1`` /
+    ``_b256``."""
+    from labkit.figures import machine_class
+    from labkit.hardware import KNOWN
+
+    machine = machine or data.get("device")
+    hw = KNOWN.get(machine_class(machine)) if machine else None
+    note = "one llama-3-8b layer's four linears, {b} rows, CUDA-graph replays, weights cycled past L2; over cuBLAS " \
+           "bf16 timed in the same run"
+    out = []
+
+    def put(name, value, unit, why, derived=False):
+        out.append({"name": name, "value": value, "unit": unit, "note": why, "derived": derived})
 
     b = HEADLINE_BATCH
-    note = f"one llama-3-8b layer's four linears, {b} rows, CUDA-graph replays, weights cycled past L2; over cuBLAS " \
-           "bf16 timed in the same run"
-    out = {}
     for fmt, p in best_paths(data, "llama-3-8b", b).items():
         if p["best"] is None:
             continue
-        out[f"quant.{fmt}_best_gemm_speedup_b{b}"] = record_figure(
-            f"quant.{fmt}_best_gemm_speedup_b{b}", p["best_speedup"], "x over bf16", record, out_dir=out_dir,
-            machine=machine, note=f"{note}; the fastest {fmt} path: {p['best']}")
-        out[f"quant.{fmt}_best_path_b{b}"] = record_figure(
-            f"quant.{fmt}_best_path_b{b}", p["best"], "path", record, out_dir=out_dir, machine=machine,
-            note=f"the fastest {fmt} path at {b} rows of every path measured")
+        put(f"quant.{fmt}_best_gemm_speedup_b{b}", p["best_speedup"], "x over bf16",
+            note.format(b=b) + f"; the fastest {fmt} path: {p['best']}")
+        put(f"quant.{fmt}_best_path_b{b}", p["best"], "path", f"the fastest {fmt} path at {b} rows of every path "
+            "measured")
         if p["labkit_speedup"] is not None:
-            out[f"quant.{fmt}_labkit_gemm_speedup_b{b}"] = record_figure(
-                f"quant.{fmt}_labkit_gemm_speedup_b{b}", p["labkit_speedup"], "x over bf16", record, out_dir=out_dir,
-                machine=machine, note=f"{note}; labkit's own path: {LABKIT_PATHS[fmt]}")
+            put(f"quant.{fmt}_labkit_gemm_speedup_b{b}", p["labkit_speedup"], "x over bf16",
+                note.format(b=b) + f"; labkit's own path: {LABKIT_PATHS[fmt]}")
+        if hw is not None:
+            put(f"quant.{fmt}_roofline_speedup_b{b}", roofline_speedup(fmt, b, hw, is_w8a8(p["best"])), "x over bf16",
+                f"{hw.name} datasheet: bytes per weight and the tensor-core rate of the best path's kind "
+                f"({'8-bit' if is_w8a8(p['best']) else '16-bit'} multiplies)", derived=True)
+    for rb in (1, 256):
+        for fmt, p in best_paths(data, "llama-3-8b", rb).items():
+            if p["labkit_speedup"] is not None:
+                put(f"quant.{fmt}_labkit_gemm_speedup_b{rb}", p["labkit_speedup"], "x over bf16",
+                    note.format(b=rb) + f"; labkit's own path: {LABKIT_PATHS[fmt]}")
     return out
+
+
+def figures(data: dict, record, out_dir=None, machine: str | None = None) -> dict:
+    """Record ``gemm_figures`` (notebook 04's and the capstone's figures of a measurement) in the run's figures,
+    under ``machine`` (default: the measurement's device); returns the entries by name."""
+    from labkit.bench import record_figure
+
+    machine = machine or data.get("device")
+    return {f["name"]: record_figure(f["name"], f["value"], f["unit"], record, out_dir=out_dir, machine=machine,
+                                     note=f["note"], derived=f["derived"]) for f in gemm_figures(data, machine)}
+
+
+def plot_speedups(data: dict, preset: str = "llama-3-8b", hw=None, axes=None, title: str = ""):
+    """Speed-up over bf16 against batch, one panel per format (int8, int4, FP8), a line per path that was timed;
+    with ``hw`` the datasheet's bound (``roofline_speedup``) dashed: weight-only and, where the format has 8-bit
+    activation paths, W8A8. Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    table = speedup_table(data, preset)
+    if axes is None:
+        fig, axes = plt.subplots(1, 3, figsize=(15, 6.2), sharey=True)
+    else:
+        fig = axes[0].figure
+    batches = sorted({r["batch"] for r in rows_of(data, preset)})
+    for ax, fmt in zip(axes, ("int8", "int4", "fp8")):
+        for row in (r for r in table if r["weights"] == fmt):
+            pts = [(b, row[b]) for b in batches if row.get(b)]
+            if not pts:
+                continue
+            own = row["path"] == LABKIT_PATHS[fmt]
+            ax.plot(*zip(*pts), "o-" if own else ".-", lw=2.6 if own else 1.3, label=row["path"],
+                    color="black" if own else None)
+        if hw is not None:  # the datasheet's bound: dashed for 16-bit multiplies, dotted for 8-bit (W8A8)
+            for w8a8 in [False] + ([True] if fmt != "int4" else []):
+                ax.plot(batches, [roofline_speedup(fmt, b, hw, w8a8) for b in batches], ":" if w8a8 else "--",
+                        color="gray", lw=1.2, label=f"roofline, {'W8A8' if w8a8 else 'weight-only'} ({hw.name})")
+        ax.axhline(1, color="red", lw=0.8)
+        ax.set(xscale="log", yscale="log", xlabel="rows (batch)", title=f"{fmt} weights", ylim=(0.2, 5))
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.minorticks_off()
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False)
+    axes[0].set_ylabel("speed-up over cuBLAS bf16 (one layer's linears)")
+    yt = [0.25, 0.5, 1, 2, 4]
+    axes[0].set_yticks(yt, [f"{v:g}x" for v in yt])
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    return fig
 
 
 def write_records(data: dict, out_dir=None) -> dict:
