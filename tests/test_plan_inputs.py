@@ -121,9 +121,9 @@ def test_fastest_measured_path_at_the_planned_batch():
     assert cal.paths("fp8", 32) == [] and [p.batch for p in cal.paths("fp8", 64)] == [64]
     assert cal.padded_batch("fp8", 2) == 64 and cal.padded_batch("fp8", 65) is None
     at1 = weight_paths(spec, ONE, cal, 1, 1, 1, 512, "int8")
-    assert set(at1) == {"engine (step sweep)", "gemv (batch 1)"}
+    assert set(at1) == {"labkit engine step (step-sweep fit)", "gemv (batch 1)"}
     assert at1["gemv (batch 1)"] == pytest.approx(min(at1.values()))
-    bf16 = weight_paths(spec, ONE, cal, 1, 1, 64, 512, "bf16")["engine (step sweep)"]
+    bf16 = weight_paths(spec, ONE, cal, 1, 1, 64, 512, "bf16")["labkit engine step (step-sweep fit)"]
     assert weight_paths(spec, ONE, cal, 1, 1, 64, 512, "fp8") == {"scaled_mm (batch 64)": pytest.approx(0.7 * bf16)}
     # an unmeasured KV format is charged the bf16 read: its memory counts, not an unmeasured speed-up
     assert kv_read_time(spec, ONE, cal, 1, 1, 8, 512, "fp8") == kv_read_time(spec, ONE, cal, 1, 1, 8, 512, "bf16")
@@ -147,7 +147,8 @@ def test_a_format_without_a_path_at_the_batch_is_not_planned():
     assert at128["weights_path"] == NO_PATH and math.isinf(at128["step_s"])
     assert decode_step_parts(spec, ONE, cal, 1, 1, 64, 512, "fp8")["weights_path"] == "scaled_mm (batch 64)"
     assert "assumed" in decode_step_parts(spec, ONE, NOMINAL, 1, 1, 32, 512, "fp8")["weights_path"]
-    assert decode_step_parts(spec, ONE, cal, 1, 1, 64, 512, "int8")["weights_path"] == "engine (step sweep)"
+    swept = decode_step_parts(spec, ONE, cal, 1, 1, 64, 512, "int8")["weights_path"]
+    assert swept == "labkit engine step (step-sweep fit)"
     assert math.isinf(decode_step_parts(spec, ONE, cal, 1, 1, 128, 512, "int8")["step_s"])  # past the sweep
 
 

@@ -86,7 +86,7 @@ def _weight_paths(spec, cluster, cal, tp, pp, batch, context, weights, mb) -> di
         t = w_bytes / (bw * cal.bw(weights))
         if mb > 1:  # quantised weights times more than one row: the dequantising GEMM's per-weight cost
             t += cal.dequant(weights) * spec.matmul_params * layers / spec.num_layers / tp
-        out["engine (step sweep)" if swept else "assumed (no measured path)"] = t
+        out["labkit engine step (step-sweep fit)" if swept else "assumed (no measured path)"] = t
     if measured:
         bf16 = _parts(spec, tp, pp, mb, context, "bf16", "bf16")[0] / (bw * cal.bw("bf16"))
         for p in measured:
