@@ -157,3 +157,24 @@ def test_the_plot_has_a_panel_per_format():
     assert [ax.get_title() for ax in fig.axes] == ["int8 weights", "int4 weights", "fp8 weights"]
     labels = [t.get_text() for t in fig.axes[1].get_legend().get_texts()]
     assert "torch._weight_int4pack_mm (tinygemm)" in labels and "gemlite A16W4 (Triton)" not in labels  # not timed
+
+
+def test_the_gpu_runs_figures_stage_reads_what_the_records_hold(tmp_path):
+    """``scripts/quant_peers.py figures`` on a folder holding a per-format GEMM record (the committed H200 one here):
+    the GEMM figures under the record's machine and the 175B plan's per-format figures, planned on that record."""
+    import importlib.util
+    import json
+    import shutil
+
+    from labkit.models import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location("quant_peers", REPO_ROOT / "scripts" / "quant_peers.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    (tmp_path / "records").mkdir()
+    shutil.copy(REPO_ROOT / "results" / "h200" / "records" / "format_gemm.json", tmp_path / "records")
+    assert mod.main(["figures", "--out", str(tmp_path)]) == 0
+    figs = json.loads((tmp_path / "figures.json").read_text())
+    assert figs["quant.int4_best_path_b64"]["machine"] == "NVIDIA H200"
+    assert {"plan.gpus_175b_fp8", "plan.kernel_175b_fp8", "plan.gpus_175b_fp8_labkit"} <= set(figs)
+    assert (tmp_path / "records" / "quant_plan.json").exists()
