@@ -4,7 +4,8 @@
 #   run (device):    LABKIT_GIT_COMMIT=<sha of HEAD> bash scripts/gpu_quant_peers.sh   (carry: .whl-peers)
 # Stages, each with a hard limit, each leaving its records if a later one fails (logs in $OUT/quant/logs):
 #   gemm     scripts/quant_peers.py gemm: every path of every format on one 8B and one 175B layer at 1-256 rows
-#            -> records/format_gemm.json, records/quant_dispatch.json (the engine's kernel table)
+#            (built and checked within a budget, cheapest first, then timed within another; the record is rewritten
+#            after every batch) -> records/format_gemm.json, records/quant_dispatch.json (the engine's kernel table)
 #   decode   bench decode --formats bf16 int4 fp8 int8 at batch 1, 16, 64 through the engine, each layer on the
 #            kernel the table measured fastest at its batch -> records/quant_decode.json
 #   figures  scripts/quant_peers.py figures: quant.<fmt>_* and plan.gpus_175b_<w>* -> figures.json, records/quant_plan.json
@@ -35,10 +36,10 @@ for name in ("torchao", "gemlite", "liger_kernel"):
     except Exception as e:  # recorded by the measurement as each path's status too
         print(name, "not importable:", type(e).__name__, str(e)[:200])
 PY
-stage gemm 240 python3 scripts/quant_peers.py gemm --out "$Q" --budget 150 --budget-175b 60
+stage gemm 260 python3 scripts/quant_peers.py gemm --out "$Q" --budget 110 --timing 50 --budget-175b 25 --timing-175b 30
 table=labkit
 [ -f "$Q/records/quant_dispatch.json" ] && table="$Q/records/quant_dispatch.json"
-stage decode 165 python3 -m labkit bench decode --model llama-3-8b --batch 1 16 64 --context 512 --steps 16 \
+stage decode 150 python3 -m labkit bench decode --model llama-3-8b --batch 1 16 64 --context 512 --steps 16 \
   --formats bf16 int4 fp8 int8 --no-hf --dispatch "$table" --name quant_decode --out "$Q" --no-progress
 stage figures 40 python3 scripts/quant_peers.py figures --out "$Q"
 echo "=== done at $(( $(date +%s) - start ))s"

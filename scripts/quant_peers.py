@@ -1,6 +1,6 @@
 """The GPU run of quantisation at serving batches, in stages that each leave their records behind.
 
-    python scripts/quant_peers.py gemm --out DIR [--budget 150] [--budget-175b 70]
+    python scripts/quant_peers.py gemm --out DIR [--budget 110 --timing 50 --budget-175b 25 --timing-175b 30]
         every path of every weight format on one 8B layer, then one 175B layer (labkit.experiments.quantization.peers):
         DIR/records/format_gemm.json (rewritten after each layer shape) and DIR/records/quant_dispatch.json (the
         engine's kernel table, from the 8B rows)
@@ -24,14 +24,23 @@ from pathlib import Path
 import labkit  # noqa: F401  (before anything imports triton)
 
 
-def gemm(out: Path, budget: float, budget_175b: float) -> int:
+def gemm(out: Path, budget: float, timing: float, budget_175b: float, timing_175b: float) -> int:
+    from labkit.bench import write_record
     from labkit.experiments.quantization import peers
 
     t0 = time.perf_counter()
-    data = peers.measure(presets=("llama-3-8b",), budget_s=budget)
+
+    def keep(partial: dict, before: dict | None = None) -> None:  # rewritten after every batch: a stop keeps them
+        if before is not None:
+            partial = dict(partial, presets=before["presets"] + partial["presets"],
+                           rows=before["rows"] + partial["rows"])
+        write_record("format_gemm", partial, out_dir=out)
+
+    data = peers.measure(presets=("llama-3-8b",), budget_s=budget, timing_s=timing, checkpoint=keep)
     print(f"8B layer measured in {time.perf_counter() - t0:.0f} s", flush=True)
-    peers.write_records(data, out_dir=out)
-    big = peers.measure(presets=("gpt3-175b",), budget_s=budget_175b, batches=tuple(data["batches"]))
+    peers.write_records(data, out_dir=out)  # and the engine's kernel table, from the 8B rows
+    big = peers.measure(presets=("gpt3-175b",), budget_s=budget_175b, timing_s=timing_175b,
+                        batches=tuple(data["batches"]), checkpoint=lambda d: keep(d, data))
     data = dict(data, presets=data["presets"] + big["presets"], rows=data["rows"] + big["rows"],
                 seconds=data["seconds"] + big["seconds"])
     paths = peers.write_records(data, out_dir=out)
@@ -76,14 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("gemm")
     g.add_argument("--out", type=Path, required=True)
-    g.add_argument("--budget", type=float, default=150, help="seconds for the 8B layer's builds, checks and timing")
-    g.add_argument("--budget-175b", type=float, default=70, help="seconds for the 175B layer's")
+    g.add_argument("--budget", type=float, default=110, help="seconds for building and checking the 8B layer's paths")
+    g.add_argument("--timing", type=float, default=50, help="seconds for timing them, after")
+    g.add_argument("--budget-175b", type=float, default=25, help="seconds for building and checking the 175B layer's")
+    g.add_argument("--timing-175b", type=float, default=30, help="seconds for timing them")
     f = sub.add_parser("figures")
     f.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.cmd == "gemm":
-        return gemm(args.out, args.budget, args.budget_175b)
+        return gemm(args.out, args.budget, args.timing, args.budget_175b, args.timing_175b)
     return figures(args.out)
 
 

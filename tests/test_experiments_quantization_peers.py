@@ -116,6 +116,17 @@ def test_the_measurement_loop_records_every_path_with_its_status():
     spent = P.measure(presets=("tiny",), batches=(1,), iters=1, paths=names[:1], device="cpu", budget_s=0,
                       progress=False)
     assert all(r["status"].startswith("not built: the time budget") for r in spent["rows"])
+    seen = []
+    untimed = P.measure(presets=("tiny",), batches=(1, 2), iters=1, paths=names[:1], device="cpu", timing_s=0,
+                        progress=False, checkpoint=seen.append)
+    assert all(r["status"].startswith("not timed: the timing budget") for r in untimed["rows"])
+    assert [len(d["rows"]) for d in seen] == [2, 4]  # after each batch, every row so far
+
+
+def test_paths_are_built_cheapest_first():
+    order = sorted(P.candidates(), key=P._build_rank)
+    libs = [P.candidates()[n][1] for n in order]
+    assert libs.index("gemlite") > libs.index("torch") and order[-1] == "torch.compile(fp8 act quant + _scaled_mm)"
 
 
 def test_roofline_is_the_ratio_of_bytes_then_of_rates():

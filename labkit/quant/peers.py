@@ -98,23 +98,31 @@ def _gemlite():
     return helper
 
 
-_GEMLITE_CONFIGS: list[str] = []
+GEMLITE_AUTOTUNE = "default"
+"""gemlite's autotune setting here: its shipped launch configurations where they hold the shape, else its default
+ones. Its 'fast' search compiles dozens of variants per shape and kernel (minutes per layer), more than one device
+call allows; a gemlite number is then a lower bound of what its search would find."""
+GEMLITE_SETUP: dict = {}
+"""What ``_gemlite_configs`` set up (the autotune setting, the configuration file loaded): measurements record it."""
 
 
 def _gemlite_configs() -> None:
     """gemlite ships launch configurations tuned per GPU and loads the one whose tag is in the device's name; an H200
-    ('nvidia_h200') matches none, so Hopper parts take the H100's (same sm_90) instead of autotuning every shape."""
-    if _GEMLITE_CONFIGS or not torch.cuda.is_available():
+    ('nvidia_h200') matches none, so Hopper parts take the H100's (same sm_90). Autotune as ``GEMLITE_AUTOTUNE``."""
+    if GEMLITE_SETUP or not torch.cuda.is_available():
         return
     import os
 
     import gemlite
 
+    gemlite.set_autotune(GEMLITE_AUTOTUNE)
     name = torch.cuda.get_device_name().lower()
     path = os.path.join(os.path.dirname(gemlite.__file__), "configs", "h100.json")
+    loaded = "its own, by device name" if "h100" in name else "none"
     if "h100" not in name and torch.cuda.get_device_capability()[0] == 9 and os.path.exists(path):
         gemlite.load_config(path)
-    _GEMLITE_CONFIGS.append(name)
+        loaded = "h100.json (same sm_90)"
+    GEMLITE_SETUP.update(autotune=GEMLITE_AUTOTUNE, configs=loaded, version=getattr(gemlite, "__version__", "?"))
 
 
 def _gemlite_layer(make) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -38,7 +38,7 @@ fresh = output_dir() / "records" / "format_gemm.json"  # measured earlier in thi
 if PROFILE == "gpu" and not fresh.exists():  # each weight format's kernels, labkit's and the peers', by batch
     from labkit.experiments.quantization import peers
 
-    peers.write_records(peers.measure(budget_s=240))
+    peers.write_records(peers.measure(budget_s=150, timing_s=80))
 format_gemm = json.loads(fresh.read_text())["data"] if fresh.exists() else None
 rec = recommend(SCENARIO_175B, format_gemm=format_gemm)
 sweep = load_sweep()

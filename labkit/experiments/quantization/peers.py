@@ -12,7 +12,7 @@ Before it is timed, each path is checked on the timed shapes at every batch: ``k
 float32 product of the weights it holds (its format's rounding, dequantised), must stay within the format's bound
 (``TOLERANCE``); ``rel_err``, against the bf16 layer's own product, is what the format and the kernel cost together
 (reported beside the bound). A path that cannot be built, fails its check or fails to run is recorded with its
-error, never dropped; so is a path the time budget left untimed.
+error, never dropped; so is a path the time budgets left unbuilt or untimed.
 
 ``measure`` returns ``{"device", "rows", "presets", ...}``: a row per ``(preset, batch, path)`` with ``us`` (the four
 linears' median), ``bf16_us`` (timed in the same run), ``status`` and both errors; ``write_records`` stores it as
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.models import get_spec
-from labkit.quant.peers import LABKIT_PATHS, LEGACY_NAMES, PEERS, PeerUnavailable, build_peer
+from labkit.quant.peers import GEMLITE_SETUP, LABKIT_PATHS, LEGACY_NAMES, PEERS, PeerUnavailable, build_peer
 
 BATCHES = (1, 4, 8, 16, 32, 64, 128, 256)
 """Rows of the activation: decode batches from one sequence to a serving batch (the planner's batches among them)."""
@@ -209,37 +209,56 @@ def check_path(fn: Callable, w_path: torch.Tensor, lin: nn.Linear, x: torch.Tens
 
 
 def measure(presets: tuple[str, ...] = PRESETS, batches: tuple[int, ...] = BATCHES, iters: int = 20,
-            budget_s: float = 300.0, paths: tuple[str, ...] | None = None, seed: int = 0, progress: bool = True,
-            device: str | None = None) -> dict:
+            budget_s: float = 300.0, timing_s: float | None = None, paths: tuple[str, ...] | None = None,
+            seed: int = 0, progress: bool = True, device: str | None = None,
+            checkpoint: Callable[[dict], None] | None = None) -> dict:
     """Check and time every path (``candidates``, or ``paths``) of one layer's linears of each preset at each batch
-    (module docstring); stops timing once ``budget_s`` seconds have passed (the rows left say so). On CUDA, in bf16;
-    ``device="cpu"`` runs the same loop in float32 timed by wall clock (for tests of the loop, not for numbers)."""
+    (module docstring). Paths are built and checked in ``BUILD_ORDER`` until ``budget_s`` seconds have passed since
+    the start (the rest are rows saying so), then every built path is timed, batch by batch, for at most
+    ``timing_s`` more (default ``budget_s / 2``; the rows left say so). ``checkpoint(data)`` is called with the rows
+    so far after each batch (a caller that may be stopped writes them). On CUDA, in bf16; ``device="cpu"`` runs the
+    same loop in float32 timed by wall clock (for tests of the loop, not for numbers)."""
     if device is None and not torch.cuda.is_available():
         raise RuntimeError("peers.measure times GPU kernels (cuBLAS, tinygemm, Triton, FP8 tensor cores): it needs "
                            "CUDA; on the CPU notebooks read the committed results/<gpu>/records/format_gemm.json")
     dev = torch.device(device or "cuda")
     cands = candidates()
-    names = [BF16, *sorted((n for n in (paths or cands) if n != BF16), key=lambda n: _ORDER.get(cands[n][1], 1))]
+    names = [BF16, *sorted((n for n in (paths or cands) if n != BF16), key=_build_rank)]
     start = time.perf_counter()
+    timing_s = budget_s / 2 if timing_s is None else timing_s
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     rows: list[dict] = []
+
+    def data(new=()):
+        return {"device": name, "presets": list(presets), "batches": list(batches), "rows": rows + list(new),
+                "tolerance": TOLERANCE, "seconds": time.perf_counter() - start,
+                "budget_s": {"build": budget_s, "timing": timing_s}, "gemlite": dict(GEMLITE_SETUP),
+                "note": "one decoder layer's four linears per preset, CUDA-graph replays, weights cycled past L2; us = "
+                        "median of the four linears' sum; ratio to bf16 = bf16_us / us"}
+
     for preset in presets:
-        rows += _measure_preset(preset, names, cands, batches, iters, budget_s, start, seed, progress, dev)
+        rows += _measure_preset(preset, names, cands, batches, iters, (start, budget_s, timing_s), seed, progress,
+                                dev, (lambda new: checkpoint(data(new))) if checkpoint else None)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    return {"device": name, "presets": list(presets), "batches": list(batches),
-            "rows": rows, "tolerance": TOLERANCE, "seconds": time.perf_counter() - start,
-            "note": "one decoder layer's four linears per preset, CUDA-graph replays, weights cycled past L2; us = "
-                    "median of the four linears' sum; ratio to bf16 = bf16_us / us"}
+    return data()
 
 
-_ORDER = {"labkit": 0, "torch": 1, "torchao": 2, "gemlite": 3}
-"""The order paths are built in, so that a time budget spent leaves the slowest to build last: gemlite compiles and
-autotunes its kernels per shape on first use."""
+BUILD_ORDER = ("labkit", "torch", "gemlite", "torchao", "torch.compile")
+"""The order paths are built and checked in, so that a time budget spent leaves last what costs most to build and
+matters least: labkit's own, torch's kernels (tinygemm, ``_int_mm``, labkit's fused FP8), gemlite (which compiles and
+autotunes its Triton kernels per shape on first use), torchao's configs, then ``torch.compile``."""
 
 
-def _measure_preset(preset, names, cands, batches, iters, budget_s, start, seed, progress, dev) -> list[dict]:
+def _build_rank(name: str) -> int:
+    lib = "torch.compile" if name.startswith("torch.compile") else candidates()[name][1]
+    return BUILD_ORDER.index(lib) if lib in BUILD_ORDER else len(BUILD_ORDER)
+
+
+def _measure_preset(preset, names, cands, batches, iters, budget, seed, progress, dev, checkpoint) -> list[dict]:
     from labkit.bench import time_fn
+
+    start, budget_s, timing_s = budget
 
     shapes = layer_shapes(preset)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -290,6 +309,7 @@ def _measure_preset(preset, names, cands, batches, iters, budget_s, start, seed,
                   f"{time.perf_counter() - start:.0f} s", flush=True)
     del refs
     rows = []
+    timing_start = time.perf_counter()
     for b in batches:
         times: dict[str, float] = {}
         for name in names:
@@ -306,8 +326,8 @@ def _measure_preset(preset, names, cands, batches, iters, budget_s, start, seed,
             elif not chk["ok"]:
                 row["status"] = chk.get("error") or (f"wrong: kernel_err {chk['kernel_err']:.3g} > "
                                                      f"{TOLERANCE[fmt]:g}; not timed")
-            elif time.perf_counter() - start > budget_s:
-                row["status"] = f"not timed: the time budget ({budget_s:.0f} s) was spent"
+            elif time.perf_counter() - timing_start > timing_s:
+                row["status"] = f"not timed: the timing budget ({timing_s:.0f} s) was spent"
             else:
                 try:
                     sets, turn = built[name], itertools.cycle(range(len(built[name])))
@@ -328,6 +348,8 @@ def _measure_preset(preset, names, cands, batches, iters, budget_s, start, seed,
         if progress and BF16 in times:
             print(f"{preset} batch {b}: " + ", ".join(f"{n}: {times[BF16] / t:.2f}x" for n, t in times.items()
                                                       if n != BF16), flush=True)
+        if checkpoint is not None:
+            checkpoint(rows)
     return rows
 
 
