@@ -56,8 +56,8 @@ from labkit.conditions import (
     wording_problems,
     written_refusal,
 )
-from labkit.data import REPO_ROOT
-from labkit.figures import machine_class, machine_figures, read_summary, summary_classes
+from labkit.data import REPO_ROOT, machine_class
+from labkit.figures import machine_figures, read_summary, summary_classes
 
 __all__ = ["MACHINES", "STATUSES", "Claim", "ClaimCheck", "ClaimError", "ClaimRefused", "RefusedClaim", "Verdict",
            "check_claim", "check_all", "collect", "evaluate", "machine_class", "render", "show",

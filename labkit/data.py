@@ -9,6 +9,7 @@ Splits: ``train`` (pre-training), ``calib`` (quantisation calibration), ``heldou
 from __future__ import annotations
 
 import gzip
+import re
 from functools import cache
 from pathlib import Path
 
@@ -51,3 +52,24 @@ def sample_prompts(tokenizer, n: int, prompt_len: int, split: str = "heldout", s
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(ids) - prompt_len, (n,), generator=g)
     return [ids[s:s + prompt_len].tolist() for s in starts]
+
+
+KNOWN_MACHINES = {"cpu": "cpu", "NVIDIA H100 80GB HBM3": "h100", "NVIDIA H200": "h200"}
+"""Device names (``torch.cuda.get_device_name``, or ``cpu``) of the machines the workbook targets, by class."""
+
+
+def machine_class(machine: str) -> str:
+    """The class figures are kept under: ``h100``, ``h200`` or ``cpu`` for the machines the workbook targets; any
+    other device name gets its own slug (``NVIDIA A100-SXM4-80GB`` -> ``a100-sxm4-80gb``, ``NVIDIA H100 PCIe`` ->
+    ``h100-pcie``), never another machine's class. A figure derived from records of several machines
+    (``NVIDIA H100 80GB HBM3 + NVIDIA H200``) is of the joined class ``h100+h200``."""
+    if not isinstance(machine, str) or not machine.strip():
+        raise ValueError(f"machine={machine!r}: need a device name, e.g. 'NVIDIA H200' or 'cpu'")
+    parts = [p.strip() for p in machine.split(" + ")]
+    if len(parts) > 1:
+        return "+".join(sorted({machine_class(p) for p in parts}))
+    name = parts[0]
+    if name in KNOWN_MACHINES:
+        return KNOWN_MACHINES[name]
+    slug = re.sub(r"[^a-z0-9]+", "-", re.sub(r"^nvidia\s+", "", name.strip().lower())).strip("-")
+    return slug or "unknown"

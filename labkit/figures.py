@@ -15,27 +15,7 @@ import re
 from pathlib import Path
 
 from labkit.bench import SUMMARY_PATH, machine_tag
-from labkit.data import REPO_ROOT
-
-KNOWN_MACHINES = {"cpu": "cpu", "NVIDIA H100 80GB HBM3": "h100", "NVIDIA H200": "h200"}
-"""Device names (``torch.cuda.get_device_name``, or ``cpu``) of the machines the workbook targets, by class."""
-
-
-def machine_class(machine: str) -> str:
-    """The class figures are kept under: ``h100``, ``h200`` or ``cpu`` for the machines the workbook targets; any
-    other device name gets its own slug (``NVIDIA A100-SXM4-80GB`` -> ``a100-sxm4-80gb``, ``NVIDIA H100 PCIe`` ->
-    ``h100-pcie``), never another machine's class. A figure derived from records of several machines
-    (``NVIDIA H100 80GB HBM3 + NVIDIA H200``) is of the joined class ``h100+h200``."""
-    if not isinstance(machine, str) or not machine.strip():
-        raise ValueError(f"machine={machine!r}: need a device name, e.g. 'NVIDIA H200' or 'cpu'")
-    parts = [p.strip() for p in machine.split(" + ")]
-    if len(parts) > 1:
-        return "+".join(sorted({machine_class(p) for p in parts}))
-    name = parts[0]
-    if name in KNOWN_MACHINES:
-        return KNOWN_MACHINES[name]
-    slug = re.sub(r"[^a-z0-9]+", "-", re.sub(r"^nvidia\s+", "", name.strip().lower())).strip("-")
-    return slug or "unknown"
+from labkit.data import REPO_ROOT, machine_class
 
 
 def class_order(classes) -> list[str]:
@@ -202,7 +182,7 @@ def summary_table(summary_path: Path | str = SUMMARY_PATH) -> str:
     summary = read_summary(summary_path)
     classes = summary_classes(summary)
     rows = [f"Each value links to its record; ✓ / ✗: the figure's bar is met / not met on that machine "
-            f"({', '.join(f'`{c}`' for c in classes)}: the classes of `labkit.figures.machine_class`).", "",
+            f"({', '.join(f'`{c}`' for c in classes)}: the classes of `labkit.data.machine_class`).", "",
             "| figure | unit | bar | " + " | ".join(classes) + " |", "| --- | --- | --- |" + " --- |" * len(classes)]
     for name, f in summary["figures"].items():
         cells = []

@@ -48,7 +48,7 @@ def false_claims(stem: str, figures: dict) -> list[str]:
     each machine class of the run they apply to (a claim whose figures the run did not record is not counted):
     ``'file:line machine: sentence (why)'``."""
     from labkit.claims import RefusedClaim, collect, evaluate
-    from labkit.figures import machine_class
+    from labkit.data import machine_class
 
     by_class: dict[str, dict] = {}
     for name, e in figures.items():
@@ -151,7 +151,8 @@ def write_check(rows: list[dict], results_dir: Path, summary_path: Path | None =
     the GPU, the commit that ran and the command) and merge ``summary_figures`` into the summary under the GPU's
     class. Returns the record's path."""
     from labkit.bench import SUMMARY_PATH
-    from labkit.figures import machine_class, put_figure, read_summary, write_summary
+    from labkit.data import machine_class
+    from labkit.figures import put_figure, read_summary, write_summary
 
     if not rows:
         raise ValueError("rows is empty: nothing ran")

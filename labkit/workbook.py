@@ -220,7 +220,8 @@ def summary_markdown(figures: dict, timings: dict[str, float], profile: str, com
     value from ``results/summary.json`` (``committed``: that summary, ``labkit.figures.read_summary``). Every value is
     marked against the figure's bar on its own machine (✓ met, ✗ not met): a CPU value is never judged by a GPU's.
     """
-    from labkit.figures import MARKS, bar_holds, class_order, format_value, machine_class
+    from labkit.data import machine_class
+    from labkit.figures import MARKS, bar_holds, class_order, format_value
 
     committed = (committed or {}).get("figures", {})
     classes = class_order(c for n in figures for c in committed.get(n, {}).get("machines", {}))

@@ -3,7 +3,8 @@ import json
 import pytest
 
 from labkit.bench import SUMMARY_PATH, Timing, record_figure, time_fn, write_record
-from labkit.figures import committed_figures, machine_class, merge_figures, read_summary, summary_table
+from labkit.data import machine_class
+from labkit.figures import committed_figures, merge_figures, read_summary, summary_table
 
 
 def test_time_fn_cpu_counts_and_orders():

@@ -125,3 +125,25 @@ def test_proxy_labels_name_a_size_and_a_machine():
     assert cap.proxy_label("h200") == "8B proxy, H200" and cap.proxy_label("cpu") == "8M proxy, CPU"
     assert cap.proxy_label("h100+h200") == "8B proxy, H100+H200"
     assert cap.proxy_label("h100", "memory_model") == "8M proxy, H100"  # 07 trains the embedded model on a GPU
+
+
+def test_each_formats_plan_names_its_kernel_and_its_count_on_labkits_kernels():
+    """The planner's per-format figures on the committed records: a GPU count, the kernel the plan's step reads its
+    weights with, and the count with labkit's own kernels only (never fewer: the planner takes the fastest measured,
+    labkit's among them); the capstone's kernel paragraph renders from them and the committed GEMM record."""
+    from labkit.experiments import capstone as cap
+    from labkit.plan import SCENARIO_175B, recommend
+
+    rec = recommend(SCENARIO_175B)
+    figs = {n: v for n, v, _, _ in cap.plan_figures(rec)}
+    assert figs["plan.gpus_175b_bf16"] == rec.gpus("bf16") and "plan.gpus_175b_bf16_labkit" not in figs
+    for w in ("fp8", "int8", "int4"):
+        assert figs[f"plan.gpus_175b_{w}"] is None or figs[f"plan.gpus_175b_{w}"] <= figs[f"plan.gpus_175b_{w}_labkit"]
+        assert isinstance(figs[f"plan.kernel_175b_{w}"], str)
+    assert all(k.path in cap.kernels.TEACHING for k in cap.labkit_only(rec.cal).kernels)
+    flat = {d["name"]: d for d in cap.derived_figures()}
+    flat.update({n: {"value": v, "machine": rec.cal.machine} for n, v in figs.items()})
+    flat["plan.gpus_175b_bf16"] = {"value": figs["plan.gpus_175b_bf16"], "machine": rec.cal.machine}
+    classes = cap.by_class(extra={n: dict(e, machine=e["machine"]) for n, e in flat.items()})
+    text, evidence = cap.render_paragraph(cap.KERNELS, classes, flat)
+    assert "8B proxy, H200" in text and figs["plan.kernel_175b_fp8"] in text and "{" not in text

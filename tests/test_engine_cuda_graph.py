@@ -10,6 +10,7 @@ data inside the step fails at once. So a step input not copied into its static b
 capture, a host value baked into the step, or a caller keeping the graph's output buffer all fail here on the CPU.
 """
 
+import copy
 from functools import partial
 from types import SimpleNamespace
 
@@ -232,10 +233,10 @@ def decode_steps(runner, cache, prompts, steps) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_host_graphs_replay_equals_eager(tiny_model, monkeypatch, kernels):
+def test_host_graphs_replay_equals_eager(tiny_model, two_layers, monkeypatch, kernels):
     """The GPU test's sequence on the CPU: batch 3 replays the graph of 4 (a padding row), then buckets 1 and 2;
-    logits kept across later replays must stay each step's own. Triton: through the interpreter."""
-    model = tiny_model[0]
+    logits kept across later replays must stay each step's own. Triton: through the interpreter, on two layers."""
+    model = tiny_model[0] if kernels == "torch" else two_layers
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     n_steps = 5 if kernels == "torch" else 2
@@ -256,6 +257,16 @@ def test_host_graphs_replay_equals_eager(tiny_model, monkeypatch, kernels):
     for i, (a, b) in enumerate(zip(got, eager)):
         assert a.shape == b.shape and torch.isfinite(a).all(), i
         assert relative_error(a, b) <= 1e-5, f"step {i}: relative error {relative_error(a, b):.3g}"
+
+
+@pytest.fixture(scope="module")
+def two_layers(tiny_model):
+    """The embedded model cut to two layers (a copy): the interpreter's runs of the Triton path cost a quarter, and
+    every path of a step still runs in each layer."""
+    model = copy.deepcopy(tiny_model[0])
+    model.model.layers = model.model.layers[:2]
+    model.config.num_hidden_layers = 2
+    return model
 
 
 def mixed_steps(runner, cache, prompts, fed, replayed: list | None = None) -> list[torch.Tensor]:
@@ -283,10 +294,10 @@ def mixed_steps(runner, cache, prompts, fed, replayed: list | None = None) -> li
     return out
 
 
-def test_host_graphs_replay_mixed_steps(tiny_model, monkeypatch):
-    """Steps that carry prefill chunks replay the token-count graphs (Triton path, through the interpreter):
-    the same logits as the eager torch runner, the real rows only, every step replayed."""
-    model = tiny_model[0]
+def test_host_graphs_replay_mixed_steps(two_layers, monkeypatch):
+    """Steps that carry prefill chunks replay the token-count graphs (Triton path, through the interpreter, on two
+    layers): the same logits as the eager torch runner, the real rows only, every step replayed."""
+    model = two_layers
     g = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 33, 19)]

@@ -35,27 +35,24 @@ def test_bench_main_writes_csv_record_and_plot(tmp_path):
     assert (tmp_path / "plots" / "kernels_bench.png").exists()
 
 
-def test_headline_figures_from_gemv_rows():
+def test_gemv_rows_give_the_headline_figures_and_hold_the_read_floors():
+    """One ci-sized GEMV benchmark (the interpreter's run of every GEMV takes a minute, so one run serves both
+    checks): the headline figures from its rows, and ``w8_bytes_read`` / ``w4_bytes_read``, a bare read of as many
+    bytes as each format's weights, with its figures (the int4 GEMV as a fraction of it; bitsandbytes' time over
+    it, NaN without bitsandbytes)."""
     rows = bench_gemv(SIZES["ci"]["gemv"][0], torch.float16, DEVICE, iters=1)
     assert {"dense", "w8_triton", "w8_triton_stationary", "w4_triton"} <= {r["impl"] for r in rows}
     assert all(r["rel_err"] is None or r["rel_err"] < 1e-2 for r in rows)
-    figs = headline_figures(add_fractions(rows, {"copy_bytes_per_s": 1e10, "matmul_flops": 1e11}), "ci")
+    figs = headline_figures(add_fractions([dict(r) for r in rows], {"copy_bytes_per_s": 1e10, "matmul_flops": 1e11}),
+                            "ci")
     assert set(figs) == set(BARS)
     assert figs["kernels.w8_gemv_speedup_vs_bf16"] > 0 and figs["kernels.w8_stationary_gemv_speedup_vs_bf16"] > 0
-    if DEVICE.type == "cpu":  # no bitsandbytes baseline off CUDA
-        assert math.isnan(figs["kernels.w8_vs_bnb_int8"])
-
-
-def test_gemv_rows_hold_the_read_floors():
-    """``w8_bytes_read`` / ``w4_bytes_read``: a bare read of as many bytes as each format's weights, with its
-    figures (the int4 GEMV as a fraction of it; bitsandbytes' time over it, NaN without bitsandbytes)."""
-    rows = bench_gemv(SIZES["ci"]["gemv"][0], torch.float16, DEVICE, iters=1)
     _, k, n = SIZES["ci"]["gemv"][0]
     read = {r["impl"]: r for r in rows if r["impl"].endswith("_bytes_read")}
     assert read["w8_bytes_read"]["bytes"] >= n * k + 2 * n and read["w4_bytes_read"]["bytes"] >= n * k // 2
-    figs = headline_figures(add_fractions(rows, {"copy_bytes_per_s": 1e10, "matmul_flops": 1e11}), "ci")
     assert figs["kernels.w4_gemv_frac_of_read_floor"] > 0
-    if DEVICE.type == "cpu":
+    if DEVICE.type == "cpu":  # no bitsandbytes baseline off CUDA
+        assert math.isnan(figs["kernels.w8_vs_bnb_int8"])
         assert math.isnan(figs["kernels.w4_vs_bnb_nf4_at_read_floor"])
 
 

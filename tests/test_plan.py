@@ -6,7 +6,7 @@ import pytest
 from labkit.bench.serving import SLO
 from labkit.bench.workload import LengthDist
 from labkit.hardware import get_hardware
-from labkit.model import PRESETS
+from labkit.model import PRESETS, get_config
 from labkit.plan import (
     NOMINAL,
     Calibration,
@@ -143,3 +143,25 @@ def test_explain_states_how_many_gpus_the_weights_need():
     assert f"at least {need} GPUs must share them" in text if need > 1 else "one GPU could hold them" in text
     small = plan(PRESETS["llama-3-8b"], Cluster(H200, 1, 1), TRAFFIC, slo, cal=NOMINAL, batches=(16,))[0]
     assert "one GPU could hold them" in explain(small, PRESETS["llama-3-8b"], Cluster(H200, 1, 1))
+
+
+def test_smaller_weights_buy_a_larger_batch_and_so_fewer_gpus():
+    """The same scenario planned with an FP8 kernel at half bf16's time at every batch: FP8's half-size weights leave
+    room for a larger batch on the same TP group, so fewer replicas (fewer GPUs) meet the objective; with a kernel
+    as slow as bf16 per weight FP8 needs no more GPUs than bf16; with one slower per weight, more. The plan says which
+    kernel each step's number comes from (``decode_step_parts``' ``weights_path``)."""
+    from labkit.plan import SCENARIO_175B, KernelPath, decode_step_parts, load_calibration, recommend
+
+    cal, _ = load_calibration()
+    gpus = {}
+    for ratio in (0.5, 1.0, 1.7):
+        fast = tuple(KernelPath("fp8", "k", b, ratio, "t", "gpu") for b in (1, 4, 8, 16, 32, 64, 128, 256))
+        rec = recommend(SCENARIO_175B, cal=replace(cal, kernels=fast))
+        gpus[ratio] = rec.gpus("fp8")
+        bf16, fp8 = rec.by_weights["bf16"], rec.by_weights["fp8"]
+        if ratio == 0.5:
+            assert fp8.gpus < bf16.gpus and fp8.max_batch > bf16.max_batch and fp8.tp <= bf16.tp
+            part = decode_step_parts(get_config("gpt3-175b"), rec.scenario.cluster(rec.gpu), rec.cal, fp8.tp, fp8.pp,
+                                     fp8.max_batch, 600, "fp8", fp8.kv)
+            assert part["weights_path"] == f"k (batch {fp8.max_batch})"
+    assert gpus[0.5] < gpus[1.0] <= rec.gpus("bf16") < gpus[1.7]

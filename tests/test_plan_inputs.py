@@ -112,23 +112,61 @@ def test_scenario_refuses():
 
 
 def test_fastest_measured_path_at_the_planned_batch():
-    """A path measured at batch 1 that may not be extrapolated (a GEMV) stands only for batch 1; a GEMM path
-    stands for its nearest measured batch; the step takes the fastest."""
+    """A measured path stands for the batch it was measured at only, never for another (there is no
+    ``extrapolate``); the step takes the fastest path measured at its micro-batch."""
     spec = PRESETS["llama-3-8b"]
-    gemv = KernelPath("int8", "gemv", 1, 0.5, "r", "gpu", extrapolate=False)
+    gemv = KernelPath("int8", "gemv", 1, 0.5, "r", "gpu")
     gemm = KernelPath("fp8", "scaled_mm", 64, 0.7, "r", "gpu")
     slow = KernelPath("fp8", "scaled_mm", 1, 2.0, "r", "gpu")
+    assert "extrapolate" not in KernelPath.__dataclass_fields__
     cal = type(NOMINAL)(dict(NOMINAL.bandwidth_eff, int8=0.8), NOMINAL.compute_eff, 0.0, "t",
                         dequant_s_per_param={"int8": 1e-13}, kernels=(gemv, gemm, slow))
     assert [p.path for p in cal.paths("int8", 1)] == ["gemv"] and cal.paths("int8", 32) == []
-    assert [p.batch for p in cal.paths("fp8", 32)] == [64] and [p.batch for p in cal.paths("fp8", 2)] == [1]
+    assert cal.paths("fp8", 32) == [] and [p.batch for p in cal.paths("fp8", 64)] == [64]
+    assert cal.padded_batch("fp8", 2) == 64 and cal.padded_batch("fp8", 65) is None
     at1 = weight_paths(spec, ONE, cal, 1, 1, 1, 512, "int8")
-    assert set(at1) == {"engine (step sweep)", "gemv (batch 1)"}
+    assert set(at1) == {"labkit engine step (step-sweep fit)", "gemv (batch 1)"}
     assert at1["gemv (batch 1)"] == pytest.approx(min(at1.values()))
-    bf16 = weight_paths(spec, ONE, cal, 1, 1, 64, 512, "bf16")["engine (step sweep)"]
+    bf16 = weight_paths(spec, ONE, cal, 1, 1, 64, 512, "bf16")["labkit engine step (step-sweep fit)"]
     assert weight_paths(spec, ONE, cal, 1, 1, 64, 512, "fp8") == {"scaled_mm (batch 64)": pytest.approx(0.7 * bf16)}
     # an unmeasured KV format is charged the bf16 read: its memory counts, not an unmeasured speed-up
     assert kv_read_time(spec, ONE, cal, 1, 1, 8, 512, "fp8") == kv_read_time(spec, ONE, cal, 1, 1, 8, 512, "bf16")
+
+
+def test_a_format_without_a_path_at_the_batch_is_not_planned():
+    """FP8 measured at batch 64 only: at batch 32 a step runs padded to the measured 64 rows (the engine pads to its
+    captured graph's batch), at 128 it has no path (an infinite step, ``NO_PATH``), where the nominal calibration,
+    which measured no FP8 path at all, charges its bytes as an assumption. A swept format's fitted path stands inside
+    the sweep's batches only."""
+    from labkit.plan import decode_step_parts
+    from labkit.plan.steps import NO_PATH
+
+    spec = PRESETS["llama-3-8b"]
+    cal = type(NOMINAL)(dict(NOMINAL.bandwidth_eff, int8=0.8), NOMINAL.compute_eff, 0.0, "t",
+                        kernels=(KernelPath("fp8", "scaled_mm", 64, 0.7, "r", "gpu"),), swept_batches={"int8": (1, 64)})
+    at32 = decode_step_parts(spec, ONE, cal, 1, 1, 32, 512, "fp8")
+    assert at32["weights_path"] == "scaled_mm (batch 64, 32 padded)"
+    assert at32["weights_read_s"] == decode_step_parts(spec, ONE, cal, 1, 1, 64, 512, "fp8")["weights_read_s"]
+    at128 = decode_step_parts(spec, ONE, cal, 1, 1, 128, 512, "fp8")
+    assert at128["weights_path"] == NO_PATH and math.isinf(at128["step_s"])
+    assert decode_step_parts(spec, ONE, cal, 1, 1, 64, 512, "fp8")["weights_path"] == "scaled_mm (batch 64)"
+    assert "assumed" in decode_step_parts(spec, ONE, NOMINAL, 1, 1, 32, 512, "fp8")["weights_path"]
+    swept = decode_step_parts(spec, ONE, cal, 1, 1, 64, 512, "int8")["weights_path"]
+    assert swept == "labkit engine step (step-sweep fit)"
+    assert math.isinf(decode_step_parts(spec, ONE, cal, 1, 1, 128, 512, "int8")["step_s"])  # past the sweep
+
+
+def test_the_measured_shape_nearest_the_shard_is_used():
+    """Rows of the 8B layer and of the 175B layer: a 175B stage on one GPU takes the 175B layer's ratio; a TP8 shard
+    of it (close to an 8B layer in weights) the 8B layer's."""
+    spec = PRESETS["gpt3-175b"]
+    small, big = 218_103_808, 1_811_939_328
+    cal = type(NOMINAL)(NOMINAL.bandwidth_eff, NOMINAL.compute_eff, 0.0, "t",
+                        kernels=(KernelPath("fp8", "a", 64, 0.9, "r", "gpu", small),
+                                 KernelPath("fp8", "b", 64, 0.6, "r", "gpu", big)))
+    assert list(weight_paths(spec, ONE, cal, 1, 1, 64, 512, "fp8")) == ["b (batch 64)"]
+    eight = type(ONE)(ONE.gpu, gpus_per_node=8)
+    assert list(weight_paths(spec, eight, cal, 8, 1, 64, 512, "fp8")) == ["a (batch 64)"]
 
 
 def test_kernel_paths_from_the_committed_records():
@@ -139,7 +177,7 @@ def test_kernel_paths_from_the_committed_records():
     fresh = {"device": "X", "rows": [{"weights": "int8", "path": "torch._int_mm W8A8", "batch": 32, "us": 5.0,
                                       "bf16_us": 10.0}]}
     w2, _ = kernel_paths(format_gemm=fresh)
-    assert KernelPath("int8", "torch._int_mm W8A8", 32, 0.5, "this run", "X") in w2
+    assert KernelPath("int8", "torch._int_mm W8A8", 32, 0.5, "this run", "X", 218_103_808) in w2
 
 
 def test_one_recommendation_for_06_and_08():

@@ -66,3 +66,33 @@ def test_cuda_scaled_mm_matches_emulation():
         q.backend = "emulated"
         assert relative_error(got, q(x)) < 1e-2
         assert relative_error(got, lin(x)) < FP8_TOL
+
+
+def test_fused_backend_is_the_eager_one_in_one_kernel():
+    """The fused backend (labkit's Triton row quantisation, then _scaled_mm) gives the eager scaled_mm backend's
+    output: the same codes and scales go into the same GEMM."""
+    torch.manual_seed(4)
+    lin = nn.Linear(64, 48, bias=True)
+    x = torch.randn(2, 5, 64)
+    try:
+        eager = Fp8Linear.from_linear(lin, backend="scaled_mm")(x)
+    except (RuntimeError, NotImplementedError) as e:
+        pytest.skip(f"torch._scaled_mm does not run on this CPU build: {e}")
+    fused = Fp8Linear.from_linear(lin, backend="fused")(x)
+    assert fused.shape == (2, 5, 48) and torch.equal(fused, eager)
+    with pytest.raises(ValueError, match="divisible by 16"):
+        Fp8Linear.from_linear(nn.Linear(20, 16), backend="fused")
+
+
+def test_fp8_layers_merge_into_one():
+    """q/k/v (or gate/up) FP8 layers merge like int8/int4 ones: one layer over the stacked codes and scales, the
+    inputs re-pointed at its rows."""
+    from labkit.quant import concat_linears
+
+    torch.manual_seed(5)
+    parts = [Fp8Linear.from_linear(nn.Linear(32, n, bias=False), backend="emulated") for n in (16, 8, 8)]
+    merged = concat_linears(parts)
+    x = torch.randn(3, 32)
+    assert isinstance(merged, Fp8Linear) and merged.out_features == 32
+    assert torch.equal(merged(x), torch.cat([p(x) for p in parts], -1))
+    assert parts[1].weight.data_ptr() == merged.weight[16:].data_ptr()

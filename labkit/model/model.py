@@ -26,7 +26,7 @@ from labkit.model.attention import ModelInput
 from labkit.model.config import FAMILIES, ModelConfig
 from labkit.model.fusion import FusionPlan
 from labkit.model.layers import DecoderLayer, RMSNorm
-from labkit.model.ops import add_norm, epilogue_ready
+from labkit.model.ops import add_norm, epilogue_ready, peers_take
 from labkit.model.rotary import RotaryEmbedding
 
 
@@ -62,7 +62,7 @@ class Transformer(nn.Module):
         h = self.embed(inp.input_ids)
         cos, sin = self.rotary_emb.lookup(inp.positions, h.dtype, seq_lens)
         residual = None
-        if plan.quant_epilogues:  # only the residual stream passes between layers
+        if plan.quant_epilogues and not self._peer_rows(h.shape[0]):  # only the residual stream between layers
             overlap, release = ("overlap", "release") if plan.gemv_pdl else ("", "")
             for i, layer in enumerate(self.layers):
                 h = layer.forward_fused(h, cos, sin, cache, inp, plan, overlap if i else release)
@@ -74,6 +74,11 @@ class Transformer(nn.Module):
             h = h.index_select(0, rows)
             residual = residual.index_select(0, rows) if residual is not None else None
         return add_norm(self.norm, h, residual, plan, inp.kernel_log)[0]
+
+    def _peer_rows(self, rows: int) -> bool:
+        """Whether the layers' kernel table gives ``rows`` rows to a peer (``ops.peers_take``; one table for all)."""
+        ly = self.layers[0]
+        return peers_take([ly.self_attn.qkv_proj, ly.self_attn.o_proj, ly.mlp.gate_up_proj, ly.mlp.down_proj], rows)
 
     @property
     def _dynamic(self) -> bool:

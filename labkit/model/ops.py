@@ -127,6 +127,12 @@ def epilogue_ready(linears: list[nn.Module]) -> bool:
     return all(type(m) in EPILOGUE_KERNELS for m in linears)
 
 
+def peers_take(linears: list[nn.Module], rows: int) -> bool:
+    """Whether a kernel table (``labkit.quant.dispatch``) hands ``rows`` rows of any of ``linears`` to a peer
+    kernel: then the neighbours cannot be folded into labkit's GEMV, and the layer runs unfused."""
+    return any(getattr(m, "dispatch", None) is not None and m.dispatch.takes(rows) for m in linears)
+
+
 def projection(lin: nn.Module, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None,
                swiglu: bool = False, pdl: str = "", log: KernelLog | None = None) -> torch.Tensor:
     """``residual + lin(pre(x))``, where ``pre`` is ``norm`` (an RMSNorm: the q/k/v and gate/up projections) or,

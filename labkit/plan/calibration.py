@@ -4,8 +4,9 @@
 of the engine by weight format, batch and context). ``kernel_paths`` reads the further paths measured per format in
 the committed records: the engine's batch-1 steps of notebook 04 (labkit's GEMVs, FP8 through
 ``torch._scaled_mm``), KV attention per KV format of notebook 03, and the per-format GEMMs of
-``labkit.experiments.parallelism.formats`` (cuBLAS ``torch._int_mm`` and ``torch._scaled_mm`` beside labkit's
-kernels) once a GPU run has recorded them. ``load_calibration`` joins the two.
+``labkit.experiments.quantization.peers`` (labkit's kernels beside tinygemm, gemlite, torchao, cuBLAS int8 and FP8,
+on the 8B and the 175B layer, at every batch measured). Each path stands for the batch it was measured at only.
+``load_calibration`` joins the two.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from labkit.hardware import Hardware
 from labkit.model import get_config
 from labkit.plan.inputs import Calibration, Cluster, KernelPath
 from labkit.plan.steps import decode_parts, decode_step_time, prefill_time
+from labkit.quant.peers import LEGACY_NAMES
 
 RECORDS = REPO_ROOT / "results" / "h200" / "records"
 STEP_SWEEP_RECORD = RECORDS / "step_sweep.json"
 """The committed step sweep the planner is fitted to."""
 FORMAT_GEMM_RECORD = RECORDS / "format_gemm.json"
-"""Per-format GEMMs (ours and cuBLAS) by batch, written by ``labkit.experiments.parallelism.formats``."""
+"""Per-format GEMMs (labkit's and the peers') by batch, written by ``labkit.experiments.quantization.peers``."""
 
 NOMINAL = Calibration({"bf16": 0.8}, {"bf16": 0.6}, 1e-6, "nominal (no measured record): 80% of bandwidth, 60% "
                       "of matmul rate, 1 us per layer")
@@ -97,6 +99,8 @@ def fit_calibration(rows: list[dict], spec, bandwidth: float, peak: float, sourc
                      [spec.matmul_params * (batched and r["weights"] == w) for w in quant])
     c = _fit_excess(floors, feats, [r["median_s"] for r in dec])
     n = len(ws)
+    swept = {w: (min(r["batch"] for r in dec if r["weights"] == w), max(r["batch"] for r in dec if r["weights"] == w))
+             for w in ws if any(r["weights"] == w for r in dec)}
     eff = {w: 1.0 / (1.0 + c[i]) for i, w in enumerate(ws)}
     kv_eff = 1.0 / (1.0 + c[n])
     dequant = {w: c[1 + n + i] for i, w in enumerate(quant)}
@@ -105,7 +109,7 @@ def fit_calibration(rows: list[dict], spec, bandwidth: float, peak: float, sourc
                      [r["median_s"] for r in pre])
     comp = {w: 1.0 / (1.0 + cp[1 + i]) for i, w in enumerate(ws) if any(r["weights"] == w for r in pre)}
     return Calibration(eff, comp, 0.0, source, kv_eff=kv_eff, dequant_s_per_param=dequant,
-                       prefill_layer_overhead_s=cp[0])
+                       prefill_layer_overhead_s=cp[0], swept_batches=swept)
 
 
 def _shown(path: Path) -> str:
@@ -123,8 +127,13 @@ def _read(path: Path) -> dict | None:
 def kernel_paths(records: Path | str = RECORDS, format_gemm: dict | None = None
                  ) -> tuple[tuple[KernelPath, ...], tuple[KernelPath, ...]]:
     """(weight paths, KV paths) measured in the committed records under ``records`` (and in ``format_gemm``, a
-    fresh ``formats.measure`` result, which replaces the committed one). Each is a ratio to bf16 timed in the
-    same record."""
+    fresh ``peers.measure`` result, which replaces the committed one). Each is a ratio to bf16 timed in the
+    same record, at one batch, on one layer shape (``KernelPath.params``; rows of a record from before shapes were
+    recorded are the 8B layer's)."""
+    from labkit.model import get_config
+
+    eight_b = get_config("llama-3-8b")
+    eight_b_params = eight_b.attn_params_per_layer + eight_b.mlp_params_per_layer
     records = Path(records)
     weights: list[KernelPath] = []
     kv: list[KernelPath] = []
@@ -133,13 +142,12 @@ def kernel_paths(records: Path | str = RECORDS, format_gemm: dict | None = None
         rec, machine = _shown(records / "04_quantization.json"), q["env"].get("device", "?")
         rows = {r["method"]: r for r in q["data"].get("trade_off", []) if r.get("timed as") == "engine_graph"}
         base = rows.get("base", {}).get("decode step (ms)")
-        names = {"int8": ("int8", "labkit int8 GEMV, engine step", False),
-                 "int4": ("int4", "labkit int4 GEMV, engine step", False),
-                 "fp8": ("fp8", "torch._scaled_mm W8A8, engine step", True)}
-        for method, (fmt, path, extrapolate) in names.items():
+        names = {"int8": ("int8", "labkit int8 GEMV, engine step"), "int4": ("int4", "labkit int4 GEMV, engine step"),
+                 "fp8": ("fp8", "torch._scaled_mm W8A8, engine step")}
+        for method, (fmt, path) in names.items():
             if base and method in rows:
                 weights.append(KernelPath(fmt, path, 1, rows[method]["decode step (ms)"] / base, rec, machine,
-                                          extrapolate))
+                                          eight_b_params))
     k = _read(records / "03_kernels.json")
     if k is not None:
         rec, machine = _shown(records / "03_kernels.json"), k["env"].get("device", "?")
@@ -155,10 +163,16 @@ def kernel_paths(records: Path | str = RECORDS, format_gemm: dict | None = None
         g, rec = (full["data"], _shown(records / "format_gemm.json")) if full else (None, "")
     if g is not None:
         for r in g["rows"]:
-            if r["weights"] != "bf16" and r.get("status", "ok") == "ok":
-                weights.append(KernelPath(r["weights"], r["path"], int(r["batch"]), r["us"] / r["bf16_us"], rec,
-                                          g.get("device", "?")))
+            ok = r.get("status", "ok") == "ok" and _finite(r.get("us")) and _finite(r.get("bf16_us"))
+            if r["weights"] != "bf16" and ok:
+                path = LEGACY_NAMES.get(r["path"], r["path"])
+                weights.append(KernelPath(r["weights"], path, int(r["batch"]), r["us"] / r["bf16_us"], rec,
+                                          g.get("device", "?"), int(r.get("layer_params", eight_b_params))))
     return tuple(weights), tuple(kv)
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v) and v > 0
 
 
 def multi_gpu_records(root: Path | str = REPO_ROOT / "results") -> tuple[dict, str]:

@@ -104,9 +104,10 @@ def _samples(dist: LengthDist, n: int = 20000) -> tuple[int, ...]:
 class KernelPath:
     """One measured way to run a format's matmuls (or KV reads), as a time ratio to bf16 at one batch.
 
-    ``ratio`` = this path's time / the bf16 path's time at ``batch`` (measured in the same record);
-    ``extrapolate``: whether the ratio may stand for other batches (a GEMM path: yes, its nearest measured batch;
-    a batch-1 GEMV: no). ``record``: the record it comes from; ``machine``: where it was measured."""
+    ``ratio`` = this path's time / the bf16 path's time at ``batch`` rows (measured in the same record); it stands
+    for that batch only: no planner input is carried across batches. ``params``: weights of the layer shape it was
+    measured on (0: not recorded); where a format has rows of several shapes, a step takes the shape nearest its own
+    per-GPU layer. ``record``: the record it comes from; ``machine``: where it was measured."""
 
     fmt: str
     path: str
@@ -114,7 +115,7 @@ class KernelPath:
     ratio: float
     record: str
     machine: str
-    extrapolate: bool = True
+    params: int = 0
 
 
 @dataclass(frozen=True)
@@ -130,10 +131,14 @@ class Calibration:
     kernels (launches, tails, small kernels that never reach bandwidth); it scales with the layers a stage holds.
 
     ``kernels``: further measured paths per weight format (``KernelPath``, e.g. cuBLAS ``torch._scaled_mm`` for
-    FP8, ``torch._int_mm`` for int8) whose time is the bf16 weight read times their ratio; a decode step uses the
-    fastest path measured for its format at its batch. ``kv_paths``: the same for KV formats (the KV read of bf16
-    times the ratio); a KV format with no measured path is charged the bf16 time (its memory saving counts, an
-    unmeasured speed-up does not). ``machine``: the machine of the records that calibrated it.
+    FP8, tinygemm for int4) whose time is the bf16 weight read times their ratio; a decode step uses the fastest
+    path measured for its format at its micro-batch, padded up to the next measured batch as the engine pads a step
+    to its captured graph's batch (``padded_batch``), and none measured only at smaller batches. ``swept_batches``: per
+    weight format the step sweep measured, the (smallest, largest) decode batch it measured: its fitted path stands
+    for batches in that range only (bf16, the baseline every ratio multiplies, everywhere). ``kv_paths``: the same for
+    KV formats (the KV read of bf16 times the ratio); a KV format with no measured path is charged the bf16 time (its
+    memory saving counts, an unmeasured speed-up does not). ``machine``: the machine of the records that calibrated
+    it.
 
     ``collectives``: alpha-beta fits of collectives measured on several GPUs of one node (``{"all_reduce@8":
     {"alpha_s", "beta_bytes_per_s"}}``), used instead of the datasheet links where they hold the rank count;
@@ -153,6 +158,7 @@ class Calibration:
     machine: str = "nominal"
     collectives: dict = field(default_factory=dict)
     multi_gpu: str = ""
+    swept_batches: dict = field(default_factory=dict)
 
     def bw(self, weights: str) -> float:
         return self.bandwidth_eff.get(weights, self.bandwidth_eff.get("bf16", min(self.bandwidth_eff.values())))
@@ -166,21 +172,32 @@ class Calibration:
             return 0.0
         return self.dequant_s_per_param.get(weights, max(self.dequant_s_per_param.values(), default=0.0))
 
-    def swept(self, weights: str) -> bool:
-        """Whether the step sweep measured this weight format itself (its fitted path applies)."""
-        return weights in self.bandwidth_eff
+    def swept(self, weights: str, batch: int | None = None) -> bool:
+        """Whether the step sweep measured this weight format itself (its fitted path applies), and with ``batch``:
+        at a batch inside the range it measured (bf16 at any batch)."""
+        if weights not in self.bandwidth_eff:
+            return False
+        if batch is None or weights == "bf16" or weights not in self.swept_batches:
+            return True
+        lo, hi = self.swept_batches[weights]
+        return lo <= batch <= hi
 
-    def paths(self, fmt: str, batch: int, kv: bool = False) -> list[KernelPath]:
-        """The measured paths of ``fmt`` that stand for ``batch``: each path at ``batch`` itself, else (when it
-        may be extrapolated) at its nearest measured batch (by ratio: 32 is nearer 64 than 1)."""
-        rows = [p for p in (self.kv_paths if kv else self.kernels) if p.fmt == fmt]
-        out = []
-        for name in dict.fromkeys(p.path for p in rows):
-            mine = [p for p in rows if p.path == name]
-            exact = [p for p in mine if p.batch == batch]
-            if exact:
-                out.append(exact[0])
-            elif any(p.extrapolate for p in mine):
-                near = min((p for p in mine if p.extrapolate), key=lambda p: (abs(math.log(p.batch / batch)), p.batch))
-                out.append(near)
-        return out
+    def measured(self, fmt: str, kv: bool = False) -> bool:
+        """Whether any path of ``fmt`` was measured, at any batch."""
+        return any(p.fmt == fmt for p in (self.kv_paths if kv else self.kernels))
+
+    def padded_batch(self, fmt: str, batch: int) -> int | None:
+        """The smallest batch of at least ``batch`` rows at which a weight path of ``fmt`` was measured (None past
+        the largest): the batch a step of ``batch`` sequences runs, padded up as the engine pads a step to the
+        batch of its captured CUDA graph. Its time is measured; nothing is carried from a smaller batch."""
+        return min((p.batch for p in self.kernels if p.fmt == fmt and p.batch >= batch), default=None)
+
+    def paths(self, fmt: str, batch: int, kv: bool = False, params: int | None = None) -> list[KernelPath]:
+        """The paths of ``fmt`` measured at ``batch`` itself (none stands for another batch). Where they were
+        measured on layers of several shapes, those of the shape nearest ``params`` weights per layer (by ratio)."""
+        rows = [p for p in (self.kv_paths if kv else self.kernels) if p.fmt == fmt and p.batch == batch]
+        shapes = {p.params for p in rows}
+        if params and len(shapes) > 1:
+            near = min(shapes, key=lambda s: (abs(math.log(max(s, 1) / params)), -s))
+            rows = [p for p in rows if p.params == near]
+        return rows

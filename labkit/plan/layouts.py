@@ -9,7 +9,7 @@ reads: the numbers of the planner and of notebook 06 for one layout come from th
 
 from __future__ import annotations
 
-from labkit.figures import machine_class
+from labkit.data import machine_class
 from labkit.hardware import Hardware, get_hardware, measured_hardware
 from labkit.model import ModelConfig, get_config
 from labkit.plan import steps

@@ -19,7 +19,7 @@ from labkit.checks import check_number, check_positive_int
 from labkit.model import ModelConfig, dtype_bytes, get_config
 from labkit.parallel.cost_model import get_link, memory_per_device
 from labkit.plan.inputs import KV_DTYPES, WEIGHT_DTYPES, Calibration, Cluster, Traffic, check_formats
-from labkit.plan.steps import MULTI_GPU_CAVEAT, decode_step_time, prefill_time
+from labkit.plan.steps import MULTI_GPU_CAVEAT, NO_PATH, decode_step_time, prefill_time
 
 
 @dataclass
@@ -109,7 +109,10 @@ def plan(spec, cluster: Cluster, traffic: Traffic, slo: SLO, cal: Calibration | 
          batches: tuple[int, ...] = (8, 16, 32, 64, 128, 256)) -> list[Plan]:
     """Every layout that uses at most the cluster's GPUs, ranked: meeting the SLO first, then fewest GPUs, then
     most headroom (capacity over offered rate). ``tp`` divides the query heads and fits in a node, ``pp`` divides
-    the layers; replicas share the traffic."""
+    the layers; replicas share the traffic. Each weight format is planned with its own memory: smaller weights fit
+    a narrower TP group (and leave more room for the KV cache: a larger batch), so the same GPUs hold more replicas,
+    each at the speed of the format's fastest kernel measured at its batch. A format with no kernel measured at a
+    candidate's micro-batch is not planned there (``NO_PATH``)."""
     from labkit.plan.calibration import load_calibration
 
     spec = get_config(spec)
@@ -131,7 +134,7 @@ def plan(spec, cluster: Cluster, traffic: Traffic, slo: SLO, cal: Calibration | 
                         out.append(_candidate(step_time, spec, cluster, cal, traffic, slo, tp, pp, w, k, b,
                                               ctx_max))
     out = [p for p in out if p is not None]
-    return sorted(out, key=lambda p: (not p.meets_slo, not p.fits, p.gpus,
+    return sorted(out, key=lambda p: (not p.meets_slo, not p.fits, NO_PATH in p.notes, p.gpus,
                                       -p.capacity_req_s / traffic.rate_req_s, p.tpot_ms))
 
 
@@ -145,6 +148,9 @@ def _candidate(step_time, spec, cluster, cal, traffic, slo, tp, pp, w, k, b, ctx
                     ["does not fit"])
     best = None
     caveat = [MULTI_GPU_CAVEAT] if tp * pp > 1 and not cal.multi_gpu else []
+    if math.isinf(step_time(tp, pp, b, int(traffic.mean("prompt") + traffic.mean("output") / 2), w, k)):
+        return Plan(tp, pp, 0, w, k, b, True, mem["total"] / 1e9, *(float("inf"),) * 4, 0.0, 0.0, False,
+                    [NO_PATH, *caveat])  # no kernel of this format measured at this micro-batch: not planned
     for replicas in range(1, cluster.num_gpus // (tp * pp) + 1):
         s = _serve(step_time, spec, cluster, cal, tp, pp, b, w, k, traffic, replicas)
         ok = s["ttft"] <= slo.ttft_s and s["tpot"] <= slo.tpot_s

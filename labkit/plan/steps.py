@@ -3,12 +3,16 @@
 (``labkit.plan.serve``), notebook 06's 175B tables (``labkit.plan.layouts``) and the capstone all call it.
 
 A decode step's weight read takes the fastest path measured for its format at its micro-batch: the step sweep's
-fitted engine path (``bandwidth_eff`` and the batched dequantising cost) or a ``KernelPath`` (the bf16 read times
-the path's measured ratio to bf16); its KV read likewise per KV format. Communication follows the ring collectives
-of ``labkit.parallel.cost_model`` on the datasheet links, or on the alpha-beta fits of a multi-GPU record where the
-calibration holds one (``Calibration.collectives``). Every efficiency comes from single-GPU records, so a layout of
-more than one GPU is a prediction ``MULTI_GPU_CAVEAT`` until a multi-GPU record validates it
-(``Calibration.multi_gpu``).
+fitted engine path (``bandwidth_eff`` and the batched dequantising cost, inside the batches the sweep measured) or a
+``KernelPath`` measured at that batch, or at the next measured batch above it, padded up as the engine pads a step
+to its captured graph (the bf16 read times the path's measured ratio to bf16, on the measured layer shape nearest
+the stage's per-GPU layer). A quantised format with no path measured at or above the micro-batch is not planned
+there (its step is infinite: ``NO_PATH``); one with no measured path at all (the nominal calibration) is charged its
+bytes at bf16's efficiency, labelled as assumed. Its KV read likewise per KV format (at its measured batch only).
+Communication follows the ring collectives of ``labkit.parallel.cost_model`` on the datasheet links, or on the
+alpha-beta fits of a multi-GPU record where the calibration holds one (``Calibration.collectives``). Every
+efficiency comes from single-GPU records, so a layout of more than one GPU is a prediction ``MULTI_GPU_CAVEAT`` until
+a multi-GPU record validates it (``Calibration.multi_gpu``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from labkit.model import ModelConfig
 from labkit.parallel.cost_model import memory_per_device, pp_comm, tp_comm
 from labkit.plan.inputs import KV_DTYPES, WEIGHT_DTYPES, Calibration, Cluster, check_formats
 
+NO_PATH = "no kernel measured at this batch"
+"""The note of a step whose quantised format has no path measured at its micro-batch (its time is infinite)."""
 MULTI_GPU_CAVEAT = "not validated on multi-GPU"
 """How a prediction for more than one GPU is labelled while no multi-GPU record has checked the step model."""
 
@@ -63,7 +69,8 @@ def links(cluster: Cluster, tp: int, pp: int) -> tuple[str, str]:
 def weight_paths(spec: ModelConfig, cluster: Cluster, cal: Calibration, tp: int, pp: int, batch: int, context: int,
                  weights: str, microbatches: int | None = None) -> dict[str, float]:
     """Seconds one stage spends reading (and multiplying) its weights per micro-batch, by every measured path
-    of ``weights`` at this micro-batch: ``{path: seconds}``. The step uses the smallest."""
+    of ``weights`` at this micro-batch: ``{path: seconds}``. The step uses the smallest; empty where a quantised
+    format has no path measured at this micro-batch (the step is then not planned: ``NO_PATH``)."""
     check_layout(tp, pp, batch, weights)
     return _weight_paths(spec, cluster, cal, tp, pp, batch, context, weights, micro_batch(batch, pp, microbatches))
 
@@ -72,17 +79,25 @@ def _weight_paths(spec, cluster, cal, tp, pp, batch, context, weights, mb) -> di
     layers = math.ceil(spec.num_layers / pp)
     bw = cluster.gpu.mem_bandwidth
     out = {}
-    if weights == "bf16" or cal.swept(weights) or not cal.paths(weights, mb):
+    padded = None if weights == "bf16" else cal.padded_batch(weights, mb)
+    measured = [] if padded is None else cal.paths(weights, padded, params=_shard_params(spec, tp))
+    swept = cal.swept(weights, mb)
+    if swept or (not measured and not cal.measured(weights) and not cal.swept(weights)):
         w_bytes = _parts(spec, tp, pp, mb, context, weights, "bf16")[0]
         t = w_bytes / (bw * cal.bw(weights))
         if mb > 1:  # quantised weights times more than one row: the dequantising GEMM's per-weight cost
             t += cal.dequant(weights) * spec.matmul_params * layers / spec.num_layers / tp
-        out["engine (step sweep)" if cal.swept(weights) else "assumed (no measured path)"] = t
-    if weights != "bf16":
+        out["labkit engine step (step-sweep fit)" if swept else "assumed (no measured path)"] = t
+    if measured:
         bf16 = _parts(spec, tp, pp, mb, context, "bf16", "bf16")[0] / (bw * cal.bw("bf16"))
-        for p in cal.paths(weights, mb):
-            out[f"{p.path} (batch {p.batch})"] = bf16 * p.ratio
+        for p in measured:
+            out[f"{p.path} (batch {p.batch}{'' if p.batch == mb else f', {mb} padded'})"] = bf16 * p.ratio
     return out
+
+
+def _shard_params(spec: ModelConfig, tp: int) -> int:
+    """Weights of one layer's linears on one GPU of a TP group (what a measured layer shape is matched against)."""
+    return max(1, (spec.attn_params_per_layer + spec.mlp_params_per_layer) // tp)
 
 
 def kv_read_time(spec: ModelConfig, cluster: Cluster, cal: Calibration, tp: int, pp: int, batch: int, context: int,
@@ -121,7 +136,8 @@ def decode_step_parts(spec: ModelConfig, cluster: Cluster, cal: Calibration, tp:
     mb = micro_batch(batch, pp, m)
     layers = math.ceil(spec.num_layers / pp)
     flops = mb * (2 * spec.matmul_params + spec.attention_flops_per_token(context)) * layers / spec.num_layers / tp
-    weights_s = min(_weight_paths(spec, cluster, cal, tp, pp, batch, context, weights, mb).values())
+    wpaths = _weight_paths(spec, cluster, cal, tp, pp, batch, context, weights, mb)
+    weights_path, weights_s = min(wpaths.items(), key=lambda kv: kv[1]) if wpaths else (NO_PATH, math.inf)
     kv_s = _kv_read(spec, cluster, cal, tp, pp, batch, context, kv, mb)
     compute_s = flops / (cluster.gpu.bf16_flops * cal.compute(weights))
     tp_link, pp_link = links(cluster, tp, pp)
@@ -133,7 +149,8 @@ def decode_step_parts(spec: ModelConfig, cluster: Cluster, cal: Calibration, tp:
     step_s = max(m, pp) * stage_s + pp_s
     validated = tp * pp == 1 or bool(cal.multi_gpu)
     out = {"tp": tp, "pp": pp, "gpus": tp * pp, "batch": batch, "context": context, "microbatches": m,
-           "weights": weights, "kv": kv, "weights_read_s": weights_s, "kv_read_s": kv_s, "compute_s": compute_s,
+           "weights": weights, "kv": kv, "weights_path": weights_path, "weights_read_s": weights_s,
+           "kv_read_s": kv_s, "compute_s": compute_s,
            "overhead_s": overhead_s, "tp_comm_s": tp_s, "pp_comm_s": pp_s, "stage_s": stage_s, "step_s": step_s,
            "tokens_per_s": batch / step_s, "comm_frac": (max(m, pp) * tp_s + pp_s) / step_s,
            "tp_link": tp_link, "pp_link": pp_link,

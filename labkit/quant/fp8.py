@@ -9,8 +9,14 @@ to e4m3, widened to float32 and multiplied (accumulation in float32, as the tens
 
 Backends: ``auto`` (``scaled_mm`` on CUDA with compute capability >= 8.9 and dimensions divisible by 16,
 ``emulated`` elsewhere; decided per call from the input's device),
-``scaled_mm`` (also runs on the CPU through torch's CPU kernel, which is how the CUDA call is tested here),
+``scaled_mm`` (the activation quantisation in eager torch, seven small kernels, then ``torch._scaled_mm``; also runs
+on the CPU through torch's CPU kernel, which is how the CUDA call is tested here),
+``fused`` (the activation quantisation in one Triton kernel, ``labkit.kernels.fp8_quant``, then ``torch._scaled_mm``:
+the same codes and scales, one launch instead of seven; on the CPU through Triton's interpreter),
 ``emulated``.
+
+A layer may also hold a ``labkit.quant.dispatch.KernelChoice`` (``dispatch``): then the number of rows picks the
+kernel, from a table measured on the machine (a peer's, such as a weight-only FP8 GEMV, where it was faster).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 """The FP8 format of weights and activations (e4m3, no infinities)."""
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 """Largest finite e4m3 value (448): scales map each row's absolute maximum to it."""
-BACKENDS = ("auto", "scaled_mm", "emulated")
+BACKENDS = ("auto", "scaled_mm", "fused", "emulated")
 _TINY = 1e-12  # keeps an all-zero row from dividing by zero (its codes are zero whatever the scale)
 
 
@@ -54,14 +60,14 @@ def _resolve_backend(backend: str, device: torch.device, n: int, k: int) -> str:
         raise ValueError(f"backend={backend!r} is unknown; allowed: {list(BACKENDS)}")
     if backend == "auto":
         backend = "scaled_mm" if fp8_supported(device) and not (n % 16 or k % 16) else "emulated"
-    if backend == "scaled_mm":
+    if backend in ("scaled_mm", "fused"):
         if device.type == "cuda" and not fp8_supported(device):
             cap = torch.cuda.get_device_capability(device)
-            raise ValueError(f"backend='scaled_mm': {torch.cuda.get_device_name(device)} (compute capability "
+            raise ValueError(f"backend={backend!r}: {torch.cuda.get_device_name(device)} (compute capability "
                              f"{cap[0]}.{cap[1]}) has no FP8 tensor cores (needs >= 8.9: Ada, Hopper); use "
                              "backend='emulated'")
         if n % 16 or k % 16:
-            raise ValueError(f"backend='scaled_mm' needs in_features={k} and out_features={n} divisible "
+            raise ValueError(f"backend={backend!r} needs in_features={k} and out_features={n} divisible "
                              "by 16; use backend='emulated'")
     return backend
 
@@ -95,10 +101,23 @@ class Fp8Linear(nn.Module):
         """The weight ``[N, K]`` this layer computes with."""
         return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
 
+    dispatch = None  # a labkit.quant.dispatch.KernelChoice: the kernel by the number of rows (None: this backend)
+    MERGE_TENSORS = ("weight", "weight_scale")  # row tensors labkit.quant.concat_linears joins (q/k/v, gate/up)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        xq, x_scale = quantize_fp8_rows(x2)
-        if _resolve_backend(self.backend, x.device, self.out_features, self.in_features) == "scaled_mm":
+        peer = self.dispatch.kernel_for(x2) if self.dispatch is not None else None
+        if peer is not None:
+            y = peer(x2).to(x.dtype).view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias.to(x.dtype)
+        backend = _resolve_backend(self.backend, x.device, self.out_features, self.in_features)
+        if backend == "fused":
+            from labkit.kernels.fp8_quant import quantize_rows_fp8
+
+            xq, x_scale = quantize_rows_fp8(x2)
+        else:
+            xq, x_scale = quantize_fp8_rows(x2)
+        if backend in ("scaled_mm", "fused"):
             # Row-wise scaled FP8 GEMM needs a bfloat16 output; mat2 must be column-major, which W.T is.
             y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale[None, :],
                                  out_dtype=torch.bfloat16)

@@ -26,7 +26,9 @@ fp8        e4m3 weights per channel, e4m3 activations per token   backend ('auto
                                                                   emulated on the CPU)
 ========== ====================================================== ============================================
 Every method also takes ``lm_head`` (False, True or a method of ``HEAD_METHODS``) and ``inplace`` (False: the
-input model is left untouched, and the weights about to be replaced are not copied).
+input model is left untouched, and the weights about to be replaced are not copied), and the int8 / int4 / gptq / fp8
+layers take ``dispatch`` ('labkit': labkit's own kernels at every batch, the default; 'measured': the kernel per
+batch from the table measured on this machine, ``labkit.quant.dispatch``; or a table, or a table record's path).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ METHODS = ("int8", "int4", "gptq", "bnb-int8", "bnb-nf4", "fp8")
 """The ``method`` names ``quantize`` takes."""
 HEAD_METHODS = ("int8", "int4", "fp8")  # ``lm_head=<method>``: round-to-nearest methods that need no calibration
 """Methods ``quantize(..., lm_head=method)`` may apply to the LM head."""
-_COMMON = {"lm_head": False, "inplace": False}
+_COMMON = {"lm_head": False, "inplace": False, "dispatch": "labkit"}
 _OPTIONS: dict[str, dict] = {
     "int8": {"backend": "auto"},
     "int4": {"group_size": 128, "backend": "auto"},
@@ -183,6 +185,10 @@ def quantize(model: nn.Module, method: str, **options) -> nn.Module:
                         f"{type(model).__name__}; did you swap model and method?")
     opts = _options(method, options)
     _check_device(model, method, opts)
+    if opts["dispatch"] != "labkit":  # a bad name or a missing record fails before anything is copied
+        from labkit.quant.dispatch import resolve
+
+        resolve(opts["dispatch"], next(model.parameters()).device)
     same_head = opts["lm_head"] is True
     if method in ("int4", "gptq"):
         _check_groups(target_linears(model, same_head), opts["group_size"])
@@ -210,6 +216,10 @@ def quantize(model: nn.Module, method: str, **options) -> nn.Module:
             model.config = dataclasses.replace(model.config, tie_word_embeddings=False)
         else:
             model.config.tie_word_embeddings = False
+    if opts["dispatch"] != "labkit":
+        from labkit.quant.dispatch import use_dispatch
+
+        opts["dispatch"] = use_dispatch(model, opts["dispatch"])
     model.labkit_quant = {"method": method, **{k: v for k, v in opts.items()
                                                if k not in ("calib", "tokenizer", "inplace", "progress")}}
     return model.eval()

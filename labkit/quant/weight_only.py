@@ -125,6 +125,7 @@ class _QuantizedLinear(nn.Module):
     (``labkit.kernels.quantized_matmul.QuantTuning``), None for the device's table."""
 
     tuning = None
+    dispatch = None  # a labkit.quant.dispatch.KernelChoice: the kernel by the number of rows (None: labkit's)
 
     @staticmethod
     def _kernel(x, *weights, **kw) -> torch.Tensor:
@@ -135,6 +136,11 @@ class _QuantizedLinear(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dispatch is not None:  # a peer kernel where the machine's table measured one faster at these rows
+            peer = self.dispatch.kernel_for(x.reshape(-1, self.in_features))
+            if peer is not None:
+                y = peer(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+                return y if self.bias is None else y + self.bias
         if not self.uses_kernels(x):
             return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         tuned = {} if self.tuning is None else {"tuning": self.tuning}
@@ -247,7 +253,9 @@ def concat_linears(linears: list[nn.Module]) -> nn.Module | None:
     changed) where they cannot be merged.
 
     ``linears``: layers of one kind that read the same ``K`` features, all with a bias or none -- plain
-    ``nn.Linear`` (one dtype and device), ``Int8Linear`` or ``Int4Linear`` (one group size and backend). Their
+    ``nn.Linear`` (one dtype and device), ``Int8Linear`` or ``Int4Linear`` (one group size and backend), or a kind
+    naming its row tensors in ``MERGE_TENSORS`` (``Fp8Linear``). A kernel table the layers hold
+    (``labkit.quant.dispatch``) moves to the merged layer, its peers rebuilt for the merged weights. Their
     weights (for the quantised kinds ``qweight``/``scale`` or ``packed``/``scales``/``zeros``) and biases are
     concatenated by output rows, and each input layer is re-pointed at its row slice of the result: the same
     values, no extra memory, and the input layers still work on their own. At decode batch sizes one GEMV over ``N1
@@ -255,7 +263,8 @@ def concat_linears(linears: list[nn.Module]) -> nn.Module | None:
     projections of an 8B model are 1024 rows).
     """
     kinds = {type(m) for m in linears}
-    names = _WEIGHT_TENSORS.get(next(iter(kinds))) if len(kinds) == 1 else None
+    kind0 = next(iter(kinds))
+    names = _WEIGHT_TENSORS.get(kind0, getattr(kind0, "MERGE_TENSORS", None)) if len(kinds) == 1 else None
     biased = {getattr(m, "bias", None) is not None for m in linears}
     if names is None or len(biased) != 1:
         names = None
@@ -277,7 +286,9 @@ def concat_linears(linears: list[nn.Module]) -> nn.Module | None:
     else:
         extra = (first.group_size,) if kind is Int4Linear else ()
         merged = kind(*(cat[n] for n in names if n != "bias"), *extra, bias=cat.get("bias"), backend=first.backend)
-        merged.tuning = first.tuning
+        merged.tuning = getattr(first, "tuning", None)
     for n in names:
         _repoint(linears, n, getattr(merged, n))
+    if getattr(first, "dispatch", None) is not None:  # the same table; peers of the merged shape, from its weights
+        merged.dispatch = first.dispatch.for_layer(merged)
     return merged

@@ -39,7 +39,7 @@ import torch
 from IPython.display import Markdown
 
 import labkit  # noqa: F401  (before anything imports triton)
-from labkit.bench import SUMMARY_PATH, record_figure, write_record
+from labkit.bench import SUMMARY_PATH, output_dir, record_figure, write_record
 from labkit.claims import Claim, show
 from labkit.device import native_bf16
 from labkit.hardware import KNOWN, measure_copy_bandwidth
@@ -333,6 +333,74 @@ if fp8_counts is not None:
 # neighbours in the trade-off.
 
 # %% [markdown]
+# ## At serving batches: labkit's kernels against the ones a practitioner would use
+# Everything above is batch one, where a step reads every weight once per token and labkit's GEMVs, built around the
+# bytes, win. A server decodes many sequences per step. What predicts a format's speed at more rows is two numbers:
+# its **bytes per weight** (a weight read takes bytes over bandwidth, so a few rows run at the ratio of bytes: int8
+# and FP8 at twice bf16's speed, int4 at the ratio of its bytes with scales) and the **tensor-core rate** its
+# multiplies run at once the rows make the matmul compute-bound. A weight-only kernel (W8A16, W4A16) widens its weights to 16 bits and multiplies at
+# bf16's rate, so its bound falls towards one as the batch grows; a kernel that quantises the activations too (W8A8:
+# int8, FP8) multiplies on the 8-bit tensor cores at twice bf16's rate, and keeps a bound of two at every batch. The
+# dashed and dotted lines of the plot are those bounds from the machine's datasheet.
+#
+# The measurement (`labkit.experiments.quantization.peers`): one Llama-3-8B layer's four linears (fused q/k/v, o,
+# fused gate/up, down) from one row to a large serving batch, every path of every format -- labkit's own, and tinygemm (gpt-fast's int4),
+# `torch._int_mm`, labkit's FP8 with its activation quantisation in one Triton kernel, gemlite's W4A16 / W8A16 / W8A8,
+# torchao's one-line configs and `torch.compile` of the FP8 quantisation with its GEMM -- each checked against the
+# product of the weights it holds on the timed shapes, then timed in CUDA graphs over weight copies cycled past L2,
+# against cuBLAS bf16 in the same run. A path that cannot be installed, built, checked or captured is a row with its
+# reason. Under the `gpu` profile this runs now (a fresh `format_gemm` record of this run is reused); on the CPU the
+# tables come from each GPU's committed record. The engine uses the same rows: a quantised layer takes the kernel
+# that was fastest at the batch (`quantize(model, method, dispatch="measured")`, `labkit.quant.dispatch`).
+
+# %%
+from labkit.experiments.quantization import peers
+from labkit.data import machine_class
+from labkit.hardware import KNOWN as HW
+
+gemm_records = {}
+fresh_gemm = output_dir() / "records" / "format_gemm.json"
+if PROFILE == "gpu":
+    if not fresh_gemm.exists():
+        peers.write_records(peers.measure(presets=("llama-3-8b",), budget_s=110, timing_s=50))
+    gemm_records["this run"] = (fresh_gemm, json.loads(fresh_gemm.read_text())["data"])
+else:
+    for path in sorted((REPO_ROOT / "results").glob("*/records/format_gemm.json")):
+        gemm_records[path.parent.parent.name] = (path.relative_to(REPO_ROOT), json.loads(path.read_text())["data"])
+for where, (path, data) in gemm_records.items():
+    device = data.get("device", "?")
+    hw = HW.get(machine_class(device))
+    print(f"{device} ({where}: {path})")
+    table = pd.DataFrame(peers.speedup_table(data)).set_index(["weights", "path"])
+    table = table.drop(columns="library") if not table["library"].any() else table  # older records name none
+    display(table.round(2))
+    if hw is not None:
+        bound = pd.DataFrame([{"weights": f, "multiplies": kind, **{b: peers.roofline_speedup(f, b, hw, kind == "W8A8")
+                                                                    for b in (1, 16, 64, 256)}}
+                              for f in ("int8", "int4", "fp8") for kind in ("weight-only", "W8A8")
+                              if not (f == "int4" and kind == "W8A8")])
+        print(f"the bound each path sits under ({hw.name} datasheet: bytes per weight, bf16 or 8-bit tensor cores):")
+        display(bound.round(2))
+    fig = peers.plot_speedups(data, hw=hw, title=f"one Llama-3-8B layer's linears on {device}: speed-up over "
+                              "cuBLAS bf16 by rows (labkit's own kernel in black)")
+    plt.show()
+    for name, e in peers.figures(data, path).items():
+        print(f"  {name} = {e['value']}")
+decode_runs = sorted((REPO_ROOT / "results").glob(f"*/records/{peers.DECODE_RECORD}.json"))
+if PROFILE == "gpu" and (output_dir() / "records" / f"{peers.DECODE_RECORD}.json").exists():
+    decode_runs = [output_dir() / "records" / f"{peers.DECODE_RECORD}.json"]
+for path in decode_runs:  # the engine's decode step per format, the kernels taken at each batch
+    d = json.loads(path.read_text())
+    rows = pd.DataFrame([{"weights": r["weights"], "batch": r["batch"], "step (ms)": r["replay_step_s"] * 1e3
+                          if r.get("replay_step_s") else r["step_median_s"] * 1e3,
+                          "kernels": ", ".join(r.get("kernels_by_layer") or {"bf16 (cuBLAS)": 0})}
+                         for r in d["data"]["rows"]])
+    base = rows[rows.weights == "bf16"].set_index("batch")["step (ms)"]
+    rows["speed-up over bf16"] = [base[b] / t for b, t in zip(rows.batch, rows["step (ms)"])]
+    print(f"engine decode steps, {d['env']['device']} ({path.name}: bench decode --formats):")
+    display(rows.round(3))
+
+# %% [markdown]
 # ## Trade-off table and plot
 # Accuracy from the embedded model, speed from the table above (the 8B shape on the H200 in the `gpu` profile;
 # the embedded model on the CPU otherwise), memory as measured bytes of the quantised linear layers relative to
@@ -583,6 +651,26 @@ show(
           "{quant.int4_int8_head_decode_speedup:.2f}x and an int4 head to {quant.int4_lm_head_decode_speedup:.2f}x.",
           "quant.int4_decode_speedup < quant.int4_int8_head_decode_speedup < quant.int4_lm_head_decode_speedup",
           machine="gpu"),
+    Claim("labkit's own kernels win at one row and lose at 256: int8 runs {quant.int8_labkit_gemm_speedup_b1:.2f}x "
+          "then {quant.int8_labkit_gemm_speedup_b256:.2f}x bf16's linears, int4 {quant.int4_labkit_gemm_speedup_b1:.2f}x "
+          "then {quant.int4_labkit_gemm_speedup_b256:.2f}x: bytes decide a few rows, the tensor cores many.",
+          "quant.int8_labkit_gemm_speedup_b1 > 1 > quant.int8_labkit_gemm_speedup_b256 and "
+          "quant.int4_labkit_gemm_speedup_b1 > 1 > quant.int4_labkit_gemm_speedup_b256", machine="gpu"),
+    Claim("At sixty-four rows the fastest int4 path measured ({quant.int4_best_path_b64}) runs "
+          "{quant.int4_best_gemm_speedup_b64:.2f}x bf16 under a bound of {quant.int4_roofline_speedup_b64:.1f}x "
+          "({quant.int4_best_gemm_speedup_b64:if >= 1 then ahead of else behind} bf16; labkit's int4 "
+          "{quant.int4_labkit_gemm_speedup_b64:.2f}x), and the fastest FP8 path ({quant.fp8_best_path_b64}) "
+          "{quant.fp8_best_gemm_speedup_b64:.2f}x under {quant.fp8_roofline_speedup_b64:.1f}x "
+          "({quant.fp8_best_gemm_speedup_b64:if >= 1.3 then past else short of} the 1.3x bar).",
+          "quant.int4_best_gemm_speedup_b64 < quant.int4_roofline_speedup_b64 and "
+          "quant.fp8_best_gemm_speedup_b64 < quant.fp8_roofline_speedup_b64", machine="gpu"),
+    Claim("Through the engine, each layer on the kernel measured fastest at its batch, int4 decodes "
+          "{quant.int4_decode_speedup_b16:.2f}x bf16's step at batch sixteen ({quant.int4_decode_speedup_b16:if >= 2 "
+          "then meeting else short of} the 2x bar) and FP8 {quant.fp8_decode_speedup_b64:.2f}x at sixty-four "
+          "({quant.fp8_decode_speedup_b64:if >= 1.2 then meeting else short of} 1.2x): each under the ratio of the "
+          "bytes its step reads ({quant.int4_decode_floor_ratio_b16:.2f}x and {quant.fp8_decode_floor_ratio_b64:.2f}x).",
+          "quant.int4_decode_speedup_b16 < quant.int4_decode_floor_ratio_b16 and "
+          "quant.fp8_decode_speedup_b64 < quant.fp8_decode_floor_ratio_b64", machine="gpu"),
     Claim("int4's speed-up is not free: at {quant.int4_decode_speedup:.2f}x it costs "
           "{quant.int4_rtn_ppl_delta_frac:.1%} perplexity, over ten times the {quant.int8_ppl_delta_frac:.3%} that "
           "int8's {quant.int8_decode_speedup:.2f}x costs.",

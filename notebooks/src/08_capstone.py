@@ -34,11 +34,11 @@ from labkit.workbook import resolve_profile
 PROFILE = resolve_profile(profile)
 figures = dict(load_summary())
 derived = cap.derived_figures()
-fresh = output_dir() / "records" / "format_gemm.json"  # measured by notebook 06 in this run (gpu profile)
-if PROFILE == "gpu" and not fresh.exists():  # each weight format's matmul paths, ours and cuBLAS, by batch
-    from labkit.experiments.parallelism import formats
+fresh = output_dir() / "records" / "format_gemm.json"  # measured earlier in this run (gpu profile), if at all
+if PROFILE == "gpu" and not fresh.exists():  # each weight format's kernels, labkit's and the peers', by batch
+    from labkit.experiments.quantization import peers
 
-    write_record("format_gemm", formats.measure())
+    peers.write_records(peers.measure(budget_s=150, timing_s=80))
 format_gemm = json.loads(fresh.read_text())["data"] if fresh.exists() else None
 rec = recommend(SCENARIO_175B, format_gemm=format_gemm)
 sweep = load_sweep()
@@ -87,9 +87,8 @@ m = rec.cal.machine
 note = f"{SCENARIO_175B.rate_req_s} req/s, p99 TTFT <= {SCENARIO_175B.ttft_s} s, TPOT <= {SCENARIO_175B.tpot_s} s"
 new["plan.gpt3_175b_layout"] = record_figure("plan.gpt3_175b_layout", rec.layout, "layout", out, machine=m, note=note)
 new["plan.gpt3_175b_plan"] = record_figure("plan.gpt3_175b_plan", rec.layout, "layout", out, machine=m, note=note)
-for w in ("bf16", "fp8", "int8", "int4"):
-    new[f"plan.gpus_175b_{w}"] = record_figure(f"plan.gpus_175b_{w}", rec.gpus(w), "GPUs", out, machine=m,
-                                               note=f"fewest GPUs meeting the SLO with {w} weights; {note}")
+for name, value, unit, why in cap.plan_figures(rec):  # per format: GPUs, the kernel, GPUs on labkit's kernels
+    new[name] = record_figure(name, value, unit, out, machine=m, note=why)
 for k in ("bf16", "int8"):
     p = rec.by_kv.get(k)
     new[f"plan.gpus_175b_kv_{k}"] = record_figure(f"plan.gpus_175b_kv_{k}", p.gpus if p else None, "GPUs", out,
@@ -157,6 +156,24 @@ new["capstone.technique_rows"] = record_figure("capstone.technique_rows", len(ta
 new["capstone.empty_cells"] = record_figure("capstone.empty_cells", empty, "cells", out, bar="== 0",
                                             note="; ".join(why))
 figures.update(new)
+
+# %% [markdown]
+# ## Which kernel each quantised number comes from
+# A weight format is as fast as the kernel that multiplies it. The planner takes, per format and batch, the fastest
+# kernel measured on the machine (labkit's own or a peer's: notebook four's kernel comparison); the table shows, per
+# format, the kernel its plan's step reads the weights with and the GPU count with labkit's own kernels only. The
+# paragraph below it is rendered from the figures of one machine.
+
+# %%
+display(pd.DataFrame([{"weights": w, "GPUs": figures.get(f"plan.gpus_175b_{w}", {}).get("value"),
+                       "kernel of the plan's step": figures.get(f"plan.kernel_175b_{w}", {}).get("value"),
+                       "GPUs, labkit's kernels only": figures.get(f"plan.gpus_175b_{w}_labkit", {}).get("value"),
+                       "fastest kernel at sixty-four rows (8B layer)": figures.get(f"quant.{w}_best_path_b64",
+                                                                                   {}).get("value"),
+                       "its speed-up over bf16": figures.get(f"quant.{w}_best_gemm_speedup_b64", {}).get("value"),
+                       "labkit's": figures.get(f"quant.{w}_labkit_gemm_speedup_b64", {}).get("value")}
+                      for w in ("bf16", "fp8", "int8", "int4")]).round(2))
+display(Markdown(cap.render_paragraph(cap.KERNELS, classes, figures)[0]))
 
 # %% [markdown]
 # ## The three hints and three follow-ups

@@ -4,7 +4,9 @@
                   scheduler at each rate; prints latency percentiles and throughput, writes a record; then HF
                   ``generate`` in static batches and the engine, offline, on the same requests (``--hf-requests``)
     bench decode  steady-state decode tokens/s at given batch sizes, with the bandwidth floor and MBU, beside HF
-                  ``generate`` with the static cache, eager and compiled (compiled on CUDA only), same prompts
+                  ``generate`` with the static cache, eager and compiled (compiled on CUDA only), same prompts;
+                  with ``--formats`` also the model quantised to each weight format, each layer taking the kernel
+                  its machine's table measured fastest at the batch (``--dispatch``), against bf16 in the same run
 
 Examples::
 
@@ -12,6 +14,7 @@ Examples::
     python -m labkit bench serve --model llama-3-8b --num-requests 1000 --prompt-len 512 --output-mean 128 \\
         --rate inf --scheduler continuous --max-num-seqs 256 --max-num-batched-tokens 8192
     python -m labkit bench decode --model llama-3-8b --batch 1 16 64 --context 512
+    python -m labkit bench decode --model llama-3-8b --batch 1 16 64 --formats bf16 int8 int4 fp8 --no-hf --figures
 """
 
 from __future__ import annotations
@@ -96,7 +99,8 @@ def _serve(args) -> int:
 
 def _decode(args) -> int:
     from labkit.bench import write_record
-    from labkit.experiments.batching.measure import decode_rate
+    from labkit.experiments.batching.measure import decode_rate, free_device_memory
+    from labkit.experiments.quantization.metrics import decode_weight_bytes
     from labkit.hardware import measure_ceilings
     from labkit.model import get_config
 
@@ -104,30 +108,98 @@ def _decode(args) -> int:
     spec, dtype = get_config(model), next(model.parameters()).dtype
     ceilings = measure_ceilings(next(model.parameters()).device, iters=5)
     bw, sheet = ceilings["copy_bytes_per_s"], ceilings["datasheet_bytes_per_s"]
-    rows = []
-    for b in args.batch:
-        kw = _engine_kwargs(args)
-        kw.update(max_num_seqs=b, max_num_batched_tokens=max(b, 8192), max_model_len=None)
-        r = decode_rate(model, b, args.context, args.steps, source, **kw)
-        floor_bytes = spec.decode_weight_bytes(dtype) + b * spec.kv_bytes(r["context"], dtype)
-        r.update(floor_bytes=floor_bytes, floor_s=floor_bytes / bw, mbu=floor_bytes * r["tok_s"] / b / bw,
-                 mbu_datasheet=floor_bytes * r["tok_s"] / b / sheet if sheet else None)
-        if not args.no_hf:
-            r.update(hf_static_decode(model, b, args.context, args.steps, source, args.seed))
-        rows.append(r)
-        replay = f", replayed step {r['replay_step_s'] * 1e3:.3f} ms" if r["replay_step_s"] else ""
-        print(f"{label} batch {b}: {r['tok_s']:.1f} tokens/s ({r['step_median_s'] * 1e3:.3f} ms/step{replay}); "
-              f"floor {r['floor_s'] * 1e3:.3f} ms -> MBU {r['mbu']:.2f}")
-        for mode in ("static", "static+compile"):
-            if r.get(f"hf_{mode}_tok_s"):
-                print(f"  HF generate ({mode}): {r[f'hf_{mode}_tok_s']:.1f} tokens/s -> engine "
-                      f"{r['tok_s'] / r[f'hf_{mode}_tok_s']:.2f}x")
+    rows, tables = [], {}
+    for fmt in args.formats or ["bf16"]:
+        m = model if fmt == "bf16" else _quantised(model, fmt, args.dispatch, tables)
+        for b in args.batch:
+            kw = _engine_kwargs(args)
+            kw.update(max_num_seqs=b, max_num_batched_tokens=max(b, 8192), max_model_len=None)
+            if args.formats:  # the decode step of this batch is what is compared: capture that one graph only
+                kw.update(graph_batch_sizes=(b,), graph_token_sizes=())
+            r = decode_rate(m, b, args.context, args.steps, source, **kw)
+            weight_bytes = spec.decode_weight_bytes(dtype) if fmt == "bf16" else decode_weight_bytes(spec, fmt)
+            floor_bytes = weight_bytes + b * spec.kv_bytes(r["context"], dtype)
+            r.update(weights=fmt, kernels_by_layer=_paths_at(m, b), floor_bytes=floor_bytes,
+                     floor_s=floor_bytes / bw, mbu=floor_bytes * r["tok_s"] / b / bw,
+                     mbu_datasheet=floor_bytes * r["tok_s"] / b / sheet if sheet else None)
+            if not args.no_hf and fmt == "bf16":
+                r.update(hf_static_decode(model, b, args.context, args.steps, source, args.seed))
+            rows.append(r)
+            path = write_record(args.name, {"model": label, "bandwidth_bytes_per_s": bw,
+                                            "datasheet_bytes_per_s": sheet, "context": args.context, "rows": rows,
+                                            "dispatch": tables}, out_dir=args.out)  # after each row: a run cut short
+            replay = f", replayed step {r['replay_step_s'] * 1e3:.3f} ms" if r["replay_step_s"] else ""
+            print(f"{label} {fmt} batch {b}: {r['tok_s']:.1f} tokens/s ({r['step_median_s'] * 1e3:.3f} ms/step"
+                  f"{replay}); floor {r['floor_s'] * 1e3:.3f} ms -> MBU {r['mbu']:.2f}; kernels "
+                  f"{r['kernels_by_layer'] or 'unquantised'}", flush=True)
+            for mode in ("static", "static+compile"):
+                if r.get(f"hf_{mode}_tok_s"):
+                    print(f"  HF generate ({mode}): {r[f'hf_{mode}_tok_s']:.1f} tokens/s -> engine "
+                          f"{r['tok_s'] / r[f'hf_{mode}_tok_s']:.2f}x")
+        if m is not model:
+            del m
+            free_device_memory()
     path = write_record(args.name, {"model": label, "bandwidth_bytes_per_s": bw, "datasheet_bytes_per_s": sheet,
-                                    "context": args.context, "rows": rows}, out_dir=args.out)
+                                    "context": args.context, "rows": rows, "dispatch": tables}, out_dir=args.out)
     print(f"record: {path}")
     if args.figures:
-        decode_figures(rows, path, args.out)
+        decode_figures([r for r in rows if r.get("weights", "bf16") == "bf16"], path, args.out)
+        quant_decode_figures(rows, path, args.out)
     return 0
+
+
+def _quantised(model, fmt: str, dispatch: str, tables: dict):
+    """``model`` quantised to ``fmt`` with its kernel table attached (``labkit.quant.dispatch``); ``tables[fmt]``
+    says which table (or that labkit's own kernels run)."""
+    from labkit.quant import quantize
+
+    q = quantize(model, fmt, dispatch=dispatch)
+    tables[fmt] = q.labkit_quant.get("dispatch")
+    return q
+
+
+def _paths_at(model, rows: int) -> dict:
+    """``{path: layers}``: the kernel the table gives each of ``model``'s quantised layers at ``rows`` rows (empty
+    for an unquantised model; the HF model's separate q/k/v and gate/up, which the engine runs merged)."""
+    from labkit.quant.dispatch import quantised_layers
+    from labkit.quant.peers import LABKIT_PATHS, layer_format
+
+    out: dict[str, int] = {}
+    for lin in quantised_layers(model).values():
+        d = getattr(lin, "dispatch", None)
+        name = d.planned(rows) if d is not None else LABKIT_PATHS[layer_format(lin)]
+        out[name] = out.get(name, 0) + 1
+    return out
+
+
+def quant_decode_figures(rows: list[dict], record, out_dir) -> dict:
+    """``quant.{fmt}_decode_speedup_b{b}`` for each quantised format and batch of a ``bench decode --formats`` run:
+    the bf16 step's time over the format's, both the engine's captured decode step replayed alone (end-to-end steps
+    where no graph was captured), measured in the same run; and ``quant.{fmt}_decode_floor_ratio_b{b}``, the bytes
+    the bf16 step must read over the format's (weights and KV cache: the speed-up reading them at one bandwidth
+    would give; derived)."""
+    from labkit.bench import record_figure
+
+    out = {}
+    base = {r["batch"]: r for r in rows if r.get("weights", "bf16") == "bf16"}
+    for r in rows:
+        fmt, b = r.get("weights", "bf16"), r["batch"]
+        if fmt == "bf16" or b not in base:
+            continue
+        key = "replay_step_s" if r.get("replay_step_s") and base[b].get("replay_step_s") else "step_median_s"
+        speed = base[b][key] / r[key]
+        e2e = base[b]["step_median_s"] / r["step_median_s"]
+        kernels = ", ".join(f"{k} x{n}" for k, n in r.get("kernels_by_layer", {}).items())
+        out[f"quant.{fmt}_decode_floor_ratio_b{b}"] = record_figure(
+            f"quant.{fmt}_decode_floor_ratio_b{b}", base[b]["floor_bytes"] / r["floor_bytes"], "x", record,
+            out_dir=out_dir, derived=True, note=f"bytes a bf16 decode step reads over a {fmt} step's (weights and "
+            f"the KV cache of {b} sequences of {r['context']} tokens)")
+        out[f"quant.{fmt}_decode_speedup_b{b}"] = record_figure(
+            f"quant.{fmt}_decode_speedup_b{b}", speed, "x over bf16", record, out_dir=out_dir,
+            note=f"engine decode step at batch {b}, context {r['context']}, "
+                 f"{'CUDA-graph replay' if key == 'replay_step_s' else 'end to end'} (end to end {e2e:.2f}x); "
+                 f"kernels: {kernels or 'labkit'}")
+    return out
 
 
 def decode_figures(rows: list[dict], record, out_dir) -> dict:
@@ -233,6 +305,11 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--no-hf", action="store_true", help="skip HF generate (static cache, eager and compiled)")
     d.add_argument("--figures", action="store_true",
                    help="also record engine.decode_b*_mbu and engine.speedup_vs_hf_compiled_b* in figures.json")
+    d.add_argument("--formats", nargs="+", default=None, choices=("bf16", "int8", "int4", "fp8"),
+                   help="also decode with the weights quantised to each format (bf16 first: the baseline)")
+    d.add_argument("--dispatch", default="measured",
+                   help="kernels of the quantised layers: 'measured' (this machine's table), 'labkit', or the path "
+                        "of a quant_dispatch.json record")
     d.add_argument("--name", default="bench_decode", help="record name")
     d.set_defaults(fn=_decode)
     return ap

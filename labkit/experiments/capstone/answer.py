@@ -14,7 +14,8 @@ from __future__ import annotations
 import re
 
 from labkit.conditions import render
-from labkit.figures import class_order, machine_class, machine_figures, read_summary, summary_classes
+from labkit.data import machine_class
+from labkit.figures import class_order, machine_figures, read_summary, summary_classes
 from labkit.model import PRESETS, TINY
 
 __all__ = ["ANSWER", "EMBEDDED_ONLY", "GROUPS", "HINTS", "TIERS", "answer", "by_class", "layout_figures", "proxy_label",
@@ -34,6 +35,9 @@ GROUPS = {
                  "engine.continuous_vs_static_throughput"),
     "memory_model": ("finetune.memory_model_rel_err",),
     "pipeline": ("parallel.tp_logits_rel_err", "parallel.pp_logits_rel_err"),
+    "kernels_q": ("quant.int4_labkit_gemm_speedup_b1", "quant.int4_labkit_gemm_speedup_b64",
+                  "quant.int4_best_gemm_speedup_b64", "quant.int4_best_path_b64", "quant.fp8_best_gemm_speedup_b64",
+                  "quant.fp8_best_path_b64", "quant.fp8_roofline_speedup_b64"),
     "precision": ("quant.fp16_overflow_cases", "quant.bf16_overflow_cases", "quant.overflow_cases",
                   "quant.bf16_accum_rel_err", "quant.bf16_fp32_accum_rel_err", "quant.accum_terms",
                   "quant.bf16_model_ppl_delta_frac", "quant.int8_ppl_delta_frac", "quant.fp8_ppl_delta_frac"),
@@ -124,14 +128,21 @@ HINTS = {
         "in bf16 moves perplexity {quant.bf16_model_ppl_delta_frac:.3%}. INT8 weights with per-channel scales move "
         "it {quant.int8_ppl_delta_frac:.3%}; quantising activations too (FP8 W8A8) {quant.fp8_ppl_delta_frac:.2%}, "
         "since activations carry the outliers LLM.int8 keeps in fp16 ({label.precision}). FP32 stays the "
-        "reference."),
+        "reference. The throughput of a format is its kernel's: at sixty-four rows the fastest FP8 kernel measured "
+        "({quant.fp8_best_path_b64}) runs {quant.fp8_best_gemm_speedup_b64:.2f}x bf16's linears ({label.kernels_q}), "
+        "so the planner's FP8 plan needs {plan.gpus_175b_fp8:if <= plan.gpus_175b_bf16 then no more else more} GPUs "
+        "than bf16 ({plan.gpus_175b_fp8} against {plan.gpus_175b_bf16}); a faster kernel would change that count, "
+        "not the perplexity."),
 }
 """The scenario's three hints and three follow-ups, answered from the figures."""
 
 
 def templates() -> dict[str, str]:
-    """Every template of the answer, hints and follow-ups, by name (for checks over the prose)."""
-    return {**{f"answer/{part}": text for part, text in ANSWER}, **HINTS}
+    """Every template of the answer, hints, follow-ups and the kernels paragraph, by name (for checks over the
+    prose)."""
+    from labkit.experiments.capstone.kernels import KERNELS
+
+    return {**{f"answer/{part}": text for part, text in ANSWER}, **HINTS, "kernels": KERNELS}
 
 
 EMBEDDED_ONLY = ("communication", "pipeline", "memory_model")

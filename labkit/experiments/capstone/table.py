@@ -50,19 +50,29 @@ TECHNIQUES = [
          use="prefill (flash: no score matrix in memory) and decode over a paged cache",
          avoid="when the platform's fused attention (cuDNN) is already faster at the shape"),
     dict(technique="weights int8", tier="computation", accuracy=["quant.int8_ppl_delta_frac"],
-         latency=["quant.int8_decode_speedup"], throughput=["plan.gpus_175b_int8", "plan.gpus_175b_bf16"],
+         latency=["quant.int8_decode_speedup", "quant.int8_decode_speedup_b16", "quant.int8_decode_speedup_b64",
+                  "quant.int8_best_gemm_speedup_b64", "quant.int8_best_path_b64"],
+         throughput=["plan.gpus_175b_int8", "plan.gpus_175b_bf16", "plan.kernel_175b_int8",
+                     "plan.gpus_175b_int8_labkit"],
          memory=["quant.int8_weight_bytes_ratio"],
-         use="small-batch decode (bandwidth-bound): half the bytes per step",
+         use="small-batch decode (bandwidth-bound): half the bytes per step; at serving batches with the kernel "
+             "measured fastest there",
          avoid="large batches on a dequantising kernel slower than bf16 GEMM"),
     dict(technique="weights int4 (GPTQ)", tier="computation", accuracy=["quant.int4_calibrated_ppl_delta_frac"],
-         latency=["quant.int4_decode_speedup"], throughput=["plan.gpus_175b_int4", "plan.gpus_175b_bf16"],
+         latency=["quant.int4_decode_speedup", "quant.int4_decode_speedup_b16", "quant.int4_decode_speedup_b64",
+                  "quant.int4_best_gemm_speedup_b64", "quant.int4_best_path_b64"],
+         throughput=["plan.gpus_175b_int4", "plan.gpus_175b_bf16", "plan.kernel_175b_int4",
+                     "plan.gpus_175b_int4_labkit"],
          memory=["quant.int4_weight_bytes_ratio"],
-         use="latency at batch one and fitting a model on fewer GPUs",
+         use="latency at batch one and fitting a model on fewer GPUs; serving batches need a W4A16 GEMM built for "
+             "them",
          avoid="accuracy-critical tasks without an evaluation; large batches on the dequantising path"),
     dict(technique="weights FP8", tier="computation", accuracy=["quant.fp8_ppl_delta_frac"],
-         latency=["quant.fp8_decode_speedup"], throughput=["plan.gpus_175b_fp8", "plan.gpus_175b_bf16"],
+         latency=["quant.fp8_decode_speedup", "quant.fp8_decode_speedup_b16", "quant.fp8_decode_speedup_b64",
+                  "quant.fp8_best_gemm_speedup_b64", "quant.fp8_best_path_b64"],
+         throughput=["plan.gpus_175b_fp8", "plan.gpus_175b_bf16", "plan.kernel_175b_fp8", "plan.gpus_175b_fp8_labkit"],
          memory=["quant.fp8_weight_bytes_ratio"],
-         use="compute-bound prefill and large batches on FP8 tensor cores",
+         use="compute-bound prefill and large batches on FP8 tensor cores, the activation quantisation fused",
          avoid="batch-one decode where activation quantisation kernels dominate the step"),
     dict(technique="continuous batching, chunked prefill", tier="scheduling", accuracy=["engine.greedy_matches_hf"],
          latency=["baseline.fifo_ttft_p99_growth"],
@@ -153,7 +163,8 @@ def derived_figures(summary: dict | None = None) -> list[dict]:
     machine, source, note}`` each, and ``derived: True`` for arithmetic rather than a measurement (recorded by
     notebook 08 with the source record's machine). A figure the summary already holds for that machine from another
     record (its own notebook measured it since) is left out."""
-    from labkit.figures import machine_class, read_summary
+    from labkit.data import machine_class
+    from labkit.figures import read_summary
 
     out = []
     k, rel = _read("results/h200/records/03_kernels.json")
@@ -206,10 +217,29 @@ def derived_figures(summary: dict | None = None) -> list[dict]:
             out.append(dict(name=name, value=value, unit=unit, machine=dev, source=rel,
                             derived=name in ("quant.overflow_cases", "quant.accum_terms"),
                             note="notebook 04's precision section: overflow cases, running sums, the model per dtype"))
+    out += _format_gemm_figures()
     summary = read_summary() if summary is None else summary
     held = {(n, c): e.get("record", "") for n, f in summary["figures"].items() for c, e in f["machines"].items()}
     return [d for d in out if not (isinstance(d["value"], float) and math.isnan(d["value"]))
             and "08_capstone" in held.get((d["name"], machine_class(d["machine"])), "08_capstone")]
+
+
+def _format_gemm_figures() -> list[dict]:
+    """Notebook 04's kernel figures (``peers.gemm_figures``) of each GPU's committed per-format GEMM record
+    (``results/<gpu>/records/format_gemm.json``), each under the machine that measured it."""
+    from labkit.experiments.quantization.peers import gemm_figures
+
+    out = []
+    for path in sorted((REPO_ROOT / "results").glob("*/records/format_gemm.json")):
+        rel = str(path.relative_to(REPO_ROOT))
+        rec, _ = _read(rel)
+        dev = rec["env"].get("device", "?") if rec else "?"
+        if rec is None or dev == "cpu":
+            continue
+        for f in gemm_figures(rec["data"], dev):
+            out.append(dict(name=f["name"], value=f["value"], unit=f["unit"], machine=dev, source=rel,
+                            note=f["note"], derived=f["derived"]))
+    return out
 
 
 def word_count(text: str) -> int:
