@@ -42,9 +42,9 @@ SIZES = {  # offline_requests: how many of the requests the offline comparison w
                probe_tokens=8, offline_requests=8),
     "cpu": dict(n_requests=200, prompt=(16, 48), out_mean=5, out_max=12, loads=[0.5, 2.0], static_batch=8,
                 probe_tokens=24, offline_requests=48),
-    # gpu: HF eager decodes ~20-30 tokens/s at batch 1 on the 8B shape, so the FIFO pass costs requests x
-    # out_mean / 25 s and each static pass about as much: short answers keep the sweep near two minutes
-    "gpu": dict(n_requests=200, prompt=(64, 192), out_mean=6, out_max=16, loads=[0.5, 1.0, 2.0], static_batch=8,
+    # gpu: HF eager decodes ~20 tokens/s at batch 1 on the 8B shape (an H100), so the FIFO pass costs about
+    # requests x out_mean / 20 s per load: 96 short requests at two loads keep the sweep under a minute
+    "gpu": dict(n_requests=96, prompt=(64, 192), out_mean=6, out_max=16, loads=[0.5, 2.0], static_batch=8,
                 probe_tokens=32, offline_requests=48),
 }[PROFILE]
 if PROFILE != "gpu":
