@@ -43,6 +43,30 @@ def _notebook_seconds(run_dir: Path, stem: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
+def cell_times(notebook: Path, top: int = 4) -> dict:
+    """Where an executed notebook's time went, from papermill's per-cell metadata: ``cells_s`` (the cells' total
+    seconds), ``slowest`` (``top`` rows of ``[cell index, seconds, first line]``) and, for a notebook stopped
+    mid-run, ``stopped_in`` (the cell that was running). Empty when the notebook is absent or unreadable."""
+    try:
+        cells = json.loads(notebook.read_text())["cells"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    rows, stopped = [], None
+    for i, c in enumerate(cells):
+        pm = c.get("metadata", {}).get("papermill", {})
+        if c.get("cell_type") != "code" or not pm:
+            continue
+        src = c["source"] if isinstance(c["source"], str) else "".join(c["source"])
+        first = src.strip().splitlines()[0][:80] if src.strip() else ""
+        if pm.get("status") == "running":
+            stopped = [i, first]
+        rows.append([i, round(pm.get("duration") or 0.0, 1), first])
+    out = {"cells_s": round(sum(r[1] for r in rows), 1), "slowest": sorted(rows, key=lambda r: -r[1])[:top]}
+    if stopped:
+        out["stopped_in"] = stopped
+    return out
+
+
 def false_claims(stem: str, figures: dict) -> list[str]:
     """Claims of notebook ``stem`` that are false or refused on ``figures`` (a run's ``figures.json``), judged on
     each machine class of the run they apply to (a claim whose figures the run did not record is not counted):
@@ -90,7 +114,10 @@ def stage_row(stage: str, rc: int, seconds: float, log: Path, run_dir: Path, bef
     status = "timeout" if timed_out else ("fail" if failed or (rc != 0 and "site" not in text[-600:]) else "pass")
     row.update(kind="notebook", notebook=stem, status=status, false_claims=len(claims), false_claim_text=claims,
                figures_written=len(written), detail=failed.group(1)[:400] if failed else "",
-               notebook_seconds=_notebook_seconds(run_dir, stem))
+               notebook_seconds=_notebook_seconds(run_dir, stem), cells=cell_times(run_dir / f"{stem}.ipynb"))
+    if status == "timeout" and row["cells"].get("stopped_in"):
+        i, first = row["cells"]["stopped_in"]
+        row["detail"] = f"killed in cell {i} ({first!r}) after {row['cells']['cells_s']:.0f} s of finished cells"
     if row["notebook_seconds"] is not None and status != "timeout":
         row["seconds"] = row["notebook_seconds"]
     return row

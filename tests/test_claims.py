@@ -301,5 +301,7 @@ def test_the_lessons_an_h100_contradicted_now_say_what_it_measured():
     formats = next(vs for t, vs in by_text.items() if "finds a plan for every weight format" in t)
     assert "FP8 no more (20)" in next(v.sentence for v in formats if v.machine == "h100")
     same = next(vs for t, vs in by_text.items() if "06 and 08" in t)
-    assert [(v.machine, v.status) for v in same] == [("h100", "holds"), ("h200", "cross-run")]
+    # (a figure derived from both GPUs' records, class h100+h200, may sit beside them: 06 never ran there)
+    assert [(v.machine, v.status) for v in same if v.machine in ("h100", "h200")] == [("h100", "holds"),
+                                                                                      ("h200", "cross-run")]
     assert layout in same[0].sentence

@@ -75,3 +75,24 @@ def test_write_check_keeps_the_record_and_its_figures(tmp_path):
     assert "| 07_finetuning | pass | 70 | 0 | 14 |" in gpu_check.tables_markdown(tmp_path / "results")
     with pytest.raises(ValueError, match="nothing ran"):
         gpu_check.write_check([], tmp_path)
+
+
+def test_cell_times_say_where_a_timed_out_notebook_stopped(tmp_path):
+    cells = [{"cell_type": "markdown", "source": "# t", "metadata": {}},
+             {"cell_type": "code", "source": "import x\n", "metadata": {"papermill": {"status": "completed",
+                                                                                   "duration": 4.04}}},
+             {"cell_type": "code", "source": ["sweep = run(\n", "  1)"],
+              "metadata": {"papermill": {"status": "completed", "duration": 61.25}}},
+             {"cell_type": "code", "source": "probe()", "metadata": {"papermill": {"status": "running",
+                                                                                 "duration": None}}},
+             {"cell_type": "code", "source": "later()", "metadata": {"papermill": {"status": "pending"}}}]
+    nb = tmp_path / "05_batching.ipynb"
+    nb.write_text(json.dumps({"cells": cells}))
+    got = gpu_check.cell_times(nb, top=2)
+    assert got == {"cells_s": 65.2, "slowest": [[2, 61.2, "sweep = run("], [1, 4.0, "import x"]],
+                   "stopped_in": [3, "probe()"]}
+    assert gpu_check.cell_times(tmp_path / "absent.ipynb") == {}
+    log = tmp_path / "05.log"
+    log.write_text("")
+    row = gpu_check.stage_row("05", 124, 140.0, log, tmp_path, {})
+    assert row["status"] == "timeout" and row["detail"].startswith("killed in cell 3 ('probe()') after 65 s")
