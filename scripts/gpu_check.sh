@@ -26,7 +26,12 @@ for st in "${stages[@]}"; do
   echo "=== $name (limit ${limit}s)" | tee "$log"
   start=$(date +%s)
   if [ "$name" = tests ]; then
-    PYTHONUNBUFFERED=1 timeout -k 10 "$limit" python3 -m pytest -m gpu -q -p no:cacheprovider >>"$log" 2>&1
+    # with pytest-xdist, files run on GPU_TEST_WORKERS processes at once: most of a GPU test's time is Triton
+    # compiling its kernels on the host (one process: 291 s for 92 tests on an H100), and the GPU has room for four
+    workers=()
+    python3 -c "import xdist" 2>/dev/null && workers=(-n "${GPU_TEST_WORKERS:-4}" --dist loadfile)
+    PYTHONUNBUFFERED=1 timeout -k 10 "$limit" python3 -m pytest -m gpu -q -p no:cacheprovider "${workers[@]}" \
+      >>"$log" 2>&1
   else
     PYTHONUNBUFFERED=1 timeout -k 10 "$limit" python3 -m labkit run --profile "${PROFILE:-gpu}" --only "$name" --out "$RUN" \
       >>"$log" 2>&1
