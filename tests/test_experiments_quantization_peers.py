@@ -189,3 +189,16 @@ def test_the_gpu_runs_figures_stage_reads_what_the_records_hold(tmp_path):
     assert figs["quant.int4_best_path_b64"]["machine"] == "NVIDIA H200"
     assert {"plan.gpus_175b_fp8", "plan.kernel_175b_fp8", "plan.gpus_175b_fp8_labkit"} <= set(figs)
     assert (tmp_path / "records" / "quant_plan.json").exists()
+
+
+def test_run_format_gemm_reuses_this_runs_record_and_reads_none_off_the_gpu(tmp_path):
+    from labkit.bench import write_record
+
+    assert P.run_format_gemm("cpu", out_dir=tmp_path) is None
+    data = {"device": "NVIDIA H100 80GB HBM3", "presets": list(P.PRESETS), "rows": []}
+    write_record("format_gemm", data, out_dir=tmp_path)
+    for profile in ("cpu", "gpu"):  # the gpu profile reuses a record that covers its presets: nothing measured
+        path, got = P.run_format_gemm(profile, out_dir=tmp_path)
+        assert path == tmp_path / "records" / "format_gemm.json" and got["presets"] == data["presets"]
+    with pytest.raises(ValueError, match="profile"):
+        P.run_format_gemm("h100", out_dir=tmp_path)

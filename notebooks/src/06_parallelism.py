@@ -239,15 +239,12 @@ print(f"overlap: all-reduce of {human_bytes(ov['bytes'])} {ov['comm'] * 1e3:.2f}
 # is rendered from the same function, so its numbers cannot drift from them.
 
 # %%
-from labkit.bench import output_dir  # noqa: E402
+from labkit.experiments.quantization.peers import run_format_gemm  # noqa: E402
 from labkit.plan import SCENARIO_175B, calibrated_cluster, every_layout, recommend, worked_example_175b  # noqa: E402
 
-fresh = output_dir() / "records" / "format_gemm.json"
-if PROFILE == "gpu" and not fresh.exists():  # each weight format's matmul paths (ours and cuBLAS) by batch
-    from labkit.experiments.parallelism import formats  # noqa: E402
-
-    write_record("format_gemm", formats.measure())
-rec175 = recommend(SCENARIO_175B, format_gemm=json.loads(fresh.read_text())["data"] if fresh.exists() else None)
+# each weight format's kernels by batch: measured in this run under the gpu profile (or 04's, reused)
+this_run_gemm = run_format_gemm(PROFILE)
+rec175 = recommend(SCENARIO_175B, format_gemm=this_run_gemm[1] if this_run_gemm else None)
 cols = ["layout", "microbatches", "weights_gb", "kv_gb", "fits", "weights_read_s", "kv_read_s", "tp_comm_s",
         "pp_comm_s", "step_s", "tokens_per_s", "comm_frac", "caveat"]
 for hw_name in ("h200", "h100"):

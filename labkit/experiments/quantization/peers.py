@@ -23,9 +23,11 @@ linears' median), ``bf16_us`` (timed in the same run), ``status`` and both error
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -535,6 +537,24 @@ def write_records(data: dict, out_dir=None) -> dict:
     disp = write_record(TABLE_NAME, table.to_dict(), out_dir=out_dir)
     figures(data, gemm, out_dir=out_dir)
     return {"format_gemm": gemm, "quant_dispatch": disp}
+
+
+def run_format_gemm(profile: str, out_dir=None, presets: tuple[str, ...] = PRESETS, budget_s: float = 150.0,
+                    timing_s: float = 80.0) -> tuple[Path, dict] | None:
+    """This run's ``format_gemm`` record (its path and data), the one notebooks 04, 06 and 08 read: under the
+    ``gpu`` profile it is measured now (``measure`` of ``presets`` within ``budget_s`` + ``timing_s``, then
+    ``write_records``) unless the run already holds one covering ``presets``, which is reused; under the ``cpu``
+    and ``ci`` profiles the run's record if one exists, else None (read the committed GPU records instead)."""
+    from labkit.bench import output_dir
+    from labkit.checks import check_choice
+
+    check_choice("profile", profile, ("ci", "cpu", "gpu"))
+    fresh = Path(out_dir or output_dir()) / "records" / "format_gemm.json"
+    held = json.loads(fresh.read_text())["data"] if fresh.exists() else None
+    if profile == "gpu" and (held is None or not set(presets) <= set(held.get("presets", ()))):
+        write_records(measure(presets=presets, budget_s=budget_s, timing_s=timing_s), out_dir=out_dir)
+        held = json.loads(fresh.read_text())["data"]
+    return (fresh, held) if held is not None else None
 
 
 def available(name: str, device: str = "cpu") -> str:
