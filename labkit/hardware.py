@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from labkit.checks import check_choice
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -47,11 +49,10 @@ KNOWN: dict[str, Hardware] = {
 }
 
 
-def get_hardware(name: str) -> Hardware:
-    """A ``Hardware`` row by key (``h200``, ``h100``, ``a100``, ``cpu``)."""
-    if name not in KNOWN:
-        raise ValueError(f"hardware={name!r} is unknown; allowed: {sorted(KNOWN)}")
-    return KNOWN[name]
+def get_hardware(key: str, name: str = "hardware") -> Hardware:
+    """A ``Hardware`` row by key (``h200``, ``h100``, ``a100``, ``cpu``); an error names the caller's argument
+    ``name``."""
+    return KNOWN[check_choice(name, key, sorted(KNOWN))]
 
 
 def device_name(device: torch.device | str | None = None) -> str:

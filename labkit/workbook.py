@@ -153,9 +153,13 @@ def markdown_numbers(source: Path | str, allowed: tuple[str, ...] = ()) -> list[
 
 
 def list_notebooks(only: list[str] | None = None) -> list[Path]:
-    """Notebooks in reading order, optionally those whose number or name is in ``only``."""
+    """Notebooks in reading order, optionally those whose number or name is in ``only`` (None: all; an empty list or
+    a single string is refused, never read as all)."""
     nbs = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
-    if only:
+    if only is not None:
+        if isinstance(only, str) or not only:
+            raise ValueError(f"only={only!r} must be a non-empty list of notebook numbers or names (None: every "
+                             f"notebook); allowed: {[nb.stem for nb in nbs]}")
         picked = [nb for nb in nbs if any(nb.stem == o or nb.stem.split("_")[0] == o for o in only)]
         unknown = [o for o in only if not any(nb.stem == o or nb.stem.split("_")[0] == o for nb in nbs)]
         if unknown:
