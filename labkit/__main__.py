@@ -89,10 +89,10 @@ def _claims(args) -> int:
     from labkit.claims import check_all
     from labkit.claims_report import claims_table, write_figures
 
-    checks = check_all()
+    checks = check_all(args.summary, args.sources)
     print(claims_table(checks))
     if args.write:
-        print(f"wrote {write_figures(checks)}")
+        print(f"wrote {write_figures(checks, args.summary)}")
     return 1 if any(ch.status in ("false", "refused") for ch in checks) else 0
 
 
@@ -187,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
                                        "applies to (a table claim x machine); exit 1 if one is false or refused")
     cl.add_argument("--write", action="store_true",
                     help="also record workbook.claims_checked / claims_false / claims_vacuous")
+    cl.add_argument("--summary", default=None, metavar="JSON", help="the summary to check against (default "
+                    "results/summary.json)")
+    cl.add_argument("--sources", nargs="+", type=Path, default=None, metavar="PY",
+                    help="the notebook sources whose claims to check (default notebooks/src/*.py)")
     cl.set_defaults(fn=_claims)
     b = sub.add_parser("build-notebooks", help="build notebooks/*.ipynb from notebooks/src/*.py")
     b.add_argument("--check", action="store_true", help="only report notebooks out of date; exit 1 if any")

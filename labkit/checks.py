@@ -91,6 +91,15 @@ def check_type(name: str, value, types: type | tuple[type, ...], what: str | Non
     return value
 
 
+def check_attrs(name: str, value, attrs: Iterable[str], what: str):
+    """An object with every attribute in ``attrs`` (a duck type; ``what`` says in words what is expected)."""
+    missing = [a for a in attrs if not hasattr(value, a)]
+    if missing:
+        raise ArgumentTypeError(f"{name} must be {what}, got {type(value).__name__} {value!r:.60} (it has no "
+                                f"{', '.join(missing)})")
+    return value
+
+
 def check_token_ids(name: str, ids, vocab_size: int | None = None, allow_empty: bool = False) -> list[int]:
     """Token ids as a list of ints: from a list or tuple of ints or a 1-D integer tensor or array; every id in
     ``[0, vocab_size)`` (``>= 0`` without one). A string, a single int or floats are refused, not wrapped."""

@@ -300,7 +300,7 @@ def _statement(text: str, by_class: dict, committed: dict) -> str:
     return f"- {text} <sub>stated, not a claim; no figure yet</sub>"
 
 
-def show(*items: Claim | str, title: str = "Takeaways") -> list[ClaimCheck]:
+def show(*items: Claim | str, title: str = "Takeaways", display=None) -> list[ClaimCheck]:
     """Render claims in a notebook as a takeaway box: each sentence from the figures, marked per machine.
 
     A claim is evaluated on this run's figures (``figures.json`` of ``LABKIT_OUT``) for each machine class it applies
@@ -308,9 +308,15 @@ def show(*items: Claim | str, title: str = "Takeaways") -> list[ClaimCheck]:
     reference). Under the ``gpu`` profile a claim that is false or refused on this run's own figures raises
     ``AssertionError`` (the run fails); a figure this run did not record (a notebook it did not run) is shown as not
     checked. Under ``ci`` and ``cpu`` nothing raises. A plain string among the claims is a statement of
-    configuration or arithmetic (a constant is not a claim): rendered from the figures, not checked.
+    configuration or arithmetic (a constant is not a claim): rendered from the figures, not checked. ``display``:
+    where the box's markdown text goes (default: IPython's ``display`` of it as ``Markdown``).
     """
-    from IPython.display import Markdown, display
+    if display is None:
+        from IPython.display import Markdown
+        from IPython.display import display as ipython_display
+
+        def display(text: str) -> None:
+            ipython_display(Markdown(text))
 
     from labkit.bench import output_dir
     path = output_dir() / "figures.json"
@@ -339,7 +345,7 @@ def show(*items: Claim | str, title: str = "Takeaways") -> list[ClaimCheck]:
         for v in here + before:
             if shown is not None and v is not shown and v.status in ("holds", "false") and v.sentence != shown.sentence:
                 lines.append(f"  - {v.machine} {'this run' if id(v) in mine else 'committed'}: {v.sentence}")
-    display(Markdown("\n".join(lines)))
+    display("\n".join(lines))
     if os.environ.get("LABKIT_PROFILE") == "gpu":
         assert not bad, "claims not holding on this run's figures: " + "; ".join(
             f"{v.claim.text!r} on {v.machine} ({v.problem or v.claim.condition})" for v in bad)

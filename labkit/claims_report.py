@@ -41,18 +41,19 @@ def claims_table(checks: list[ClaimCheck], width: int = 72) -> str:
 
 
 def write_figures(checks: list[ClaimCheck], summary: Path | str | None = None) -> Path:
-    """Record the check in a record beside the summary and merge its figures into it: ``workbook.claims_checked``
-    (claims evaluated on at least one machine), ``workbook.claims_false`` and ``workbook.claims_vacuous`` (claims the
-    checker refuses)."""
-    from labkit.bench import RESULTS_DIR, SUMMARY_PATH, run_id, write_record
+    """Record the check in a record beside the summary (``<summary's folder>/cpu/records``) and merge its figures into
+    it: ``workbook.claims_checked`` (claims evaluated on at least one machine), ``workbook.claims_false`` and
+    ``workbook.claims_vacuous`` (claims the checker refuses), and ``workbook.executed_stale`` of that folder."""
+    from labkit.bench import SUMMARY_PATH, run_id, write_record
     from labkit.provenance import stale_executed
 
     summary = Path(summary or SUMMARY_PATH)
+    results = summary.parent
     rows = [{"where": ch.where, "text": ch.claim.text, "condition": ch.claim.condition, "machine": ch.claim.machine,
              "status": ch.status, "problem": ch.problem,
              "machines": {v.machine: {"status": v.status, "sentence": v.sentence, "source": v.source,
                                       "problem": v.problem} for v in ch.verdicts}} for ch in checks]
-    path = write_record("claims", {"claims": rows}, out_dir=RESULTS_DIR / "cpu")
+    path = write_record("claims", {"claims": rows}, out_dir=results / "cpu")
     data = read_summary(summary)
     rel = path.relative_to(summary.parent.parent).as_posix() if summary.parent.parent in path.parents else str(path)
     counts = {"workbook.claims_checked": (sum(ch.status in ("holds", "false") for ch in checks), ">= 60"),
@@ -60,7 +61,7 @@ def write_figures(checks: list[ClaimCheck], summary: Path | str | None = None) -
               "workbook.claims_vacuous": (sum(ch.status == "refused" for ch in checks), "== 0")}
     for name, (value, bar) in counts.items():
         put_figure(data, name, "cpu", value, "claims", rel, run_id(), bar)
-    put_figure(data, "workbook.executed_stale", "cpu", len(stale_executed(RESULTS_DIR)), "executed notebooks", rel,
+    put_figure(data, "workbook.executed_stale", "cpu", len(stale_executed(results)), "executed notebooks", rel,
                run_id(), "== 0")
     write_summary(data, summary)
     return path

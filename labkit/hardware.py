@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from labkit.checks import check_choice
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -47,11 +49,10 @@ KNOWN: dict[str, Hardware] = {
 }
 
 
-def get_hardware(name: str) -> Hardware:
-    """A ``Hardware`` row by key (``h200``, ``h100``, ``a100``, ``cpu``)."""
-    if name not in KNOWN:
-        raise ValueError(f"hardware={name!r} is unknown; allowed: {sorted(KNOWN)}")
-    return KNOWN[name]
+def get_hardware(key: str, name: str = "hardware") -> Hardware:
+    """A ``Hardware`` row by key (``h200``, ``h100``, ``a100``, ``cpu``); an error names the caller's argument
+    ``name``."""
+    return KNOWN[check_choice(name, key, sorted(KNOWN))]
 
 
 def device_name(device: torch.device | str | None = None) -> str:
@@ -61,16 +62,21 @@ def device_name(device: torch.device | str | None = None) -> str:
     return "cpu"
 
 
-def detect(device: torch.device | str | None = None) -> Hardware:
-    """The datasheet row of the present device (the CPU row when there is no GPU)."""
-    name = device_name(device).lower()
+def datasheet_row(name: str) -> Hardware | None:
+    """The row of a device name (``device_name``'s: ``NVIDIA H200``, ``cpu``), or None for a part with none."""
+    name = name.lower()
     if name == "cpu":
         return KNOWN["cpu"]
-    for key in ("h200", "h100", "a100"):
-        if key in name:
-            return KNOWN[key]
-    raise ValueError(f"no datasheet row for {device_name(device)!r}; known: {sorted(KNOWN)}. "
-                     "Use measure_ceilings() for measured numbers.")
+    return next((KNOWN[key] for key in ("h200", "h100", "a100") if key in name), None)
+
+
+def detect(device: torch.device | str | None = None) -> Hardware:
+    """The datasheet row of the present device (the CPU row when there is no GPU)."""
+    hw = datasheet_row(device_name(device))
+    if hw is None:
+        raise ValueError(f"no datasheet row for {device_name(device)!r}; known: {sorted(KNOWN)}. "
+                         "Use measure_ceilings() for measured numbers.")
+    return hw
 
 
 def _time(fn, device: torch.device, iters: int) -> float:
@@ -120,14 +126,12 @@ def measure_ceilings(device: torch.device | str | None = None, iters: int = 20) 
     return out
 
 
-def datasheet_bandwidth(device: torch.device | str | None = None) -> float | None:
-    """The vendor's peak memory bandwidth (bytes/s) of the device, or None without a datasheet row (the CPU,
-    an unlisted GPU): no kernel reads faster, so it bounds every bandwidth-limited ratio from above."""
-    try:
-        hw = detect(device)
-    except ValueError:
-        return None
-    return hw.mem_bandwidth if hw.source == "datasheet" else None
+def datasheet_bandwidth(device: torch.device | str | None = None, name: str | None = None) -> float | None:
+    """The vendor's peak memory bandwidth (bytes/s) of the device (or of the device ``name``), or None without a
+    datasheet row (the CPU, an unlisted GPU): no kernel reads faster, so it bounds every bandwidth-limited ratio from
+    above."""
+    hw = datasheet_row(device_name(device) if name is None else name)
+    return hw.mem_bandwidth if hw is not None and hw.source == "datasheet" else None
 
 
 def measured_hardware(ceilings: dict, base: Hardware | None = None) -> Hardware:

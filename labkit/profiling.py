@@ -112,7 +112,7 @@ def roofline(spec, hardware: Hardware, batch: int, context: int, phase: str, dty
     ``dtype``), activations in ``dtype``. Attention is counted as a fused (flash) kernel: Q, K, V read once, O
     written once, no score matrix in memory.
     """
-    spec = get_config(spec)
+    spec = get_config(spec, "spec")
     if phase not in PHASES:
         raise ValueError(f"phase={phase!r} is unknown; allowed: {list(PHASES)}")
     if batch < 1 or context < 1:

@@ -15,6 +15,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from labkit.data import REPO_ROOT
@@ -153,9 +154,13 @@ def markdown_numbers(source: Path | str, allowed: tuple[str, ...] = ()) -> list[
 
 
 def list_notebooks(only: list[str] | None = None) -> list[Path]:
-    """Notebooks in reading order, optionally those whose number or name is in ``only``."""
+    """Notebooks in reading order, optionally those whose number or name is in ``only`` (None: all; an empty list or
+    a single string is refused, never read as all)."""
     nbs = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
-    if only:
+    if only is not None:
+        if isinstance(only, str) or not only:
+            raise ValueError(f"only={only!r} must be a non-empty list of notebook numbers or names (None: every "
+                             f"notebook); allowed: {[nb.stem for nb in nbs]}")
         picked = [nb for nb in nbs if any(nb.stem == o or nb.stem.split("_")[0] == o for o in only)]
         unknown = [o for o in only if not any(nb.stem == o or nb.stem.split("_")[0] == o for nb in nbs)]
         if unknown:
@@ -252,14 +257,17 @@ def summary_markdown(figures: dict, timings: dict[str, float], profile: str, com
 
 
 def run_workbook(profile: str = "auto", only: list[str] | None = None, out: str | Path = "out/workbook",
-                 timeout: int = 1800) -> int:
+                 timeout: int = 1800, execute: Callable[[Path, Path, str, int], float] | None = None) -> int:
     """Execute the notebooks headless; write executed copies, records, ``figures.json``, ``summary.md`` and
     ``index.html`` (every executed notebook as an HTML page, the summary, the capstone's answer: ``labkit.site``).
     Every figure of the run carries one run id (``$LABKIT_RUN_ID`` when set, else the start time and commit), so
     that a claim comparing figures of two notebooks compares one run's.
 
-    Returns 0, or 1 after naming the notebook and cell that failed (the remaining notebooks still run).
+    ``execute(notebook, out_dir, profile, timeout) -> seconds`` runs one notebook (default ``execute_notebook``,
+    papermill; raises ``RuntimeError`` naming the failed cell). Returns 0, or 1 after naming the notebook and cell
+    that failed (the remaining notebooks still run).
     """
+    execute = execute or execute_notebook
     from tqdm.auto import tqdm
 
     profile = resolve_profile(profile)
@@ -280,7 +288,7 @@ def run_workbook(profile: str = "auto", only: list[str] | None = None, out: str 
         t0, cpu0 = time.perf_counter(), _children_cpu_s()
         try:
             with environ(LABKIT_RUN_ID=run):
-                timings[nb.stem] = execute_notebook(nb, out_dir, profile, timeout)
+                timings[nb.stem] = execute(nb, out_dir, profile, timeout)
         except RuntimeError as e:
             timings[nb.stem] = time.perf_counter() - t0
             failed[nb.stem] = str(e)

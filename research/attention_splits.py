@@ -35,9 +35,14 @@ TILES = [dict(BLOCK_N=n, num_warps=4, num_stages=s) for n, s in itertools.produc
 POOLS = 48
 
 
+def _attention(q, k, v, tables, lens, num_splits=None, tile=None):
+    """``paged_attention`` with the split kernel's ``tile`` (the product's takes its own: ``pa._launch``)."""
+    return pa._launch(q, k, v, tables, lens, None, num_splits, None, None, "", tile)
+
+
 def _run_all(q, pools, tables, lens, **kw) -> None:
     for k, v in pools:
-        pa.paged_attention(q, k, v, tables, lens, **kw)
+        _attention(q, k, v, tables, lens, **kw)
 
 
 def _bench_ms(fn) -> float:
@@ -60,7 +65,7 @@ def _time_row(row: dict, q, pools, tables, lens, ref, **kw) -> dict:
     """``row`` with the microseconds per call of ``paged_attention(**kw)`` and its largest difference from the
     single-pass kernel (an error the compiler raises is recorded instead)."""
     try:
-        out = pa.paged_attention(q, *pools[0], tables, lens, **kw)
+        out = _attention(q, *pools[0], tables, lens, **kw)
         row["max_abs_diff_vs_one_pass"] = float((out.float() - ref.float()).abs().max())
         row["us"] = _bench_ms(partial(_run_all, q, pools, tables, lens, **kw)) * 1e3 / len(pools)
     except Exception as e:  # a tile the compiler refuses: record it, go on
@@ -86,7 +91,7 @@ def _sweep_context(ctx: int, device, pools: int = POOLS, splits_tiles=None) -> l
     print(f"ctx {ctx}: default ({auto} ranges) {rows[-1].get('us', -1):.2f} us", flush=True)
     for splits, tile in splits_tiles or itertools.product(SPLITS, TILES):
         rows.append(_time_row(dict(context=ctx, num_splits=splits, tile=tile), *data, num_splits=splits,
-                              config=tile if device.type == "cuda" else None))
+                              tile=tile if device.type == "cuda" else None))
     for r in sorted((r for r in rows if "us" in r), key=lambda r: r["us"])[:8]:
         print(f"ctx {ctx}: {r['num_splits']:>2} ranges {r['tile']}: {r['us']:.2f} us", flush=True)
     return rows

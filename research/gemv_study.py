@@ -58,6 +58,7 @@ from labkit.kernels.quantized_matmul import (
     w4a16_matmul,
     w8a16_matmul,
 )
+from labkit.kernels.quantized_matmul.stationary import w8_gemv_xs
 from labkit.kernels.quantized_matmul.tuning import SPLITK_CANDIDATES
 
 # (N, K) of the 8B decode step's linears: the engine merges q/k/v and gate/up; Hugging Face's model does not
@@ -237,14 +238,16 @@ def _fused_input(key: tuple, make):
 
 
 def launch_xs(kind: str, x, w: tuple, n: int, k: int, cfg: dict):
-    """The stationary GEMV (``w4xs``: ``w4a16_matmul``; ``w8xs``: ``w8a16_matmul(stationary=True)``) on one row
+    """The stationary GEMV (``w4xs``: ``w4a16_matmul``; ``w8xs``: ``w8a16_matmul`` with a neighbour, its launcher
+    ``w8_gemv_xs`` for a bare product, which ``w8a16_matmul`` gives the split-K GEMV) on one row
     ``x`` with the tile ``cfg`` as tuning data (``PDL``: ``pdl="overlap"``; ``FUSE``: ``"norm"``, an RMSNorm weight of
     ones, or ``"residual"``, a residual row)."""
     cfg = dict(cfg)
     fuse, pdl = cfg.pop("FUSE", None), "overlap" if cfg.pop("PDL", False) else ""
     bits = 4 if kind == "w4xs" else 8
     rule = _rule(bits, cfg)
-    if stationary_plan(n, k, GROUP if bits == 4 else 4, rule, SMS) is None:
+    plan = stationary_plan(n, k, GROUP if bits == 4 else 4, rule, SMS)
+    if plan is None:
         raise ValueError(f"no whole stationary tiles of {cfg} in N={n}, K={k}")
     tuning = replace(HOPPER, **{"w4_stationary" if bits == 4 else "w8_stationary": rule})
     extra = {}
@@ -254,7 +257,9 @@ def launch_xs(kind: str, x, w: tuple, n: int, k: int, cfg: dict):
         extra["residual"] = _fused_input(("res", n), lambda: torch.randn(1, n, device=x.device, dtype=x.dtype))
     if bits == 4:
         return w4a16_matmul(x, *w, GROUP, pdl=pdl, tuning=tuning, **extra)
-    return w8a16_matmul(x, *w, pdl=pdl, stationary=True, tuning=tuning, **extra)
+    if extra or pdl:
+        return w8a16_matmul(x, *w, pdl=pdl, tuning=tuning, **extra)
+    return w8_gemv_xs(x.reshape(1, k), w[0].view(torch.int32), w[1], plan)
 
 
 def launch_splitk(kind: str, x, w: tuple, n: int, k: int, cfg: dict | None):

@@ -156,3 +156,40 @@ def test_allowances_are_still_needed():
     real = import_graph()
     stale = sorted(f"{a} -> {b}" for a, b in ALLOWED if b not in real.get(a, set()))
     assert not stale, f"these edges are gone: remove them from ALLOWED in {Path(__file__).name}: {stale}"
+
+
+PRODUCT = ("model", "engine", "kvcache", "kernels", "quant", "parallel")
+MAX_STEP_FILES = 16  # nano-vllm's decode step touches 14 files
+
+
+def test_a_bf16_decode_step_touches_at_most_16_product_files():
+    """The files of the product packages a bf16 decode step enters (``LLMEngine.step`` traced with
+    ``sys.setprofile`` on the CPU): a reader follows a step through at most ``MAX_STEP_FILES`` of them."""
+    import sys
+
+    import torch
+
+    from labkit.engine import LLMEngine, SamplingParams
+    from labkit.model import ModelConfig, from_config
+
+    cfg = ModelConfig(name="micro", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                      num_kv_heads=1, max_position_embeddings=64)
+    engine = LLMEngine(from_config(cfg, dtype=torch.bfloat16), num_blocks=16, block_size=4, max_num_seqs=2)
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()  # the prefill; the next step decodes
+    roots = tuple(str(LABKIT / p) + "/" for p in PRODUCT)
+    files: set[str] = set()
+
+    def profile(frame, event, arg):
+        if frame.f_code.co_filename.startswith(roots):
+            files.add(frame.f_code.co_filename)
+
+    sys.setprofile(profile)
+    try:
+        out = engine.step()
+    finally:
+        sys.setprofile(None)
+    assert len(out) == 1 and engine.stats.decode_tokens == 1
+    names = sorted(Path(f).relative_to(LABKIT).as_posix() for f in files)
+    assert "model/layers.py" in names and "engine/scheduler.py" in names, names  # the trace sees the step
+    assert len(names) <= MAX_STEP_FILES, names

@@ -45,7 +45,7 @@ def test_serve_checks_the_whole_workload_before_running(tiny_model):
     wl = [RequestSpec(i, 0.01 * i, tuple(p), 3) for i, p in enumerate(prompts)]
     bad = [*wl[:3], RequestSpec(3, 0.03, (1, 9000, 2), 3), *wl[4:]]
     streamed = []
-    with pytest.raises(ValueError, match="request 3: prompt token 1 is 9000"):
+    with pytest.raises(ValueError, match=r"request 3: prompt\[1\] is 9000"):
         serve(engine, bad, on_token=streamed.append, progress=False)
     assert not streamed and not engine.has_unfinished() and engine.cache.allocator.num_used == 0  # nothing ran
     with pytest.raises(ValueError, match="request ids repeat"):

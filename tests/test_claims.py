@@ -223,10 +223,7 @@ def test_check_all_report_and_figures(tmp_path, monkeypatch):
     assert "FALSE" in row and "holds" in row  # false on the H100, holds on the H200: one row, two columns
     assert "FALSE 03_z.py:1: h100: condition 'engine.speedup > 2' is false" in text
     assert "REFUSED 03_z.py:5: refused (vacuous)" in text and "boolean-as-number" in text
-    import labkit.bench as bench
-
-    monkeypatch.setattr(bench, "RESULTS_DIR", tmp_path / "results")
-    write_figures(checks, path)
+    write_figures(checks, path)  # its record beside the summary: tmp_path/cpu/records
     cpu = read_summary(path)["figures"]
     assert cpu["workbook.claims_checked"]["machines"]["cpu"]["value"] == 2
     assert cpu["workbook.claims_false"]["machines"]["cpu"]["value"] == 1
@@ -235,10 +232,7 @@ def test_check_all_report_and_figures(tmp_path, monkeypatch):
 
 
 def test_show_judges_this_runs_figures_and_raises_under_gpu(tmp_path, monkeypatch):
-    import IPython.display
-
     shown = []
-    monkeypatch.setattr(IPython.display, "display", lambda md: shown.append(md.data))
     monkeypatch.setenv("LABKIT_OUT", str(tmp_path))
     monkeypatch.setenv("LABKIT_RUN_ID", "this-run")
     from labkit.bench import record_figure
@@ -246,13 +240,13 @@ def test_show_judges_this_runs_figures_and_raises_under_gpu(tmp_path, monkeypatc
     record_figure("engine.speedup", 0.9, "x", tmp_path / "r.json", out_dir=tmp_path, machine="NVIDIA H200")
     claim = Claim("The engine is {engine.speedup:.1f}x faster", "engine.speedup > 1", machine="gpu")
     monkeypatch.setenv("LABKIT_PROFILE", "cpu")
-    checks = C.show(claim)
+    checks = C.show(claim, display=shown.append)
     assert any(v.machine == "h200" and v.status == "false" and v.source == "this run" for v in checks[0].verdicts)
     assert "The engine is 0.9x faster" in shown[-1] and "does not hold" in shown[-1]
     monkeypatch.setenv("LABKIT_PROFILE", "gpu")
     with pytest.raises(AssertionError, match="not holding on this run's figures"):
-        C.show(claim)
-    C.show(Claim("{engine.other}", "engine.other > 1", machine="gpu"))  # not in this run: shown, not raised
+        C.show(claim, display=shown.append)
+    C.show(Claim("{engine.other}", "engine.other > 1", machine="gpu"), display=shown.append)  # not in this run
 
 
 def test_the_workbook_claims_hold():
@@ -264,18 +258,15 @@ def test_the_workbook_claims_hold():
     assert sum(ch.status == "holds" for ch in checks) >= 60, claims_table(checks)
 
 
-def test_the_cli_exits_1_on_a_false_or_refused_claim(monkeypatch, capsys):
+def test_the_cli_exits_1_on_a_false_or_refused_claim(tmp_path, capsys):
     from labkit.__main__ import main
 
-    s = summary(h200=("NVIDIA H200", "r", {"engine.speedup": 0.5}))
-    for cond, code in (("engine.speedup < 1", 0), ("engine.speedup > 1", 1), ("1 > 0", 1)):
-        try:
-            item = Claim("s", cond, machine="gpu")
-        except ClaimRefused as e:
-            item = RefusedClaim("s", cond, "gpu", str(e))
-        checks = [C.ClaimCheck(item, "09_x.py:1", [] if isinstance(item, RefusedClaim) else check_claim(item, s))]
-        monkeypatch.setattr(C, "check_all", lambda checks=checks: checks)
-        assert main(["claims"]) == code, cond
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps(summary(h200=("NVIDIA H200", "r", {"engine.speedup": 0.5}))))
+    src = tmp_path / "09_x.py"
+    for cond, code in (("engine.speedup < 1", 0), ("engine.speedup > 1", 1), ("1 > 0", 1)):  # holds, false, refused
+        src.write_text(f"Claim('s', {cond!r}, machine='gpu')\n")
+        assert main(["claims", "--summary", str(path), "--sources", str(src)]) == code, cond
         assert "claims checked" in capsys.readouterr().out
 
 

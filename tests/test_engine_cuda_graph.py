@@ -183,9 +183,11 @@ class HostGraphs(StepGraphs):
         return 0
 
 
-def host_graph_runner(model, cache, monkeypatch, sizes=(1, 2, 4), token_sizes=(), **kw) -> ModelRunner:
-    runner = ModelRunner(model, cache, cuda_graphs=False, **kw)
-    runner.graphs = HostGraphs(runner, list(sizes), monkeypatch, list(token_sizes))
+def host_graph_runner(model, cache, monkeypatch, sizes=(1, 2, 4), token_sizes=(), runner=ModelRunner,
+                      graphs=None, **kw) -> ModelRunner:
+    """A ``runner`` (``ModelRunner`` or a subclass) whose steps replay ``graphs`` (``HostGraphs`` or a subclass)."""
+    runner = runner(model, cache, cuda_graphs=False, **kw)
+    runner.graphs = (graphs or HostGraphs)(runner, list(sizes), monkeypatch, list(token_sizes))
     return runner
 
 
@@ -348,32 +350,32 @@ def test_host_graphs_catch_host_values(tiny_model, monkeypatch):
     """The stand-in fails a step that reads device values on the host, bakes a per-step host value in, or reads a
     buffer re-allocated after capture."""
     model = tiny_model[0]
-    forward = ModelRunner.forward
 
-    def reads_item(self, inp):
-        _ = int(inp.context_lens.max())  # e.g. a split count picked from the longest context
-        return forward(self, inp)
+    class ReadsItem(ModelRunner):
+        def forward(self, inp):
+            _ = int(inp.context_lens.max())  # e.g. a split count picked from the longest context
+            return super().forward(inp)
 
-    def reads_tolist(self, inp):
-        _ = inp.positions.tolist()
-        return forward(self, inp)
+    class ReadsToList(ModelRunner):
+        def forward(self, inp):
+            _ = inp.positions.tolist()
+            return super().forward(inp)
 
-    calls = []
+    class HostCounter(ModelRunner):  # a host value that changes per step, used in the step
+        calls = 0
 
-    def host_counter(self, inp):  # a host value that changes per step, used in the step
-        calls.append(1)
-        return forward(self, inp) * (1 + len(calls) % 2)
+        def forward(self, inp):
+            self.calls += 1
+            return super().forward(inp) * (1 + self.calls % 2)
 
-    for bad, match in ((reads_item, "reads a device value"), (reads_tolist, r"\.tolist\(\)")):
-        with monkeypatch.context() as m:
-            m.setattr(ModelRunner, "forward", bad)
-            with pytest.raises(HostReadError, match=match):
-                host_graph_runner(model, nan_cache(model, num_blocks=8, block_size=16), monkeypatch, sizes=(1,))
-    with monkeypatch.context() as m:
-        m.setattr(ModelRunner, "forward", host_counter)
-        runner = host_graph_runner(model, nan_cache(model, num_blocks=8, block_size=16), monkeypatch, sizes=(1,))
-        with pytest.raises(AssertionError, match="differs from its capture"):
-            runner.graphs.graphs[GraphKey("decode", 1, 1)].replay()
+    for bad, match in ((ReadsItem, "reads a device value"), (ReadsToList, r"\.tolist\(\)")):
+        with pytest.raises(HostReadError, match=match):
+            host_graph_runner(model, nan_cache(model, num_blocks=8, block_size=16), monkeypatch, sizes=(1,),
+                              runner=bad)
+    runner = host_graph_runner(model, nan_cache(model, num_blocks=8, block_size=16), monkeypatch, sizes=(1,),
+                               runner=HostCounter)
+    with pytest.raises(AssertionError, match="differs from its capture"):
+        runner.graphs.graphs[GraphKey("decode", 1, 1)].replay()
     cache = nan_cache(model, num_blocks=8, block_size=16)
     runner = host_graph_runner(model, cache, monkeypatch, sizes=(1,))
     runner.graphs.graphs[GraphKey("decode", 1, 1)].replay()
@@ -393,11 +395,13 @@ def test_check_graph_replays_passes_and_catches_a_kept_output_buffer(tiny_model,
     assert len(rows) == 8 and all(r["ok"] for r in rows) and {r["graph"] for r in rows} == {1, 2, 4}
     assert runner.cache.allocator.num_used == 1 and max(r["relative_error"] for r in rows) <= 1e-5  # the scratch
 
-    def hands_back_the_buffer(self, longs, ints, key, num_seqs):
-        StepGraphs.run_packed(self, longs, ints, key, num_seqs)
-        return self.logits[key][:num_seqs]
+    class HandsBackTheBuffer(HostGraphs):
+        def run_packed(self, longs, ints, key, num_seqs):
+            super().run_packed(longs, ints, key, num_seqs)
+            return self.logits[key][:num_seqs]
 
-    monkeypatch.setattr(HostGraphs, "run_packed", hands_back_the_buffer)
+    runner = host_graph_runner(model, nan_cache(model, num_blocks=20, block_size=16), monkeypatch, max_model_len=64,
+                               graphs=HandsBackTheBuffer)
     bad = [(r["round"], r["batch"]) for r in check_graph_replays(model, rounds=2, runner=runner) if not r["ok"]]
     assert bad and (1, 4) not in bad and (0, 3) in bad
 

@@ -96,9 +96,9 @@ def test_same_seed_and_index_repeat_other_index_differs():
     (dict(max_tokens=True), "max_tokens=True must be an int"),
     (dict(top_p="1"), "top_p='1' must be a number"),
     (dict(ignore_eos="no"), "ignore_eos='no' must be True or False"),
-    (dict(stop_token_ids=(1.5,)), r"stop_token_ids=\(1.5,\): 1.5 is not a token id"),
-    (dict(stop_token_ids="2"), "stop_token_ids='2' must be an int or a sequence"),
-    (dict(eos_token_ids=[-1]), r"eos_token_ids=\(-1,\): -1 is not a token id"),
+    (dict(stop_token_ids=(1.5,)), r"stop_token_ids\[0\] is 1.5 \(float\); token ids must be ints"),
+    (dict(stop_token_ids="2"), "stop_token_ids must be a list of token ids"),
+    (dict(eos_token_ids=[-1]), r"eos_token_ids\[0\] is -1, outside the vocabulary"),
 ])
 def test_bad_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -110,7 +110,9 @@ def test_row_count_mismatch():
         Sampler()(torch.zeros(2, 5), [SamplingParams()], [0], [0])
 
 
-def test_eos_token_ids_accepts_one_id_or_a_list():
-    assert SamplingParams(eos_token_ids=5).eos_token_ids == (5,)
+def test_token_ids_take_a_list_never_one_id():
+    for name in ("eos_token_ids", "stop_token_ids"):  # one id is refused, not wrapped (issue 41)
+        with pytest.raises(TypeError, match=f"{name} must be a list of token ids .ints., got int 5"):
+            SamplingParams(**{name: 5})
     assert SamplingParams(eos_token_ids=[128001, 128009]).eos_token_ids == (128001, 128009)
     assert SamplingParams().eos_token_ids is None

@@ -28,17 +28,17 @@ def test_finishes_at_stop_eos_or_length():
 
 
 def test_bad_requests():
-    with pytest.raises(ValueError, match="prompt is empty"):
+    with pytest.raises(ValueError, match="request 0: prompt_token_ids is empty"):
         Request(0, [])
     with pytest.raises(TypeError, match="must be a SamplingParams"):
         Request(0, [1], params={"max_tokens": 3})
     with pytest.raises(ValueError, match="no token yet"):
         Sequence(Request(0, [1]), 0).metrics()
-    with pytest.raises(TypeError, match=r"token 1 is 2.5 \(float\)"):
+    with pytest.raises(TypeError, match=r"prompt_token_ids\[1\] is 2.5 \(float\)"):
         Request(0, [1, 2.5])  # was truncated to 2
-    with pytest.raises(TypeError, match="token 0 is True"):
+    with pytest.raises(TypeError, match=r"prompt_token_ids\[0\] is True"):
         Request(0, [True])
-    with pytest.raises(ValueError, match=r"token 1 is -5, outside the vocabulary; allowed: >= 0"):
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[1\] is -5, outside the vocabulary; allowed: >= 0"):
         Request(0, [1, -5])
     with pytest.raises(TypeError, match="got str"):
         Request(0, "hello")
@@ -48,7 +48,7 @@ def test_prompt_token_list_checks_the_vocabulary_and_types():
     assert prompt_token_list(torch.tensor([3, 4]), 8) == [3, 4]
     assert prompt_token_list(np.array([3, 4], dtype=np.int32), 8) == [3, 4]
     assert prompt_token_list((np.int64(7),), 8) == [7]
-    with pytest.raises(ValueError, match=r"request 3: prompt token 1 is 8, outside the vocabulary; allowed: \[0, 8\)"):
+    with pytest.raises(ValueError, match=r"request 3: prompt\[1\] is 8, outside the vocabulary; allowed: \[0, 8\)"):
         prompt_token_list([0, 8], 8, request_id=3)
     with pytest.raises(TypeError, match="1-D integer tensor"):
         prompt_token_list(torch.tensor([1.0, 2.0]), 8)

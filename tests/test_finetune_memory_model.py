@@ -182,7 +182,7 @@ def test_bad_setup(kwargs, match):
 def test_bad_targets_and_sizes():
     with pytest.raises(ValueError, match="gate_proj"):
         training_memory("gpt3-175b", TrainSetup(method="lora", lora_targets=("gate_proj",)))
-    with pytest.raises(ValueError, match="preset"):
+    with pytest.raises(ValueError, match="spec='gpt-5' is unknown"):
         training_memory("gpt-5", TrainSetup())
     with pytest.raises(ValueError, match="context_len"):
         inference_memory(TINY, batch_size=1, context_len=0)

@@ -22,14 +22,12 @@ def test_unknown_hardware():
         get_hardware("tpu")
 
 
-def test_datasheet_bandwidth_of_known_and_unknown_parts(monkeypatch):
+def test_datasheet_bandwidth_of_known_and_unknown_parts():
     import labkit.hardware as hw
 
     assert hw.datasheet_bandwidth("cpu") is None  # the CPU row is nominal, not a datasheet
-    monkeypatch.setattr(hw, "device_name", lambda device=None: "NVIDIA H200")
-    assert hw.datasheet_bandwidth() == 4.8e12
-    monkeypatch.setattr(hw, "device_name", lambda device=None: "NVIDIA B200")
-    assert hw.datasheet_bandwidth() is None
+    assert hw.datasheet_bandwidth(name="NVIDIA H200") == 4.8e12
+    assert hw.datasheet_bandwidth(name="NVIDIA B200") is None and hw.datasheet_row("NVIDIA B200") is None
 
 
 def test_measure_ceilings_carries_the_datasheet_bandwidth():

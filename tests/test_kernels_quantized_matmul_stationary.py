@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from labkit.evaluate import relative_error
-from labkit.kernels.common import next_pow2
+from labkit.kernels.common import KernelLog, next_pow2
 from labkit.kernels.quantized_matmul import (
     StationaryRule,
     StationaryTile,
@@ -24,7 +24,6 @@ from labkit.kernels.quantized_matmul import (
     w8a16_matmul_ref,
     w8a16_qkv_rope_cache,
 )
-from labkit.kernels.quantized_matmul import matmul as qmm
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on the CPU, compiled on CUDA
@@ -56,36 +55,44 @@ def _tile(block_n, block_k, row_steps=None, num_warps=1, reduce_floats=4096):
     return replace(tuning_for(torch.device(DEVICE)), w4_stationary=rule, w8_stationary=rule)
 
 
-def _spy(monkeypatch, name: str) -> list[tuple]:
-    """Wrap the public functions' stationary launcher ``name`` (``w4_gemv_xs`` / ``w8_gemv_xs``): the returned list
-    gets each call's ``(plan, keyword arguments)``."""
-    real, calls = getattr(qmm, name), []
+class Launches(KernelLog):
+    """The launches of one stationary launcher (``w4_gemv_xs`` / ``w8_gemv_xs``) that the calls handed it as ``log=``
+    recorded (the public kernel log of ``labkit.kernels.common``): ``KernelCall`` s with their plan and neighbours."""
 
-    def spy(*a, **kw):
-        calls.append((a[-1], kw))
-        return real(*a, **kw)
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
 
-    monkeypatch.setattr(qmm, name, spy)
-    return calls
-
-
-def _kwargs(calls: list[tuple]) -> list[list[str]]:
-    """The neighbours each spied launch took in, by name."""
-    return [sorted(kw) for _, kw in calls]
+    def record(self, op, kernel, *args, **kwargs) -> None:
+        if kernel == self.name:
+            super().record(op, kernel, *args, **kwargs)
 
 
-def _layer(fmt, n, k, dtype, seed, group=64, scale=1.0, tuning=None):
+def _kwargs(calls: Launches) -> list[list[str]]:
+    """The neighbours each launch took in, by name (``pdl`` too where it was set)."""
+    return [sorted(c.fused + (("pdl",) if c.pdl else ())) for c in calls]
+
+
+def _zero_residual(x: torch.Tensor, n: int, kw: dict) -> dict:
+    """``kw`` with a zero residual where it asks for no neighbour: an int8 product on the stationary GEMV, the kernel
+    a fused one takes (a bare one keeps the split-K GEMV), with a bare product's bits (``y + 0`` is ``y``)."""
+    if kw.get("swiglu") or kw.get("pdl") or kw.get("norm_weight") is not None or kw.get("residual") is not None:
+        return kw
+    return {**kw, "residual": torch.zeros(*x.shape[:-1], n, dtype=x.dtype, device=x.device)}
+
+
+def _layer(fmt, n, k, dtype, seed, group=64, scale=1.0, tuning=None, log=None):
     """Random weights ``[n, k]`` of ``fmt`` (scales in ``dtype``, times ``scale``) as ``(matmul, ref)``:
-    ``matmul(x, **neighbours)`` (``w4a16_matmul`` / ``w8a16_matmul``; int8 with ``stationary=True``, so that a bare
-    product runs on the same kernel as a fused one: comparable bits) and its float64 reference."""
-    opts = {} if tuning is None else {"tuning": tuning}
+    ``matmul(x, **neighbours)`` (``w4a16_matmul`` / ``w8a16_matmul``; int8's bare product with a zero residual, so
+    that it runs on the same kernel as a fused one: comparable bits) and its float64 reference."""
+    opts = {"log": log, **({} if tuning is None else {"tuning": tuning})}
     if fmt == "int4":
         packed, scales, zeros = _int4(n, k, group, seed)
         args = (packed, (scales * scale).to(dtype), zeros.to(dtype), group)
         return (lambda x, **kw: w4a16_matmul(x, *args, **opts, **kw)), (lambda x: w4a16_matmul_ref(x.double(), *args))
     q, s = _int8(n, k, seed)
     args = (q, (s * scale).to(dtype))
-    return ((lambda x, **kw: w8a16_matmul(x, *args, **opts, **{"stationary": True, **kw})),
+    return ((lambda x, **kw: w8a16_matmul(x, *args, **opts, **_zero_residual(x, n, kw))),
             (lambda x: w8a16_matmul_ref(x.double(), *args)))
 
 
@@ -112,16 +119,16 @@ XS_TILES = [(8, 128, 1), (8, 128, 4), (16, 64, 2), (4, 256, 8)]
 @pytest.mark.parametrize("tile", XS_TILES)
 @pytest.mark.parametrize("group", [32, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_w4a16_gemv_stationary_activations(monkeypatch, tile, group, dtype):
+def test_w4a16_gemv_stationary_activations(tile, group, dtype):
     bn, bk, steps = tile
     n, k = 2 * bn * steps, 5 * max(bk, group) if group < 256 else 3 * max(bk, group)
-    launched = _spy(monkeypatch, "w4_gemv_xs")
+    launched = Launches("w4_gemv_xs")
     packed, scales, zeros = _int4(n, k, group, seed=50)
     packed[0, 0] = 0xF0  # q = 0 and 15 in one byte
     x = _x((1, k), dtype, seed=51)
     args = (packed, scales.to(dtype), zeros.to(dtype), group)
-    out = w4a16_matmul(x, *args, tuning=_tile(bn, bk, steps))
-    plan = launched[0][0]
+    out = w4a16_matmul(x, *args, tuning=_tile(bn, bk, steps), log=launched)
+    plan = launched[0].plan
     assert plan.row_steps == steps and plan.block_k == max(bk, group) and plan.pair_words
     assert relative_error(out, w4a16_matmul_ref(x.double(), *args)) < TOL[dtype]
     assert torch.equal(w4a16_matmul(x, *args, tuning=_tile(bn, bk, steps)), out)  # slices summed in a fixed order
@@ -131,24 +138,25 @@ def test_w4a16_gemv_stationary_activations(monkeypatch, tile, group, dtype):
 
 @pytest.mark.parametrize("group", [8, 16, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_w4a16_stationary_word_pairs(monkeypatch, group, dtype):
+def test_w4a16_stationary_word_pairs(group, dtype):
     """Word pairs (two words' sixteen products in the same float16 lanes; groups of 8 weights are one word, not
     paired): within the tolerance of the reference, also where every lane is at its bound -- nibbles of 15 against
     activations of one sign, each group's largest scaled to just under 512, eight products a lane -- and pairs
     refused for groups of one word."""
-    launched = _spy(monkeypatch, "w4_gemv_xs")
+    launched = Launches("w4_gemv_xs")
     tuning = _tile(8, 128, 2)
     packed, scales, zeros = _int4(32, 384, group, seed=60)
     x = _x((1, 384), dtype, seed=61)
     args = (packed, scales.to(dtype), zeros.to(dtype), group)
-    assert relative_error(w4a16_matmul(x, *args, tuning=tuning), w4a16_matmul_ref(x.double(), *args)) < TOL[dtype]
+    out = w4a16_matmul(x, *args, tuning=tuning, log=launched)
+    assert relative_error(out, w4a16_matmul_ref(x.double(), *args)) < TOL[dtype]
     packed[:8] = 0xFF  # q = 15 everywhere in the first row block
     x = x.abs() * 3e3 + 1
     args = (packed, scales.to(dtype) / 3e3, zeros.to(dtype), group)
-    out = w4a16_matmul(x, *args, tuning=tuning)
+    out = w4a16_matmul(x, *args, tuning=tuning, log=launched)
     assert out.isfinite().all() and relative_error(out, w4a16_matmul_ref(x.double(), *args)) < TOL[dtype]
-    assert len(launched) == 2 and all(plan.pair_words == (group >= 16) for plan, _ in launched)
-    paired = replace(launched[0][0], pair_words=True)
+    assert len(launched) == 2 and all(c.plan.pair_words == (group >= 16) for c in launched)
+    paired = replace(launched[0].plan, pair_words=True)
     with pytest.raises(ValueError, match="pair_words needs groups of two int32 words or more"):
         stationary.w4_gemv_xs(x, packed.view(torch.int32), scales.to(dtype), zeros.to(dtype), 8, paired)
 
@@ -169,22 +177,23 @@ def test_stationary_gemv_with_the_whole_of_k_in_one_program(dtype):
 
 @pytest.mark.parametrize("tile", XS_TILES + [(2, 512, 2)])  # the last: the whole of K in a program
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_w8a16_gemv_stationary_activations(monkeypatch, tile, dtype):
-    """The stationary int8 GEMV (``_w8_gemv_xs``, ``stationary=True``) on one 16-bit row, over slices of K or all of
-    it, each row's words read in place: within the tolerance of the reference (int8 weights of every value, -128
-    and 127 in one word), the same bits twice, every counter reset."""
+def test_w8a16_gemv_stationary_activations(tile, dtype):
+    """The stationary int8 GEMV (``w8_gemv_xs``, taken with a zero residual) on one 16-bit row, over slices of K or
+    all of it, each row's words read in place: within the tolerance of the reference (int8 weights of every value,
+    -128 and 127 in one word), the same bits twice, every counter reset."""
     bn, bk, steps = tile
     n, k = 2 * bn * steps, 512 if bk == 512 else 5 * bk
-    launched = _spy(monkeypatch, "w8_gemv_xs")
+    launched = Launches("w8_gemv_xs")
     q, s = _int8(n, k, seed=150)
     q[0, :4] = torch.tensor([-128, 127, 0, -1], dtype=torch.int8)
     x = _x((1, k), dtype, seed=151)
     args = (q, s.to(dtype))
-    out = w8a16_matmul(x, *args, stationary=True, tuning=_tile(bn, bk, steps))
-    plan = launched[0][0]
+    zero = _zero_residual(x, n, {})
+    out = w8a16_matmul(x, *args, tuning=_tile(bn, bk, steps), log=launched, **zero)
+    plan = launched[0].plan
     assert plan.row_steps == steps and plan.split_p2 == next_pow2(k // bk)
     assert relative_error(out, w8a16_matmul_ref(x.double(), *args)) < TOL[dtype]
-    assert torch.equal(w8a16_matmul(x, *args, stationary=True, tuning=_tile(bn, bk, steps)), out)
+    assert torch.equal(w8a16_matmul(x, *args, tuning=_tile(bn, bk, steps), **zero), out)
     assert not splitk._split_buffers(out.device, n)[1].any()
 
 
@@ -200,35 +209,30 @@ def test_w8a16_stationary_half_math_at_any_activation_scale(dtype, magnitude):
     x = _x((1, 256), dtype, seed=156) * magnitude
     x[0, 7] = 20 * magnitude
     args = (q, (s / max(1.0, magnitude)).to(dtype))  # outputs within float16's range
-    out = w8a16_matmul(x, *args, stationary=True, tuning=_tile(8, 128))
+    out = w8a16_matmul(x, *args, tuning=_tile(8, 128), **_zero_residual(x, 32, {}))
     assert relative_error(out, w8a16_matmul_ref(x.double(), *args)) < TOL[dtype]
 
 
-def test_bare_int8_products_keep_the_split_k_gemv(monkeypatch):
-    """Only a product with neighbours (or PDL) takes the stationary int8 GEMV by default; a bare one keeps the
-    autotuned split-K GEMV whose speed notebook 03 measures. Unaligned words never take it; ``stationary=True`` /
-    ``False`` asks for it or refuses it."""
+def test_bare_int8_products_keep_the_split_k_gemv():
+    """Only a product with neighbours (or PDL) takes the stationary int8 GEMV; a bare one keeps the autotuned
+    split-K GEMV whose speed notebook 03 measures. Unaligned words never take it. The kernel log says which ran."""
     tuning = _tile(8, 128)
-    launched = _spy(monkeypatch, "w8_gemv_xs")
+    log = KernelLog()
     q, s = _int8(64, 256, seed=152)
     x = _x((1, 256), torch.float16, seed=153)
     res = _x((1, 64), torch.float16, seed=154)
-    w8a16_matmul(x, q, s.half(), tuning=tuning)
-    assert launched == []
-    w8a16_matmul(x, q, s.half(), residual=res, tuning=tuning)
-    assert _kwargs(launched) == [["residual"]]
-    launched.clear()
+    w8a16_matmul(x, q, s.half(), tuning=tuning, log=log)
+    assert log.kernels() == ["splitk_gemv"]
+    w8a16_matmul(x, q, s.half(), residual=res, tuning=tuning, log=log)
+    assert log[-1].kernel == "w8_gemv_xs" and log[-1].fused == ("residual",) and log[-1].plan is not None
+    log.clear()
     q_odd = torch.empty(64, 257, dtype=torch.int8, device=DEVICE)[:, 1:]  # rows off 4-byte boundaries
     q_odd.copy_(q)
-    out = w8a16_matmul(x, q_odd, s.half(), residual=res, tuning=tuning)
-    assert launched == [] and torch.equal(out, w8a16_matmul(x, q, s.half(), tuning=tuning) + res)
-    w8a16_matmul(x, q, s.half(), stationary=True, tuning=tuning)  # asked for: taken without neighbours
-    assert _kwargs(launched) == [[]]
-    launched.clear()
-    w8a16_matmul(x, q, s.half(), residual=res, stationary=False, tuning=tuning)  # refused: the residual added after
-    assert launched == []
-    with pytest.raises(ValueError, match="stationary='yes'"):
-        w8a16_matmul(x, q, s.half(), stationary="yes")
+    out = w8a16_matmul(x, q_odd, s.half(), residual=res, tuning=tuning, log=log)
+    assert log.kernels() == ["splitk_gemv"] and torch.equal(out, w8a16_matmul(x, q, s.half(), tuning=tuning) + res)
+    log.clear()
+    w8a16_matmul(x.expand(3, 256).contiguous(), q, s.half(), residual=res.expand(3, 64), log=log)
+    assert [(c.kernel, c.rows) for c in log] == [("quantized_gemm", 3)]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -264,18 +268,18 @@ def test_stationary_reduction_in_tiles_smaller_than_a_row_chunk(fmt, fuse):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_swiglu_down_projection_fused_into_the_gemv(monkeypatch, fmt, dtype):
+def test_swiglu_down_projection_fused_into_the_gemv(fmt, dtype):
     """``swiglu=True``: ``silu_and_mul(x) @ W.T`` from ``x = [gate | up]``. One 16-bit row on the stationary
     GEMV computes the activation as it prepares its slice: the same bits as running ``silu_and_mul`` first;
     more rows, float32 or a ragged N run ``silu_and_mul`` first. A wrong width is refused."""
     from labkit.kernels.silu_and_mul import silu_and_mul
 
-    fused = _spy(monkeypatch, LAUNCHER[fmt])
+    fused = Launches(LAUNCHER[fmt])
     k = 256
     for n, rows, dt, expect_fused in [(64, 1, dtype, True), (64, 3, dtype, False), (60, 1, dtype, False),
                                       (64, 1, torch.float32, False)]:
         fused.clear()
-        matmul = _layer(fmt, n, k, dt, seed=70, tuning=_tile(8, 128))[0]
+        matmul = _layer(fmt, n, k, dt, seed=70, tuning=_tile(8, 128), log=fused)[0]
         gate_up = _x((rows, 2 * k), dt, seed=71) * 3
         if rows > 1 and dt == torch.bfloat16 and DEVICE == "cpu":
             continue  # bfloat16 tl.dot is CUDA-only; the GEMM path is tested elsewhere
@@ -292,7 +296,7 @@ def test_swiglu_down_projection_fused_into_the_gemv(monkeypatch, fmt, dtype):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("k,tile", [(384, (8, 128)), (256, (4, 256))])  # 3 slices; the whole of K
-def test_norm_and_residual_fused_into_the_gemv(monkeypatch, fmt, dtype, k, tile):
+def test_norm_and_residual_fused_into_the_gemv(fmt, dtype, k, tile):
     """``norm_weight``: ``rms_norm(x) @ W.T``; ``residual``: ``residual + x @ W.T`` (the product rounded first).
     One 16-bit row on the stationary GEMV does both inside the kernel -- every program takes the row's statistic
     itself, split over K or owning all of it: within one rounding of the separate kernels (the statistic's sum runs
@@ -301,10 +305,10 @@ def test_norm_and_residual_fused_into_the_gemv(monkeypatch, fmt, dtype, k, tile)
     same bits as them."""
     from labkit.kernels.rms_norm import rms_norm, rms_norm_ref
 
-    fused = _spy(monkeypatch, LAUNCHER[fmt])
+    fused = Launches(LAUNCHER[fmt])
     for n, rows, dt, expect_fused in [(64, 1, dtype, True), (64, 3, torch.float16, False), (62, 1, dtype, False),
                                       (64, 1, torch.float32, False)]:
-        matmul, ref_matmul = _layer(fmt, n, k, dt, seed=90, tuning=_tile(*tile))
+        matmul, ref_matmul = _layer(fmt, n, k, dt, seed=90, tuning=_tile(*tile), log=fused)
         x = _x((rows, k), dt, seed=91) * 4
         w = (torch.rand(k, generator=torch.Generator().manual_seed(92)) + 0.5).to(dt).to(DEVICE)
         res = _x((rows, n), dt, seed=93) * 8
@@ -325,19 +329,19 @@ def test_norm_and_residual_fused_into_the_gemv(monkeypatch, fmt, dtype, k, tile)
 
 
 def _qkv_rope(fmt, n, k, dtype, seed, group=64, scale=1.0):
-    """``(qkv_rope_cache, matmul, weight args)`` of ``fmt`` for random q/k/v weights ``[n, k]`` (int8's ``matmul``
-    with ``stationary=True``: a bare product on the kernel the fused path takes, comparable bits)."""
+    """``(qkv_rope_cache, matmul, weight args)`` of ``fmt`` for random q/k/v weights ``[n, k]`` (int8's bare
+    ``matmul`` with a zero residual: on the kernel the fused path takes, comparable bits)."""
     if fmt == "int4":
         packed, scales, zeros = _int4(n, k, group, seed)
         return w4a16_qkv_rope_cache, w4a16_matmul, (packed, (scales * scale).to(dtype), zeros.to(dtype), group)
     q, s = _int8(n, k, seed)
-    return (w8a16_qkv_rope_cache, lambda *a, **kw: w8a16_matmul(*a, stationary=True, **kw),
+    return (w8a16_qkv_rope_cache, lambda x, *a, **kw: w8a16_matmul(x, *a, **_zero_residual(x, n, kw)),
             (q, (s * scale).to(dtype)))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("norm", [False, True])
-def test_qkv_rope_and_cache_inside_the_gemv(monkeypatch, fmt, norm):
+def test_qkv_rope_and_cache_inside_the_gemv(fmt, norm):
     """``w4a16_qkv_rope_cache`` / ``w8a16_qkv_rope_cache``: one float16 row on the split stationary tile walks
     each head's rows in rotary pairs and its last programs rotate q and k and write k and v to the paged caches --
     the same bits as the product then ``apply_rope_and_cache`` (4 q heads, 2 kv heads of 16 dims: two row blocks
@@ -345,7 +349,7 @@ def test_qkv_rope_and_cache_inside_the_gemv(monkeypatch, fmt, norm):
     refused."""
     from labkit.kernels.rope import apply_rope_and_cache
 
-    fused = _spy(monkeypatch, LAUNCHER[fmt])
+    fused = Launches(LAUNCHER[fmt])
     heads, kv_heads, d, k, dt = 4, 2, 16, 256, torch.float16
     n = (heads + 2 * kv_heads) * d
     qkv_rope_cache, matmul, args = _qkv_rope(fmt, n, k, dt, seed=110, scale=0.2)
@@ -360,7 +364,7 @@ def test_qkv_rope_and_cache_inside_the_gemv(monkeypatch, fmt, norm):
         caches = [[torch.full((6, 4, kv_heads, d), 7.0, dtype=dt, device=DEVICE) for _ in range(2)]
                   for _ in range(2)]
         fused.clear()
-        q, kr = qkv_rope_cache(x, *args, heads, cos[:rows], sin[:rows], *caches[0], slots, **opts)
+        q, kr = qkv_rope_cache(x, *args, heads, cos[:rows], sin[:rows], *caches[0], slots, **opts, log=fused)
         assert _kwargs(fused) == ([["norm", "rope"] if norm else ["rope"]] if rows == 1 else []), (rows, fused)
         fused.clear()
         qkv = matmul(x, *args, **opts)
@@ -396,28 +400,28 @@ def test_fused_gemv_arguments_are_checked():
         w4a16_matmul(x, *args, pdl="yes")
 
 
-def test_w4a16_gemv_takes_stationary_activations_only_where_it_fits(monkeypatch):
+def test_w4a16_gemv_takes_stationary_activations_only_where_it_fits():
     """Whole tiles and 16-bit activations take the stationary kernel; a ragged N, a K that is not a whole number
-    of slices or float32 activations take the split-K GEMV -- both correct."""
-    launched = _spy(monkeypatch, "w4_gemv_xs")
+    of slices or float32 activations take the split-K GEMV -- both correct (the kernel log says which ran)."""
+    log = KernelLog()
     for n, k, dtype, stationary_ in [(64, 256, torch.float16, True), (60, 256, torch.float16, False),
                                      (64, 192, torch.float16, False), (64, 256, torch.float32, False)]:
-        launched.clear()
+        log.clear()
         packed, scales, zeros = _int4(n, k, 64, seed=52)
         x = _x((1, k), dtype, seed=53)
-        out = w4a16_matmul(x, packed, scales, zeros, 64, tuning=_tile(8, 128))
-        assert bool(launched) == stationary_, (n, k, dtype)
+        out = w4a16_matmul(x, packed, scales, zeros, 64, tuning=_tile(8, 128), log=log)
+        assert log.kernels() == ["w4_gemv_xs" if stationary_ else "splitk_gemv"], (n, k, dtype)
         assert relative_error(out, w4a16_matmul_ref(x.double(), packed, scales, zeros, 64)) < TOL[dtype]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n,k", [(4096, 14336), (4096, 4096)])  # 28 slices of K; all of K in each program
-def test_stationary_gemv_replays_in_a_cuda_graph(monkeypatch, fmt, n, k):
+def test_stationary_gemv_replays_in_a_cuda_graph(fmt, n, k):
     """The stationary-activation GEMV at 8B shapes (the device's tuning): warmed up, captured, replayed with new
     activations; its counters are reset after every replay."""
-    launched = _spy(monkeypatch, LAUNCHER[fmt])
-    matmul, ref = _layer(fmt, n, k, torch.bfloat16, seed=35, group=128)
+    launched = Launches(LAUNCHER[fmt])
+    matmul, ref = _layer(fmt, n, k, torch.bfloat16, seed=35, group=128, log=launched)
     x = _x((1, k), torch.bfloat16, seed=36)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -500,7 +504,7 @@ def test_layer_ops_fused_into_the_gemv_on_the_gpu(fmt, n, k, fuse):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_qkv_rope_and_cache_inside_the_gemv_on_the_gpu(monkeypatch, fmt):
+def test_qkv_rope_and_cache_inside_the_gemv_on_the_gpu(fmt):
     """The 8B q/k/v projection (32 q heads, 8 kv heads of 128) with its RMSNorm, RoPE and the cache write in one
     GEMV, against the product then ``apply_rope_and_cache`` (within a rounding: the compiled kernels may contract
     the rotation into FMAs differently), eagerly and replayed in a CUDA graph at a new slot."""
@@ -508,7 +512,7 @@ def test_qkv_rope_and_cache_inside_the_gemv_on_the_gpu(monkeypatch, fmt):
 
     heads, kv_heads, d, k, dt = 32, 8, 128, 4096, torch.bfloat16
     n = (heads + 2 * kv_heads) * d
-    fused = _spy(monkeypatch, LAUNCHER[fmt])
+    fused = Launches(LAUNCHER[fmt])
     qkv_rope_cache, matmul, args = _qkv_rope(fmt, n, k, dt, seed=120, group=128, scale=0.1)
     opts = dict(norm_weight=(torch.rand(k, device=DEVICE) + 0.5).to(dt), norm_eps=1e-5)
     ang = torch.rand(1, d // 2, device=DEVICE) * 6
@@ -518,7 +522,7 @@ def test_qkv_rope_and_cache_inside_the_gemv_on_the_gpu(monkeypatch, fmt):
     def both(slot: torch.Tensor):
         caches = [torch.zeros(64, 16, kv_heads, d, dtype=dt, device=DEVICE) for _ in range(4)]
         fused.clear()
-        got = qkv_rope_cache(x, *args, heads, cos, sin, caches[0], caches[1], slot, **opts)
+        got = qkv_rope_cache(x, *args, heads, cos, sin, caches[0], caches[1], slot, **opts, log=fused)
         assert _kwargs(fused) == [["norm", "rope"]]  # the fused path, not the fallback
         qs, ks, vs = matmul(x, *args, **opts).split([heads * d, kv_heads * d, kv_heads * d], -1)
         ref = apply_rope_and_cache(qs.view(1, heads, d), ks.view(1, kv_heads, d), vs.view(1, kv_heads, d), cos, sin,
@@ -543,14 +547,14 @@ def test_qkv_rope_and_cache_inside_the_gemv_on_the_gpu(monkeypatch, fmt):
 
 
 @pytest.mark.gpu
-def test_dependent_launches_wait_for_what_they_read(monkeypatch):
+def test_dependent_launches_wait_for_what_they_read():
     """Launched with PDL (``pdl="overlap"``, sm_90), each GEMV starts before the kernel ahead of it ends and issues
     its first weight loads early; its activations come from that kernel: a scaling kernel, then a chain of three
     GEMVs, each reading the one before's output. Captured and replayed with new inputs, every output matches the
     reference."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90")
-    launched = _spy(monkeypatch, "w4_gemv_xs")
+    launched = Launches("w4_gemv_xs")
     n = 4096
     layers = [_int4(n, n, 128, seed=60 + i) for i in range(3)]
     layers = [(p, s.bfloat16() * 0.05, z.bfloat16(), 128) for p, s, z in layers]
@@ -559,7 +563,7 @@ def test_dependent_launches_wait_for_what_they_read(monkeypatch):
     def chain():
         h = [x * 2]
         for args in layers:
-            h.append(w4a16_matmul(h[-1], *args, pdl="overlap"))
+            h.append(w4a16_matmul(h[-1], *args, pdl="overlap", log=launched))
         return h
 
     side = torch.cuda.Stream()
@@ -571,7 +575,7 @@ def test_dependent_launches_wait_for_what_they_read(monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = chain()
-    assert [kw["pdl"] for _, kw in launched] == ["overlap"] * 3
+    assert [c.pdl for c in launched] == ["overlap"] * 3
     for seed in (65, 66):
         x.copy_(_x((1, n), torch.bfloat16, seed=seed))
         graph.replay()

@@ -211,7 +211,8 @@ def test_rollback_cuts_tokens_blocks_and_computed_count():
     assert cache.allocator.num_used == 2 and s.token_ids == list(range(6)) + [0] and s.num_computed == 6
     cache.check_invariants([s])
     for bad in (3, 8, -1, 2.5):
-        with pytest.raises(ValueError, match=rf"num_tokens={bad!r} must be an int in \[4, 7\]"):
+        allowed = r" in \[4, 7\]" if bad != 2.5 else ""  # 2.5: not an int at all
+        with pytest.raises(ValueError, match=rf"num_tokens={bad!r} must be an int{allowed}"):
             cache.rollback(s, bad)
 
 
@@ -248,8 +249,8 @@ def test_bad_arguments():
         cache.allocate(a)
     with pytest.raises(ValueError, match="sequence 'e' holds no token; allocate needs at least one"):
         cache.allocate(SeqBlocks([], "e"))
-    with pytest.raises(TypeError, match=r"sequence 'f': token_ids\[1\]=2.0 is a float; token ids must be ints"):
-        cache.allocate(SeqBlocks([1, 2.0], "f"))
+    with pytest.raises(TypeError, match=r"token_ids\[1\] is 2.0 \(float\); token ids must be ints"):
+        SeqBlocks([1, 2.0], "f")  # refused when made
     bad = SeqBlocks([1, 2], "g")
     bad.token_ids.append(True)
     with pytest.raises(TypeError, match=r"sequence 'g': token_ids\[2\]=True is a bool"):

@@ -84,7 +84,7 @@ def test_random_model_real_weights_not_zero():
 
 
 @pytest.mark.parametrize("call,match", [
-    (lambda: get_config("llama-9"), "preset='llama-9' is unknown; allowed"),
+    (lambda: get_config("llama-9"), "preset_or_model='llama-9' is unknown; allowed"),
     (lambda: random_model("gpt5", device="meta"), "unknown; allowed"),
     (lambda: load_model("/nonexistent/ckpt"), "not a Hugging Face checkpoint directory"),
     (lambda: dtype_bytes("fp7"), "dtype='fp7' is unknown"),

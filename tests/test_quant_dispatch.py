@@ -7,8 +7,17 @@ import warnings
 import pytest
 import torch
 
+from labkit.model import KernelLog
 from labkit.quant import quantize
-from labkit.quant.dispatch import DispatchTable, KernelChoice, load_table, resolve, table_from_rows, use_dispatch
+from labkit.quant.dispatch import (
+    DispatchTable,
+    KernelChoice,
+    load_table,
+    quantised_layers,
+    resolve,
+    table_from_rows,
+    use_dispatch,
+)
 from labkit.quant.peers import LABKIT_PATHS
 
 TINY = "torch._weight_int4pack_mm (tinygemm)"
@@ -102,46 +111,38 @@ def test_merged_layers_carry_the_table(tiny_model):
     assert not q.model.layers[0].self_attn.q_proj.dispatch.kernels
 
 
-def test_the_engine_runs_the_peer_at_its_batches(tiny_model, monkeypatch):
+def peer_rows(engine, log: KernelLog) -> KernelLog:
+    """Hand ``log`` to every dispatched layer the engine runs (``KernelChoice.log``): it records each call's path."""
+    for layer in quantised_layers(engine.runner.model).values():
+        if layer.dispatch is not None:
+            layer.dispatch.log = log
+    return log
+
+
+def test_the_engine_runs_the_peer_at_its_batches(tiny_model):
     """The engine decodes two sequences (two rows: tinygemm) and prefills (more rows: tinygemm) through the table's
     kernel, with the greedy tokens of labkit's own kernels."""
     from labkit.engine import LLMEngine, SamplingParams
-    from labkit.quant import peers
 
-    calls = []
-    real = peers._tinygemm
-
-    def spy(layer):
-        fn = real(layer)
-        return lambda x: (calls.append(x.shape[0]), fn(x))[1]
-
-    monkeypatch.setitem(peers.PEERS, TINY, peers.PEERS[TINY].__class__(TINY, "int4", "torch", False, spy))
     model, tok = tiny_model
     prompts = [tok(t).input_ids for t in ("The os module provides", "import json and")]
     params = SamplingParams(max_tokens=4, ignore_eos=True)
-    outs = {}
+    outs, log = {}, KernelLog()
     for name, d in (("labkit", "labkit"), ("table", TABLE)):
         engine = LLMEngine(quantize(model, "int4", dispatch=d), tok, kernels="torch")
+        peer_rows(engine, log)
         outs[name] = [o.output_token_ids for o in engine.generate(prompts, params, progress=False)]
     assert outs["table"] == outs["labkit"]
+    calls = [c.rows for c in log if c.kernel == TINY]
     assert calls and 2 in calls and max(calls) > 2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the fused path")
-def test_fused_layers_step_aside_where_a_peer_takes_the_rows(tiny_model, monkeypatch):
+def test_fused_layers_step_aside_where_a_peer_takes_the_rows(tiny_model):
     """With labkit's int4 epilogue fusions (the Triton plan), a step whose rows a peer takes runs the unfused layer
     (its norms and SwiGLU as their own kernels, the peer's GEMMs); a one-row step keeps the fused GEMVs."""
     from labkit.engine import LLMEngine, SamplingParams
-    from labkit.quant import peers
 
-    calls = []
-    real = peers._tinygemm
-
-    def spy(layer):
-        fn = real(layer)
-        return lambda x: (calls.append(x.shape[0]), fn(x))[1]
-
-    monkeypatch.setitem(peers.PEERS, TINY, peers.PEERS[TINY].__class__(TINY, "int4", "torch", False, spy))
     model, tok = tiny_model
     q = quantize(model, "int4", backend="triton", dispatch=TABLE).half()
     q.model.layers = q.model.layers[:1]  # one layer: the interpreter is slow
@@ -149,8 +150,9 @@ def test_fused_layers_step_aside_where_a_peer_takes_the_rows(tiny_model, monkeyp
     prompts = [tok(t).input_ids[:4] for t in ("The os module provides", "import json and")]
     engine = LLMEngine(q, tok, kernels="triton")
     assert engine.runner.plan.quant_epilogues
+    log = peer_rows(engine, KernelLog())
     engine.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True), progress=False)
-    assert 2 in calls  # the two-row decode step went through the peer, so through the unfused layer
-    calls.clear()
+    assert 2 in [c.rows for c in log if c.kernel == TINY]  # the two-row decode step: the peer, the unfused layer
+    log.clear()
     engine.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True), progress=False)
-    assert 1 not in calls  # one row: labkit's fused GEMVs
+    assert 1 not in [c.rows for c in log]  # one row: labkit's fused GEMVs (the layers' forwards never called)

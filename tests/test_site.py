@@ -181,9 +181,9 @@ def test_readme_table_has_one_column_per_machine(tmp_path):
     assert "| `finetune.y` | f | <= 0.15 |  |  | [0.2](results/cpu/records/07.json) ✗ |" in table
 
 
-def test_run_workbook_writes_summary_and_index(tmp_path, monkeypatch):
-    """``run_workbook`` (notebook execution stubbed): summary.md and index.html land in the output folder, a failed
-    notebook is named in both the exit code and the index."""
+def test_run_workbook_writes_summary_and_index(tmp_path):
+    """``run_workbook`` (notebook execution stubbed through its ``execute`` argument): summary.md and index.html land
+    in the output folder, a failed notebook is named in both the exit code and the index."""
     import labkit.workbook as wb
 
     def fake_execute(nb, out_dir, profile, timeout):
@@ -192,10 +192,7 @@ def test_run_workbook_writes_summary_and_index(tmp_path, monkeypatch):
             raise RuntimeError(f"{nb.name} failed at cell 3: boom")
         return 1.25
 
-    stubs = [Path("05_batching.ipynb"), Path("07_finetuning.ipynb")]
-    monkeypatch.setattr(wb, "list_notebooks", lambda only=None: stubs)
-    monkeypatch.setattr(wb, "execute_notebook", fake_execute)
-    assert wb.run_workbook(profile="ci", out=tmp_path) == 1
+    assert wb.run_workbook(profile="ci", only=["05", "07"], out=tmp_path, execute=fake_execute) == 1
     index = (tmp_path / "index.html").read_text()
     assert "05_batching.html" in index and "07_finetuning.html" in index and "failed: 07_finetuning.ipynb" in index
     assert "| 05_batching | 1.2 |" in (tmp_path / "summary.md").read_text()

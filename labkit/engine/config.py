@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 
+import torch
+
+from labkit.checks import ArgumentTypeError, check_bool, check_choice, check_int, check_number, check_type
 from labkit.engine.sampling import token_id_tuple
 from labkit.engine.scheduler import PREEMPTION_MODES, SCHEDULERS
+from labkit.kvcache import kv_format
 from labkit.model import FusionPlan
 
 
@@ -62,35 +64,29 @@ class EngineConfig:
     def __post_init__(self) -> None:
         """Refuse any field of the wrong type or out of range, naming it, its value and what is allowed (nothing is
         coerced: ``max_model_len=0`` is an error, not the model's maximum)."""
-        if self.scheduler not in SCHEDULERS:
-            raise ValueError(f"scheduler={self.scheduler!r} is unknown; allowed: {SCHEDULERS}")
+        check_choice("scheduler", self.scheduler, SCHEDULERS)
         FusionPlan.named(self.kernels, "cpu")  # a plan, or one of its names (an unknown name raises)
         for name, low in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("min_admit", 1), ("block_size", 1),
                           ("seed", 0)):
-            _int_at_least(name, getattr(self, name), low)
+            check_int(name, getattr(self, name), low)
         for name, low in (("static_batch_size", 1), ("max_model_len", 1), ("num_blocks", 2)):
-            if getattr(self, name) is not None:
-                _int_at_least(name, getattr(self, name), low, "or None for the default")
+            check_int(name, getattr(self, name), low, none_ok=True)  # None: the default
         for name in ("chunked_prefill", "enable_prefix_caching"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
-        if self.cuda_graphs not in ("auto", True, False) or isinstance(self.cuda_graphs, int) and \
-                not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs={self.cuda_graphs!r}; allowed: 'auto', True, False")
+            check_bool(name, getattr(self, name))
+        if self.cuda_graphs != "auto" and not isinstance(self.cuda_graphs, bool):
+            raise ArgumentTypeError(f"cuda_graphs={self.cuda_graphs!r}; allowed: 'auto', True, False")
         for name in ("graph_batch_sizes", "graph_token_sizes"):
             sizes = getattr(self, name)
             if sizes is not None:
                 if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
-                    raise ValueError(f"{name}={sizes!r} must be a sequence of ints >= 1 (or None for the default)")
-                for v in sizes:
-                    _int_at_least(name, v, 1, f"in {name}={sizes!r}")
-                object.__setattr__(self, name, tuple(int(v) for v in sizes))
-        if not _real(self.gpu_memory_utilization) or not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be a number in (0, 1]")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode={self.preemption_mode!r} is unknown; allowed: {PREEMPTION_MODES}")
-        if not _real(self.swap_space) or not 0 < self.swap_space < math.inf:
-            raise ValueError(f"swap_space={self.swap_space!r} GiB must be > 0 (a finite number)")
+                    raise ArgumentTypeError(f"{name}={sizes!r} must be a sequence of ints >= 1 (or None for the "
+                                            f"default)")
+                object.__setattr__(self, name, tuple(check_int(f"{name}[{i}]", v, 1) for i, v in enumerate(sizes)))
+        check_number("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, low_open=True)
+        check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        check_number("swap_space", self.swap_space, 0, low_open=True)  # GiB
+        if self.kv_dtype is not None:
+            kv_format(self.kv_dtype)
         if self.eos_token_ids is not None:
             object.__setattr__(self, "eos_token_ids", token_id_tuple("eos_token_ids", self.eos_token_ids))
 
@@ -117,6 +113,18 @@ class EngineStats:
         return asdict(self)
 
 
+def engine_config(model, config: EngineConfig | None, overrides: dict) -> EngineConfig:
+    """An engine's arguments checked: ``model`` a torch module (``labkit.model.CausalLM`` or an HF causal LM),
+    ``config`` (default ``EngineConfig()``) with the fields in ``overrides`` replaced; an error names the argument."""
+    check_type("model", model, torch.nn.Module, "a labkit.model.CausalLM or a Hugging Face causal LM")
+    config = EngineConfig() if config is None else check_type("config", config, EngineConfig)
+    names = [f.name for f in fields(EngineConfig)]
+    for k, v in overrides.items():
+        if k not in names:
+            raise ArgumentTypeError(f"{k}={v!r:.60} is not an engine setting; allowed: {names}")
+    return replace(config, **overrides)
+
+
 def vocab_size(model) -> int:
     """Token ids the model embeds: its input embedding's rows (``config.vocab_size`` without one)."""
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -130,17 +138,9 @@ def default_eos_token_ids(model, tokenizer=None) -> tuple[int, ...]:
     for src in (model.config, getattr(model, "generation_config", None)):
         for name in ("eos_token_ids", "eos_token_id"):
             v = getattr(src, name, None) if src is not None else None
-            if v is not None:
-                ids += token_id_tuple(name, v)
+            if v is not None:  # an HF config may hold one id
+                ids += token_id_tuple(name, [v] if isinstance(v, int) else v)
     if not ids and getattr(tokenizer, "eos_token_id", None) is not None:
         ids.append(int(tokenizer.eos_token_id))
     return tuple(dict.fromkeys(ids))
 
-
-def _real(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and not math.isnan(x)
-
-
-def _int_at_least(name: str, value, low: int, extra: str = "") -> None:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{name}={value!r} must be an int >= {low}" + (f" ({extra})" if extra else ""))

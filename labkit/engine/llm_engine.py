@@ -16,12 +16,11 @@ import math
 import numbers
 import time
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import replace
 
 import torch
 from tqdm.auto import tqdm
 
-from labkit.engine.config import EngineConfig, EngineStats, default_eos_token_ids, vocab_size
+from labkit.engine.config import EngineConfig, EngineStats, default_eos_token_ids, engine_config, vocab_size
 from labkit.engine.cuda_graph import default_graph_batch_sizes, default_graph_token_sizes
 from labkit.engine.model_runner import ModelRunner, uses_triton
 from labkit.engine.sampling import Sampler, SamplingParams, token_seed
@@ -39,7 +38,7 @@ class LLMEngine:
     keyword arguments override fields of ``config`` (an ``EngineConfig``)."""
 
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, **overrides):
-        self.config = cfg = replace(config or EngineConfig(), **overrides)
+        self.config = cfg = engine_config(model, config, overrides)
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         self.max_model_len = (model.config.max_position_embeddings if cfg.max_model_len is None

@@ -18,6 +18,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from labkit.checks import check_positive_int
 from labkit.kvcache import SeqBlocks
 from labkit.model.attention import ModelInput
 from labkit.model.model import CausalLM
@@ -50,7 +51,7 @@ class PromptLookupProposer(Proposer):
     name = "prompt_lookup"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
-        if not 1 <= min_ngram <= max_ngram:
+        if not check_positive_int("min_ngram", min_ngram) <= check_positive_int("max_ngram", max_ngram):
             raise ValueError(f"min_ngram={min_ngram}, max_ngram={max_ngram}: need 1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 

@@ -13,12 +13,12 @@ which row it sits, how often it was preempted, or what the scheduler did. Only t
 
 from __future__ import annotations
 
-import math
-import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from labkit.checks import check_bool, check_int, check_number, check_positive_int, check_token_ids
 
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant (golden ratio): spreads (seed, index) pairs over the seed space
 
@@ -37,7 +37,8 @@ class SamplingParams:
     * ``eos_token_ids``: the end-of-sequence ids of this request (``None``: the engine's, which default to every
       EOS id of the model's config and its generation config, e.g. Llama 3 Instruct's 128001 and 128009)
 
-    Every field is checked when built: a wrong type or a value out of range is a ``ValueError`` naming it.
+    Every field is checked when built: a wrong type or a value out of range is a ``ValueError`` naming it (a
+    single id is not a list of ids: ``stop_token_ids=5`` is refused, not wrapped).
     """
 
     temperature: float = 0.0
@@ -50,18 +51,12 @@ class SamplingParams:
     eos_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
-            raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0 (0 = greedy)")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0 = no top-k cut)")
-        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p!r} must be a number in (0, 1] (1 = no nucleus cut)")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens!r} must be an int >= 1")
-        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
-            raise ValueError(f"seed={self.seed!r} must be None or an int >= 0")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos={self.ignore_eos!r} must be True or False")
+        check_number("temperature", self.temperature, 0)  # 0: greedy
+        check_int("top_k", self.top_k, 0)  # 0: no top-k cut
+        check_number("top_p", self.top_p, 0, 1, low_open=True)  # 1: no nucleus cut
+        check_positive_int("max_tokens", self.max_tokens)
+        check_int("seed", self.seed, 0, none_ok=True)
+        check_bool("ignore_eos", self.ignore_eos)
         object.__setattr__(self, "stop_token_ids", token_id_tuple("stop_token_ids", self.stop_token_ids))
         if self.eos_token_ids is not None:
             object.__setattr__(self, "eos_token_ids", token_id_tuple("eos_token_ids", self.eos_token_ids))
@@ -71,26 +66,9 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _is_real(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and not math.isnan(x)
-
-
-def token_id_tuple(arg: str, ids: int | Iterable[int]) -> tuple[int, ...]:
-    """``ids`` (one id or several) as a tuple of ints >= 0; a ``ValueError`` naming ``arg`` for anything else
-    (a float, a bool, a negative id, a string)."""
-    if _is_int(ids):
-        ids = (ids,)
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
-        raise ValueError(f"{arg}={ids!r} must be an int or a sequence of ints >= 0")
-    ids = tuple(ids)
-    bad = [t for t in ids if not _is_int(t) or t < 0]
-    if bad:
-        raise ValueError(f"{arg}={ids!r}: {bad[0]!r} is not a token id; allowed: ints >= 0")
-    return tuple(int(t) for t in ids)
+def token_id_tuple(name: str, ids) -> tuple[int, ...]:
+    """``ids`` (a list or tuple of ints >= 0, maybe empty; ``labkit.checks.check_token_ids``) as a tuple."""
+    return tuple(check_token_ids(name, ids, allow_empty=True))
 
 
 def token_seed(seed: int, index: int) -> int:

@@ -13,13 +13,10 @@ generated is lost.
 from __future__ import annotations
 
 import enum
-import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import numpy as np
-import torch
-
+from labkit.checks import check_int, check_token_ids, check_type
 from labkit.engine.sampling import SamplingParams
 
 
@@ -40,30 +37,12 @@ class FinishReason(enum.StrEnum):
     ABORT = "abort"  # ``LLMEngine.abort_request`` (or ``reset(abort=True)``) took it out
 
 
-def prompt_token_list(prompt, vocab_size: int | None = None, request_id=None) -> list[int]:
-    """``prompt`` (a list, tuple, 1-D integer tensor or array of token ids) as a list of ints, checked: not empty,
-    every id an integer (no float, no bool) in ``[0, vocab_size)``. A ``TypeError`` / ``ValueError`` names the
-    request, the bad id and its position otherwise; nothing is truncated or wrapped."""
-    who = f"request {request_id}: " if request_id is not None else ""
-    if isinstance(prompt, (torch.Tensor, np.ndarray)):
-        integral = (not torch.is_floating_point(prompt) and not prompt.is_complex() and prompt.dtype != torch.bool
-                    if isinstance(prompt, torch.Tensor) else prompt.dtype.kind in "iu")
-        if prompt.ndim != 1 or not integral:
-            raise TypeError(f"{who}prompt must be a 1-D integer tensor of token ids, got {prompt.dtype} of "
-                            f"shape {tuple(prompt.shape)}")
-        prompt = prompt.tolist()
-    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Iterable):
-        raise TypeError(f"{who}prompt must be a sequence of token ids (ints), got {type(prompt).__name__}")
-    ids = list(prompt)
-    if not ids:
-        raise ValueError(f"{who}prompt is empty; a prompt needs >= 1 token")
-    for i, t in enumerate(ids):
-        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
-            raise TypeError(f"{who}prompt token {i} is {t!r} ({type(t).__name__}); token ids must be ints")
-        if t < 0 or (vocab_size is not None and t >= vocab_size):
-            allowed = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-            raise ValueError(f"{who}prompt token {i} is {t}, outside the vocabulary; allowed: {allowed}")
-    return [int(t) for t in ids]
+def prompt_token_list(prompt, vocab_size: int | None = None, request_id=None, name: str = "prompt") -> list[int]:
+    """``prompt`` (a list, tuple, 1-D integer tensor or array of token ids) as a list of ints, checked
+    (``labkit.checks.check_token_ids``): not empty, every id an integer (no float, no bool) in ``[0, vocab_size)``.
+    An error names the request, the argument ``name``, the bad id and its position; nothing is truncated or
+    wrapped."""
+    return check_token_ids(f"request {request_id}: {name}" if request_id is not None else name, prompt, vocab_size)
 
 
 @dataclass
@@ -104,7 +83,9 @@ class Request:
     arrival_s: float = 0.0
 
     def __post_init__(self) -> None:
-        self.prompt_token_ids = prompt_token_list(self.prompt_token_ids, request_id=self.request_id)
+        check_int("request_id", self.request_id, 0)
+        self.prompt_token_ids = prompt_token_list(self.prompt_token_ids, request_id=self.request_id,
+                                                  name="prompt_token_ids")
         if not isinstance(self.params, SamplingParams):
             raise TypeError(f"request {self.request_id}: params={self.params!r} must be a SamplingParams, got "
                             f"{type(self.params).__name__}")
@@ -115,10 +96,10 @@ class Sequence:
     preemptions and token times (seconds on the serving clock)."""
 
     def __init__(self, request: Request, seed: int, eos_token_ids: int | Iterable[int] | None = None):
-        self.request = request
+        self.request = check_type("request", request, Request)
         self.seq_id = request.request_id
         self.params = request.params
-        self.seed = seed  # the request's own random stream (sampling.token_seed)
+        self.seed = check_int("seed", seed, 0)  # the request's own random stream (sampling.token_seed)
         self.token_ids: list[int] = list(request.prompt_token_ids)  # prompt, then output
         self.num_prompt_tokens = len(self.token_ids)
         self.block_table: list[int] = []  # its KV blocks (the block manager's; swap-space blocks while swapped out)

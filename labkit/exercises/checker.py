@@ -56,7 +56,10 @@ class Result:
         return f"Result({self.name!r}, {self.status!r}, {self.passed}/{self.total})"
 
 
-def get_exercise(name: str) -> Exercise:
+def get_exercise(name: str | Exercise) -> Exercise:
+    """The registered exercise ``name`` (an ``Exercise`` is returned as it is: one of your own, unregistered)."""
+    if isinstance(name, Exercise):
+        return name
     if name not in REGISTRY:
         raise ValueError(f"exercise {name!r} is unknown; allowed: {sorted(REGISTRY)}")
     return REGISTRY[name]
@@ -157,7 +160,7 @@ def non_interactive() -> bool:
     return bool(os.environ.get("LABKIT_PROFILE")) or os.environ.get("LABKIT_EXERCISES") == "solutions"
 
 
-def run_check(name: str, impl: Any, *, verbose: bool = True, record: bool | None = None,
+def run_check(name: str | Exercise, impl: Any, *, verbose: bool = True, record: bool | None = None,
           status_path: str | os.PathLike | None = None, solution_if_skeleton: bool | None = None) -> Result:
     """Check ``impl`` (a function, class or Triton kernel, as the exercise asks) against exercise ``name``.
 

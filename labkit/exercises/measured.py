@@ -3,7 +3,8 @@
 A notebook run writes ``figures.json`` and ``records/*.json`` into its output folder (``$LABKIT_OUT``, set by the
 workbook runner; ``out/local`` in a notebook opened by hand). When this run recorded the figure an exercise compares
 with, its record is used (the prediction's inputs and the measurement come from the same record); otherwise the
-committed one that ``results/summary.json`` names. Each lookup says which it used, and on what machine.
+committed one that ``results/summary.json`` names (``$LABKIT_SUMMARY``: another summary). Each lookup says which it
+used, and on what machine.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from pathlib import Path
 
 from labkit.data import REPO_ROOT
 
-SUMMARY = REPO_ROOT / "results" / "summary.json"
-
 
 class NoMeasurement(LookupError):
     """Neither this run nor the committed records hold the figure an exercise compares with."""
@@ -24,6 +23,11 @@ class NoMeasurement(LookupError):
 def run_dir() -> Path:
     """The current run's output folder (as ``labkit.bench.output_dir``, without creating it)."""
     return Path(os.environ.get("LABKIT_OUT", REPO_ROOT / "out" / "local"))
+
+
+def summary_path() -> Path:
+    """The committed summary the exercises compare with: ``$LABKIT_SUMMARY``, else ``results/summary.json``."""
+    return Path(os.environ.get("LABKIT_SUMMARY", REPO_ROOT / "results" / "summary.json"))
 
 
 def _read(path: Path) -> dict | None:
@@ -55,7 +59,8 @@ def figure(name: str, summary: Path | None = None) -> tuple[dict, dict | None, s
         return entry, _read(path), f"this run's {_shown(path)}, {entry.get('machine', '?')}"
     from labkit.figures import committed_figures
 
-    figs = committed_figures(path=summary or SUMMARY) if Path(summary or SUMMARY).exists() else {}
+    summary = Path(summary or summary_path())
+    figs = committed_figures(path=summary) if summary.exists() else {}
     if name in figs:
         entry = figs[name]
         path = _record_path(entry, REPO_ROOT)

@@ -69,7 +69,7 @@ class MemoryBreakdown:
 # --- the whole step -----------------------------------------------------------------------------------------
 def training_memory(spec: ModelConfig | str, setup: TrainSetup) -> MemoryBreakdown:
     """Memory of one training step on one rank, by kind and at its peak (see the module docstring)."""
-    spec = get_config(spec)
+    spec = get_config(spec, "spec")
     if setup.method != "full" and setup.lora_targets is not None:
         allowed = linear_names(spec)
         unknown = [t for t in setup.lora_targets if t not in allowed]
@@ -129,7 +129,7 @@ def inference_memory(spec: ModelConfig | str, batch_size: int, context_len: int,
     """Serving memory: the weights once, a KV cache of ``batch_size * context_len`` tokens, and the transient
     working set of a decode step (one token's logits in fp32 per sequence). No gradients, no optimizer state,
     no saved activations: the KV cache is the part that grows."""
-    spec = get_config(spec)
+    spec = get_config(spec, "spec")
     if batch_size < 1 or context_len < 1:
         raise ValueError(f"batch_size={batch_size} and context_len={context_len} must be positive")
     weights = spec.weight_bytes(weight_dtype)

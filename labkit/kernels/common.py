@@ -7,12 +7,45 @@ Python with a message that names the argument and the allowed values, instead of
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
 import labkit  # noqa: F401  (sets TRITON_INTERPRET before triton is imported on a CPU-only host)
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """One op that ran: ``op`` (a paged forward's 'norm', 'rope', 'attention', 'activation', 'projection',
+    'qkv_projection'; a quantised matmul's 'matmul' launch), the ``kernel`` that ran it ('torch' for the reference
+    expression, else the kernel's name: for 'matmul' its launcher, ``w4_gemv_xs``, ``w8_gemv_xs``,
+    ``splitk_gemv``, ``any_group_gemv``, ``quantized_gemm``, or a peer's path), what the kernel took in besides its
+    own work (``fused``: 'norm', 'residual', 'swiglu', 'rope', 'cache'), its launch mode (``pdl``), the stationary
+    GEMV's ``plan`` (a ``StationaryPlan``) and the ``rows`` multiplied, where known."""
+
+    op: str
+    kernel: str
+    fused: tuple[str, ...] = ()
+    pdl: str = ""
+    plan: object = None
+    rows: int | None = None
+
+
+class KernelLog(list):
+    """The ``KernelCall`` of every op it is handed to, in order (a list): the public record of which kernel ran.
+    Pass one to ``ModelRunner(kernel_log=...)`` (or ``ModelInput.build(..., kernel_log=...)``) to see which kernel
+    each op of an eager step ran (a replayed CUDA graph runs what its capture ran and records nothing), to a
+    quantised matmul's ``log=`` to see its launch, or to a layer's ``KernelChoice.log`` to see the path its rows
+    took."""
+
+    def record(self, op: str, kernel: str, fused=(), pdl: str = "", plan=None, rows: int | None = None) -> None:
+        self.append(KernelCall(op, kernel, tuple(sorted(fused)), pdl, plan, rows))
+
+    def kernels(self, op: str | None = None) -> list[str]:
+        """The kernels that ran ``op`` (every op: None), in order."""
+        return [c.kernel for c in self if op is None or c.op == op]
 
 
 def interpreting() -> bool:
@@ -110,9 +143,6 @@ def num_sms(device: torch.device) -> int:
     return 4
 
 
-_FLUSH: dict[str, torch.Tensor] = {}
-
-
 def cold_l2_bench(fn, quantiles=(0.5, 0.2, 0.8), reps: int = 25) -> list[float]:
     """Milliseconds of ``fn()`` at ``quantiles`` with the L2 cache holding *clean* lines of another buffer before
     each call, as Triton's autotuner expects from its ``do_bench`` argument.
@@ -125,9 +155,7 @@ def cold_l2_bench(fn, quantiles=(0.5, 0.2, 0.8), reps: int = 25) -> list[float]:
     weights of one layer are not in cache when its GEMV starts. A sleep on the device before the start event
     keeps the host's launch overhead (tens of microseconds for a Triton launch from Python) out of the time."""
     dev = torch.device("cuda", torch.cuda.current_device())
-    buf = _FLUSH.get(str(dev))
-    if buf is None:
-        buf = _FLUSH.setdefault(str(dev), torch.ones(64 << 20, dtype=torch.float32, device=dev))
+    buf = torch.ones(64 << 20, dtype=torch.float32, device=dev)  # the caching allocator hands back the same block
     fn()
     torch.cuda.synchronize(dev)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
@@ -167,9 +195,8 @@ def graph_replay_ms(fn, per: int = 4, reps: int = 10) -> list[float]:
 def graph_bench(fn, quantiles=(0.5, 0.2, 0.8), per: int = 4, reps: int = 10) -> list[float]:
     """``graph_replay_ms`` at ``quantiles``: how a captured model step runs a kernel, and how notebook 03 times
     them. An autotuner ``do_bench``: Triton's own times single launches after writing 256 MB (dirty lines in L2),
-    which ranks memory-bound kernels within a few percent of each other differently (RMSNorm at [16384, 4096]:
-    its pick ran 1.4% slower in graph replays than this one's, records/rmsnorm_study_4618224.json). Call it
-    outside any capture, as autotuning is."""
+    which ranks memory-bound kernels within a few percent of each other differently
+    (research/records/h200/rmsnorm_study_4618224.json). Call it outside any capture, as autotuning is."""
     times = torch.tensor(graph_replay_ms(fn, per, reps))
     return torch.quantile(times, torch.tensor(quantiles, dtype=times.dtype)).tolist()
 

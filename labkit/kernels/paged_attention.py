@@ -61,19 +61,15 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 # gathering ``BLOCK_N`` tokens per step through the block table. Long contexts at small batch leave most SMs
 # idle with one program per (sequence, KV head); the split-context path (flash-decoding) cuts each context
 # into ``num_splits`` ranges processed in parallel, each writing an un-normalised partial output with its row
-# maximum and sum, and a second small kernel merges them (the online-softmax rescaling, across programs). (Folding
-# the merge into the split kernel -- the last range of a (sequence, KV head) to finish merges it, counted by an
-# atomic -- made the 8B int4 engine step slower on the H200, 2.057 -> 2.332 ms, results/h200/records/
-# 04_quantization.json; it was removed.)
+# maximum and sum, and a second small kernel merges them (the online-softmax rescaling, across programs).
 # Each sequence's ranges are cut from its own context length, on the device: a CUDA-graph step's block tables
-# are max_model_len wide whatever the sequences hold, so ranges cut from the table width would leave a
-# 531-token context in one range of a 512-per-range split of 8,192 (on the H200: 20 us per layer for 2 MB).
+# are max_model_len wide whatever the sequences hold, so ranges cut from the table width would leave a short
+# context in one range of a long split.
 
 LOG2E = 1.4426950408889634
 QUANT_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
 # Ranges of at least one 16-token block: at batch 1 short contexts want many short ranges, each program one small
-# tile (H200, int4 8B engine step at 513 tokens: 8 ranges of >= 64 tokens 2.193/2.219 ms, 33 of >= 16
-# 2.130/2.158 ms, records/attention_splits_4aec4fc.json); the 4-programs-per-SM target binds at larger batches.
+# tile (research/records/h200/attention_splits_4aec4fc.json); the 4-programs-per-SM target binds at larger batches.
 # The default of ``auto_num_splits``' ``min_split_tokens``.
 MIN_SPLIT_TOKENS = 16
 
@@ -231,10 +227,8 @@ def _configs() -> list:
 
 # Where every range fits in one tile of at most this many tokens, the tile is picked, not autotuned: a decode
 # step's ranges are that short at small batch, and the autotuner would time whatever context its first call
-# has -- in the engine the CUDA-graph warm-up's padding rows, one token each. H200, one sequence, 8 KV heads,
-# graph replays over DRAM-cold pools (results/h200/logs/2026-12-04f_call5_attention_splits_kernel.log, a run
-# cut off before it wrote its record): 513 tokens in 33 ranges, BLOCK_N 16 with 4 warps and 1 stage 6.45 us per
-# call (32: 6.68); 2049 in 33 ranges, BLOCK_N 64, 4 warps, 1 stage 8.61 us (2 stages 9.03, 2 warps 8.94)
+# has -- in the engine the CUDA-graph warm-up's padding rows, one token each
+# (results/h200/logs/2026-12-04f_call5_attention_splits_kernel.log).
 SHORT_RANGE_TOKENS = 64
 
 
@@ -316,7 +310,7 @@ PDL_MODES = ("", "release")  # decode attention releases the launch after it; it
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, scale: float | None = None, num_splits: int | None = None,
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                    pdl: str = "", config: dict | None = None, check: bool | None = None) -> torch.Tensor:
+                    pdl: str = "", check: bool | None = None) -> torch.Tensor:
     """Decode attention over the paged layout above, in Triton (``paged_attention_ref`` is the reference).
 
     ``q`` ``[num_seqs, num_heads, head_dim]``; caches ``[num_blocks, block_size, num_kv_heads, head_dim]`` of
@@ -331,17 +325,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     dequantised in registers, so the kernel reads 1 byte per element instead of 2. ``pdl="release"`` (sm_90):
     the launch after this call may start as soon as this one does (a programmatic dependent launch, such as an
     int4 GEMV's ``pdl="overlap"``, then issues its first weight loads while attention runs); the merge kernel is
-    then a programmatic dependent launch itself, waiting for the partials before it reads them. (Decode attention
-    as a dependent launch too, its first K/V tile loaded before waiting, gained nothing on the H200: the 8B int4
-    engine step took 2.073 ms with it, 2.057 without, results/h200/records/04_quantization.json; it was removed.)
-    ``config`` (CUDA; tuning data, e.g. research/attention_splits.py): ``BLOCK_N``, ``num_warps`` and ``num_stages``
-    of the split kernel instead of the default (``short_range_tile`` for ranges of one tile, else the autotuner's).
-    Returns ``[num_seqs, num_heads, head_dim]`` in ``q``'s dtype.
+    then a programmatic dependent launch itself, waiting for the partials before it reads them. Returns ``[num_seqs,
+    num_heads, head_dim]`` in ``q``'s dtype. (Variants measured and removed: research/README.md.)
     """
     _check_paged_args(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     if should_check(check, q):
         check_block_tables(block_tables, context_lens, k_cache.shape[0], k_cache.shape[1])
     check_pdl(pdl, PDL_MODES)
+    return _launch(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, k_scale, v_scale, pdl)
+
+
+def _launch(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, k_scale, v_scale, pdl,
+            tile: dict | None = None) -> torch.Tensor:
+    """``paged_attention`` on checked arguments; ``tile`` (CUDA: ``BLOCK_N``, ``num_warps``, ``num_stages`` of the
+    split kernel) replaces the default (``short_range_tile``, else the autotuner's): research/attention_splits.py's
+    sweep."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -373,7 +371,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     grid = (num_seqs, num_kv_heads, num_splits)
     launch = pdl_launch(pdl, q.device)
     if q.device.type == "cuda":
-        config = config or (short_range_tile(max_context, num_splits) if split else None)
+        config = tile or (short_range_tile(max_context, num_splits) if split else None)
     else:
         config = {"BLOCK_N": CPU_BLOCK_N}  # the interpreter's one tile
     # with no tile yet (the autotuner picks one per launch) the general loop, which any tile runs

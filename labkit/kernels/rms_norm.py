@@ -8,25 +8,13 @@ eager torch makes about five passes (cast, square, mean, multiply, multiply by t
 replaces the separate add (read 2, write 1) and norm (read 1, write 1) with one pass (read 2, write 2).
 
 One pass, ``ROWS`` whole rows per program held in registers (16-byte loads and stores along the row, ``x`` loaded
-evict-first). On the H200 one row per program (8 warps) reached 0.893 of copy bandwidth at [16384, 4096] bf16 (70.3
-us for 268 MB) while the fused form, which moves twice the bytes per program, reached 0.936: each program pays a
-fixed cost -- launch, a block-wide reduction with its barrier, and the weight, which it re-reads from L2 (8 KB: as
-many bytes as the row of ``x`` it normalises; sm_90 code has 2 16-byte loads of ``w`` per thread beside 2 of
-``x``). Two or four rows per program halve or quarter those per byte, the weight is loaded once for all of them
-(first, so it is in flight with ``x``), and 16-32 KB of ``x`` is in flight per program. 0.90 needs 69.8 us. ``out``
-may be stored with streaming stores (``STORE_CACHE=".cs"``: this kernel never reads it back, so its lines need not
-stay in L2): 0.5-2% faster than plain stores for the plain form, 2-3% slower for the fused one
-(research/rmsnorm_study.py, records/rmsnorm_study_*.json). With one row, 8 warps and streaming stores, notebook 03
-timed 65.95 us (0.958 of copy bandwidth) and the study's harnesses 66.4-67.0 us beside 65.6 for a copy of the same
-bytes, in the same process (its per-config sweep, run first, timed the same kernel at 69.2 and the copy at 64.7;
-why the kernel ran 3-4% slower there is not established). On CUDA, from ``TUNE_MIN_ROWS`` rows up, rows per program
-(1, 2, 4, 8), warps (4-32) and the store policy are autotuned per (hidden size, dtypes, residual, power-of-two row
-count), each candidate timed as CUDA-graph replays (``graph_bench``; Triton's default timing picked configs
-0.5-1.5% slower), on the first call -- a warm-up, outside any CUDA-graph capture; the one-row, 8-warp kernel
-measured above is among the candidates. (On 2026-12-03, single launches timed with CUDA events gave the autotuned
-kernel 0.683 plain and 0.912 fused: 21 us more than the one-row kernel's 70.3 us for the plain form, about what the
-autotuner's Python dispatch costs on the host, which such timing counts when nothing else is queued; notebook 03
-now times graph replays, the device alone, to tell the two apart.)
+evict-first). Each program pays a fixed cost -- launch, a block-wide reduction with its barrier, and the weight,
+re-read from L2 -- so two or four rows per program halve or quarter it per byte, the weight loaded once for all of
+them (first, so it is in flight with ``x``). ``out`` may be stored with streaming stores (``STORE_CACHE=".cs"``:
+this kernel never reads it back). On CUDA, from ``TUNE_MIN_ROWS`` rows up, rows per program (1, 2, 4, 8), warps
+(4-32) and the store policy are autotuned per (hidden size, dtypes, residual, power-of-two row count), each
+candidate timed as CUDA-graph replays (``graph_bench``), on the first call -- a warm-up, outside any CUDA-graph
+capture. What each choice measured: research/README.md (``rmsnorm_study.py``) and notebook 03's record.
 Fewer rows (decode batches) take one row per program with the warps set by the row length
 and never autotune, so capturing a decode step needs no warm-up for this kernel.
 
@@ -102,8 +90,8 @@ def _prune(configs, named_args, **kwargs):
 
 _CONFIGS = [triton.Config({"ROWS": r}, num_warps=w)
             for r, w in ((1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (2, 16), (4, 8), (4, 16), (8, 16), (4, 32))]
-# streaming stores (st.global.cs) for the best plain configs: 0.5-2% faster plain, ~2% slower fused on the H200
-# (records/rmsnorm_study_ded9987.json), so the autotuner, keyed on the residual, has both
+# streaming stores (st.global.cs) for the best plain configs, faster plain and slower fused
+# (research/records/h200/rmsnorm_study_ded9987.json), so the autotuner, keyed on the residual, has both
 _CONFIGS += [triton.Config({"ROWS": r, "STORE_CACHE": ".cs"}, num_warps=w) for r, w in ((1, 8), (4, 16), (4, 32))]
 
 

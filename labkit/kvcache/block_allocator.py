@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from labkit.checks import check_int, check_positive_int
+
 
 class CacheFullError(RuntimeError):
     """The KV cache has too few free blocks (or slots) for a request; the message gives both numbers."""
@@ -27,9 +29,7 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int):
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks={num_blocks!r} must be a positive int")
-        self.num_blocks = num_blocks
+        self.num_blocks = check_positive_int("num_blocks", num_blocks)
         self.ref_counts = [0] * num_blocks
         # the free queue; its head is the least recently freed block
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -59,8 +59,7 @@ class BlockAllocator:
     # --- allocate / share / free ----------------------------------------------------------------------------
     def allocate(self, n: int = 1) -> list[int]:
         """Take ``n`` free blocks (all or none), evicting the hashes of any cached blocks among them."""
-        if n < 0:
-            raise ValueError(f"n={n} must be >= 0")
+        check_int("n", n, 0)
         if n > len(self._free):
             raise CacheFullError(f"asked for {n} KV blocks but only {len(self._free)} of {self.num_blocks} "
                                  f"are free")

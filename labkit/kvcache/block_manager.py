@@ -7,11 +7,11 @@ Full blocks become findable by the prefix cache when ``mark_computed`` says thei
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from labkit.checks import check_attrs, check_bool, check_int, check_positive_int, check_token_ids
 from labkit.kvcache.block_allocator import BlockAllocator, CacheFullError
 from labkit.kvcache.prefix import block_hashes, hash_block
 
@@ -33,11 +33,21 @@ class KVSequence(Protocol):
     def num_tokens(self) -> int: ...
 
 
+SEQ_ATTRS = ("seq_id", "token_ids", "block_table", "num_computed", "block_hashes", "num_tokens")
+"""What ``check_seq`` asks of a sequence (``KVSequence``'s members)."""
+
+
+def check_seq(seq, name: str = "seq") -> KVSequence:
+    """``seq`` if it has what a ``KVSequence`` has, else an ``ArgumentTypeError`` naming ``name``."""
+    return check_attrs(name, seq, SEQ_ATTRS, "a sequence the block manager keeps blocks on (engine.Sequence or "
+                       "kvcache.SeqBlocks)")
+
+
 @dataclass(eq=False)
 class SeqBlocks:
     """A sequence for using the cache alone (tests, notebook 02, the speculative decoder and its draft model): its
-    token ids (a list of its own, copied from ``token_ids``; ints: ``allocate`` refuses others) and what the block
-    manager keeps on it."""
+    token ids (a list of ints >= 0 of its own, copied from ``token_ids``; none for a pipeline stage's rows) and what
+    the block manager keeps on it."""
 
     token_ids: list[int]
     seq_id: Hashable = None
@@ -46,7 +56,8 @@ class SeqBlocks:
     block_hashes: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.token_ids = list(self.token_ids)  # appending to it must not change the caller's list
+        # a list of its own: appending to it must not change the caller's
+        self.token_ids = check_token_ids("token_ids", self.token_ids, allow_empty=True)
 
     @property
     def num_tokens(self) -> int:
@@ -62,15 +73,14 @@ class BlockManager:
     (copy on write) copies nothing here; ``PagedKVCache`` copies the block's K/V."""
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False):
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.num_blocks = check_positive_int("num_blocks", num_blocks)
+        self.block_size = check_positive_int("block_size", block_size)
+        self.enable_prefix_caching = check_bool("enable_prefix_caching", enable_prefix_caching)
         self.allocator = BlockAllocator(num_blocks)
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens."""
-        if not isinstance(num_tokens, numbers.Integral) or num_tokens < 0:
-            raise ValueError(f"num_tokens={num_tokens!r} must be an int >= 0")
-        return _cdiv(num_tokens, self.block_size)
+        return _cdiv(check_int("num_tokens", num_tokens, 0), self.block_size)
 
     def num_slots(self, seq: KVSequence) -> int:
         """Tokens of ``seq`` that have a slot (all but those appended since its last ``allocate`` /
@@ -98,6 +108,7 @@ class BlockManager:
         return hits, hashes
 
     def _blocks_to_allocate(self, seq: KVSequence) -> tuple[list[int], list[bytes], int]:
+        check_seq(seq)
         hits, hashes = self._prefix_hits(seq)
         new = self.blocks_for(seq.num_tokens) - len(hits)
         # A hit on a free (cached, unreferenced) block takes it off the free queue too.
@@ -116,8 +127,8 @@ class BlockManager:
         """Blocks for every token of ``seq``, which holds none, all or none; sets its ``block_table``,
         ``block_hashes`` and ``num_computed`` (the tokens found in the prefix cache, a multiple of ``block_size``)
         and returns the last. ``CacheFullError`` when too few blocks are free (nothing changes); ``ValueError`` /
-        ``TypeError`` on a bad sequence (no token, token ids not ints, blocks held)."""
-        if seq.block_table:
+        ``TypeError`` on a bad sequence (not one, no token, token ids not ints, blocks held)."""
+        if check_seq(seq).block_table:
             raise ValueError(f"sequence {seq.seq_id!r} already holds {len(seq.block_table)} blocks; free it first")
         n = seq.num_tokens
         if n < 1:
@@ -146,7 +157,11 @@ class BlockManager:
     def _append_cost(self, seq: KVSequence) -> tuple[int, list[int]]:
         """New blocks ``append_slots(seq)`` takes, and the indices of the shared blocks it copies: those its
         uncomputed tokens will be written into."""
-        table, bs, n = seq.block_table, self.block_size, seq.num_tokens
+        try:  # every step: the check costs nothing unless the attributes are missing
+            table, bs, n = seq.block_table, self.block_size, seq.num_tokens
+        except AttributeError:
+            check_seq(seq)
+            raise
         new = max(0, _cdiv(n, bs) - len(table))
         if n <= seq.num_computed:
             return new, []
@@ -178,7 +193,9 @@ class BlockManager:
 
     def slots(self, seq: KVSequence, start: int, end: int) -> list[int]:
         """Slots of ``seq``'s tokens ``start .. end-1`` (reserved: within its blocks)."""
-        if not 0 <= start <= end <= self.num_slots(seq):
+        check_int("start", start, 0)
+        check_int("end", end, 0)
+        if not start <= end <= self.num_slots(check_seq(seq)):
             raise ValueError(f"token range [{start}, {end}) is outside sequence {seq.seq_id!r}'s "
                              f"{self.num_slots(seq)} reserved slots")
         bs, table = self.block_size, seq.block_table
@@ -187,8 +204,8 @@ class BlockManager:
     def mark_computed(self, seq: KVSequence, num_computed: int) -> None:
         """Record that K/V of ``seq``'s first ``num_computed`` tokens are written; full blocks among them become
         findable by the prefix cache (their chained hashes go to ``seq.block_hashes`` and the allocator)."""
-        if not isinstance(num_computed, numbers.Integral) or \
-                not seq.num_computed <= num_computed <= self.num_slots(seq):
+        check_int("num_computed", num_computed)
+        if not check_seq(seq).num_computed <= num_computed <= self.num_slots(seq):
             raise ValueError(f"num_computed={num_computed!r} must be an int in [{seq.num_computed}, "
                              f"{self.num_slots(seq)}] for sequence {seq.seq_id!r} (computed so far, reserved slots)")
         seq.num_computed = num_computed
@@ -205,7 +222,8 @@ class BlockManager:
     def fork(self, parent: KVSequence, child: KVSequence) -> None:
         """``child`` (holding no blocks, and the parent's tokens: a copy of them) shares every block of ``parent``
         (no copy until one of them appends into a shared partly filled block)."""
-        if child.block_table:
+        check_seq(parent, "parent")
+        if check_seq(child, "child").block_table:
             raise ValueError(f"child {child.seq_id!r} already holds {len(child.block_table)} blocks")
         if list(child.token_ids) != list(parent.token_ids):
             raise ValueError(f"child {child.seq_id!r} must hold the tokens of parent {parent.seq_id!r} (a copy of "
@@ -220,7 +238,7 @@ class BlockManager:
         """Release ``seq``'s blocks (it then holds none, and nothing computed). Tail blocks are released first, so
         when cached blocks are evicted, a prefix's later blocks go before its earlier ones (those are likelier to be
         shared)."""
-        if not seq.block_table:
+        if not check_seq(seq).block_table:
             raise ValueError(f"sequence {seq.seq_id!r} holds no blocks (freed already?)")
         for b in reversed(seq.block_table):
             self.allocator.free(b)
@@ -230,8 +248,8 @@ class BlockManager:
         """Cut ``seq`` back to its first ``num_tokens`` tokens (speculative decoding's rejected ones): token ids,
         blocks past them, computed count. Their K/V stay in the pool, unreachable; tokens in the prefix cache cannot
         be cut (``ValueError``)."""
-        hashed = len(seq.block_hashes) * self.block_size
-        if not isinstance(num_tokens, numbers.Integral) or not max(1, hashed) <= num_tokens <= seq.num_tokens:
+        hashed = len(check_seq(seq).block_hashes) * self.block_size
+        if not max(1, hashed) <= check_int("num_tokens", num_tokens) <= seq.num_tokens:
             raise ValueError(f"num_tokens={num_tokens!r} must be an int in [{max(1, hashed)}, {seq.num_tokens}] for "
                              f"sequence {seq.seq_id!r} (its first {hashed} tokens are in the prefix cache)")
         keep = self.blocks_for(num_tokens)

@@ -13,6 +13,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from labkit.checks import check_bool, check_device, check_positive_int
 from labkit.kvcache.block_allocator import CacheFullError
 from labkit.kvcache.metrics import KVCacheStats
 from labkit.kvcache.quant import kv_format
@@ -26,20 +27,19 @@ class ContiguousKVCache:
                  allocate_pools: bool = True):
         for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                         ("max_seqs", max_seqs), ("max_len", max_len)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r} must be a positive int")
-        fmt = kv_format(dtype)
+            check_positive_int(name, v)
+        fmt = kv_format(dtype, "dtype")
         if fmt.quantised:
             raise ValueError(f"dtype={dtype!r}: the contiguous baseline stores fp32, bf16 or fp16")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.max_seqs, self.max_len = max_seqs, max_len
-        self.dtype, self.device = fmt.storage_dtype, torch.device(device)
+        self.dtype, self.device = fmt.storage_dtype, check_device("device", device)
         self.bytes_per_token = fmt.bytes_per_token(num_layers, num_kv_heads, head_dim)
         self.rows: dict[Hashable, int] = {}
         self.lens: dict[Hashable, int] = {}
         self._free_rows = list(range(max_seqs - 1, -1, -1))
         shape = (max_seqs, max_len, num_kv_heads, head_dim)
-        n = num_layers if allocate_pools else 0
+        n = num_layers if check_bool("allocate_pools", allocate_pools) else 0
         self.k_caches = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(n)]
         self.v_caches = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(n)]
 

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from labkit.checks import check_bool, check_device, check_positive_int
 from labkit.kvcache.block_manager import BlockManager, KVSequence, SeqBlocks
 from labkit.kvcache.metrics import KVCacheStats
 from labkit.kvcache.quant import KVFormat, dequantize_kv, kv_format, quantize_kv
@@ -36,19 +37,17 @@ class PagedKVCache(BlockManager):
                  block_size: int = 16, kv_dtype: str | torch.dtype = "fp32",
                  device: str | torch.device = "cpu",
                  enable_prefix_caching: bool = False, allocate_pools: bool = True):
-        for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                        ("num_blocks", num_blocks), ("block_size", block_size)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r} must be a positive int")
         super().__init__(num_blocks, block_size, enable_prefix_caching)
-        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.num_layers = check_positive_int("num_layers", num_layers)
+        self.num_kv_heads = check_positive_int("num_kv_heads", num_kv_heads)
+        self.head_dim = check_positive_int("head_dim", head_dim)
         self.fmt: KVFormat = kv_format(kv_dtype)
-        self.device = torch.device(device)
+        self.device = check_device("device", device)
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
         self.k_scales: list[torch.Tensor] = []
         self.v_scales: list[torch.Tensor] = []
-        if allocate_pools:
+        if check_bool("allocate_pools", allocate_pools):
             shape = (num_blocks, block_size, num_kv_heads, head_dim)
             for _ in range(num_layers):
                 self.k_caches.append(torch.empty(shape, dtype=self.fmt.storage_dtype, device=self.device))

@@ -15,9 +15,15 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
+from labkit.checks import check_positive_int, check_token_ids
+
 
 def hash_block(token_ids: Sequence[int], prev_hash: bytes | None = None) -> bytes:
     """The chained hash of one full block: ``sha256(prev_hash || int64 token ids)`` (32 bytes)."""
+    return _hash(check_token_ids("token_ids", token_ids), prev_hash)
+
+
+def _hash(token_ids: Sequence[int], prev_hash: bytes | None) -> bytes:
     h = hashlib.sha256(prev_hash or b"")
     h.update(array("q", token_ids).tobytes())
     return h.digest()
@@ -25,10 +31,10 @@ def hash_block(token_ids: Sequence[int], prev_hash: bytes | None = None) -> byte
 
 def block_hashes(token_ids: Sequence[int], block_size: int, prev_hash: bytes | None = None) -> list[bytes]:
     """Chained hashes of every *full* block of ``token_ids`` (a trailing partial block gets none)."""
-    if block_size < 1:
-        raise ValueError(f"block_size={block_size} must be >= 1")
+    check_positive_int("block_size", block_size)
+    token_ids = check_token_ids("token_ids", token_ids, allow_empty=True)
     hashes = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        prev_hash = hash_block(token_ids[start:start + block_size], prev_hash)
+        prev_hash = _hash(token_ids[start:start + block_size], prev_hash)
         hashes.append(prev_hash)
     return hashes

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from labkit.checks import ArgumentTypeError
+
 FP8_MAX = 448.0
 INT8_MAX = 127.0
 
@@ -56,13 +58,15 @@ _ALIASES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"
             "e4m3": "fp8", "fp8_e4m3": "fp8", "float8_e4m3fn": "fp8"}
 
 
-def kv_format(kv_dtype: str | torch.dtype) -> KVFormat:
-    """The ``KVFormat`` of a name or torch dtype, with a clear error listing the allowed ones."""
-    name = _ALIASES.get(kv_dtype, kv_dtype)
-    if name not in KV_FORMATS:
-        raise ValueError(f"kv_dtype={kv_dtype!r} is not a KV-cache format; allowed: {sorted(KV_FORMATS)} "
-                         f"(or torch.float32/bfloat16/float16/int8/float8_e4m3fn)")
-    return KV_FORMATS[name]
+def kv_format(kv_dtype: str | torch.dtype, name: str = "kv_dtype") -> KVFormat:
+    """The ``KVFormat`` of a name or torch dtype, with a clear error naming ``name`` and listing the allowed ones."""
+    allowed = f"allowed: {sorted(KV_FORMATS)} (or torch.float32/bfloat16/float16/int8/float8_e4m3fn)"
+    if not isinstance(kv_dtype, (str, torch.dtype)):
+        raise ArgumentTypeError(f"{name}={kv_dtype!r} must be a KV-cache format name or a torch dtype; {allowed}")
+    fmt = _ALIASES.get(kv_dtype, kv_dtype)
+    if fmt not in KV_FORMATS:
+        raise ValueError(f"{name}={kv_dtype!r} is not a KV-cache format; {allowed}")
+    return KV_FORMATS[fmt]
 
 
 def quantize_kv(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -17,6 +17,7 @@ sizes a model (parameters, bytes, FLOPs, KV bytes; the presets); one way to buil
 a ``KernelLog`` handed to a step (``ModelInput.kernel_log``, ``ModelRunner(kernel_log=...)``) records which ran.
 """
 
+from labkit.kernels.common import KernelCall, KernelLog
 from labkit.model.attention import ModelInput, cached_attention, causal_attention, pack_step
 from labkit.model.build import adopt_hf_model, from_config, load_checkpoint, load_model, random_model
 from labkit.model.config import FAMILIES, MODEL_TYPES, ROPE_TYPES, ModelConfig, RopeScaling
@@ -24,7 +25,6 @@ from labkit.model.fusion import KERNEL_NAMES, KERNELS, FusionPlan
 from labkit.model.layers import MLP, Attention, DecoderLayer, RMSNorm
 from labkit.model.loader import MERGED, Checkpoint, load_weights, weight_sources
 from labkit.model.model import CausalLM, Transformer
-from labkit.model.ops import KernelCall, KernelLog
 from labkit.model.presets import PRESETS, TINY, get_config
 from labkit.model.rotary import RotaryEmbedding, inv_frequencies, rotate
 from labkit.model.shapes import DTYPE_BYTES, count_parameters, dtype_bytes, dtype_name, human_bytes

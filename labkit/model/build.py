@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from labkit.checks import ArgumentTypeError, check_device, check_dtype, check_positive_int, check_type
+from labkit.checks import ArgumentTypeError, check_device, check_dtype, check_int, check_positive_int
 from labkit.data import EMBEDDED_MODEL, EMBEDDED_MODEL_DIR
 from labkit.model.config import ModelConfig
 from labkit.model.loader import FLOAT_DTYPE_NAMES, Checkpoint, load_weights, logger
@@ -60,12 +60,12 @@ def from_config(cfg, device: str | torch.device = "cpu", dtype=torch.bfloat16, s
     """A ``CausalLM`` with random weights, created directly on ``device``, for ``cfg``: a preset name, a
     ``ModelConfig``, an HF config or model (``get_config``). Matrices and biases are N(0, ``std``); norm weights are
     the identity."""
-    cfg = get_config(cfg)
+    cfg = get_config(cfg, "cfg")
     dt = _choose_dtype(dtype, None, f"random {cfg.model_type} weights")
     model = _empty_model(cfg, device, dt, merge_qkv, merge_gate_up)
     if model.device.type == "meta":
         return model
-    gen = torch.Generator(device=model.device).manual_seed(check_type("seed", seed, int))
+    gen = torch.Generator(device=model.device).manual_seed(check_int("seed", seed, 0))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -191,13 +191,13 @@ def random_model(preset: str | ModelConfig, device: str | torch.device | None = 
 
     from transformers import AutoModelForCausalLM
 
-    cfg = get_config(preset)
+    cfg = get_config(preset, "preset")
     if num_layers is not None:
         cfg = replace(cfg, num_layers=check_positive_int("num_layers", num_layers), layer_types=())
     dev = torch.device("meta") if str(device) == "meta" else check_device("device", device)
     dt = check_dtype("dtype", torch.bfloat16 if dtype is None else dtype)
     _check_fits(cfg, dev, dt)
-    torch.manual_seed(seed)
+    torch.manual_seed(check_int("seed", seed, 0))
     if dev.type == "cuda":
         torch.cuda.manual_seed(seed)
     with torch.device(dev):

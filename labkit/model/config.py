@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from labkit.checks import check_choice, check_number, check_positive_int
+from labkit.checks import check_bool, check_choice, check_number, check_positive_int
 from labkit.model.shapes import ShapeArithmetic
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
@@ -147,6 +147,9 @@ class ModelConfig(ShapeArithmetic):
             raise ValueError(f"layer_types={self.layer_types!r} must hold {self.num_layers} entries from "
                              f"{LAYER_TYPES}")
         check_positive_int("sliding_window", self.sliding_window, none_ok=True)
+        for name in ("tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "gated_mlp", "norm_bias",
+                     "learned_positions", "fused_checkpoint"):
+            check_bool(name, getattr(self, name))
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
             raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1] and give an "
                              f"even rotary dim (head_dim={self.head_dim})")

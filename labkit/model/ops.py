@@ -15,17 +15,17 @@ here, by plain calls (no lookup by name, no module switch).
 Every torch expression rounds as the family's HF module does, so the torch plan's greedy output equals HF's.
 
 Which kernel ran is observable: each op appends a ``KernelCall`` to the ``KernelLog`` it is handed (``log``; the
-step's ``ModelInput.kernel_log``, set by ``ModelRunner(kernel_log=...)`` or ``ModelInput.build``), or to nothing.
+step's ``ModelInput.kernel_log``, set by ``ModelRunner(kernel_log=...)`` or ``ModelInput.build``), or to nothing
+(``labkit.kernels.common``: the quantised matmuls record their launches in one too).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labkit.kernels.common import KernelLog
 from labkit.kernels.quantized_matmul import w4a16_matmul, w4a16_qkv_rope_cache, w8a16_matmul, w8a16_qkv_rope_cache
 from labkit.kvcache.paged import PagedKVCache
 from labkit.model.fusion import FusionPlan
@@ -34,32 +34,6 @@ from labkit.quant.weight_only import Int4Linear, Int8Linear
 
 EPILOGUE_KERNELS = {Int8Linear: (w8a16_matmul, w8a16_qkv_rope_cache), Int4Linear: (w4a16_matmul, w4a16_qkv_rope_cache)}
 """Linear type -> (its GEMV with neighbours, its q/k/v GEMV with RoPE and the cache write)."""
-
-
-@dataclass(frozen=True)
-class KernelCall:
-    """One op of a paged forward: ``op`` ('norm', 'rope', 'attention', 'activation', 'projection',
-    'qkv_projection'), the ``kernel`` that ran it ('torch' for the reference expression, else the kernel function's
-    name), what the kernel took in besides its own work (``fused``: 'norm', 'residual', 'swiglu', 'rope', 'cache')
-    and its launch mode (``pdl``)."""
-
-    op: str
-    kernel: str
-    fused: tuple[str, ...] = ()
-    pdl: str = ""
-
-
-class KernelLog(list):
-    """The ``KernelCall`` of every op of the paged forwards it is handed, in order (a list). Pass one to
-    ``ModelRunner(kernel_log=...)`` (or ``ModelInput.build(..., kernel_log=...)``) to see which kernel each op of an
-    eager step ran; a replayed CUDA graph runs what its capture ran and records nothing."""
-
-    def record(self, op: str, kernel: str, fused=(), pdl: str = "") -> None:
-        self.append(KernelCall(op, kernel, tuple(sorted(fused)), pdl))
-
-    def kernels(self, op: str | None = None) -> list[str]:
-        """The kernels that ran ``op`` (every op: None), in order."""
-        return [c.kernel for c in self if op is None or c.op == op]
 
 
 def _note(log: KernelLog | None, op: str, kernel: str, fused=(), pdl: str = "") -> None:

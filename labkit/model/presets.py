@@ -37,19 +37,21 @@ PRESETS: dict[str, ModelConfig] = {
 """Named shapes by name."""
 
 
-def get_config(preset_or_model) -> ModelConfig:
+def get_config(preset_or_model, name: str = "preset_or_model") -> ModelConfig:
     """The ``ModelConfig`` of a preset name (``PRESETS``), a Hugging Face model or config (or its dict), a
-    ``labkit.model.CausalLM``, or a ``ModelConfig`` itself."""
+    ``labkit.model.CausalLM``, or a ``ModelConfig`` itself; an error names the caller's argument ``name``."""
     if isinstance(preset_or_model, ModelConfig):
         return preset_or_model
     if isinstance(preset_or_model, str):
         if preset_or_model not in PRESETS:
-            raise ValueError(f"preset={preset_or_model!r} is unknown; allowed: {sorted(PRESETS)}")
+            raise ValueError(f"{name}={preset_or_model!r} is unknown; allowed: {sorted(PRESETS)}, a Hugging Face "
+                             f"model or config, or a ModelConfig")
         return PRESETS[preset_or_model]
     config = getattr(preset_or_model, "config", preset_or_model)
     if isinstance(config, ModelConfig):
         return config
     if not (isinstance(config, dict) or hasattr(config, "to_dict")):
-        raise ArgumentTypeError(f"cannot read a ModelConfig from {type(preset_or_model).__name__}; pass a preset name "
-                        f"({sorted(PRESETS)}), a Hugging Face model or config, or a ModelConfig")
+        raise ArgumentTypeError(f"{name}={preset_or_model!r:.60}: cannot read a ModelConfig from "
+                                f"{type(preset_or_model).__name__}; pass a preset name ({sorted(PRESETS)}), a "
+                                f"Hugging Face model or config, or a ModelConfig")
     return ModelConfig.from_hf(config)

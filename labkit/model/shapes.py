@@ -153,8 +153,8 @@ def count_parameters(model: torch.nn.Module) -> int:
 
 
 def human_bytes(n: float) -> str:
-    """``1.5 GiB`` style formatting."""
-    if n <= 0:
+    """``1.5 GiB`` style formatting of ``n`` bytes (>= 0)."""
+    if check_number("n", n, 0) == 0:
         return "0 B"
     units = ["B", "KiB", "MiB", "GiB", "TiB"]
     i = min(int(math.log(n, 1024)), len(units) - 1)

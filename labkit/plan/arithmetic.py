@@ -18,7 +18,7 @@ USABLE = 0.9
 def min_tp(spec: ModelConfig | str, gpu: str, dtype: str = "bf16", usable: float = USABLE) -> int | None:
     """The narrowest TP degree (a power of two dividing the heads, at most 8: one node) whose weight shard fits in
     ``usable`` of one ``gpu``'s memory, or None when even TP8 does not."""
-    spec, hw = get_config(spec), get_hardware(gpu)
+    spec, hw = get_config(spec, "spec"), get_hardware(gpu, "gpu")
     for tp in (1, 2, 4, 8):
         if spec.num_heads % tp == 0 and memory_per_device(spec, tp, 1, 0, dtype)["weights"] <= usable * hw.mem_capacity:
             return tp
@@ -31,7 +31,7 @@ def model_arithmetic(spec: ModelConfig | str = "gpt3-175b", gpus: tuple[str, ...
     (MiB, 2 x layers x KV heads x head dim x 2 bytes) and per ``seq_len``-token sequence (GiB), and per GPU kind the
     narrowest TP group for bf16 weights (``min_tp``), the memory it leaves per GPU and how many ``seq_len``-token
     sequences of bf16 KV that holds across the group."""
-    spec = get_config(spec)
+    spec = get_config(spec, "spec")
     out: dict[str, tuple] = {}
     for w in ("bf16", "fp8", "int8", "int4"):
         out[f"weights_gb_{w}"] = (spec.weight_bytes(w) / 1e9, "GB", f"{spec.num_params / 1e9:.1f} B parameters "
@@ -46,7 +46,7 @@ def model_arithmetic(spec: ModelConfig | str = "gpt3-175b", gpus: tuple[str, ...
     out["seq_len"] = (seq_len, "tokens", "the sequence length of the KV arithmetic")
     for g in gpus:
         tp = min_tp(spec, g, "bf16", usable)
-        cap = get_hardware(g).mem_capacity
+        cap = get_hardware(g, "gpus").mem_capacity
         out[f"min_tp_{g}"] = (tp, "GPUs", f"narrowest TP whose bf16 shard fits {usable:.0%} of {cap / 1e9:.0f} GB")
         if tp is not None:
             room = usable * cap - memory_per_device(spec, tp, 1, 0, "bf16")["weights"]

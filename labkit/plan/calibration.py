@@ -82,7 +82,7 @@ def fit_calibration(rows: list[dict], spec, bandwidth: float, peak: float, sourc
     folded into ``bandwidth_eff`` (what a step pays besides the bytes' floor then scales with the weights, which
     under-states it for wide tensor-parallel layouts whose shards are small).
     """
-    spec = get_config(spec)
+    spec = get_config(spec, "spec")
     dec = [r for r in rows if r["phase"] == "decode"]
     pre = [r for r in rows if r["phase"] == "prefill"]
     if not dec or not pre:

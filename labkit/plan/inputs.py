@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from labkit.bench.workload import LengthDist
-from labkit.checks import check_positive_int
+from labkit.checks import ArgumentTypeError, check_choice, check_positive_int
 from labkit.hardware import Hardware
 
 WEIGHT_DTYPES = ("bf16", "fp8", "int8", "int4")
@@ -21,15 +21,15 @@ KV_DTYPES = ("bf16", "fp8", "int8")
 
 
 def check_formats(name: str, values, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """One format name or several (a tuple or list of them), as a tuple of names from ``allowed``."""
     if isinstance(values, str):
         values = (values,)
-    values = tuple(values)
+    if not isinstance(values, (tuple, list)):
+        raise ArgumentTypeError(f"{name}={values!r} must be a format name or a tuple of them; allowed: "
+                                f"{list(allowed)}")
     if not values:
         raise ValueError(f"{name}=() is empty; allowed: {list(allowed)}")
-    for v in values:
-        if v not in allowed:
-            raise ValueError(f"{name}={v!r} is unknown; allowed: {list(allowed)}")
-    return values
+    return tuple(check_choice(name, v, allowed) for v in values)
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,11 @@ class Cluster:
             raise ValueError(f"gpu={self.gpu!r} must be a labkit.hardware.Hardware (get_hardware('h200'))")
         check_positive_int("gpus_per_node", self.gpus_per_node)
         check_positive_int("nodes", self.nodes)
-        from labkit.parallel.cost_model import get_link
+        from labkit.parallel.cost_model import LINKS, Link
 
         for name in ("intra", "inter"):
-            get_link(getattr(self, name))  # raises naming the known links
+            if not isinstance(getattr(self, name), Link):
+                check_choice(name, getattr(self, name), sorted(LINKS))
 
     @property
     def num_gpus(self) -> int:

@@ -28,7 +28,7 @@ def calibrated_cluster(gpu: str | Hardware = "h200", gpus_per_node: int = 8, nod
     kind of GPU, its datasheet otherwise; the note says which."""
     loaded, sweep = load_calibration(sweep_path)
     cal = cal or loaded
-    base = gpu if isinstance(gpu, Hardware) else get_hardware(gpu)
+    base = gpu if isinstance(gpu, Hardware) else get_hardware(gpu, "gpu")
     name = gpu if isinstance(gpu, str) else base.name
     measured_on = sweep["data"]["ceilings"].get("device", "?") if sweep else None
     if measured_on and machine_class(measured_on) == name:
@@ -42,7 +42,7 @@ def calibrated_cluster(gpu: str | Hardware = "h200", gpus_per_node: int = 8, nod
 def layout_rows(spec: ModelConfig | str, cluster: Cluster, cal: Calibration, layouts: list[tuple[int, int, int]],
                 batch: int, context: int, weights: str = "bf16", kv: str = "bf16") -> list[dict]:
     """One ``decode_step_parts`` row per ``(tp, pp, microbatches)`` layout, labelled ``TPa x PPb``."""
-    spec = get_config(spec)
+    spec = get_config(spec, "spec")
     return [dict(steps.decode_step_parts(spec, cluster, cal, tp, pp, batch, context, weights, kv, m),
                  layout=f"TP{tp} x PP{pp}") for tp, pp, m in layouts]
 
@@ -51,7 +51,7 @@ def every_layout(spec: ModelConfig | str, cluster: Cluster, cal: Calibration, nu
                  context: int, weights: str = "bf16", kv: str = "bf16") -> list[dict]:
     """Every ``tp x pp = num_gpus`` split (TP sizes that divide the heads, ``pp`` micro-batches), fitting ones
     first, fastest first: PP against TP decided by the numbers."""
-    spec = get_config(spec)
+    spec = get_config(spec, "spec")
     layouts = [(t, num_gpus // t, num_gpus // t) for t in range(1, num_gpus + 1)
                if num_gpus % t == 0 and spec.num_heads % t == 0 and num_gpus // t <= spec.num_layers]
     rows = layout_rows(spec, cluster, cal, layouts, batch, context, weights, kv)

@@ -40,8 +40,8 @@ class Scenario:
     batches: tuple = (8, 16, 32, 64, 128, 256)
 
     def __post_init__(self) -> None:
-        get_config(self.model)
-        get_hardware(self.gpu)
+        get_config(self.model, "model")
+        get_hardware(self.gpu, "gpu")
         for name in ("gpus_per_node", "nodes", "prompt_median", "output_mean"):
             check_positive_int(name, getattr(self, name))
         for name in ("rate_req_s", "ttft_s", "tpot_s"):

@@ -115,7 +115,7 @@ def plan(spec, cluster: Cluster, traffic: Traffic, slo: SLO, cal: Calibration | 
     candidate's micro-batch is not planned there (``NO_PATH``)."""
     from labkit.plan.calibration import load_calibration
 
-    spec = get_config(spec)
+    spec = get_config(spec, "spec")
     weights, kv, batches = check_plan_inputs(cluster, traffic, slo, cal, weights, kv, batches)
     cal = cal or load_calibration()[0]
     out = []

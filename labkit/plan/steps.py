@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import math
 
-from labkit.checks import check_number, check_positive_int
+from labkit.checks import check_choice, check_positive_int
 from labkit.model import ModelConfig
 from labkit.parallel.cost_model import memory_per_device, pp_comm, tp_comm
-from labkit.plan.inputs import KV_DTYPES, WEIGHT_DTYPES, Calibration, Cluster, check_formats
+from labkit.plan.inputs import KV_DTYPES, WEIGHT_DTYPES, Calibration, Cluster
 
 NO_PATH = "no kernel measured at this batch"
 """The note of a step whose quantised format has no path measured at its micro-batch (its time is infinite)."""
@@ -30,16 +30,22 @@ MULTI_GPU_CAVEAT = "not validated on multi-GPU"
 """How a prediction for more than one GPU is labelled while no multi-GPU record has checked the step model."""
 
 
-def check_layout(tp, pp, batch: int | None = None, weights: str | None = None, kv: str | None = None) -> None:
-    """A ValueError naming the argument when a layout, batch or format cannot be planned."""
+def check_layout(tp, pp, weights: str | None = None, kv: str | None = None) -> None:
+    """A ValueError naming the argument when a layout or a format (one name each) cannot be planned."""
     check_positive_int("tp", tp)
     check_positive_int("pp", pp)
-    if batch is not None:
-        check_positive_int("batch", batch)
     if weights is not None:
-        check_formats("weights", weights, WEIGHT_DTYPES)
+        check_choice("weights", weights, WEIGHT_DTYPES)
     if kv is not None:
-        check_formats("kv", kv, KV_DTYPES)
+        check_choice("kv", kv, KV_DTYPES)
+
+
+def check_step(tp, pp, batch, context, weights: str | None = None, kv: str | None = None) -> None:
+    """``check_layout``, and a decode step's ``batch`` (sequences) and ``context`` (the tokens each attends to, its
+    own included): ints >= 1."""
+    check_layout(tp, pp, weights, kv)
+    check_positive_int("batch", batch)
+    check_positive_int("context", context)
 
 
 def micro_batch(batch: int, pp: int, microbatches: int | None = None) -> int:
@@ -71,7 +77,7 @@ def weight_paths(spec: ModelConfig, cluster: Cluster, cal: Calibration, tp: int,
     """Seconds one stage spends reading (and multiplying) its weights per micro-batch, by every measured path
     of ``weights`` at this micro-batch: ``{path: seconds}``. The step uses the smallest; empty where a quantised
     format has no path measured at this micro-batch (the step is then not planned: ``NO_PATH``)."""
-    check_layout(tp, pp, batch, weights)
+    check_step(tp, pp, batch, context, weights)
     return _weight_paths(spec, cluster, cal, tp, pp, batch, context, weights, micro_batch(batch, pp, microbatches))
 
 
@@ -104,7 +110,7 @@ def kv_read_time(spec: ModelConfig, cluster: Cluster, cal: Calibration, tp: int,
                  kv: str, microbatches: int | None = None) -> float:
     """Seconds one stage reads its micro-batch's KV cache: the bf16 read, times the best measured ratio of
     ``kv`` (1 where none is measured: the memory saving counts, an unmeasured speed-up does not)."""
-    check_layout(tp, pp, batch, kv=kv)
+    check_step(tp, pp, batch, context, kv=kv)
     return _kv_read(spec, cluster, cal, tp, pp, batch, context, kv, micro_batch(batch, pp, microbatches))
 
 
@@ -130,8 +136,7 @@ def decode_step_parts(spec: ModelConfig, cluster: Cluster, cal: Calibration, tp:
     context and calls this hundreds of thousands of times). ``validated`` is False (and ``caveat`` says so) for
     more than one GPU while the calibration holds no multi-GPU record.
     """
-    check_layout(tp, pp, batch, weights, kv)
-    check_number("context", context, 1)  # the tokens a step attends to, its own included
+    check_step(tp, pp, batch, context, weights, kv)
     m = pp if microbatches is None else check_positive_int("microbatches", microbatches)
     mb = micro_batch(batch, pp, m)
     layers = math.ceil(spec.num_layers / pp)

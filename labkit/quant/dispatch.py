@@ -134,13 +134,15 @@ class KernelChoice:
     the first step of ``generate``), so only layers that run hold a peer's weights (the separate q/k/v layers of an
     HF model whose merged q/k/v the engine runs never do); ``prepare`` builds them all now. Building one inside a
     CUDA-graph capture is refused with a clear error. A peer that cannot be built here leaves labkit's own kernel
-    at its batches (``skipped`` says why, and a warning once)."""
+    at its batches (``skipped`` says why, and a warning once). ``log``: a ``labkit.kernels.common.KernelLog`` each
+    call through ``kernel_for`` records its path and rows in (op 'matmul'), or None."""
 
     fmt: str
     table: DispatchTable
     layer: nn.Module
     kernels: dict = field(default_factory=dict)
     skipped: dict = field(default_factory=dict)
+    log: list | None = None
 
     @classmethod
     def build(cls, layer: nn.Module, table: DispatchTable, prepare: bool = False) -> KernelChoice:
@@ -189,7 +191,10 @@ class KernelChoice:
 
     def kernel_for(self, x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """The peer for ``x`` ``[M, K]``'s rows, or None for the layer's own kernel."""
-        return self._kernel(self.planned(x.shape[0]))
+        kernel = self._kernel(self.planned(x.shape[0]))
+        if self.log is not None:
+            self.log.record("matmul", self.path_for(x.shape[0]), rows=x.shape[0])
+        return kernel
 
     def for_layer(self, layer: nn.Module) -> KernelChoice:
         """The same table on another layer of the format (a merged q/k/v): its peers built from its weights."""

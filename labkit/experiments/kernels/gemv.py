@@ -24,6 +24,17 @@ from labkit.kernels.quantized_matmul import (
     w8a16_matmul,
     w8a16_matmul_ref,
 )
+from labkit.kernels.quantized_matmul.stationary import w8_gemv_xs
+from labkit.kernels.quantized_matmul.tuning import sms_of, stationary_plan, tuning_for
+
+
+def w8_stationary_gemv(x: torch.Tensor, q8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The stationary int8 GEMV (the one the engine's fused int8 layers run) on a bare product of one row, launched
+    with the device's tuning: ``w8a16_matmul`` gives a bare product the split-K GEMV and this one only with
+    neighbours."""
+    (n, k), t = q8.shape, tuning_for(x.device)
+    plan = stationary_plan(n, k, 4, t.w8_stationary, sms_of(t, x.device))
+    return w8_gemv_xs(x.reshape(1, k), q8.view(torch.int32), scale, plan).view(*x.shape[:-1], n)
 
 
 def _bnb_linears(w: torch.Tensor):
@@ -89,7 +100,7 @@ def bench_gemv(shape, dtype, device, iters=50, compile_=False, group_size=128, b
     fns = {"bf16" if dtype == torch.bfloat16 else "dense": lambda s: F.linear(x, s["w"]),
            "w8_triton": lambda s: w8a16_matmul(x, s["q8"], s["scale"]),
            # the stationary int8 GEMV the engine's fused int8 layers use, beside the split-K one above
-           "w8_triton_stationary": lambda s: w8a16_matmul(x, s["q8"], s["scale"], stationary=True),
+           "w8_triton_stationary": lambda s: w8_stationary_gemv(x, s["q8"], s["scale"]),
            "w4_triton": lambda s: w4a16_matmul(x, s["packed"], s["s4"], s["z4"], group_size),
            "w8_dequant_then_matmul": lambda s: F.linear(x, dequantize_int8(s["q8"], s["scale"], dtype)),
            "w4_dequant_then_matmul": lambda s: F.linear(x, dequantize_int4(s["packed"], s["s4"], s["z4"],
@@ -116,8 +127,7 @@ def bench_gemv(shape, dtype, device, iters=50, compile_=False, group_size=128, b
     w4_args = (s0["packed"], s0["s4"], s0["z4"], group_size)
     w8_ref = w8a16_matmul_ref(x.double(), s0["q8"], s0["scale"])
     errs = {"w8_triton": relative_error(w8a16_matmul(x, s0["q8"], s0["scale"]), w8_ref),
-            "w8_triton_stationary": relative_error(w8a16_matmul(x, s0["q8"], s0["scale"], stationary=True),
-                                                   w8_ref),
+            "w8_triton_stationary": relative_error(w8_stationary_gemv(x, s0["q8"], s0["scale"]), w8_ref),
             "w4_triton": relative_error(w4a16_matmul(x, *w4_args), w4a16_matmul_ref(x.double(), *w4_args))}
     rows = [_row("gemv", name, shape, dtype, t, nbytes.get(name, n * k) + act, flops=2 * m * n * k,
                  err=errs.get(name)) for name, t in times.items()]

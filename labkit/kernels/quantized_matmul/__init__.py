@@ -7,10 +7,8 @@ weight instead of 2 and expanding them in registers -- never in memory -- cuts t
 scales' bytes). Dequantising to a bf16 copy first, as the torch reference does, would read the int weights, write
 and re-read bf16: slower than plain bf16.
 
-The budget, 4096 -> 14336 on an H200 (4.25 TB/s copy): int8 weights are 58.7 MB (13.8 us), int4 at group 128 29.4
-MB plus 1.8 MB of scales and zeros (7.3 us); bf16 117 MB (27.6 us; cuBLAS 30.7 us in a CUDA graph over weights not
-in L2). bitsandbytes LLM.int8 took 30.9 us there: a 3x bar over it needs 10.3 us, below the int8 bytes' floor --
-no int8 kernel can meet that at this shape.
+The budget, 4096 -> 14336: int8 weights are 58.7 MB, int4 at group 128 29.4 MB plus 1.8 MB of scales and zeros,
+bf16 117 MB; notebook 03 times each against its bytes (results/h200/records/03_kernels.json).
 
 Files, by what they do:
 

@@ -5,11 +5,7 @@ prologue of the q/k/v and gate/up GEMVs (each program takes the row's statistic;
 from L2), SwiGLU as the down GEMV prepares its activations, the residual add in the store of the o and down GEMVs,
 and RoPE with the paged-cache write in the store of the merged q/k/v GEMV. Each removes a launch and a round trip
 of the activations through memory, with the bits of the separate kernels (the norm's statistic within a rounding:
-it is summed in another order). Measured after a kernel that writes the activations (H200,
-records/gemv_study_fused_ed2d5a7.json): the norm costs 0.4-0.7 us a GEMV (qkv 9.09 -> 9.48 us), the residual add
-nothing measurable (o 7.94 -> 7.74), against ~2.2 us for each add + RMSNorm launch they remove. The engine's 8B
-int4 step (results/h200/records/04_quantization.json, one run): 2.309 ms with every neighbour in a kernel of its
-own, 2.138 ms with all but RoPE and the cache write inside, 2.057 ms with all of them.
+it is summed in another order). Measured in results/h200/records/04_quantization.json (the engine's 8B int4 step).
 
 The ``@triton.jit`` helpers here are called by ``stationary.py``'s kernels; ``with_neighbours`` and
 ``qkv_rope_cache`` are the host side: the fused launch where the stationary GEMV applies, else the separate kernels

@@ -4,8 +4,7 @@ int8 weights become ``x``'s dtype exactly and meet ``x`` in one dot per step, th
 float32 accumulator at the end. int4 with power-of-two groups of 16 or more (``_w4_gemm_grouped``) steps through K
 inside one group at a time, so it loads each scale and zero-point once per step and row of weights, and reads the
 nibbles as floats without a conversion instruction (``ptx.py``'s magic number); any other even group size takes
-``_w4_gemm``, which loads them once per weight (on the H200 that made a batch-8 decode step of the 8B shape 9x
-slower than batch 1, 52.6 ms against 6.0, through HF's model, before ``_w4_gemm_grouped``; not re-measured). On
+``_w4_gemm``, which loads them once per weight (correct, not tuned for speed). On
 CUDA the tiles are autotuned per power-of-two ``(M, N, K)`` bucket over ``tuning.GEMM_CANDIDATES``; the
 interpreter takes the tuning's fixed ``GemmTile`` (float16/float32 only: its ``tl.dot`` is wrong in bfloat16).
 """

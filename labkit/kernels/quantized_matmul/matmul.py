@@ -2,16 +2,17 @@
 the cache write (``w8a16_qkv_rope_cache``, ``w4a16_qkv_rope_cache``), and their torch references.
 
 Each picks its kernel from the call: one 16-bit row with whole tiles takes a stationary GEMV (``stationary.py``;
-int8 only with neighbours inside, or ``stationary=True``), any other single row the split-K GEMV (``splitk.py``),
-more rows the Tensor-Core GEMM (``gemm.py``). ``tuning`` (``tuning.QuantTuning``) gives the launches; None takes
-``tuning_for(device)``.
+int8 only with neighbours inside), any other single row the split-K GEMV (``splitk.py``), more rows the Tensor-Core
+GEMM (``gemm.py``). ``tuning`` (``tuning.QuantTuning``) gives the launches; None takes ``tuning_for(device)``.
+``log`` (a ``labkit.kernels.common.KernelLog``) records the launch each call took: op 'matmul', the launcher, the
+neighbours it took in, its PDL mode and a stationary GEMV's plan.
 """
 
 from __future__ import annotations
 
 import torch
 
-from labkit.kernels.common import FLOAT_DTYPES, check_tensor
+from labkit.kernels.common import FLOAT_DTYPES, KernelLog, check_tensor
 from labkit.kernels.quantized_matmul.fused import qkv_rope_cache, with_neighbours
 from labkit.kernels.quantized_matmul.gemm import quantized_gemm
 from labkit.kernels.quantized_matmul.packing import dequantize_int4
@@ -45,11 +46,27 @@ def _tuning(tuning: QuantTuning | None, device: torch.device) -> QuantTuning:
     return tuning_for(device) if tuning is None else check_tuning(tuning)
 
 
+def _logged(log: KernelLog | None, name: str, launch):
+    """``launch(rows, plan, **neighbours)`` of the stationary GEMV ``name``, recorded in ``log`` first."""
+    if log is None:
+        return launch
+
+    def run(rows, plan, **kw):
+        log.record("matmul", name, [k for k in kw if k != "pdl"], kw.get("pdl", ""), plan, rows.shape[0])
+        return launch(rows, plan, **kw)
+    return run
+
+
+def _note(log: KernelLog | None, name: str, rows: int) -> None:
+    if log is not None:
+        log.record("matmul", name, rows=rows)
+
+
 # --- int8 ------------------------------------------------------------------------------------------------------
 def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, swiglu: bool = False,
                  norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
-                 residual: torch.Tensor | None = None, pdl: str = "", stationary: bool | None = None,
-                 tuning: QuantTuning | None = None) -> torch.Tensor:
+                 residual: torch.Tensor | None = None, pdl: str = "", tuning: QuantTuning | None = None,
+                 log: KernelLog | None = None) -> torch.Tensor:
     """``x @ (qweight * scale[:, None]).T`` with the int8 weights dequantised in registers.
 
     ``x`` ``[..., K]`` float16/bfloat16/float32 (bfloat16 with more than one row needs CUDA); ``qweight`` int8
@@ -57,23 +74,20 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, sw
     float32. One row of ``x`` takes the split-K GEMV, more rows the Tensor-Core GEMM. ``swiglu``,
     ``norm_weight``/``norm_eps``, ``residual`` and ``pdl``: a decoder layer's neighbours of the projection, as
     ``w4a16_matmul`` takes them; one 16-bit row with whole words does them inside the stationary int8 GEMV
-    (``_w8_gemv_xs``). ``stationary``: True takes the stationary GEMV wherever it applies (also for a bare product),
-    False never (neighbours then run as separate kernels), None with neighbours only. ``tuning``: the launches
-    (None: ``tuning_for(x.device)``).
+    (``w8_gemv_xs``); a bare product keeps the autotuned split-K GEMV, faster there (notebook 03). ``tuning``: the
+    launches (None: ``tuning_for(x.device)``); ``log``: as the module docstring says.
     """
     w, s = _check_int8_weights(qweight, scale)
     n, k = w.shape
     check_tensor("x", x, FLOAT_DTYPES, device=qweight.device)
-    if stationary not in (None, True, False):
-        raise ValueError(f"stationary={stationary!r}; allowed: None, True, False")
     t = _tuning(tuning, x.device)
-    wanted = (swiglu or norm_weight is not None or residual is not None or bool(pdl)) if stationary is None \
-        else stationary
+    wanted = swiglu or norm_weight is not None or residual is not None or bool(pdl)
     return with_neighbours(
         x, n, k, f"qweight {tuple(qweight.shape)}", swiglu, norm_weight, norm_eps, residual, pdl,
         plan=lambda rows, norm: _plan8(rows, n, k, w, norm, t) if wanted else None,
-        launch=lambda rows, plan, **kw: w8_gemv_xs(rows, w.view(torch.int32), s, plan, **kw),
-        product=lambda x_: _w8a16_matmul(x_, w, s, t))
+        launch=_logged(log, "w8_gemv_xs", lambda rows, plan, **kw: w8_gemv_xs(rows, w.view(torch.int32), s, plan,
+                                                                                **kw)),
+        product=lambda x_: _w8a16_matmul(x_, w, s, t, log))
 
 
 def _check_int8_weights(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,11 +107,14 @@ def _check_x(x: torch.Tensor, k: int, what: str) -> torch.Tensor:
     return x.reshape(-1, k) if x.stride(-1) == 1 else x.reshape(-1, k).contiguous()
 
 
-def _w8a16_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, t: QuantTuning) -> torch.Tensor:
+def _w8a16_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, t: QuantTuning,
+                  log: KernelLog | None = None) -> torch.Tensor:
     """The product alone (checked arguments): the split-K GEMV for one row, the GEMM for more."""
     n, k = w.shape
     x2 = _check_x(x, k, f"qweight {tuple(w.shape)}")
     m = x2.shape[0]
+    if m and n:
+        _note(log, "splitk_gemv" if m == 1 else "quantized_gemm", m)
     if m == 0 or n == 0:
         out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     elif m == 1:
@@ -120,7 +137,8 @@ def _plan8(x2: torch.Tensor, n: int, k: int, w: torch.Tensor, norm: bool, t: Qua
 def w8a16_qkv_rope_cache(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, num_heads: int,
                          cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          slot_mapping: torch.Tensor, norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
-                         pdl: str = "", tuning: QuantTuning | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         pdl: str = "", tuning: QuantTuning | None = None,
+                         log: KernelLog | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``w4a16_qkv_rope_cache`` for a merged int8 q/k/v projection (``qweight`` int8 ``[(num_heads + 2 *
     num_kv_heads) * head_dim, K]``, ``scale`` ``[N]``): on one 16-bit row the stationary int8 GEMV rotates and
     caches in its store, else ``w8a16_matmul`` then ``apply_rope_and_cache``."""
@@ -131,15 +149,16 @@ def w8a16_qkv_rope_cache(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Te
     return qkv_rope_cache(
         x, n, k, f"qweight {tuple(qweight.shape)}", num_heads, cos, sin, k_cache, v_cache, slot_mapping,
         norm_weight, norm_eps, pdl, plan=lambda rows: _plan8(rows, n, k, w, True, t),
-        launch=lambda rows, plan, **kw: w8_gemv_xs(rows, w.view(torch.int32), s, plan, **kw),
-        matmul=lambda **kw: w8a16_matmul(x, w, s, tuning=t, **kw))
+        launch=_logged(log, "w8_gemv_xs", lambda rows, plan, **kw: w8_gemv_xs(rows, w.view(torch.int32), s, plan,
+                                                                                **kw)),
+        matmul=lambda **kw: w8a16_matmul(x, w, s, tuning=t, log=log, **kw))
 
 
 # --- int4 ------------------------------------------------------------------------------------------------------
 def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  group_size: int, swiglu: bool = False, norm_weight: torch.Tensor | None = None,
                  norm_eps: float = 1e-6, residual: torch.Tensor | None = None, pdl: str = "",
-                 tuning: QuantTuning | None = None) -> torch.Tensor:
+                 tuning: QuantTuning | None = None, log: KernelLog | None = None) -> torch.Tensor:
     """``x @ W.T`` with ``W = (q - zeros) * scales`` per group, unpacked from int4 in registers.
 
     ``x`` ``[..., K]`` float16/bfloat16/float32 (bfloat16 with more than one row needs CUDA); ``packed`` uint8
@@ -161,7 +180,7 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
 
     ``pdl`` (``"release"``, ``"overlap"``; sm_90, the stationary GEMV only): programmatic dependent launch, so
     that a chain of GEMVs streams weights through each launch's tail (``stationary.w4_gemv_xs``). ``tuning``: the
-    launches (None: ``tuning_for(x.device)``).
+    launches (None: ``tuning_for(x.device)``); ``log``: as the module docstring says.
     """
     p, s, z = _check_int4_weights(packed, scales, zeros, group_size)
     n, k = p.shape[0], 2 * p.shape[1]
@@ -170,8 +189,9 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
     return with_neighbours(
         x, n, k, f"packed {tuple(packed.shape)} (K = 2 * packed.shape[1])", swiglu, norm_weight, norm_eps,
         residual, pdl, plan=lambda rows, norm: _plan4(rows, n, k, group_size, p, t, norm),
-        launch=lambda rows, plan, **kw: w4_gemv_xs(rows, p.view(torch.int32), s, z, group_size, plan, **kw),
-        product=lambda x_: _w4a16_matmul(x_, p, s, z, group_size, t))
+        launch=_logged(log, "w4_gemv_xs", lambda rows, plan, **kw: w4_gemv_xs(rows, p.view(torch.int32), s, z,
+                                                                                group_size, plan, **kw)),
+        product=lambda x_: _w4a16_matmul(x_, p, s, z, group_size, t, log))
 
 
 def _check_int4_weights(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -190,7 +210,7 @@ def _check_int4_weights(packed: torch.Tensor, scales: torch.Tensor, zeros: torch
 
 
 def _w4a16_matmul(x: torch.Tensor, p: torch.Tensor, s: torch.Tensor, z: torch.Tensor, group_size: int,
-                  t: QuantTuning) -> torch.Tensor:
+                  t: QuantTuning, log: KernelLog | None = None) -> torch.Tensor:
     """The product alone (checked arguments): the stationary or split-K GEMV for one row, the GEMM for more."""
     n, k = p.shape[0], 2 * p.shape[1]
     x2 = _check_x(x, k, f"packed {tuple(p.shape)} (K = 2 * packed.shape[1])")
@@ -202,16 +222,19 @@ def _w4a16_matmul(x: torch.Tensor, p: torch.Tensor, s: torch.Tensor, z: torch.Te
         words = p.view(torch.int32)  # K % 8 == 0 here: whole 4-byte words per row
         plan = _plan4(x2, n, k, group_size, p, t)
         if plan is not None:
-            return w4_gemv_xs(x2, words, s, z, group_size, plan).view(*x.shape[:-1], n)
+            launch = _logged(log, "w4_gemv_xs", lambda rows, plan: w4_gemv_xs(rows, words, s, z, group_size, plan))
+            return launch(x2, plan).view(*x.shape[:-1], n)
+        _note(log, "splitk_gemv", 1)
         half = 0 if x2.dtype == torch.float32 else (1 if x2.device.type == "cuda" else 2)
         out = splitk_gemv(x2, n, 4, (words, s, z), (words.stride(0), s.stride(0), z.stride(0), 0x4F000000),
                           {"GROUP": group_size, "HALF_MATH": half}, t.w4_splitk)
     elif m == 1:
+        _note(log, "any_group_gemv", 1)
         out = any_group_gemv(x2, p, s, z, group_size)
-    elif group_size >= 16 and group_size & (group_size - 1) == 0:
-        out = quantized_gemm(x2, n, "w4_grouped", args, strides, {"GROUP": group_size}, t.gemm)
     else:
-        out = quantized_gemm(x2, n, "w4", args, strides, {"GROUP": group_size}, t.gemm)
+        _note(log, "quantized_gemm", m)
+        grouped = group_size >= 16 and group_size & (group_size - 1) == 0
+        out = quantized_gemm(x2, n, "w4_grouped" if grouped else "w4", args, strides, {"GROUP": group_size}, t.gemm)
     return out.view(*x.shape[:-1], n)
 
 
@@ -236,7 +259,8 @@ def w4a16_qkv_rope_cache(x: torch.Tensor, packed: torch.Tensor, scales: torch.Te
                          group_size: int, num_heads: int, cos: torch.Tensor, sin: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                          norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6, pdl: str = "",
-                         tuning: QuantTuning | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         tuning: QuantTuning | None = None, log: KernelLog | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """A merged q/k/v projection in int4, then RoPE on q and k and the paged-cache write of k and v: what
     ``labkit.kernels.rope.apply_rope_and_cache`` does to ``w4a16_matmul(x, ..., norm_weight=, norm_eps=)`` split
     into heads. ``x`` ``[T, K]``; ``packed`` ``[(num_heads + 2 * num_kv_heads) * head_dim, K // 2]`` with
@@ -256,5 +280,6 @@ def w4a16_qkv_rope_cache(x: torch.Tensor, packed: torch.Tensor, scales: torch.Te
     return qkv_rope_cache(
         x, n, k, f"packed {tuple(packed.shape)}", num_heads, cos, sin, k_cache, v_cache, slot_mapping, norm_weight,
         norm_eps, pdl, plan=lambda rows: _plan4(rows, n, k, group_size, p, t, norm=True),
-        launch=lambda rows, plan, **kw: w4_gemv_xs(rows, p.view(torch.int32), s, z, group_size, plan, **kw),
-        matmul=lambda **kw: w4a16_matmul(x, p, s, z, group_size, tuning=t, **kw))
+        launch=_logged(log, "w4_gemv_xs", lambda rows, plan, **kw: w4_gemv_xs(rows, p.view(torch.int32), s, z,
+                                                                                group_size, plan, **kw)),
+        matmul=lambda **kw: w4a16_matmul(x, p, s, z, group_size, tuning=t, log=log, **kw))

@@ -1,26 +1,21 @@
 """The stationary-activation GEMVs: one 16-bit row of ``x``, whole tiles, int4 (``_w4_gemv_xs``) or int8
 (``_w8_gemv_xs``) weights -- the decode step's GEMVs.
 
-The split-K GEMV (``splitk.py``) prepares the activations (float16 pairs, powers of two, sums, and a layout change
-through shared memory with its barrier) at every step of every row block; ncu found its L1/shared-memory pipe the
-busiest unit (72%) and half the issue slots idle. These kernels turn the loop around: program ``(k, n)`` owns slice
-``k`` of ``BLOCK_K`` activations, prepares it once, and walks down ``ROW_STEPS`` blocks of ``BLOCK_N`` rows with
-nothing but weight (and scale) loads and the packed float16 dot, the next block's loads in flight in registers
-while this one's math runs, and the first block's loads issued before the slice's preparation (1-2%,
-records/gemv_study_xs_weights_first_ed7fefb.json). With one slice (``SPLIT_P2 == 1``: the program owns all of K) it
-stores its rows; otherwise partials go to the float32 workspace ``[slices, N]`` and the last slice of a row chunk to
-arrive (an atomic counter) sums all slices in slice order (``SPLIT_P2 >= slices``, ``RED_ROWS`` rows at a time),
-writes the rows and resets its counter. sm_90 loop (int4, word pairs): 2.4-2.5 instructions per weight, 68-96
-registers, no barrier (research/records/cpu/sass_xs_pair_words.json). H200, 14336 x 4096 int4 after a kernel that
-writes its activations: 12.98 us against 7.3 us for its bytes at copy bandwidth
-(records/gemv_study_pairs_f65fe09.json).
+The split-K GEMV (``splitk.py``) prepares the activations at every step of every row block. These kernels turn the
+loop around: program ``(k, n)`` owns slice ``k`` of ``BLOCK_K`` activations, prepares it once, and walks down
+``ROW_STEPS`` blocks of ``BLOCK_N`` rows with nothing but weight (and scale) loads and the packed float16 dot, the
+next block's loads in flight while this one's math runs, the first block's issued before the slice's preparation.
+With one slice (``SPLIT_P2 == 1``: the program owns all of K) it stores its rows; otherwise partials go to the
+float32 workspace ``[slices, N]`` and the last slice of a row chunk to arrive (an atomic counter) sums all slices in
+slice order (``SPLIT_P2 >= slices``, ``RED_ROWS`` rows at a time), writes the rows and resets its counter. What each
+choice was measured against: research/README.md (``gemv_study.py``, ``sass_report.py``) and their records.
 
 They take a decoder layer's neighbours in (``fused.py``): ``SWIGLU`` (``x`` is ``[gate | up]``), ``NORM_CHUNKS``
 (the RMSNorm in the prologue), ``RESIDUAL`` (the residual add in the store), ``ROPE_HALF`` (a merged q/k/v
 projection: RoPE and the paged-cache write in the store), and ``PDL``: the next launch released at the start and,
 where this one is launched as a programmatic dependent launch (``pdl="overlap"``, sm_90), the first weight loads
-issued before waiting for the kernel ahead -- the engine's quantised GEMV chain: a step of the 8B int4 model on
-the H200 took 2.108 ms with plain launches, 2.057 ms with PDL (results/h200/records/04_quantization.json).
+issued before waiting for the kernel ahead (the engine's quantised GEMV chain; measured in
+results/h200/records/04_quantization.json).
 """
 
 from __future__ import annotations
@@ -70,8 +65,7 @@ def _xs_reduce(ws_ptr, cnt_ptr, res_ptr, out_ptr, N, cos_ptr, sin_ptr, slot_ptr,
     """Where K is split (``SPLIT_P2 > 1``): count this program's arrival at its row chunk (``program_id(1)``,
     ``ROWS`` rows); the last slice to arrive sums every slice's partials in slice order, ``RED_ROWS`` rows at a
     time, stores them (``_output_rows``, or ``_rope_cache_rows`` with ``ROPE_HALF``) and resets the chunk's
-    counter. (It costs ~1.5 us a launch: 14336 x 4096 took 13.55 us with it and 12.08 without, wrong sums, timing
-    only; records/gemv_study_xs_pdl_0a9fcfd.json.)"""
+    counter (its cost: research/records/h200/gemv_study_xs_pdl_0a9fcfd.json)."""
     if SPLIT_P2 == 1:
         return
     pid_n = tl.program_id(1)
@@ -124,7 +118,7 @@ def _w4_gemv_xs(x_ptr, p_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr
     lrows = (pid_n * ROWS + tl.arange(0, BLOCK_N)).to(tl.int64)  # the logical rows of this program's first block
     n64 = _rope_rows(pid_n * ROW_STEPS, BLOCK_N, ROPE_HALF) if ROPE_HALF > 0 else lrows  # and the weights' rows
     # the weights as 2-D rows of the slice's contiguous words, viewed as [rows, groups, words] only for the math
-    # (a 3-D load took 128 registers under Triton 3.6, research/records/cpu/sass_xs.json)
+    # (a 3-D load takes more registers: research/records/cpu/sass_xs.json)
     p_ptrs = p_ptr + pid_k.to(tl.int64) * stride_pk + n64[:, None] * stride_pn + tl.arange(0, BLOCK_G * WORDS)[None, :]
     s_ptrs = s_ptr + pid_k.to(tl.int64) * stride_sk + n64[:, None] * stride_sn + gl[None, :]
     z_ptrs = z_ptr + pid_k.to(tl.int64) * stride_zk + n64[:, None] * stride_zn + gl[None, :]
@@ -183,9 +177,8 @@ def _w8_gemv_xs(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, norm_w_ptr, res_p
     does. ``w_ptr``: the weights as int32 words (bytes ``4w .. 4w + 3`` of a row, k = 4w + i at bits 8i); ``s_ptr``
     ``[N]``; strides in words, ``stride_wk`` from one slice to the next. Packed float16 pairs (``_w8_pair_dot``: word
     p of the slice's first half with word p of its second; ``HALF_MATH`` 1 PTX, 2 emulated), the slice's activations
-    scaled by one power of two into [32, 64); sm_90: 3.3-3.7 loop instructions per weight
-    (research/records/cpu/sass_w8xs.json). Each slice's partial sum is scaled by its row's scale before the slices are
-    summed."""
+    scaled by one power of two into [32, 64) (its sm_90 loop: research/records/cpu/sass_w8xs.json). Each slice's
+    partial sum is scaled by its row's scale before the slices are summed."""
     WORDS: tl.constexpr = BLOCK_K // 4
     ROWS: tl.constexpr = BLOCK_N * ROW_STEPS
     pid_k, pid_n = tl.program_id(0), tl.program_id(1)

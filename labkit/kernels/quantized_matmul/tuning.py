@@ -5,30 +5,13 @@
 takes ``tuning=`` to use another (tests, studies); nothing here is a module-level switch. ``stationary_plan``
 turns a table's rule into the launch of one ``[N, K]`` stationary GEMV.
 
-Where the tables come from (results/h200/records/, each GEMV timed as CUDA-graph replays over weights not in L2):
-
-* The stationary int4 GEMV: 16 rows x 512 activations, 2 warps, one row block prefetched, won at every 8B shape
-  (gemv_study_xs_2748180.json); programs that own the whole of K (4 rows a step, 4 warps) won where K <= 4096 and
-  N <= 8192, each GEMV after a kernel that writes its activations, as in a decode step (k/v 6.16 -> 5.60 us, o
-  8.24 -> 7.96, qkv 9.83 -> 9.37; gemv_study_xs_step_7b7213b.json, gemv_study_xs_tiles_5885d9a.json). A GEMV with
-  the RMSNorm in its prologue takes the split tile: a whole-K program holds its row's statistic too (96 registers
-  on sm_90 against 72, research/records/cpu/sass_xs.json) and lost 1.2 us (gemv_study_fused_ed2d5a7.json).
-* Row blocks per program: the most that leave every SM ``warps_per_sm`` warps (whole-K programs) or
-  ``split_warps_per_sm`` (programs on slices of K). 22 for slices: half the row steps of the old rule of 11 made
-  gate_up 25.89 -> 22.93 us, down 16.32 -> 13.96, 14336 x 4096 15.82 -> 13.80 (gemv_study_step_e38a902.json); a
-  quarter was slower again.
-* Word pairs (two words' products in the same float16 lanes, 2.72 -> 2.42 loop instructions per weight) were
-  never slower at the rule's row steps: 14336 x 4096 13.11 -> 12.98 us, gate_up 22.97 -> 22.24, o whole-K 7.91 ->
-  7.37 (gemv_study_pairs_f65fe09.json). So every int4 stationary GEMV pairs words where a group holds two or more
-  (``group_size >= 16``); groups of 8 (one word) cannot.
-* The stationary int8 GEMV: the int4 tiles' bytes per row block (half the rows); whole-K 2 x 4096 was its best
-  tile at 4 of 5 8B shapes (gemv_study_step_e38a902.json), 0.2-7% faster than the autotuned split-K GEMV there
-  and 4% slower at down (19.49 against 18.67 us). A bare int8 product keeps the split-K GEMV, whose speed notebook
-  03 measures; the engine's int8 layers take the stationary one with their neighbours inside.
-* The split-K GEMVs and the GEMMs are autotuned on CUDA over the candidates of ``SPLITK_CANDIDATES`` and
-  ``GEMM_CANDIDATES`` (the autotuner times each once per shape, on the first call: a warm-up before CUDA-graph
-  capture). Their tiles came from scripts that timed every candidate as a decode step runs it
-  (gemv_study.json): short and wide tiles -- 8-64 rows, 256-2048 weights per step -- mostly unsplit for int8.
+The rules: the stationary int4 GEMV on 16 rows x 512 activations, 2 warps, or programs owning the whole of K (4
+rows a step, 4 warps) where K <= 4096 and N <= 8192 (a GEMV with the RMSNorm in its prologue takes the split tile);
+row blocks per program the most that leave every SM ``warps_per_sm`` / ``split_warps_per_sm`` warps; word pairs
+wherever a group holds two words or more (``group_size >= 16``); the stationary int8 GEMV on the int4 tiles' bytes
+per row block, taken only with neighbours inside (a bare int8 product keeps the split-K GEMV); the split-K GEMVs and
+the GEMMs autotuned on CUDA over ``SPLITK_CANDIDATES`` and ``GEMM_CANDIDATES`` (once per shape, on the first call: a
+warm-up before CUDA-graph capture). The measurements behind each: research/README.md (``gemv_study.py``).
 """
 
 from __future__ import annotations
@@ -138,9 +121,7 @@ def check_tuning(tuning) -> QuantTuning:
 class SplitKCandidates:
     """What the split-K GEMVs' autotuners try: tiles ``(block_n, block_k, warps)`` x ``splits`` x ``load_stages``
     (int4 also plain loads prefetched a step ahead), a split only while the grid stays under ``max_ctas_per_sm``
-    programs per SM. Compiled for sm_90 (research/sass_report.py): no spills, 3.8-4.1 loop instructions per int8
-    weight, 4.1-4.6 per int4 weight. A register cap of 96 for int4 gave 1-7% at 4 of 5 8B shapes but cost the
-    notebooks ~50-60 s more autotuning each (records/gemv_study_maxnreg_prep_e66a969.json): none is tried."""
+    programs per SM; no register cap (research/README.md, ``gemv_study.py``)."""
 
     w8_tiles: tuple = ((16, 256, 2), (32, 256, 4), (64, 256, 4), (16, 512, 4), (8, 1024, 4), (16, 1024, 4),
                        (8, 2048, 4), (16, 2048, 8))
