@@ -139,3 +139,13 @@ def test_runner_step_decode_and_prefill(tiny_model):
         runner_step(model, "verify", 1, 8)
     with pytest.raises(ValueError, match="batch_size 1 for prefill"):
         runner_step(model, "prefill", 2, 8)
+
+
+@pytest.mark.gpu
+def test_decode_rate_times_the_replayed_step_on_cuda():
+    """With CUDA graphs the captured decode step of the batch is also timed alone (``replay_step_s``, what
+    ``engine.decode_b{b}_host_frac`` divides by): it once called ``StepGraphs.replay``, which no longer exists."""
+    from labkit.model import load_model
+
+    r = decode_rate(load_model(device="cuda")[0], 3, 16, 4, torch.arange(100, 6000))
+    assert r["cuda_graphs"] and 0 < r["replay_step_s"] < r["step_median_s"] * 10

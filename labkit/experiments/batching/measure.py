@@ -174,8 +174,8 @@ def decode_rate(model, batch_size: int, context: int, steps: int, source, warmup
            else "torch", "replay_step_s": None,
            "graph_pool_bytes": engine.runner.graphs.pool_bytes if engine.runner.graph_batch_sizes else None}
     if replay and engine.runner.graph_batch_sizes:
-        bs = min(b for b in engine.runner.graph_batch_sizes if b >= batch_size)
-        replay_fn = partial(engine.runner.graphs.replay, bs)
+        graphs = engine.runner.graphs  # the captured decode step of this batch, on whatever its buffers hold
+        replay_fn = graphs.graphs[graphs.lookup(batch_size, batch_size, batch_size)].replay
         row["replay_step_s"] = time_fn(replay_fn, device=engine.device, warmup=3, iters=max(steps, 10)).median_s
         del replay_fn
     del engine
