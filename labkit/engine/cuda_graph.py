@@ -41,6 +41,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from labkit.device import host_to_device
 from labkit.model.attention import ModelInput
 
 
@@ -163,14 +164,14 @@ class StepGraphs:
 
     def run_packed(self, longs: np.ndarray, ints: np.ndarray, key: GraphKey, num_seqs: int) -> torch.Tensor:
         """Copy a step packed on the host in the layout of the static buffers (``labkit.model.attention.pack_step`` at
-        ``static_shape`` and ``max_blocks``: two host-to-device copies feed every field) and replay ``key``;
-        returns a new tensor: the logits of the first ``num_seqs`` rows ``[num_seqs, vocab]`` (the graph's own
-        output buffer is overwritten by the next replay of any bucket)."""
+        ``static_shape`` and ``max_blocks``: two host-to-device copies feed every field, from pinned memory on CUDA)
+        and replay ``key``; returns a new tensor: the logits of the first ``num_seqs`` rows ``[num_seqs, vocab]``
+        (the graph's own output buffer is overwritten by the next replay of any bucket)."""
         for name, dst, src in zip(("longs", "ints"), self.static.buffers, (longs, ints)):
             if tuple(dst.shape) != src.shape:
                 raise ValueError(f"packed {name} {src.shape} do not match the static buffer {tuple(dst.shape)}; "
                                  f"pack at static_shape={self.static_shape}, width=max_blocks")
-            dst.copy_(torch.from_numpy(src), non_blocking=True)
+            host_to_device(src, dst.device, out=dst)
         if key not in self.keys:
             raise ValueError(f"{key} has no captured graph; captured decode batches {self.batch_sizes}, token "
                              f"counts {self.token_sizes}")

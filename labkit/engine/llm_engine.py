@@ -21,10 +21,11 @@ from dataclasses import replace
 import torch
 from tqdm.auto import tqdm
 
+from labkit.device import host_to_device
 from labkit.engine.config import EngineConfig, EngineStats, default_eos_token_ids, vocab_size
 from labkit.engine.cuda_graph import default_graph_batch_sizes, default_graph_token_sizes
 from labkit.engine.model_runner import ModelRunner, uses_triton
-from labkit.engine.sampling import Sampler, SamplingParams, token_seed
+from labkit.engine.sampling import SampledTokens, Sampler, SamplingParams, token_seed
 from labkit.engine.scheduler import ScheduledBatch, make_scheduler
 from labkit.engine.sequence import FinishReason, Request, RequestOutput, Sequence, TokenOutput, prompt_token_list
 from labkit.kvcache import PagedKVCache
@@ -195,22 +196,34 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 (any error of one request must not take the others down)
             batch, tokens = self._isolate(batch, e)
         outs = self.scheduler.postprocess(batch, tokens, self.clock())
+        self._count(batch, len(tokens))
+        return outs
+
+    def _count(self, batch: ScheduledBatch, output_tokens: int = 0) -> None:
+        """Count a computed step in ``stats`` (``output_tokens``: the tokens it delivered, if read already)."""
         s = self.stats
         s.steps += 1
         s.decode_tokens += batch.num_decode
         s.prefill_tokens += batch.num_prefill_tokens
-        s.output_tokens += len(tokens)
+        s.output_tokens += output_tokens
         s.scheduled_seqs += len(batch.seqs)
         s.graph_steps += int(self.runner.last_step_replayed)
-        return outs
 
-    def _run(self, batch: ScheduledBatch) -> list[int]:
-        """Compute ``batch`` and sample its sampling rows: their tokens, in order."""
+    def _launch(self, batch: ScheduledBatch) -> SampledTokens:
+        """Queue ``batch``'s forward and the sampling of its sampling rows on the device; returns their tokens on
+        their way to the host (in row order), without waiting for them."""
         logits = self.runner.execute(batch.seqs, batch.num_tokens, batch.num_decode)
         rows = [i for i, smp in enumerate(batch.sample) if smp]
+        if len(rows) < len(batch.seqs):  # a device index: a host list would make the host wait for the device
+            logits = logits.index_select(0, host_to_device(torch.tensor(rows, dtype=torch.long), logits.device))
         seqs = [batch.seqs[i] for i in rows]
-        return self.sampler(logits if len(rows) == len(batch.seqs) else logits[rows], [s.params for s in seqs],
-                            [s.seed for s in seqs], [s.num_output_tokens for s in seqs])
+        tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
+                                     [s.num_output_tokens for s in seqs])
+        return SampledTokens.start(tokens)
+
+    def _run(self, batch: ScheduledBatch) -> list[int]:
+        """Compute ``batch`` and sample its sampling rows: their tokens, in order, read on the host."""
+        return self._launch(batch).tolist()
 
     def _isolate(self, batch: ScheduledBatch, error: Exception) -> tuple[ScheduledBatch, list[int]]:
         """After ``batch`` raised ``error``: each sequence alone (no computed count advanced, so the rerun writes the

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from labkit.device import host_to_device
 from labkit.kvcache.attention import dequantised_blocks, paged_decode_attention_ref, paged_prefill_attention_ref
 from labkit.kvcache.paged import KVSequence, PagedKVCache
 
@@ -97,7 +98,7 @@ class ModelInput:
         width = width or max((len(s.block_table) for s in seqs), default=1)
         longs, ints = pack_step(seqs, num_tokens, cache.block_size, num_seqs=num_seqs, width=width,
                                 all_logits=all_logits, **padding)
-        longs, ints = (torch.from_numpy(a).to(cache.device, non_blocking=True) for a in (longs, ints))
+        longs, ints = (host_to_device(a, cache.device) for a in (longs, ints))
         c, q, g, t0 = layout(num_seqs, longs.shape[1] if all_logits else num_seqs)  # views of the two arrays
         return cls(longs[0], longs[1], longs[2], ints[t0:].view(num_seqs, width), ints[c:q], ints[q:g], ints[g:t0],
                    num_decodes, (longs, ints), kernel_log)
