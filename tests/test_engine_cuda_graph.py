@@ -393,8 +393,8 @@ def test_check_graph_replays_passes_and_catches_a_kept_output_buffer(tiny_model,
     assert len(rows) == 8 and all(r["ok"] for r in rows) and {r["graph"] for r in rows} == {1, 2, 4}
     assert runner.cache.allocator.num_used == 1 and max(r["relative_error"] for r in rows) <= 1e-5  # the scratch
 
-    def hands_back_the_buffer(self, longs, ints, key, num_seqs):
-        StepGraphs.run_packed(self, longs, ints, key, num_seqs)
+    def hands_back_the_buffer(self, longs, ints, key, num_seqs, sampled=None):
+        StepGraphs.run_packed(self, longs, ints, key, num_seqs, sampled)
         return self.logits[key][:num_seqs]
 
     monkeypatch.setattr(HostGraphs, "run_packed", hands_back_the_buffer)

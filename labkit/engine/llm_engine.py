@@ -5,6 +5,9 @@ cache, the Sampler picks the tokens, and the step's tokens are streamed back.
 * online: ``add_request`` + ``step()`` (each call returns the tokens it produced, ``TokenOutput``); a benchmark
   replays a workload's arrivals against ``step`` (``labkit.bench.serving.serve``)
 
+With ``async_scheduling`` each ``step()`` launches the next step before it reads the tokens of the one in flight, so
+the host's work overlaps the device's (``labkit.engine.async_step``); tokens come out one call later, the same ones.
+
 Each request's arrival and each token are stamped with ``clock`` (a function returning seconds, ``time.perf_counter``
 by default; a benchmark may lend its own): the one place the engine reads a time. Nothing else is timed here.
 """
@@ -22,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from labkit.device import host_to_device
+from labkit.engine.async_step import AsyncStepLoop
 from labkit.engine.config import EngineConfig, EngineStats, default_eos_token_ids, vocab_size
 from labkit.engine.cuda_graph import default_graph_batch_sizes, default_graph_token_sizes
 from labkit.engine.model_runner import ModelRunner, uses_triton
@@ -65,6 +69,7 @@ class LLMEngine:
         self.clock: Callable[[], float] = time.perf_counter
         self.seqs: dict[int, Sequence] = {}
         self._next_id = 0
+        self._async = AsyncStepLoop(self) if cfg.async_scheduling else None
         self.reset()
 
     def _token_sizes(self) -> tuple[int, ...]:
@@ -113,6 +118,8 @@ class LLMEngine:
                 raise RuntimeError(f"{n} requests are still unfinished; step until they finish, abort_request(id) "
                                    "them, or reset(abort=True)")
             self.scheduler.abort_all()
+        if self._async is not None:
+            self._async.drop()
         self.stats = EngineStats()
         self.scheduler.reset_stats()
         self.seqs = {}
@@ -187,7 +194,12 @@ class LLMEngine:
 
         A step that raises is run again one sequence at a time: a sequence that fails alone is finished with
         finish reason 'error' (the message on its result) and its blocks are freed; the others go on (vLLM's
-        failure isolation). A failing step therefore costs one extra pass, never the batch."""
+        failure isolation). A failing step therefore costs one extra pass, never the batch.
+
+        With ``async_scheduling``: ``AsyncStepLoop.step`` (launch this step, then read the previous one's tokens:
+        they come back one call late; the last call of a run may return none)."""
+        if self._async is not None:
+            return self._async.step()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
@@ -209,10 +221,12 @@ class LLMEngine:
         s.scheduled_seqs += len(batch.seqs)
         s.graph_steps += int(self.runner.last_step_replayed)
 
-    def _launch(self, batch: ScheduledBatch) -> SampledTokens:
+    def _launch(self, batch: ScheduledBatch, sampled: torch.Tensor | None = None) -> SampledTokens:
         """Queue ``batch``'s forward and the sampling of its sampling rows on the device; returns their tokens on
-        their way to the host (in row order), without waiting for them."""
-        logits = self.runner.execute(batch.seqs, batch.num_tokens, batch.num_decode)
+        their way to the host (in row order), without waiting for them. ``sampled``: the tokens of the step in
+        flight on the device, where ``batch``'s placeholder inputs are read (async scheduling)."""
+        extra = {} if sampled is None else {"sampled": sampled}
+        logits = self.runner.execute(batch.seqs, batch.num_tokens, batch.num_decode, **extra)
         rows = [i for i, smp in enumerate(batch.sample) if smp]
         if len(rows) < len(batch.seqs):  # a device index: a host list would make the host wait for the device
             logits = logits.index_select(0, host_to_device(torch.tensor(rows, dtype=torch.long), logits.device))
