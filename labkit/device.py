@@ -1,4 +1,5 @@
-"""Where things run: the default device and the Triton interpreter switch."""
+"""Where things run: the default device, the Triton interpreter switch, and host-to-device copies that do not make
+the host wait for the device."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 
@@ -36,6 +38,22 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}: labkit runs on 'cpu' or 'cuda', not {dev.type!r}")
     return dev
+
+
+def host_to_device(data: torch.Tensor | np.ndarray, device: torch.device,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """``data`` (a host tensor or a numpy array) on ``device`` (into ``out``, a device tensor of its shape, if given)
+    without the host waiting for the device's queued work. On CUDA the data are staged in pinned memory and copied with
+    ``non_blocking=True``: a copy from pageable memory may synchronise with the stream first (CUDA's API
+    synchronisation rules; a plain ``torch.tensor(..., device='cuda')`` always does), which would stall the host
+    behind the GPU. torch's pinned allocator keeps the staging block until the copy is done. On the CPU: ``data``
+    itself (a numpy array's memory shared), or copied into ``out``."""
+    t = torch.from_numpy(data) if isinstance(data, np.ndarray) else data
+    if device.type == "cuda":
+        t = t.pin_memory()
+    if out is not None:
+        return out.copy_(t, non_blocking=True)
+    return t.to(device, non_blocking=True)
 
 
 def native_bf16(device: str | torch.device) -> bool:

@@ -2,7 +2,10 @@
 forward replaced by a fixed logits tensor so that only host work remains (scheduling, slot reservation, input
 preparation, sampling, postprocessing), profiled with cProfile over ``--steps`` steps.
 
-    python research/host_step_profile.py --batch 64 --steps 50 --out DIR
+    python research/host_step_profile.py --batch 64 --steps 50 --out DIR [--async-scheduling]
+
+``--async-scheduling``: the engine's overlap path (``labkit.engine.async_step``), the same host work in another order
+(on the CPU nothing overlaps: the stand-in forward is done when it returns).
 
 Writes ``DIR/records/host_step_profile.json``: milliseconds of host work a step, and the cumulative milliseconds a
 step of the engine's main functions.
@@ -21,7 +24,8 @@ from labkit.bench import write_record
 from labkit.engine import LLMEngine, SamplingParams
 from labkit.model import load_model
 
-FUNCTIONS = ("schedule", "_schedule_decodes", "append_slots", "prepare", "__call__", "postprocess", "execute")
+FUNCTIONS = ("schedule", "_schedule_decodes", "append_slots", "prepare", "__call__", "sample", "postprocess", "execute",
+             "_read", "_commit")
 
 
 def main() -> None:
@@ -30,9 +34,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--prompt", type=int, default=100)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--async-scheduling", action="store_true")
     args = ap.parse_args()
     model, _ = load_model(device="cpu")
-    engine = LLMEngine(model, max_num_seqs=args.batch, num_blocks=4096, block_size=16, cuda_graphs=False)
+    engine = LLMEngine(model, max_num_seqs=args.batch, num_blocks=4096, block_size=16, cuda_graphs=False,
+                       async_scheduling=args.async_scheduling)
     vocab = model.config.vocab_size
     for i in range(args.batch):
         engine.add_request([3 + (i * 7 + j) % (vocab - 3) for j in range(args.prompt)],
@@ -59,12 +65,14 @@ def main() -> None:
     for (path, _, name), (_, _, _, cumtime, _) in stats.items():
         if name in FUNCTIONS and "labkit" in path:
             parts[f"{path.split('labkit/')[-1]}:{name}"] = cumtime / args.steps * 1e3
-    print(f"batch {args.batch}: {host_ms:.2f} ms of host work a step (under cProfile)")
+    mode = ", async scheduling" if args.async_scheduling else ""
+    print(f"batch {args.batch}{mode}: {host_ms:.2f} ms of host work a step (under cProfile)")
     for k, v in sorted(parts.items(), key=lambda kv: -kv[1]):
         print(f"  {v:6.3f} ms  {k}")
-    path = write_record("host_step_profile", {"batch": args.batch, "steps": args.steps, "prompt": args.prompt,
-                                              "host_ms_per_step": host_ms, "cumulative_ms_per_step": parts},
-                        out_dir=args.out)
+    name = "host_step_profile_async" if args.async_scheduling else "host_step_profile"
+    path = write_record(name, {"batch": args.batch, "steps": args.steps, "prompt": args.prompt,
+                               "async_scheduling": args.async_scheduling, "host_ms_per_step": host_ms,
+                               "cumulative_ms_per_step": parts}, out_dir=args.out)
     print(f"record: {path}")
 
 

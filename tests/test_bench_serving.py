@@ -38,6 +38,19 @@ def test_serve_poisson_workload_metrics(tiny_model):
         [o.output_token_ids for o in fifo.outputs]
 
 
+def test_serve_with_async_scheduling(tiny_model):
+    """With ``async_scheduling`` (no device sync after a step: it would undo the overlap) the same tokens come out,
+    each request's times in order."""
+    model, _ = tiny_model
+    wl = make_workload(8, 40.0, LengthDist.uniform(4, 20), LengthDist.exponential(5, low=1, high=9),
+                       torch.arange(100, 5000), seed=3)
+    res = [serve(LLMEngine(model, max_num_seqs=4, max_num_batched_tokens=32, async_scheduling=overlap), wl,
+                 progress=False) for overlap in (False, True)]
+    assert [o.output_token_ids for o in res[1].outputs] == [o.output_token_ids for o in res[0].outputs]
+    for m in res[1].metrics:
+        assert 0 < m.ttft_s <= m.e2e_s and m.token_times_s == sorted(m.token_times_s)
+
+
 def test_serve_checks_the_whole_workload_before_running(tiny_model):
     model, tok = tiny_model
     prompts = [p[: 3 + i] for i, p in enumerate(sample_prompts(tok, 6, 12, seed=4))]

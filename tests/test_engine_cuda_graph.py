@@ -396,8 +396,8 @@ def test_check_graph_replays_passes_and_catches_a_kept_output_buffer(tiny_model,
     assert runner.cache.allocator.num_used == 1 and max(r["relative_error"] for r in rows) <= 1e-5  # the scratch
 
     class HandsBackTheBuffer(HostGraphs):
-        def run_packed(self, longs, ints, key, num_seqs):
-            super().run_packed(longs, ints, key, num_seqs)
+        def run_packed(self, longs, ints, key, num_seqs, sampled=None):
+            super().run_packed(longs, ints, key, num_seqs, sampled)
             return self.logits[key][:num_seqs]
 
     runner = host_graph_runner(model, nan_cache(model, num_blocks=20, block_size=16), monkeypatch, max_model_len=64,

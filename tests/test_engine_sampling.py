@@ -116,3 +116,20 @@ def test_token_ids_take_a_list_never_one_id():
             SamplingParams(**{name: 5})
     assert SamplingParams(eos_token_ids=[128001, 128009]).eos_token_ids == (128001, 128009)
     assert SamplingParams().eos_token_ids is None
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_sample_keeps_the_tokens_on_the_device(device):
+    """``Sampler.sample``: the tokens ``__call__`` returns, as an int64 tensor on the logits' device (greedy and
+    sampled rows mixed, and every row sampled); ``SampledTokens`` brings them to the host."""
+    from labkit.engine.sampling import SampledTokens
+
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(4)).to(device)
+    for params in ([SamplingParams(), SamplingParams(temperature=0.8, top_k=7), SamplingParams(),
+                    SamplingParams(temperature=1.2, top_p=0.7), SamplingParams()],
+                   [SamplingParams(temperature=0.5)] * 5):
+        args = (logits, params, [3, 1, 4, 1, 5], [0, 2, 7, 1, 8])
+        tokens = Sampler().sample(*args)
+        assert tokens.dtype == torch.int64 and tokens.device.type == device
+        assert SampledTokens.start(tokens).tolist() == Sampler()(*args)
+    assert Sampler().sample(logits[:0], [], [], []).tolist() == []

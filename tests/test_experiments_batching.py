@@ -139,3 +139,40 @@ def test_runner_step_decode_and_prefill(tiny_model):
         runner_step(model, "verify", 1, 8)
     with pytest.raises(ValueError, match="batch_size 1 for prefill"):
         runner_step(model, "prefill", 2, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
+def test_decode_rate_times_the_replayed_step_on_cuda(overlap):
+    """With CUDA graphs the captured decode step of the batch is also timed alone (``replay_step_s``, what
+    ``engine.decode_b{b}_host_frac`` divides by): it once called ``StepGraphs.replay``, which no longer exists. With
+    async scheduling too, the row saying which mode it measured."""
+    from labkit.model import load_model
+
+    r = decode_rate(load_model(device="cuda")[0], 3, 16, 4, torch.arange(100, 6000), async_scheduling=overlap)
+    assert r["cuda_graphs"] and 0 < r["replay_step_s"] < r["step_median_s"] * 10 and r["async_scheduling"] == overlap
+
+
+def test_bench_decode_runs_both_scheduling_modes(tmp_path):
+    """``--async-scheduling both``: each batch decoded without and with overlap in one run, the figures of the second
+    suffixed ``_async`` and their ratio recorded."""
+    assert bench_main(["decode", "--batch", "2", "--context", "8", "--steps", "3", "--no-hf", "--kernels", "torch",
+                       "--async-scheduling", "both", "--figures", "--out", str(tmp_path), "--device", "cpu"]) == 0
+    rows = json.loads((tmp_path / "records" / "bench_decode.json").read_text())["data"]["rows"]
+    assert [(r["batch"], r["async_scheduling"]) for r in rows] == [(2, False), (2, True)]
+    figs = json.loads((tmp_path / "figures.json").read_text())
+    assert {"engine.decode_b2_mbu", "engine.decode_b2_mbu_async", "engine.decode_b2_async_speedup"} <= set(figs)
+    assert figs["engine.decode_b2_async_speedup"]["value"] > 0
+
+
+def test_host_frac_is_one_formula_in_both_modes(tmp_path):
+    """``engine.decode_b{b}_host_frac`` and its ``_async`` twin: 1 - (the captured step replayed alone) / (the step
+    end to end), whatever the mode measured."""
+    from labkit.experiments.batching.cli import decode_figures
+
+    row = dict(batch=64, context=520, mbu=0.5, replay_step_s=0.006, step_median_s=0.008, graph_pool_bytes=1e6)
+    sync = decode_figures([row], None, tmp_path)
+    overlap = decode_figures([dict(row, step_median_s=0.0065)], None, tmp_path, "_async")
+    assert sync["engine.decode_b64_host_frac"]["value"] == pytest.approx(0.25)
+    assert overlap["engine.decode_b64_host_frac_async"]["value"] == pytest.approx(1 - 0.006 / 0.0065)
+    assert "engine.cuda_graph_pool_mb_b64_async" not in overlap

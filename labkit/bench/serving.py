@@ -95,7 +95,10 @@ def serve(engine: LLMEngine, workload: Sequence[RequestSpec],
     run_clock = VirtualClock() if clock == "virtual" else RealClock()
     before, engine.clock = engine.clock, run_clock
     step_s: list[float] = []
-    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda *a: None)
+    # a step whose tokens did not reach the host (a prefill chunk) ends at the sync; with async scheduling a step's
+    # time is its host work plus the wait for the previous step's tokens, and a sync would undo the overlap
+    overlap = engine.config.async_scheduling
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" and not overlap else (lambda *a: None)
     i = 0
     try:
         with tqdm(total=len(pending), desc=f"serve ({engine.config.scheduler})", unit="req",
@@ -109,7 +112,7 @@ def serve(engine: LLMEngine, workload: Sequence[RequestSpec],
                     continue
                 t0 = time.perf_counter()
                 outs = engine.step()
-                sync(engine.device)  # a step whose tokens did not reach the host (a prefill chunk) ends here
+                sync(engine.device)
                 step_s.append(time.perf_counter() - t0)
                 for out in outs:
                     bar.update(int(out.finished))

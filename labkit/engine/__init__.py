@@ -7,6 +7,8 @@
 * ``ModelRunner`` (model_runner.py): the model over a flat token batch on the paged cache, Triton kernels on CUDA,
   steps replayed from CUDA graphs (cuda_graph.py); ``ModelInput`` (``labkit.model.attention``) is one step's inputs
 * ``SamplingParams`` / ``Sampler`` (sampling.py), requests, sequences and outputs (sequence.py)
+* async scheduling (async_step.py, ``EngineConfig.async_scheduling=True``): the host schedules and prepares step n+1
+  while the device runs step n, and reads step n's tokens one step late (vLLM's async scheduling)
 * speculative decoding (speculative.py, proposers.py): ``SpeculativeDecoder`` verifies the guesses of a
   ``PromptLookupProposer`` or a ``DraftModelProposer`` in one target forward, with the exact acceptance rule
 

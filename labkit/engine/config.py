@@ -38,6 +38,9 @@ class EngineConfig:
     * ``seed``: seeds requests that bring none (``SamplingParams.seed``)
     * ``eos_token_ids``: ids that end a request (default: every EOS id of the model's config and generation
       config, else the tokenizer's; ``SamplingParams.eos_token_ids`` overrides per request)
+    * ``async_scheduling``: overlap the host's work for the next step (scheduling, slots, inputs, reading the
+      sampled tokens, stop checks) with the device's current step, as vLLM's async scheduling and SGLang's overlap
+      scheduler do (``labkit.engine.async_step``); the tokens are the same, each reaches the host one step later
     """
 
     scheduler: str = "continuous"
@@ -60,6 +63,7 @@ class EngineConfig:
     swap_space: float = 4.0
     seed: int = 0
     eos_token_ids: tuple[int, ...] | None = None
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         """Refuse any field of the wrong type or out of range, naming it, its value and what is allowed (nothing is
@@ -71,7 +75,7 @@ class EngineConfig:
             check_int(name, getattr(self, name), low)
         for name, low in (("static_batch_size", 1), ("max_model_len", 1), ("num_blocks", 2)):
             check_int(name, getattr(self, name), low, none_ok=True)  # None: the default
-        for name in ("chunked_prefill", "enable_prefix_caching"):
+        for name in ("chunked_prefill", "enable_prefix_caching", "async_scheduling"):
             check_bool(name, getattr(self, name))
         if self.cuda_graphs != "auto" and not isinstance(self.cuda_graphs, bool):
             raise ArgumentTypeError(f"cuda_graphs={self.cuda_graphs!r}; allowed: 'auto', True, False")
@@ -108,6 +112,7 @@ class EngineStats:
     output_tokens: int = 0
     scheduled_seqs: int = 0  # sequences summed over steps (over ``steps``: the mean batch)
     graph_steps: int = 0  # steps replayed from a CUDA graph
+    discarded_tokens: int = 0  # async scheduling: tokens sampled for a request that had stopped one step earlier
 
     def to_dict(self) -> dict:
         return asdict(self)

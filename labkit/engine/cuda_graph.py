@@ -41,7 +41,8 @@ from functools import partial
 import numpy as np
 import torch
 
-from labkit.model.attention import ModelInput
+from labkit.device import host_to_device
+from labkit.model.attention import ModelInput, fill_placeholders
 
 
 def default_graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -161,18 +162,23 @@ class StepGraphs:
             return GraphKey("mixed", min(t, self.runner.max_num_seqs), t)
         return None
 
-    def run_packed(self, longs: np.ndarray, ints: np.ndarray, key: GraphKey, num_seqs: int) -> torch.Tensor:
+    def run_packed(self, longs: np.ndarray, ints: np.ndarray, key: GraphKey, num_seqs: int,
+                   sampled: torch.Tensor | None = None) -> torch.Tensor:
         """Copy a step packed on the host in the layout of the static buffers (``labkit.model.attention.pack_step`` at
-        ``static_shape`` and ``max_blocks``: two host-to-device copies feed every field) and replay ``key``;
-        returns a new tensor: the logits of the first ``num_seqs`` rows ``[num_seqs, vocab]`` (the graph's own
-        output buffer is overwritten by the next replay of any bucket)."""
+        ``static_shape`` and ``max_blocks``: two host-to-device copies feed every field, from pinned memory on CUDA)
+        and replay ``key``; returns a new tensor: the logits of the first ``num_seqs`` rows ``[num_seqs, vocab]``
+        (the graph's own output buffer is overwritten by the next replay of any bucket). ``sampled``: the previous
+        step's sampled tokens on the device (async scheduling): placeholder input ids are read from it, on the
+        device, before the replay (``labkit.model.attention.fill_placeholders``)."""
         for name, dst, src in zip(("longs", "ints"), self.static.buffers, (longs, ints)):
             if tuple(dst.shape) != src.shape:
                 raise ValueError(f"packed {name} {src.shape} do not match the static buffer {tuple(dst.shape)}; "
                                  f"pack at static_shape={self.static_shape}, width=max_blocks")
-            dst.copy_(torch.from_numpy(src), non_blocking=True)
+            host_to_device(src, dst.device, out=dst)
         if key not in self.keys:
             raise ValueError(f"{key} has no captured graph; captured decode batches {self.batch_sizes}, token "
                              f"counts {self.token_sizes}")
+        if sampled is not None:
+            fill_placeholders(self.static.input_ids, sampled)
         self.graphs[key].replay()
         return self.logits[key][:num_seqs].clone()

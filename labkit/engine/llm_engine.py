@@ -5,6 +5,9 @@ cache, the Sampler picks the tokens, and the step's tokens are streamed back.
 * online: ``add_request`` + ``step()`` (each call returns the tokens it produced, ``TokenOutput``); a benchmark
   replays a workload's arrivals against ``step`` (``labkit.bench.serving.serve``)
 
+With ``async_scheduling`` each ``step()`` launches the next step before it reads the tokens of the one in flight, so
+the host's work overlaps the device's (``labkit.engine.async_step``); tokens come out one call later, the same ones.
+
 Each request's arrival and each token are stamped with ``clock`` (a function returning seconds, ``time.perf_counter``
 by default; a benchmark may lend its own): the one place the engine reads a time. Nothing else is timed here.
 """
@@ -20,10 +23,12 @@ from collections.abc import Callable, Hashable, Iterable
 import torch
 from tqdm.auto import tqdm
 
+from labkit.device import host_to_device
+from labkit.engine.async_step import AsyncStepLoop
 from labkit.engine.config import EngineConfig, EngineStats, default_eos_token_ids, engine_config, vocab_size
 from labkit.engine.cuda_graph import default_graph_batch_sizes, default_graph_token_sizes
 from labkit.engine.model_runner import ModelRunner, uses_triton
-from labkit.engine.sampling import Sampler, SamplingParams, token_seed
+from labkit.engine.sampling import SampledTokens, Sampler, SamplingParams, token_seed
 from labkit.engine.scheduler import ScheduledBatch, make_scheduler
 from labkit.engine.sequence import FinishReason, Request, RequestOutput, Sequence, TokenOutput, prompt_token_list
 from labkit.kvcache import PagedKVCache
@@ -61,8 +66,11 @@ class LLMEngine:
         self.eos_token_ids = (cfg.eos_token_ids if cfg.eos_token_ids is not None
                               else default_eos_token_ids(model, tokenizer))
         self.clock: Callable[[], float] = time.perf_counter
+        # how a step's sampled tokens start their copy to the host (a simulated device may lend its own)
+        self.to_host: Callable[[torch.Tensor], SampledTokens] = SampledTokens.start
         self.seqs: dict[int, Sequence] = {}
         self._next_id = 0
+        self._async = AsyncStepLoop(self) if cfg.async_scheduling else None
         self.reset()
 
     def _token_sizes(self) -> tuple[int, ...]:
@@ -111,6 +119,8 @@ class LLMEngine:
                 raise RuntimeError(f"{n} requests are still unfinished; step until they finish, abort_request(id) "
                                    "them, or reset(abort=True)")
             self.scheduler.abort_all()
+        if self._async is not None:
+            self._async.drop()
         self.stats = EngineStats()
         self.scheduler.reset_stats()
         self.seqs = {}
@@ -185,7 +195,12 @@ class LLMEngine:
 
         A step that raises is run again one sequence at a time: a sequence that fails alone is finished with
         finish reason 'error' (the message on its result) and its blocks are freed; the others go on (vLLM's
-        failure isolation). A failing step therefore costs one extra pass, never the batch."""
+        failure isolation). A failing step therefore costs one extra pass, never the batch.
+
+        With ``async_scheduling``: ``AsyncStepLoop.step`` (launch this step, then read the previous one's tokens:
+        they come back one call late; the last call of a run may return none)."""
+        if self._async is not None:
+            return self._async.step()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
@@ -194,22 +209,36 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 (any error of one request must not take the others down)
             batch, tokens = self._isolate(batch, e)
         outs = self.scheduler.postprocess(batch, tokens, self.clock())
+        self._count(batch, len(tokens))
+        return outs
+
+    def _count(self, batch: ScheduledBatch, output_tokens: int = 0) -> None:
+        """Count a computed step in ``stats`` (``output_tokens``: the tokens it delivered, if read already)."""
         s = self.stats
         s.steps += 1
         s.decode_tokens += batch.num_decode
         s.prefill_tokens += batch.num_prefill_tokens
-        s.output_tokens += len(tokens)
+        s.output_tokens += output_tokens
         s.scheduled_seqs += len(batch.seqs)
         s.graph_steps += int(self.runner.last_step_replayed)
-        return outs
+
+    def _launch(self, batch: ScheduledBatch, sampled: torch.Tensor | None = None) -> SampledTokens:
+        """Queue ``batch``'s forward and the sampling of its sampling rows on the device; returns their tokens on
+        their way to the host (in row order), without waiting for them. ``sampled``: the tokens of the step in
+        flight on the device, where ``batch``'s placeholder inputs are read (async scheduling)."""
+        extra = {} if sampled is None else {"sampled": sampled}
+        logits = self.runner.execute(batch.seqs, batch.num_tokens, batch.num_decode, **extra)
+        rows = [i for i, smp in enumerate(batch.sample) if smp]
+        if len(rows) < len(batch.seqs):  # a device index: a host list would make the host wait for the device
+            logits = logits.index_select(0, host_to_device(torch.tensor(rows, dtype=torch.long), logits.device))
+        seqs = [batch.seqs[i] for i in rows]
+        tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
+                                     [s.num_output_tokens for s in seqs])
+        return self.to_host(tokens)
 
     def _run(self, batch: ScheduledBatch) -> list[int]:
-        """Compute ``batch`` and sample its sampling rows: their tokens, in order."""
-        logits = self.runner.execute(batch.seqs, batch.num_tokens, batch.num_decode)
-        rows = [i for i, smp in enumerate(batch.sample) if smp]
-        seqs = [batch.seqs[i] for i in rows]
-        return self.sampler(logits if len(rows) == len(batch.seqs) else logits[rows], [s.params for s in seqs],
-                            [s.seed for s in seqs], [s.num_output_tokens for s in seqs])
+        """Compute ``batch`` and sample its sampling rows: their tokens, in order, read on the host."""
+        return self._launch(batch).tolist()
 
     def _isolate(self, batch: ScheduledBatch, error: Exception) -> tuple[ScheduledBatch, list[int]]:
         """After ``batch`` raised ``error``: each sequence alone (no computed count advanced, so the rerun writes the

@@ -31,7 +31,7 @@ import torch
 from labkit.engine.cuda_graph import StepGraphs, default_graph_batch_sizes
 from labkit.kvcache import KVSequence, PagedKVCache
 from labkit.model import FusionPlan, KernelLog, adopt_hf_model
-from labkit.model.attention import ModelInput, pack_step
+from labkit.model.attention import ModelInput, fill_placeholders, pack_step
 from labkit.model.fusion import KERNEL_NAMES
 
 KERNELS = KERNEL_NAMES
@@ -139,18 +139,27 @@ class ModelRunner:
 
     # --- the step -------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, seqs: Sequence[KVSequence], num_tokens: Sequence[int], num_decode: int) -> torch.Tensor:
+    def execute(self, seqs: Sequence[KVSequence], num_tokens: Sequence[int], num_decode: int,
+                sampled: torch.Tensor | None = None) -> torch.Tensor:
         """Compute the next ``num_tokens[i]`` tokens of each sequence (their K/V written to the cache); returns
         float32 logits of each sequence's last computed token ``[num_seqs, vocab]`` (a tensor of the caller's own,
         also after a graph replay). Advancing the sequences' computed counts is the caller's (the scheduler's
         postprocess: ``cache.mark_computed``). A step replays a CUDA graph when one is captured for its shape
-        (``StepGraphs.lookup``)."""
+        (``StepGraphs.lookup``).
+
+        ``sampled`` (async scheduling): the previous step's sampled tokens, int64 ``[k]`` on the device. A sequence
+        whose last token the host has not read yet holds ``labkit.model.attention.placeholder(j)`` there; its input
+        row is read from ``sampled[j]`` on the device (``fill_placeholders``) after the inputs are copied. Nothing is
+        read back to the host."""
         key = self.graphs.lookup(len(seqs), sum(num_tokens), num_decode) if self.graphs is not None else None
         self.last_step_replayed = key is not None
         if key is not None:  # packed on the host in the static buffers' layout: two copies feed the graph
             longs, ints = self.pack_for_graphs(seqs, num_tokens)
-            return self.graphs.run_packed(longs, ints, key, len(seqs))  # a copy of the real rows
-        return self.forward(self.prepare(seqs, num_tokens, num_decode))
+            return self.graphs.run_packed(longs, ints, key, len(seqs), sampled=sampled)  # a copy of the real rows
+        inp = self.prepare(seqs, num_tokens, num_decode)
+        if sampled is not None:
+            fill_placeholders(inp.input_ids, sampled)
+        return self.forward(inp)
 
     def forward(self, inp: ModelInput) -> torch.Tensor:
         """The model over ``inp`` (no bookkeeping): float32 logits ``[num_seqs (+ padding), vocab]``."""

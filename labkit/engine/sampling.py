@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from labkit.checks import check_bool, check_int, check_number, check_positive_int, check_token_ids
+from labkit.device import host_to_device
 
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant (golden ratio): spreads (seed, index) pairs over the seed space
 
@@ -111,34 +112,79 @@ class Sampler:
         g = self._generator(device).manual_seed(token_seed(seed, index))
         return torch.empty(vocab, device=device, dtype=torch.float32).exponential_(generator=g)
 
-    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
                  indices: Sequence[int]) -> list[int]:
         """One token per row of ``logits`` (float ``[n, vocab]``); ``seeds[i]`` and ``indices[i]`` (the output
-        position being sampled) name row ``i``'s noise. Returns ``n`` token ids."""
+        position being sampled) name row ``i``'s noise. Returns ``n`` token ids (``sample``, read on the host)."""
+        return self.sample(logits, params, seeds, indices).tolist()
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
+               indices: Sequence[int]) -> torch.Tensor:
+        """As ``__call__``, but the tokens stay on ``logits``' device: int64 ``[n]``. Nothing is read back to the
+        host (no ``.item()`` / ``.tolist()``; the rows' parameters go to the device by non-blocking copies), so on
+        CUDA the host returns as soon as the work is queued: what async scheduling needs."""
         n = logits.shape[0]
         if not len(params) == len(seeds) == len(indices) == n:
             raise ValueError(f"need one params, seed and index per row of logits ({n} rows), got "
                              f"{len(params)}, {len(seeds)}, {len(indices)}")
-        if n == 0:
-            return []
         logits = logits.float()
         tokens = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
-        if rows:
-            tokens[rows] = self._sample(logits[rows], [params[i] for i in rows], [seeds[i] for i in rows],
-                                        [indices[i] for i in rows])
-        return tokens.tolist()
+        if len(rows) == n and n:
+            tokens = self._sample(logits, params, seeds, indices)
+        elif rows:
+            idx = host_to_device(torch.tensor(rows), logits.device)
+            tokens.index_copy_(0, idx, self._sample(logits.index_select(0, idx), [params[i] for i in rows],
+                                                    [seeds[i] for i in rows], [indices[i] for i in rows]))
+        return tokens
 
-    def _sample(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-                indices: list[int]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
+                indices: Sequence[int]) -> torch.Tensor:
         dev = logits.device
-        temp = torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32)
-        top_k = torch.tensor([p.top_k for p in params], device=dev, dtype=torch.long)
-        top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32)
+        temp, top_k, top_p = (host_to_device(torch.tensor([getattr(p, f) for p in params], dtype=dtype), dev)
+                              for f, dtype in (("temperature", torch.float32), ("top_k", torch.long),
+                                               ("top_p", torch.float32)))
         logits = logits / temp[:, None]
         if any(p.top_k or p.top_p < 1 for p in params):
             logits = apply_top_k_top_p(logits, top_k, top_p)
         probs = logits.softmax(dim=-1)
         noise = torch.stack([self.noise(s, i, logits.shape[-1], dev) for s, i in zip(seeds, indices)])
         return (probs / noise).argmax(dim=-1)
+
+
+class SampledTokens:
+    """One step's sampled tokens on their way to the host.
+
+    * ``device``: int64 ``[k]``, the step's sampling rows in order, where they were sampled (the next step of async
+      scheduling gathers its placeholder inputs from it)
+    * ``host``: the same tokens in host memory, valid once ``event`` has completed: on CUDA pinned memory filled by a
+      non-blocking copy, with a CUDA event recorded after it; on the CPU the tensor itself (torch's CPU ops are
+      synchronous: it is ready at once, ``event`` is None)
+
+    ``start`` begins the copy without waiting; ``tolist`` waits for it (the one place the host waits for the device
+    in a step) and returns the ids.
+    """
+
+    def __init__(self, device: torch.Tensor, host: torch.Tensor, event=None):
+        self.device, self.host, self.event = device, host, event
+
+    @classmethod
+    def start(cls, tokens: torch.Tensor) -> SampledTokens:
+        """Start copying ``tokens`` (int64 ``[k]``) to the host."""
+        if tokens.device.type != "cuda":
+            return cls(tokens, tokens)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(tokens, host, event)
+
+    def __len__(self) -> int:
+        return self.device.shape[0]
+
+    def tolist(self) -> list[int]:
+        """The token ids, once the copy is done (waits for it)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()

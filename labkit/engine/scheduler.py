@@ -27,6 +27,11 @@ The cache (``PagedKVCache``) is the block manager, working on the sequences: ``a
 for its tokens at admission, ``append_slots`` a slot for its sampled token, and its ``num_computed`` says how far its
 K/V are written (``postprocess`` advances it after each step). A step computes a *chunk* of each scheduled sequence;
 a sequence samples its next token when the chunk reaches its last token.
+
+Under async scheduling (``labkit.engine.async_step``) the next step is scheduled before the host has read the tokens of
+the step in flight: a sequence's last token may be pending (a placeholder the device fills in), which changes nothing
+here but one rule: a sequence whose pending token is its ``max_tokens``-th is not scheduled again. One that stops on
+a stop token is scheduled once more; its extra token is discarded when the stop shows up, one step late.
 """
 
 from __future__ import annotations
@@ -171,6 +176,13 @@ class Scheduler(ABC):
     def finish_early(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         """Take an unfinished ``seq`` out wherever it is (queue, running, swap space), free its blocks and finish
         it with ``reason`` (``ABORT``, or ``ERROR`` with the message ``error``)."""
+        self.remove(seq)
+        seq.finish(reason, error)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take ``seq`` out wherever it is (queue, running, swap space) and free what it holds (``ValueError`` if it
+        is in none). Async scheduling removes a sequence this way once its stop shows up one step late: by then it
+        may have been preempted into the queue or the swap space."""
         if seq in self.running:
             self.running.remove(seq)
             if seq.block_table:
@@ -182,7 +194,6 @@ class Scheduler(ABC):
             self.swap.discard(seq)
         else:
             raise ValueError(f"sequence {seq.seq_id} is not queued, running or swapped out ({seq.status.value})")
-        seq.finish(reason, error)
 
     def abort_all(self) -> list[Sequence]:
         """Abort every unfinished sequence (the cache is left as empty as the scheduler found it)."""
@@ -193,6 +204,8 @@ class Scheduler(ABC):
 
     # --- helpers for the policies ---------------------------------------------------------------------------
     def _admit(self, seq: Sequence) -> None:
+        if seq.num_pending:  # its placeholder would be prefilled (and hashed by the prefix cache)
+            raise RuntimeError(f"sequence {seq.seq_id} is admitted before its pending token was read")
         cached = self.cache.allocate(seq)
         self.prefix_hit_tokens += cached
         self.admitted_tokens += seq.num_tokens - cached
@@ -203,8 +216,10 @@ class Scheduler(ABC):
 
     @staticmethod
     def _uncomputed(seq: Sequence) -> int:
-        """Tokens of ``seq`` whose K/V are not written yet: one for a decoding sequence (its last sampled token)."""
-        return seq.num_tokens - seq.num_computed
+        """Tokens of ``seq`` whose K/V are not written yet: one for a decoding sequence (its last sampled token).
+        None for a sequence whose last token is its ``max_tokens``-th (under async scheduling it is still pending,
+        read one step late): that token is never fed back, so nothing is scheduled for it."""
+        return 0 if seq.reached_max_tokens else seq.num_tokens - seq.num_computed
 
     def _preempt(self, seq: Sequence) -> None:
         """Take ``seq``'s blocks back: swap them out to CPU memory (``preemption_mode='swap'``, while the swap space
@@ -261,6 +276,8 @@ class FIFOScheduler(Scheduler):
         if not self.running:
             return ScheduledBatch()
         seq = self.running[0]
+        if not self._uncomputed(seq):  # its last token is pending (async scheduling): nothing to compute
+            return ScheduledBatch()
         self.cache.append_slots(seq)  # a slot for its sampled token (nothing while it prefills)
         return self._batch([(seq, self._uncomputed(seq))])
 
@@ -285,8 +302,9 @@ class StaticBatchScheduler(Scheduler):
             self._form_batch()
         rows = []
         for seq in self.running:
-            self.cache.append_slots(seq)
-            rows.append((seq, self._uncomputed(seq)))
+            if self._uncomputed(seq):  # not one whose last token is pending (async scheduling)
+                self.cache.append_slots(seq)
+                rows.append((seq, self._uncomputed(seq)))
         return self._batch(rows)
 
     def _form_batch(self) -> None:

@@ -8,6 +8,11 @@ request timestamps are taken), and what the KV cache's block manager keeps on it
 advanced by the scheduler after each step) and the chained hashes of its computed full blocks. A sequence preempted
 by recompute gives its blocks back and is prefilled again from ``token_ids`` when readmitted, so nothing it
 generated is lost.
+
+Under async scheduling (``EngineConfig.async_scheduling``) a sequence may hold one *pending* token: sampled by the
+step in flight, still on the device. Its place in ``token_ids`` holds a placeholder (a negative id,
+``labkit.model.attention.placeholder``: the next step reads the real id on the device) until ``resolve`` writes the
+id the host read one step later, and checks the stop conditions then.
 """
 
 from __future__ import annotations
@@ -118,6 +123,7 @@ class Sequence:
         self.error: str | None = None  # why a step failed on it (finish_reason ERROR)
         self.num_preemptions = 0
         self.token_times_s: list[float] = []
+        self.num_pending = 0  # async scheduling: its last token is sampled but not read yet (0 or 1)
 
     # --- sizes ----------------------------------------------------------------------------------------------
     @property
@@ -145,13 +151,43 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def reached_max_tokens(self) -> bool:
+        """It holds ``max_tokens`` output tokens (the last maybe pending): nothing is left to compute for it (the
+        scheduler skips it while its last token is read)."""
+        return self.num_output_tokens >= self.params.max_tokens
+
     # --- progress -------------------------------------------------------------------------------------------
     def append_token(self, token: int, now_s: float) -> bool:
         """Add a generated token at time ``now_s``; returns True when the sequence is now finished (the caller
         frees its cache blocks)."""
         if self.is_finished:
             raise RuntimeError(f"sequence {self.seq_id} is finished; it takes no more tokens")
+        if self.num_pending:
+            raise RuntimeError(f"sequence {self.seq_id} has a pending token; resolve it first")
         self.token_ids.append(int(token))
+        return self._stop_check(int(token), now_s)
+
+    def append_pending(self, placeholder: int) -> None:
+        """Async scheduling: a step in flight samples its next token; ``placeholder`` (< 0) holds its place until
+        ``resolve``."""
+        if self.is_finished or self.num_pending or placeholder >= 0:
+            raise RuntimeError(f"sequence {self.seq_id}: cannot take placeholder {placeholder} ({self.status.value}, "
+                               f"{self.num_pending} pending); one pending token at most, a negative placeholder")
+        self.token_ids.append(placeholder)
+        self.num_pending = 1
+
+    def resolve(self, token: int, now_s: float) -> bool:
+        """Async scheduling: the pending token's id ``token`` reached the host at ``now_s``; it replaces the
+        placeholder and the stop conditions are checked as ``append_token`` checks them. Returns True when the
+        sequence is now finished (the caller frees its blocks)."""
+        if not self.num_pending:
+            raise RuntimeError(f"sequence {self.seq_id} has no pending token to resolve")
+        self.token_ids[-1] = int(token)
+        self.num_pending = 0
+        return self._stop_check(int(token), now_s)
+
+    def _stop_check(self, token: int, now_s: float) -> bool:
         self.token_times_s.append(now_s)
         if token in self.stop_token_ids:
             self.finish_reason = FinishReason.STOP
@@ -162,7 +198,11 @@ class Sequence:
         return self.is_finished
 
     def finish(self, reason: FinishReason, error: str | None = None) -> None:
-        """End it now with ``reason`` (ERROR with the message ``error``, or ABORT); the caller frees its blocks."""
+        """End it now with ``reason`` (ERROR with the message ``error``, or ABORT); the caller frees its blocks. A
+        pending token (async scheduling) is dropped: the request ends with the tokens it streamed."""
+        if self.num_pending:
+            del self.token_ids[-1]
+            self.num_pending = 0
         self.status, self.finish_reason, self.error = SequenceStatus.FINISHED, reason, error
 
     def metrics(self) -> RequestMetrics:

@@ -6,7 +6,9 @@ packing function (the engine's runner and CUDA graphs, the speculative decoder, 
 stages), writes it into two host arrays, int64 ``[3, rows]`` (token ids, positions, slots) and int32 (context
 lengths, query starts, logits rows, block tables): one host-to-device copy each, a ``ModelInput`` views them.
 Padding (a captured step's shape): sequences of no tokens (context 1, tables of ``scratch_block``) and token rows
-writing to the scratch block's first slot at position 0.
+writing to the scratch block's first slot at position 0. Under the engine's async scheduling an input id may be a
+``placeholder`` (negative) for a token the previous step sampled and the host has not read yet; ``fill_placeholders``
+gathers those from the previous step's device tensor once the step is on the device.
 
 ``cached_attention`` runs, with the layer's sliding window, the references of ``labkit.kvcache.attention`` on the
 torch path (prefill rows causally per sequence, decode rows batched) or the kernels of ``labkit.kernels`` on the
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from labkit.device import host_to_device
 from labkit.kvcache.attention import dequantised_blocks, paged_decode_attention_ref, paged_prefill_attention_ref
 from labkit.kvcache.paged import KVSequence, PagedKVCache
 
@@ -97,7 +100,7 @@ class ModelInput:
         width = width or max((len(s.block_table) for s in seqs), default=1)
         longs, ints = pack_step(seqs, num_tokens, cache.block_size, num_seqs=num_seqs, width=width,
                                 all_logits=all_logits, **padding)
-        longs, ints = (torch.from_numpy(a).to(cache.device, non_blocking=True) for a in (longs, ints))
+        longs, ints = (host_to_device(a, cache.device) for a in (longs, ints))
         c, q, g, t0 = layout(num_seqs, longs.shape[1] if all_logits else num_seqs)  # views of the two arrays
         return cls(longs[0], longs[1], longs[2], ints[t0:].view(num_seqs, width), ints[c:q], ints[q:g], ints[g:t0],
                    num_decodes, (longs, ints), kernel_log)
@@ -175,6 +178,21 @@ def pack_step(seqs: Sequence[KVSequence], num_tokens: Sequence[int], block_size:
     for r, t in enumerate(tables):
         rows[r, :len(t)] = t
     return longs, ints
+
+
+def placeholder(row: int) -> int:
+    """The input id that stands for the token row ``row`` of the previous step sampled while that token is still on
+    the device (the engine's async scheduling): ``-(row + 1)``, never a real id. ``pack_step`` packs it as it is;
+    ``fill_placeholders`` replaces it on the device."""
+    return -1 - row
+
+
+def fill_placeholders(input_ids: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+    """In place on the device: every input id ``placeholder(j)`` becomes ``sampled[j]``, the others stay (a gather
+    by row: nothing is read back to the host). ``input_ids`` int64 ``[rows]``; ``sampled`` int64 ``[k]``, ``k >= 1``,
+    the previous step's sampled tokens, on the same device. Returns ``input_ids``."""
+    src = (-1 - input_ids).clamp_(min=0)
+    return input_ids.copy_(torch.where(input_ids < 0, sampled.index_select(0, src), input_ids))
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -8,12 +8,19 @@
                   with ``--formats`` also the model quantised to each weight format, each layer taking the kernel
                   its machine's table measured fastest at the batch (``--dispatch``), against bf16 in the same run
 
+``--async-scheduling off|on|both``: the engine without overlap (the default), with it
+(``EngineConfig.async_scheduling``: the host prepares the next step while the device runs this one), or both in one
+run. Figures of the runs with overlap carry the suffix ``_async`` (``engine.decode_b64_host_frac_async``: the formula of
+``engine.decode_b64_host_frac``, 1 - the captured step replayed alone / the engine's step end to end); with both,
+``engine.decode_b{b}_async_speedup`` too.
+
 Examples::
 
     python -m labkit bench serve --num-requests 32 --rate 2 8 inf
     python -m labkit bench serve --model llama-3-8b --num-requests 1000 --prompt-len 512 --output-mean 128 \\
         --rate inf --scheduler continuous --max-num-seqs 256 --max-num-batched-tokens 8192
     python -m labkit bench decode --model llama-3-8b --batch 1 16 64 --context 512
+    python -m labkit bench decode --model llama-3-8b --batch 1 16 64 --async-scheduling both --no-hf --figures
     python -m labkit bench decode --model llama-3-8b --batch 1 16 64 --formats bf16 int8 int4 fp8 --no-hf --figures
 """
 
@@ -28,6 +35,8 @@ import torch
 from labkit.engine import SCHEDULERS
 
 DTYPES = ("auto", "fp32", "bf16", "fp16")
+OVERLAP = {"off": (False,), "on": (True,), "both": (False, True)}
+"""``--async-scheduling``: the values of ``EngineConfig.async_scheduling`` measured, in order."""
 
 
 def _load(args):
@@ -72,7 +81,8 @@ def _serve(args) -> int:
     base = _engine_kwargs(args)
     base["max_model_len"] = base["max_model_len"] or longest
     names = SCHEDULERS if args.scheduler == "all" else (args.scheduler,)
-    policies = {n: dict(base, scheduler=n) for n in names}
+    policies = {n + ("+async" if overlap else ""): dict(base, scheduler=n, async_scheduling=overlap)
+                for n in names for overlap in OVERLAP[args.async_scheduling]}
     slo = SLO(args.slo_ttft, args.slo_tpot)
     rows = serve_sweep(model, workload, policies, args.rate, slo=slo, progress=not args.no_progress)
     cols = ["policy", "rate_req_s", "output_tok_s", "requests_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
@@ -108,34 +118,29 @@ def _decode(args) -> int:
     spec, dtype = get_config(model), next(model.parameters()).dtype
     ceilings = measure_ceilings(next(model.parameters()).device, iters=5)
     bw, sheet = ceilings["copy_bytes_per_s"], ceilings["datasheet_bytes_per_s"]
-    rows, tables = [], {}
+    rows, tables, modes = [], {}, OVERLAP[args.async_scheduling]
     for fmt in args.formats or ["bf16"]:
         m = model if fmt == "bf16" else _quantised(model, fmt, args.dispatch, tables)
         for b in args.batch:
-            kw = _engine_kwargs(args)
-            kw.update(max_num_seqs=b, max_num_batched_tokens=max(b, 8192), max_model_len=None)
-            if args.formats:  # the decode step of this batch is what is compared: capture that one graph only
-                kw.update(graph_batch_sizes=(b,), graph_token_sizes=())
-            r = decode_rate(m, b, args.context, args.steps, source, **kw)
-            weight_bytes = spec.decode_weight_bytes(dtype) if fmt == "bf16" else decode_weight_bytes(spec, fmt)
-            floor_bytes = weight_bytes + b * spec.kv_bytes(r["context"], dtype)
-            r.update(weights=fmt, kernels_by_layer=_paths_at(m, b), floor_bytes=floor_bytes,
-                     floor_s=floor_bytes / bw, mbu=floor_bytes * r["tok_s"] / b / bw,
-                     mbu_datasheet=floor_bytes * r["tok_s"] / b / sheet if sheet else None)
-            if not args.no_hf and fmt == "bf16":
-                r.update(hf_static_decode(model, b, args.context, args.steps, source, args.seed))
-            rows.append(r)
-            path = write_record(args.name, {"model": label, "bandwidth_bytes_per_s": bw,
-                                            "datasheet_bytes_per_s": sheet, "context": args.context, "rows": rows,
-                                            "dispatch": tables}, out_dir=args.out)  # after each row: a run cut short
-            replay = f", replayed step {r['replay_step_s'] * 1e3:.3f} ms" if r["replay_step_s"] else ""
-            print(f"{label} {fmt} batch {b}: {r['tok_s']:.1f} tokens/s ({r['step_median_s'] * 1e3:.3f} ms/step"
-                  f"{replay}); floor {r['floor_s'] * 1e3:.3f} ms -> MBU {r['mbu']:.2f}; kernels "
-                  f"{r['kernels_by_layer'] or 'unquantised'}", flush=True)
-            for mode in ("static", "static+compile"):
-                if r.get(f"hf_{mode}_tok_s"):
-                    print(f"  HF generate ({mode}): {r[f'hf_{mode}_tok_s']:.1f} tokens/s -> engine "
-                          f"{r['tok_s'] / r[f'hf_{mode}_tok_s']:.2f}x")
+            for overlap in modes:
+                kw = _engine_kwargs(args)
+                kw.update(max_num_seqs=b, max_num_batched_tokens=max(b, 8192), max_model_len=None,
+                          async_scheduling=overlap)
+                if args.formats:  # the decode step of this batch is what is compared: capture that one graph only
+                    kw.update(graph_batch_sizes=(b,), graph_token_sizes=())
+                r = decode_rate(m, b, args.context, args.steps, source, **kw)
+                weight_bytes = spec.decode_weight_bytes(dtype) if fmt == "bf16" else decode_weight_bytes(spec, fmt)
+                floor_bytes = weight_bytes + b * spec.kv_bytes(r["context"], dtype)
+                r.update(weights=fmt, kernels_by_layer=_paths_at(m, b), floor_bytes=floor_bytes,
+                         floor_s=floor_bytes / bw, mbu=floor_bytes * r["tok_s"] / b / bw,
+                         mbu_datasheet=floor_bytes * r["tok_s"] / b / sheet if sheet else None)
+                if not args.no_hf and fmt == "bf16" and overlap == modes[0]:  # HF once per batch
+                    r.update(hf_static_decode(model, b, args.context, args.steps, source, args.seed))
+                rows.append(r)
+                path = write_record(args.name, {"model": label, "bandwidth_bytes_per_s": bw,  # after each row
+                                                "datasheet_bytes_per_s": sheet, "context": args.context, "rows": rows,
+                                                "dispatch": tables}, out_dir=args.out)  # (a run cut short keeps them)
+                _print_decode_row(label, r)
         if m is not model:
             del m
             free_device_memory()
@@ -143,9 +148,27 @@ def _decode(args) -> int:
                                     "context": args.context, "rows": rows, "dispatch": tables}, out_dir=args.out)
     print(f"record: {path}")
     if args.figures:
-        decode_figures([r for r in rows if r.get("weights", "bf16") == "bf16"], path, args.out)
-        quant_decode_figures(rows, path, args.out)
+        for overlap in modes:
+            mine, suffix = [r for r in rows if r["async_scheduling"] == overlap], "_async" if overlap else ""
+            decode_figures([r for r in mine if r.get("weights", "bf16") == "bf16"], path, args.out, suffix)
+            quant_decode_figures(mine, path, args.out, suffix)
+        async_decode_figures(rows, path, args.out)
     return 0
+
+
+def _print_decode_row(label: str, r: dict) -> None:
+    replay = ""
+    if r["replay_step_s"]:
+        replay = (f", replayed step {r['replay_step_s'] * 1e3:.3f} ms, host share "
+                  f"{1 - r['replay_step_s'] / r['step_median_s']:.0%}")
+    mode = ", async scheduling" if r["async_scheduling"] else ""
+    print(f"{label} {r['weights']} batch {r['batch']}{mode}: {r['tok_s']:.1f} tokens/s ({r['step_median_s'] * 1e3:.3f} "
+          f"ms/step{replay}); floor {r['floor_s'] * 1e3:.3f} ms -> MBU {r['mbu']:.2f}; kernels "
+          f"{r['kernels_by_layer'] or 'unquantised'}", flush=True)
+    for mode in ("static", "static+compile"):
+        if r.get(f"hf_{mode}_tok_s"):
+            print(f"  HF generate ({mode}): {r[f'hf_{mode}_tok_s']:.1f} tokens/s -> engine "
+                  f"{r['tok_s'] / r[f'hf_{mode}_tok_s']:.2f}x")
 
 
 def _quantised(model, fmt: str, dispatch: str, tables: dict):
@@ -172,12 +195,13 @@ def _paths_at(model, rows: int) -> dict:
     return out
 
 
-def quant_decode_figures(rows: list[dict], record, out_dir) -> dict:
+def quant_decode_figures(rows: list[dict], record, out_dir, suffix: str = "") -> dict:
     """``quant.{fmt}_decode_speedup_b{b}`` for each quantised format and batch of a ``bench decode --formats`` run:
     the bf16 step's time over the format's, both the engine's captured decode step replayed alone (end-to-end steps
     where no graph was captured), measured in the same run; and ``quant.{fmt}_decode_floor_ratio_b{b}``, the bytes
     the bf16 step must read over the format's (weights and KV cache: the speed-up reading them at one bandwidth
-    would give; derived)."""
+    would give; derived). ``rows`` of one scheduling mode; ``suffix`` ends the speed-ups' names ('_async' for
+    rows with async scheduling; the floor ratio, the same in both modes, is recorded without one only)."""
     from labkit.bench import record_figure
 
     out = {}
@@ -190,47 +214,70 @@ def quant_decode_figures(rows: list[dict], record, out_dir) -> dict:
         speed = base[b][key] / r[key]
         e2e = base[b]["step_median_s"] / r["step_median_s"]
         kernels = ", ".join(f"{k} x{n}" for k, n in r.get("kernels_by_layer", {}).items())
-        out[f"quant.{fmt}_decode_floor_ratio_b{b}"] = record_figure(
-            f"quant.{fmt}_decode_floor_ratio_b{b}", base[b]["floor_bytes"] / r["floor_bytes"], "x", record,
-            out_dir=out_dir, derived=True, note=f"bytes a bf16 decode step reads over a {fmt} step's (weights and "
-            f"the KV cache of {b} sequences of {r['context']} tokens)")
-        out[f"quant.{fmt}_decode_speedup_b{b}"] = record_figure(
-            f"quant.{fmt}_decode_speedup_b{b}", speed, "x over bf16", record, out_dir=out_dir,
+        if not suffix:
+            out[f"quant.{fmt}_decode_floor_ratio_b{b}"] = record_figure(
+                f"quant.{fmt}_decode_floor_ratio_b{b}", base[b]["floor_bytes"] / r["floor_bytes"], "x", record,
+                out_dir=out_dir, derived=True, note=f"bytes a bf16 decode step reads over a {fmt} step's (weights "
+                f"and the KV cache of {b} sequences of {r['context']} tokens)")
+        out[f"quant.{fmt}_decode_speedup_b{b}{suffix}"] = record_figure(
+            f"quant.{fmt}_decode_speedup_b{b}{suffix}", speed, "x over bf16", record, out_dir=out_dir,
             note=f"engine decode step at batch {b}, context {r['context']}, "
                  f"{'CUDA-graph replay' if key == 'replay_step_s' else 'end to end'} (end to end {e2e:.2f}x); "
                  f"kernels: {kernels or 'labkit'}")
     return out
 
 
-def decode_figures(rows: list[dict], record, out_dir) -> dict:
+def decode_figures(rows: list[dict], record, out_dir, suffix: str = "") -> dict:
     """Figures of a ``bench decode`` run, per batch ``b``: ``engine.decode_b{b}_mbu`` (bytes a step must read,
     weights + KV, over step time over the datasheet bandwidth; the copy bandwidth measured in the same run where
     there is no datasheet) and ``engine.speedup_vs_hf_compiled_b{b}`` (engine tok/s over HF ``generate`` with the
     static cache and ``torch.compile``, same prompts, same process), where measured, and
     ``engine.cuda_graph_pool_mb_b{b}`` (the memory the step graphs reserved) and ``engine.decode_b{b}_host_frac``
-    (the share of the step the replayed graph does not account for) where the engine captured them."""
+    (the share of the step the replayed graph does not account for) where the engine captured them. ``rows`` of one
+    scheduling mode; ``suffix`` ends every name ('_async' for rows with async scheduling: the same formulas; the graph
+    pool, the same in both modes, is recorded without one only)."""
     from labkit.bench import record_figure
 
     out = {}
+    overlap = " with async scheduling" if suffix else ""
     for r in rows:
         b = r["batch"]
         mbu, basis = (r["mbu_datasheet"], "datasheet") if r.get("mbu_datasheet") else (r["mbu"], "measured copy")
-        out[f"engine.decode_b{b}_mbu"] = record_figure(
-            f"engine.decode_b{b}_mbu", mbu, f"fraction of {basis} bandwidth", record, bar=">= 0.80",
-            out_dir=out_dir, note=f"bench decode, batch {b}, context {r['context']}, end to end")
+        out[f"engine.decode_b{b}_mbu{suffix}"] = record_figure(
+            f"engine.decode_b{b}_mbu{suffix}", mbu, f"fraction of {basis} bandwidth", record, bar=">= 0.80",
+            out_dir=out_dir, note=f"bench decode, batch {b}, context {r['context']}, end to end{overlap}")
         if r.get("replay_step_s"):
-            out[f"engine.decode_b{b}_host_frac"] = record_figure(
-                f"engine.decode_b{b}_host_frac", 1 - r["replay_step_s"] / r["step_median_s"], "fraction of the step",
-                record, out_dir=out_dir, note=f"batch {b}: 1 - (the captured step replayed alone) / (the engine's "
-                "step end to end): host work the GPU waits for")
-        if r.get("graph_pool_bytes") is not None:
+            out[f"engine.decode_b{b}_host_frac{suffix}"] = record_figure(
+                f"engine.decode_b{b}_host_frac{suffix}", 1 - r["replay_step_s"] / r["step_median_s"],
+                "fraction of the step", record, out_dir=out_dir, note=f"batch {b}{overlap}: 1 - (the captured step "
+                "replayed alone) / (the engine's step end to end): host work the GPU waits for")
+        if r.get("graph_pool_bytes") is not None and not suffix:
             out[f"engine.cuda_graph_pool_mb_b{b}"] = record_figure(
                 f"engine.cuda_graph_pool_mb_b{b}", r["graph_pool_bytes"] / 1e6, "MB", record, out_dir=out_dir,
                 note=f"device memory the engine's CUDA-graph captures reserved (graph batch sizes up to {b})")
         if r.get("hf_static+compile_tok_s"):
-            out[f"engine.speedup_vs_hf_compiled_b{b}"] = record_figure(
-                f"engine.speedup_vs_hf_compiled_b{b}", r["tok_s"] / r["hf_static+compile_tok_s"], "x", record,
-                out_dir=out_dir, note="engine over HF generate (static cache + torch.compile), same prompts, one run")
+            out[f"engine.speedup_vs_hf_compiled_b{b}{suffix}"] = record_figure(
+                f"engine.speedup_vs_hf_compiled_b{b}{suffix}", r["tok_s"] / r["hf_static+compile_tok_s"], "x", record,
+                out_dir=out_dir, note=f"engine{overlap} over HF generate (static cache + torch.compile), same "
+                "prompts, one run")
+    return out
+
+
+def async_decode_figures(rows: list[dict], record, out_dir) -> dict:
+    """``engine.decode_b{b}_async_speedup`` for each batch measured in both modes (bf16 weights): the engine's
+    decode step end to end without async scheduling over the step with it, the same run."""
+    from labkit.bench import record_figure
+
+    out, by_mode = {}, {}
+    for r in rows:
+        if r.get("weights", "bf16") == "bf16":
+            by_mode[(r["batch"], r.get("async_scheduling", False))] = r
+    for (b, overlap), r in sorted(by_mode.items()):
+        if overlap and (b, False) in by_mode:
+            out[f"engine.decode_b{b}_async_speedup"] = record_figure(
+                f"engine.decode_b{b}_async_speedup", by_mode[(b, False)]["step_median_s"] / r["step_median_s"],
+                "x", record, out_dir=out_dir, note=f"bench decode, batch {b}, context {r['context']}: the engine's "
+                "step end to end without async scheduling over with it, one run")
     return out
 
 
@@ -277,6 +324,8 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--kernels", default="auto", choices=("auto", "torch", "triton"))
     common.add_argument("--no-chunked-prefill", action="store_true")
     common.add_argument("--no-cuda-graphs", action="store_true")
+    common.add_argument("--async-scheduling", default="off", choices=tuple(OVERLAP),
+                        help="the engine without overlap of host and device work, with it, or both in one run")
     common.add_argument("--seed", type=int, default=0)
     common.add_argument("--out", default=None, help="output folder for the record (default $LABKIT_OUT or out/local)")
     common.add_argument("--no-progress", action="store_true")

@@ -159,7 +159,10 @@ def decode_rate(model, batch_size: int, context: int, steps: int, source, warmup
                 replay: bool = True, **engine_kwargs) -> dict:
     """Decode tokens/s at ``batch_size`` sequences of ``context`` prompt tokens, timed over ``steps`` steps of
     ``LLMEngine.step`` (scheduling, input preparation, the forward, sampling: end to end), after ``warmup``.
-    On CUDA with graphs, ``replay_step_s`` is also the median device time of the captured step replayed alone."""
+    On CUDA with graphs, ``replay_step_s`` is also the median device time of the captured step replayed alone.
+    With ``async_scheduling=True`` among ``engine_kwargs`` each call launches a step and reads the previous one's
+    tokens: in the steady state its time is the pipeline's period, timed the same way (``async_scheduling`` in the
+    row says which)."""
     engine = _prefilled_engine(model, batch_size, context, warmup + steps + 2, source, seed, **engine_kwargs)
     for _ in range(warmup):
         engine.step()
@@ -171,11 +174,11 @@ def decode_rate(model, batch_size: int, context: int, steps: int, source, warmup
     row = {"batch": batch_size, "context": context + warmup + steps // 2, "steps": steps,
            "tok_s": batch_size * steps / sum(times), "step_median_s": sorted(times)[len(times) // 2],
            "cuda_graphs": bool(engine.runner.graph_batch_sizes), "kernels": "triton" if engine.runner.use_triton
-           else "torch", "replay_step_s": None,
+           else "torch", "async_scheduling": engine.config.async_scheduling, "replay_step_s": None,
            "graph_pool_bytes": engine.runner.graphs.pool_bytes if engine.runner.graph_batch_sizes else None}
     if replay and engine.runner.graph_batch_sizes:
-        bs = min(b for b in engine.runner.graph_batch_sizes if b >= batch_size)
-        replay_fn = partial(engine.runner.graphs.replay, bs)
+        graphs = engine.runner.graphs  # the captured decode step of this batch, on whatever its buffers hold
+        replay_fn = graphs.graphs[graphs.lookup(batch_size, batch_size, batch_size)].replay
         row["replay_step_s"] = time_fn(replay_fn, device=engine.device, warmup=3, iters=max(steps, 10)).median_s
         del replay_fn
     del engine
