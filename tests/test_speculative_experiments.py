@@ -36,3 +36,18 @@ def test_verify_cost_ratio_runs():
     assert r["t_1token_s"] > 0 and r["t_verify_s"] > 0 and r["ratio"] > 0
     assert r["plan"] == "triton" and r["timed"] == "eager"
     assert m.plan == before  # the measurement's plan does not outlive it
+
+
+def test_run_decoder_wraps_the_engine():
+    from labkit.engine import DraftModelProposer, PromptLookupProposer
+
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=16)
+    m = from_config(cfg, dtype=torch.float32)
+    prompts = [[1, 2, 3, 1, 2], [5, 6, 7]]
+    plain, st0, t = S.run_decoder(m, None, prompts, 0, 6, num_blocks=16)
+    assert t > 0 and st0.tokens_per_step == 1.0 and [len(o) for o in plain] == [6, 6]
+    for prop in (PromptLookupProposer(), DraftModelProposer(m)):
+        out, st, _ = S.run_decoder(m, prop, prompts, 3, 6, num_blocks=16)
+        assert out == plain
+    assert st.acceptance_rate == 1 and st.tokens_per_step > 1  # the target as its own draft

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 from labkit.engine.sampling import token_id_tuple
 from labkit.engine.scheduler import PREEMPTION_MODES, SCHEDULERS
+from labkit.engine.speculative import SpeculativeConfig
 from labkit.model import FusionPlan
 
 
@@ -36,6 +37,8 @@ class EngineConfig:
     * ``seed``: seeds requests that bring none (``SamplingParams.seed``)
     * ``eos_token_ids``: ids that end a request (default: every EOS id of the model's config and generation
       config, else the tokenizer's; ``SamplingParams.eos_token_ids`` overrides per request)
+    * ``speculative``: a ``SpeculativeConfig`` to decode speculatively (``labkit.engine.speculative``: a proposer,
+      ``num_speculative_tokens`` per step, per request through ``SamplingParams``), ``None`` not to
     """
 
     scheduler: str = "continuous"
@@ -58,6 +61,7 @@ class EngineConfig:
     swap_space: float = 4.0
     seed: int = 0
     eos_token_ids: tuple[int, ...] | None = None
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         """Refuse any field of the wrong type or out of range, naming it, its value and what is allowed (nothing is
@@ -93,6 +97,8 @@ class EngineConfig:
             raise ValueError(f"swap_space={self.swap_space!r} GiB must be > 0 (a finite number)")
         if self.eos_token_ids is not None:
             object.__setattr__(self, "eos_token_ids", token_id_tuple("eos_token_ids", self.eos_token_ids))
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError(f"speculative={self.speculative!r:.80} must be a SpeculativeConfig or None")
 
     @property
     def seqs_per_step(self) -> int:
@@ -112,6 +118,20 @@ class EngineStats:
     output_tokens: int = 0
     scheduled_seqs: int = 0  # sequences summed over steps (over ``steps``: the mean batch)
     graph_steps: int = 0  # steps replayed from a CUDA graph
+    spec_decodes: int = 0  # decode rows that could speculate (given lookahead slots), summed over steps
+    draft_tokens: int = 0  # tokens proposed
+    accepted_tokens: int = 0  # of those, accepted by the target
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted over proposed tokens (0 without proposals)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_spec_decode(self) -> float:
+        """Tokens a speculating decode row emitted on average: 1 + accepted (E of the speedup model, where every
+        row proposed its full k)."""
+        return 1 + self.accepted_tokens / self.spec_decodes if self.spec_decodes else 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -27,6 +27,7 @@ from labkit.engine.model_runner import ModelRunner, uses_triton
 from labkit.engine.sampling import Sampler, SamplingParams, token_seed
 from labkit.engine.scheduler import ScheduledBatch, make_scheduler
 from labkit.engine.sequence import FinishReason, Request, RequestOutput, Sequence, TokenOutput, prompt_token_list
+from labkit.engine.speculative import Speculator
 from labkit.kvcache import PagedKVCache
 
 log = logging.getLogger(__name__)
@@ -56,9 +57,11 @@ class LLMEngine:
                                         max_num_batched_tokens=cfg.max_num_batched_tokens,
                                         chunked_prefill=cfg.chunked_prefill, static_batch_size=cfg.static_batch_size,
                                         max_model_len=self.max_model_len, min_admit=cfg.min_admit,
-                                        preemption_mode=cfg.preemption_mode, num_cpu_blocks=self._num_cpu_blocks())
+                                        preemption_mode=cfg.preemption_mode, num_cpu_blocks=self._num_cpu_blocks(),
+                                        num_speculative_tokens=getattr(cfg.speculative, "num_speculative_tokens", None))
         self.sampler = Sampler()
         self.vocab_size = vocab_size(model)
+        self.speculator = Speculator(self, cfg.speculative) if cfg.speculative else None  # speculative.py
         self.eos_token_ids = (cfg.eos_token_ids if cfg.eos_token_ids is not None
                               else default_eos_token_ids(model, tokenizer))
         self.clock: Callable[[], float] = time.perf_counter
@@ -199,13 +202,16 @@ class LLMEngine:
         s.steps += 1
         s.decode_tokens += batch.num_decode
         s.prefill_tokens += batch.num_prefill_tokens
-        s.output_tokens += len(tokens)
+        s.output_tokens += len(outs)
         s.scheduled_seqs += len(batch.seqs)
         s.graph_steps += int(self.runner.last_step_replayed)
         return outs
 
-    def _run(self, batch: ScheduledBatch) -> list[int]:
-        """Compute ``batch`` and sample its sampling rows: their tokens, in order."""
+    def _run(self, batch: ScheduledBatch) -> list[int] | list[list[int]]:
+        """Compute ``batch`` and sample its sampling rows: their tokens, in order (with speculation, a list per row:
+        ``Speculator.run``)."""
+        if self.speculator is not None:
+            return self.speculator.run(batch)
         logits = self.runner.execute(batch.seqs, batch.num_tokens, batch.num_decode)
         rows = [i for i, smp in enumerate(batch.sample) if smp]
         seqs = [batch.seqs[i] for i in rows]

@@ -36,6 +36,8 @@ class SamplingParams:
       id, so a run is still reproducible)
     * ``eos_token_ids``: the end-of-sequence ids of this request (``None``: the engine's, which default to every
       EOS id of the model's config and its generation config, e.g. Llama 3 Instruct's 128001 and 128009)
+    * ``num_speculative_tokens``: tokens proposed per step for this request when the engine speculates
+      (``EngineConfig.speculative``): ``None`` the engine's ``num_speculative_tokens``, ``0`` plain decoding
 
     Every field is checked when built: a wrong type or a value out of range is a ``ValueError`` naming it.
     """
@@ -48,6 +50,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     eos_token_ids: tuple[int, ...] | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
@@ -60,6 +63,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens={self.max_tokens!r} must be an int >= 1")
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise ValueError(f"seed={self.seed!r} must be None or an int >= 0")
+        if self.num_speculative_tokens is not None and (not _is_int(self.num_speculative_tokens)
+                                                        or self.num_speculative_tokens < 0):
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens!r} must be None (the engine's) or "
+                             "an int >= 0 (0: no speculation for this request)")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos={self.ignore_eos!r} must be True or False")
         object.__setattr__(self, "stop_token_ids", token_id_tuple("stop_token_ids", self.stop_token_ids))

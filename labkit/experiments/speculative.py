@@ -1,5 +1,5 @@
 """What notebook 09 runs: the speedup model of speculative decoding, acceptance rates, the verify cost ratio and the
-measured speedup (``labkit.engine.speculative``).
+measured speedup (``labkit.engine.speculative``: through ``LLMEngine``).
 
 The model (Leviathan et al. 2023, section 3). With per-token acceptance probability α, independent, a step that
 proposes ``k`` tokens emits ``E = 1 + α + ... + α^k = (1 - α^(k+1)) / (1 - α)`` tokens on average (the accepted
@@ -15,13 +15,8 @@ tends to ``k + 1``, and the speedup falls below 1: where that happens is the bat
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
-
 import torch
 
-from labkit.engine.proposers import Proposer
-from labkit.engine.speculative import SpecStats, SpeculativeDecoder
 from labkit.kvcache import SeqBlocks
 from labkit.model.attention import ModelInput
 from labkit.model.model import CausalLM
@@ -49,20 +44,32 @@ def alpha_from_tokens_per_step(tokens_per_step: float, k: int) -> float:
     return (lo + hi) / 2
 
 
-def run_decoder(target: CausalLM, proposer: Proposer | None, prompts: Sequence[Sequence[int]], k: int,
-                max_new_tokens: int, num_blocks: int = 512) -> tuple[list[list[int]], SpecStats, float]:
-    """Greedy generation with ``proposer`` (``None``: plain decoding); ``(outputs, stats, seconds)``."""
-    dec = SpeculativeDecoder(target, proposer, k=k, num_blocks=num_blocks)
-    sync(target.device)
+def run_decoder(target: CausalLM, proposer, prompts, k: int, max_new_tokens: int, num_blocks: int = 512):
+    """Greedy generation of ``prompts`` through ``LLMEngine`` speculating with ``proposer``'s method (``None`` or
+    ``k = 0``: plain decoding); ``(outputs, stats, seconds)``, ``stats`` with ``acceptance_rate`` and
+    ``tokens_per_step``. The notebook's former entry point, kept as a thin wrapper over the engine until notebook 09
+    moves to ``labkit.experiments.speculative_runs``."""
+    import time
+    from types import SimpleNamespace
+
+    from labkit.engine import DraftModelProposer, LLMEngine, SamplingParams, SpeculativeConfig
+
+    spec = None
+    if proposer is not None and k > 0:
+        spec = (SpeculativeConfig("draft", k, draft_model=proposer.draft) if isinstance(proposer, DraftModelProposer)
+                else SpeculativeConfig("prompt_lookup", k, prompt_lookup_max=proposer.max_ngram,
+                                       prompt_lookup_min=proposer.min_ngram))
+    eng = LLMEngine(target, num_blocks=num_blocks, max_num_seqs=len(prompts), speculative=spec)
     t0 = time.perf_counter()
-    out = dec.generate(prompts, max_new_tokens)
-    sync(target.device)
-    return out, dec.stats, time.perf_counter() - t0
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    outs = eng.generate([list(p) for p in prompts], SamplingParams(max_tokens=max_new_tokens, ignore_eos=True),
+                        progress=False)
+    if target.device.type == "cuda":
+        torch.cuda.synchronize(target.device)
+    seconds = time.perf_counter() - t0
+    st = eng.stats
+    return ([o.output_token_ids for o in outs],
+            SimpleNamespace(acceptance_rate=st.acceptance_rate, tokens_per_step=st.tokens_per_spec_decode or 1.0),
+            seconds)
 
 
 @torch.inference_mode()
@@ -129,3 +136,4 @@ def stop_paying_batch(alpha: float, k: int, verify_ratios: dict[int, float], dra
 def wasted_flops_fraction(alpha: float, k: int) -> float:
     """Share of the verify forward's token rows whose result is thrown away: ``1 - E / (k + 1)``."""
     return 1 - expected_tokens_per_step(alpha, k) / (k + 1)
+
