@@ -431,3 +431,23 @@ def test_a_prefill_step_with_as_many_tokens_as_sequences_returns_each_last_token
     assert logits.shape[0] == 4
     for i, p in enumerate((a, b)):
         assert relative_error(logits[i], hf_last_logits(model, p)) <= 1e-5, i
+
+
+def test_logits_per_seq_returns_each_sequences_last_rows(tiny_model, prompts):
+    """Speculative decoding's verify step: a decode row, a 3-row chunk over a cached prefix and a fresh prefill in one
+    step, with the logits of the chunk's every row and of the others' last (each equal to HF's at that prefix)."""
+    model, _ = tiny_model
+    cache = nan_cache(model, num_blocks=24, block_size=4)
+    runner = ModelRunner(model, cache, kernels="torch")
+    a, b, c = (SeqBlocks(p, i) for i, p in enumerate([prompts[0][:10], prompts[1], prompts[2]]))
+    for s in (a, b):
+        cache.allocate(s)
+    step(runner, [a, b], [9, 4], 0)  # a: 9 of 10 computed (a decode row left); b: 4 of 7 (a 3-row chunk left)
+    cache.allocate(c)
+    logits = runner.execute([a, b, c], [1, 3, len(prompts[2])], 1, logits_per_seq=[1, 3, 1])
+    assert logits.shape == (5, model.config.vocab_size) and not runner.last_step_replayed
+    want = [prompts[0][:10], prompts[1][:5], prompts[1][:6], prompts[1], prompts[2]]
+    for row, tokens in zip(logits, want):
+        assert relative_error(row, hf_last_logits(model, tokens)) <= 1e-5
+    with pytest.raises(ValueError, match=r"logits_per_seq=\[1, 4, 1\] must give each"):
+        runner.execute([a, b, c], [1, 3, len(prompts[2])], 1, logits_per_seq=[1, 4, 1])

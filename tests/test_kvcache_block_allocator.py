@@ -134,3 +134,15 @@ def test_random_operations_keep_invariants(num_blocks, ops):
         a.free(b)
     assert a.num_free == num_blocks
     a.check_invariants()
+
+
+def test_a_block_freed_to_be_reused_first_is_taken_before_a_cached_one():
+    a = BlockAllocator(3)
+    b0, b1, b2 = a.allocate(3)
+    a.register_hash(b0, b"prefix")
+    a.free(b0)  # cached, at the head of the queue: the next allocation would evict it
+    a.free(b1, reuse_first=True)  # a rolled-back block: nothing to keep, taken first
+    assert a.allocate(1) == [b1] and a.lookup(b"prefix") == b0
+    a.free(b2, reuse_first=True)
+    a.register_hash(a.allocate(1)[0], b"other")  # b2 again
+    a.check_invariants()

@@ -1,46 +1,32 @@
-"""Speculative decoding: greedy output equals plain greedy decoding token for token (both proposers, k in
-{1, 2, 4}, batched with per-sequence k), rejected slots are rolled back without a leak, and the rejection rule
-reproduces the target distribution (chi-square on a small vocabulary)."""
+"""Speculative decoding inside LLMEngine: greedy output equals plain engine decoding (and HF greedy) token for token
+with both proposers and k in {1, 4}, per-request k (0 included), under preemption by recompute and by swap, with
+chunked prefill, with aborts while speculating and under every scheduler; no block of the target's or the draft's
+cache leaks; the rejection rule reproduces the target distribution (chi-square on a small vocabulary, through the
+engine and alone); bad configurations are refused naming the argument."""
 
 import pytest
 import torch
 
+from labkit.data import sample_prompts
+from labkit.engine import EngineConfig, LLMEngine, SamplingParams, SpeculativeConfig, accept
 from labkit.engine.proposers import DraftModelProposer, PromptLookupProposer
-from labkit.engine.speculative import SpeculativeDecoder, accept
+from labkit.engine.speculative import target_probs
 from labkit.kvcache import SeqBlocks
-from labkit.model import ModelConfig, from_config, load_checkpoint
+from labkit.model import ModelConfig, from_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LENS_OUT = [20, 14, 6, 18, 11, 16]
 
 
 @pytest.fixture(scope="module")
-def target():
-    return load_checkpoint(dtype=torch.float32)
+def draft():
+    """The shipped draft model (data/pydocs-llama-draft: the embedded model's tokenizer, a sixth of its size): it
+    agrees with the target on part of the tokens, so both acceptance and rejection happen."""
+    from labkit.data import DATA_DIR
+    from labkit.model import load_checkpoint
 
-
-@pytest.fixture(scope="module")
-def prompts():
-    from transformers import AutoTokenizer
-
-    from labkit.data import EMBEDDED_MODEL_DIR
-
-    tok = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
-    texts = ["The list type", "To open a file, use :func:`open`. To open a file,", "A decorator is", "x = [1, 2"]
-    return [tok(t).input_ids for t in texts]
-
-
-N_NEW = 12
-
-
-@pytest.fixture(scope="module")
-def reference(target, prompts):
-    return [greedy_reference(target, p, N_NEW) for p in prompts]
-
-
-def greedy_reference(model, prompt, n):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
+    return load_checkpoint(DATA_DIR / "pydocs-llama-draft", dtype=torch.float32)
 
 
 def small_draft(vocab, seed=1):
@@ -49,62 +35,185 @@ def small_draft(vocab, seed=1):
     return from_config(cfg, dtype=torch.float32, seed=seed)
 
 
-@pytest.mark.parametrize("k,which", [(1, "prompt_lookup"), (2, "prompt_lookup"), (4, "prompt_lookup"),
-                                     (1, "draft_random"), (2, "draft_random"), (4, "draft_random"),
-                                     (2, "draft_self")])
-def test_greedy_equals_plain_greedy(target, prompts, reference, k, which):
-    n, ref = N_NEW, reference
-    proposer = {"prompt_lookup": lambda: PromptLookupProposer(),
-                "draft_random": lambda: DraftModelProposer(small_draft(target.config.vocab_size)),
-                "draft_self": lambda: DraftModelProposer(target)}[which]()
-    dec = SpeculativeDecoder(target, proposer, k=[k, 0, k, 1][:len(prompts)], block_size=4)
-    free = dec.cache.allocator.num_free
-    out = dec.generate(prompts, n)
-    assert out == ref
-    assert dec.cache.allocator.num_free == free  # every block back, rejected ones included
+def params_for(lens_out, ks=None):
+    ks = ks or [None] * len(lens_out)
+    return [SamplingParams(max_tokens=n, ignore_eos=True, num_speculative_tokens=k) for n, k in zip(lens_out, ks)]
+
+
+def make_engine(model, **kw):
+    return LLMEngine(model, **{**dict(block_size=4, max_num_seqs=8, max_num_batched_tokens=64), **kw})
+
+
+def drive(engine, prompts, params, abort_after=None, abort_ids=()):
+    """Requests in, steps until done with the invariants checked after each step (target cache, swap space, draft
+    cache; the draft holds only running sequences); ``abort_ids`` aborted after ``abort_after`` steps. Returns the
+    output token ids by request."""
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    schedule, budget = engine.scheduler.schedule, engine.config.max_num_batched_tokens
+
+    def checked_schedule():  # a step's tokens, proposals included, stay within the token budget
+        batch = schedule()
+        if engine.config.scheduler == "continuous":
+            assert batch.total_tokens + sum(s.num_lookahead for s in batch.seqs) <= budget
+        return batch
+
+    engine.scheduler.schedule = checked_schedule
+    steps = 0
+    prop = engine.speculator.proposer if engine.speculator is not None else None
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        engine.scheduler.check_invariants()
+        if isinstance(prop, DraftModelProposer):
+            prop.cache.check_invariants(list(prop.seqs.values()))
+            assert set(prop.seqs) <= {s.seq_id for s in engine.scheduler.running}
+        if steps == abort_after:
+            for i in abort_ids:
+                engine.abort_request(ids[i])
+    return {o.request_id: o for o in engine.outputs()}, ids
+
+
+def assert_no_leak(engine):
+    assert engine.cache.allocator.num_free == engine.cache.num_blocks
+    assert not any(s.block_table for s in engine.seqs.values())
+    prop = engine.speculator.proposer if engine.speculator is not None else None
+    if isinstance(prop, DraftModelProposer):
+        assert not prop.seqs and prop.cache.allocator.num_free == prop.cache.num_blocks
+
+
+@pytest.fixture(scope="module")
+def workload(tiny_model):
+    """Six prompts of 5..30 tokens (one repeating itself, so prompt lookup finds matches) and the plain engine's
+    greedy outputs, unconstrained."""
+    model, tok = tiny_model
+    lens_in = [30, 5, 17, 23, 9, 12]
+    prompts = [p[:n] for p, n in zip(sample_prompts(tok, 6, 30, seed=21), lens_in, strict=True)]
+    prompts[2] = (prompts[2][:8] * 3)[:17]
+    outs = make_engine(model, num_blocks=64).generate(prompts, params_for(LENS_OUT), progress=False)
+    return prompts, [o.output_token_ids for o in outs]
+
+
+SPECS = {"prompt_lookup": lambda m, d, k: SpeculativeConfig("prompt_lookup", k),
+         "draft": lambda m, d, k: SpeculativeConfig("draft", k, draft_model=d),
+         "draft_random": lambda m, d, k: SpeculativeConfig("draft", k, draft_model=small_draft(m.config.vocab_size)),
+         "draft_self": lambda m, d, k: SpeculativeConfig("draft", k, draft_model=m)}
+
+
+def test_plain_reference_is_hf_greedy(tiny_model, draft, workload):
+    model, _ = tiny_model
+    prompts, ref = workload
+    engine = make_engine(model, num_blocks=64, speculative=SPECS["draft"](model, draft, 4))
+    outs = engine.generate(prompts[:2], params_for(LENS_OUT[:2]), progress=False)
+    for p, o, n in zip(prompts[:2], outs, LENS_OUT):
+        hf = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert o.output_token_ids == hf[0, len(p):].tolist()
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("which", list(SPECS))
+def test_greedy_equals_plain_engine(tiny_model, draft, workload, which, k):
+    model, _ = tiny_model
+    prompts, ref = workload
+    engine = make_engine(model, num_blocks=64, speculative=SPECS[which](model, draft, k))
+    outs, ids = drive(engine, prompts, params_for(LENS_OUT))
+    assert [outs[i].output_token_ids for i in ids] == ref
+    s = engine.run_stats()
+    assert s["draft_tokens"] > 0 and s["spec_decodes"] > 0
     if which == "draft_self":  # the target as its own draft: everything is accepted
-        assert dec.stats.accepted == dec.stats.proposed > 0
-    if isinstance(proposer, DraftModelProposer):
-        assert proposer.cache.allocator.num_free == proposer.cache.num_blocks
+        assert s["accepted_tokens"] == s["draft_tokens"]
+        plain = make_engine(model, num_blocks=64)
+        plain.generate(prompts, params_for(LENS_OUT), progress=False)
+        assert s["steps"] < plain.run_stats()["steps"]  # several tokens per step
+    if which in ("draft", "prompt_lookup"):  # some accepted, some rejected: both sides of the rollback exercised
+        assert 0 < s["accepted_tokens"] < s["draft_tokens"]
+    if which == "draft_random":
+        assert s["accepted_tokens"] < s["draft_tokens"]
+    assert_no_leak(engine)
 
 
-def test_plain_path_equals_reference(target, prompts, reference):
-    assert SpeculativeDecoder(target, None).generate(prompts, N_NEW) == reference
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("which", ["prompt_lookup", "draft"])
+def test_oversubscribed_cache_preempts_and_matches(tiny_model, draft, workload, which, mode):
+    model, _ = tiny_model
+    prompts, ref = workload
+    # 13 blocks of 4 = 52 slots; the longest request needs 49 at its end, the six together 238
+    engine = make_engine(model, num_blocks=13, preemption_mode=mode, speculative=SPECS[which](model, draft, 3))
+    outs, ids = drive(engine, prompts, params_for(LENS_OUT))
+    assert [outs[i].output_token_ids for i in ids] == ref
+    s = engine.run_stats()
+    assert s["preemptions"] > 0 and 0 < s["accepted_tokens"] < s["draft_tokens"] and s["peak_blocks_used"] <= 13
+    if mode == "swap":
+        assert s["swapped_out_blocks"] > 0
+    assert_no_leak(engine)
 
 
-def test_rollback_frees_blocks_and_keeps_kv(target):
-    cache = target.make_cache(16, block_size=4)
-    s = SeqBlocks(list(range(6)), "s")
-    cache.allocate(s)
-    used = cache.allocator.num_used
-    s.token_ids += list(range(9))  # 15 tokens: 4 blocks
-    cache.append_slots(s)
-    assert cache.allocator.num_used == 4
-    cache.rollback(s, 7)
-    assert cache.allocator.num_used == used == 2 and s.token_ids == list(range(6)) + [0]
-    cache.check_invariants([s])
-    with pytest.raises(ValueError, match="num_tokens=0"):
-        cache.rollback(s, 0)
-    with pytest.raises(ValueError, match="num_tokens=9"):
-        cache.rollback(s, 9)
+def test_prefix_caching_under_preemption(tiny_model, draft, workload):
+    model, _ = tiny_model
+    prompts, ref = workload
+    engine = make_engine(model, num_blocks=13, enable_prefix_caching=True, speculative=SPECS["draft"](model, draft, 4))
+    outs, ids = drive(engine, [*prompts, prompts[0]], params_for([*LENS_OUT, LENS_OUT[0]]))
+    assert [outs[i].output_token_ids for i in ids] == [*ref, ref[0]]
+    s = engine.run_stats()
+    assert s["preemptions"] > 0 and s["prefix_hit_tokens"] > 0 and s["accepted_tokens"] > 0
+    assert not any(s.block_table for s in engine.seqs.values())
 
 
-def test_rejected_tokens_do_not_leak(target, prompts):
-    dec = SpeculativeDecoder(target, DraftModelProposer(small_draft(target.config.vocab_size, seed=5)), k=4,
-                             num_blocks=64, block_size=2)
-    dec.generate(prompts, 10)
-    assert dec.stats.proposed > dec.stats.accepted  # a random draft is rejected: rollbacks happened
-    assert dec.cache.allocator.num_free == 64
-    dec.cache.check_invariants([])
+@pytest.mark.parametrize("which", ["prompt_lookup", "draft"])
+def test_chunked_prefill_small_budget(tiny_model, draft, workload, which):
+    model, _ = tiny_model
+    prompts, ref = workload
+    engine = make_engine(model, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=8,
+                         speculative=SPECS[which](model, draft, 4))
+    outs, ids = drive(engine, prompts, params_for(LENS_OUT))
+    assert [outs[i].output_token_ids for i in ids] == ref
+    assert 0 < engine.run_stats()["accepted_tokens"] < engine.run_stats()["draft_tokens"]
+    assert_no_leak(engine)
 
 
-def test_prompt_lookup():
-    p = PromptLookupProposer(max_ngram=2)
-    assert p.lookup([5, 6, 7, 8, 5, 6], 3) == [7, 8, 5]
-    assert p.lookup([1, 2, 3], 2) == []
-    assert p.lookup([1, 9, 2, 1, 9], 5) == [2, 1, 9]
-    with pytest.raises(ValueError, match="min_ngram"):
-        PromptLookupProposer(max_ngram=1, min_ngram=2)
+@pytest.mark.parametrize("scheduler", ["fifo", "static"])
+def test_other_schedulers(tiny_model, draft, workload, scheduler):
+    model, _ = tiny_model
+    prompts, ref = workload
+    engine = make_engine(model, num_blocks=64, scheduler=scheduler, speculative=SPECS["draft"](model, draft, 2))
+    outs, ids = drive(engine, prompts, params_for(LENS_OUT))
+    assert [outs[i].output_token_ids for i in ids] == ref and engine.run_stats()["accepted_tokens"] > 0
+    assert_no_leak(engine)
+
+
+def test_abort_while_speculating(tiny_model, draft, workload):
+    model, _ = tiny_model
+    prompts, ref = workload
+    engine = make_engine(model, num_blocks=13, speculative=SPECS["draft"](model, draft, 4))
+    outs, ids = drive(engine, prompts, params_for(LENS_OUT), abort_after=6, abort_ids=(0, 3))
+    for j, i in enumerate(ids):
+        got = outs[i].output_token_ids
+        if j in (0, 3):
+            assert outs[i].finish_reason == "abort" and got == ref[j][:len(got)] and len(got) < LENS_OUT[j]
+        else:
+            assert outs[i].output_token_ids == ref[j]
+    assert_no_leak(engine)
+    engine.add_request(prompts[1], params_for(LENS_OUT)[1])  # reset(abort=True) frees the draft's blocks too
+    engine.step()
+    engine.step()
+    engine.reset(abort=True)
+    assert_no_leak(engine)
+
+
+def test_per_request_k(tiny_model, draft, workload):
+    model, _ = tiny_model
+    prompts, ref = workload
+    engine = make_engine(model, num_blocks=13, speculative=SPECS["draft"](model, draft, 4))
+    outs, ids = drive(engine, prompts, params_for(LENS_OUT, [0, 1, None, 3, 0, 2]))
+    assert [outs[i].output_token_ids for i in ids] == ref
+    assert engine.run_stats()["draft_tokens"] > 0
+    engine.reset()
+    outs, ids = drive(engine, prompts, params_for(LENS_OUT, [0] * 6))  # k = 0 for every request: plain decoding
+    assert [outs[i].output_token_ids for i in ids] == ref
+    assert engine.run_stats()["draft_tokens"] == engine.run_stats()["spec_decodes"] == 0
+    assert_no_leak(engine)
+    plain = make_engine(model, num_blocks=64)
+    with pytest.raises(ValueError, match="num_speculative_tokens=2 but the engine does not speculate"):
+        plain.add_request(prompts[0], SamplingParams(num_speculative_tokens=2))
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -135,36 +244,74 @@ def test_rejection_rule_follows_target(deterministic):
     assert abs(accepted / draws - alpha) < 4 * (alpha * (1 - alpha) / draws) ** 0.5
 
 
-def test_sampled_end_to_end_follows_target():
-    # A tiny target and a different draft, vocabulary 5, k=3: the joint law of the first two new tokens equals
-    # the target's (25 cells, chi-square 24 degrees of freedom, p=0.001: 51.2).
+@pytest.mark.parametrize("method,top_k", [("draft", 0), ("draft", 3), ("prompt_lookup", 0)])
+def test_sampled_engine_output_follows_target(method, top_k):
+    # A tiny target and a different draft, vocabulary 5, k=3, through the engine (its scheduler, lookahead slots,
+    # rollback): the joint law of the first two new tokens of 2,000 requests (each its own seed) equals the
+    # target's (25 cells, chi-square with at most 24 degrees of freedom, p=0.001: 51.2).
     cfg = ModelConfig(model_type="llama", vocab_size=5, hidden_size=32, intermediate_size=64, num_layers=1,
                       num_heads=2, num_kv_heads=1, head_dim=16)
     tgt = from_config(cfg, dtype=torch.float32, seed=0, std=0.5)
     draft = from_config(cfg, dtype=torch.float32, seed=7, std=0.5)
-    prompt = [1, 3, 2]
+    prompt = [1, 3, 2, 1, 3, 2, 1]  # repeats: prompt lookup proposes
+    sp = SamplingParams(temperature=1.0, top_k=top_k, max_tokens=3, ignore_eos=True)
     with torch.no_grad():
-        p1 = torch.softmax(tgt(torch.tensor([prompt]))[0, -1], -1)
-        seconds = torch.softmax(tgt(torch.tensor([[*prompt, t] for t in range(5)]))[:, -1], -1)
+        p1 = target_probs(tgt(torch.tensor([prompt]))[0, -1:], sp)[0]
+        seconds = target_probs(tgt(torch.tensor([[*prompt, t] for t in range(5)]))[:, -1], sp)
     joint = (p1[:, None] * seconds).flatten()
-    g = torch.Generator().manual_seed(1)
-    dec = SpeculativeDecoder(tgt, DraftModelProposer(draft, num_blocks=256, block_size=4), k=3, num_blocks=256,
-                             block_size=4)
+    spec = SpeculativeConfig(method, 3, draft_model=draft if method == "draft" else None)
+    engine = LLMEngine(tgt, block_size=4, num_blocks=1200, max_num_seqs=256, max_num_batched_tokens=2048,
+                       speculative=spec, seed=3)
+    outs = engine.generate([prompt] * 2000, sp, progress=False)
     counts = torch.zeros(25)
-    for _ in range(100):
-        outs = dec.generate([prompt] * 40, 3, temperature=1.0, generator=g)
-        for o in outs:
-            counts[o[0] * 5 + o[1]] += 1
-    assert 0 < dec.stats.accepted < dec.stats.proposed
+    for o in outs:
+        counts[o.output_token_ids[0] * 5 + o.output_token_ids[1]] += 1
+    s = engine.run_stats()
+    assert 0 < s["accepted_tokens"] < s["draft_tokens"]
     assert chi_square(counts, joint) < 51.2
-    assert dec.cache.allocator.num_free == 256
+    assert_no_leak(engine)
 
 
-def test_bad_input(target):
-    dec = SpeculativeDecoder(target, PromptLookupProposer(), k=[1, 2])
-    with pytest.raises(ValueError, match="ks="):
-        dec.generate([[1, 2]], 4)
-    with pytest.raises(ValueError, match="temperature"):
-        dec.generate([[1, 2], [3]], 4, temperature=-1)
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        dec.generate([[1, 2], [3]], 0)
+def test_prompt_lookup():
+    p = PromptLookupProposer(max_ngram=2)
+    assert p.lookup([5, 6, 7, 8, 5, 6], 3) == [7, 8, 5]
+    assert p.lookup([1, 2, 3], 2) == []
+    assert p.lookup([1, 9, 2, 1, 9], 5) == [2, 1, 9]
+    with pytest.raises(ValueError, match="min_ngram"):
+        PromptLookupProposer(max_ngram=1, min_ngram=2)
+
+
+def test_lookahead_slots_and_rollback():
+    model = small_draft(64)
+    cache = model.make_cache(16, block_size=4)
+    s = SeqBlocks(list(range(6)), "s")
+    cache.allocate(s)
+    assert cache.can_append(s, 9) and not cache.can_append(s, 4 * 16)
+    cache.append_slots(s, 9)  # 6 tokens + 9 lookahead slots: 4 blocks
+    assert cache.allocator.num_used == 4
+    s.token_ids += [1, 2, 3]
+    cache.rollback(s, 7)
+    assert cache.allocator.num_used == 2 and s.token_ids == list(range(6)) + [1]
+    cache.check_invariants([s])
+    with pytest.raises(ValueError, match="lookahead=-1"):
+        cache.append_slots(s, -1)
+    with pytest.raises(ValueError, match="num_tokens=0"):
+        cache.rollback(s, 0)
+
+
+def test_bad_configuration(tiny_model):
+    model, _ = tiny_model
+    with pytest.raises(ValueError, match="method='medusa' is unknown; allowed"):
+        SpeculativeConfig("medusa")
+    with pytest.raises(ValueError, match="num_speculative_tokens=0 must be an int >= 1"):
+        SpeculativeConfig("prompt_lookup", 0)
+    with pytest.raises(ValueError, match="a draft model goes with method='draft'"):
+        SpeculativeConfig("draft", 2)
+    with pytest.raises(ValueError, match="prompt_lookup_min=4"):
+        SpeculativeConfig(prompt_lookup_max=3, prompt_lookup_min=4)
+    with pytest.raises(ValueError, match="vocabulary of 64 tokens"):
+        LLMEngine(model, num_blocks=16, speculative=SpeculativeConfig("draft", 2, draft_model=small_draft(64)))
+    with pytest.raises(ValueError, match="speculative='ngram' must be a SpeculativeConfig"):
+        EngineConfig(speculative="ngram")
+    with pytest.raises(ValueError, match="num_speculative_tokens=-1 must be None"):
+        SamplingParams(num_speculative_tokens=-1)

@@ -9,8 +9,10 @@
 * ``SamplingParams`` / ``Sampler`` (sampling.py), requests, sequences and outputs (sequence.py)
 * async scheduling (async_step.py, ``EngineConfig.async_scheduling=True``): the host schedules and prepares step n+1
   while the device runs step n, and reads step n's tokens one step late (vLLM's async scheduling)
-* speculative decoding (speculative.py, proposers.py): ``SpeculativeDecoder`` verifies the guesses of a
-  ``PromptLookupProposer`` or a ``DraftModelProposer`` in one target forward, with the exact acceptance rule
+* speculative decoding inside the engine (speculative.py, proposers.py): ``EngineConfig.speculative`` takes a
+  ``SpeculativeConfig`` (prompt lookup or a draft model, ``num_speculative_tokens`` per step, per request through
+  ``SamplingParams``); the scheduler reserves lookahead slots, one target forward verifies every proposal with the
+  exact acceptance rule (``accept``) and rejected slots are rolled back
 
     from labkit.engine import LLMEngine, SamplingParams
     engine = LLMEngine(model, tokenizer, max_num_seqs=64)
@@ -41,12 +43,13 @@ from labkit.engine.sequence import (
     SequenceStatus,
     TokenOutput,
 )
-from labkit.engine.speculative import SpecStats, SpeculativeDecoder, accept
+from labkit.engine.speculative import SPEC_METHODS, SpeculativeConfig, Speculator, accept
 from labkit.model.attention import ModelInput
 
 __all__ = ["LLMEngine", "EngineConfig", "EngineStats", "SamplingParams", "Sampler", "Request", "RequestMetrics",
            "RequestOutput", "TokenOutput", "Sequence", "SequenceStatus", "FinishReason", "Scheduler",
            "FIFOScheduler", "StaticBatchScheduler", "ContinuousBatchingScheduler", "ScheduledBatch", "make_scheduler",
            "SCHEDULERS", "PREEMPTION_MODES", "ModelRunner", "ModelInput", "KERNELS", "StepGraphs",
-           "default_graph_batch_sizes", "default_graph_token_sizes", "SpeculativeDecoder", "SpecStats", "accept",
+           "default_graph_batch_sizes", "default_graph_token_sizes", "SpeculativeConfig", "Speculator", "SPEC_METHODS",
+           "accept",
            "Proposer", "PromptLookupProposer", "DraftModelProposer"]

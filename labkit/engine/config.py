@@ -11,6 +11,7 @@ import torch
 from labkit.checks import ArgumentTypeError, check_bool, check_choice, check_int, check_number, check_type
 from labkit.engine.sampling import token_id_tuple
 from labkit.engine.scheduler import PREEMPTION_MODES, SCHEDULERS
+from labkit.engine.speculative import SpeculativeConfig
 from labkit.kvcache import kv_format
 from labkit.model import FusionPlan
 
@@ -41,6 +42,8 @@ class EngineConfig:
     * ``async_scheduling``: overlap the host's work for the next step (scheduling, slots, inputs, reading the
       sampled tokens, stop checks) with the device's current step, as vLLM's async scheduling and SGLang's overlap
       scheduler do (``labkit.engine.async_step``); the tokens are the same, each reaches the host one step later
+    * ``speculative``: a ``SpeculativeConfig`` to decode speculatively (``labkit.engine.speculative``: a proposer,
+      ``num_speculative_tokens`` per step, per request through ``SamplingParams``), ``None`` not to
     """
 
     scheduler: str = "continuous"
@@ -64,6 +67,7 @@ class EngineConfig:
     seed: int = 0
     eos_token_ids: tuple[int, ...] | None = None
     async_scheduling: bool = False
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         """Refuse any field of the wrong type or out of range, naming it, its value and what is allowed (nothing is
@@ -93,6 +97,12 @@ class EngineConfig:
             kv_format(self.kv_dtype)
         if self.eos_token_ids is not None:
             object.__setattr__(self, "eos_token_ids", token_id_tuple("eos_token_ids", self.eos_token_ids))
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError(f"speculative={self.speculative!r:.80} must be a SpeculativeConfig or None")
+        if self.speculative is not None and self.async_scheduling:
+            # a verify step's accepted count decides the next step's inputs on the host: not overlapped yet
+            raise ValueError("async_scheduling=True with speculative set: speculative decoding runs with "
+                             "async_scheduling=False only")
 
     @property
     def seqs_per_step(self) -> int:
@@ -113,6 +123,20 @@ class EngineStats:
     scheduled_seqs: int = 0  # sequences summed over steps (over ``steps``: the mean batch)
     graph_steps: int = 0  # steps replayed from a CUDA graph
     discarded_tokens: int = 0  # async scheduling: tokens sampled for a request that had stopped one step earlier
+    spec_decodes: int = 0  # decode rows that could speculate (given lookahead slots), summed over steps
+    draft_tokens: int = 0  # tokens proposed
+    accepted_tokens: int = 0  # of those, accepted by the target
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted over proposed tokens (0 without proposals)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_spec_decode(self) -> float:
+        """Tokens a speculating decode row emitted on average: 1 + accepted (E of the speedup model, where every
+        row proposed its full k)."""
+        return 1 + self.accepted_tokens / self.spec_decodes if self.spec_decodes else 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -31,6 +31,7 @@ from labkit.engine.model_runner import ModelRunner, uses_triton
 from labkit.engine.sampling import SampledTokens, Sampler, SamplingParams, token_seed
 from labkit.engine.scheduler import ScheduledBatch, make_scheduler
 from labkit.engine.sequence import FinishReason, Request, RequestOutput, Sequence, TokenOutput, prompt_token_list
+from labkit.engine.speculative import Speculator
 from labkit.kvcache import PagedKVCache
 
 log = logging.getLogger(__name__)
@@ -60,9 +61,11 @@ class LLMEngine:
                                         max_num_batched_tokens=cfg.max_num_batched_tokens,
                                         chunked_prefill=cfg.chunked_prefill, static_batch_size=cfg.static_batch_size,
                                         max_model_len=self.max_model_len, min_admit=cfg.min_admit,
-                                        preemption_mode=cfg.preemption_mode, num_cpu_blocks=self._num_cpu_blocks())
+                                        preemption_mode=cfg.preemption_mode, num_cpu_blocks=self._num_cpu_blocks(),
+                                        num_speculative_tokens=getattr(cfg.speculative, "num_speculative_tokens", None))
         self.sampler = Sampler()
         self.vocab_size = vocab_size(model)
+        self.speculator = Speculator(self, cfg.speculative) if cfg.speculative else None  # speculative.py
         self.eos_token_ids = (cfg.eos_token_ids if cfg.eos_token_ids is not None
                               else default_eos_token_ids(model, tokenizer))
         self.clock: Callable[[], float] = time.perf_counter
@@ -209,7 +212,7 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 (any error of one request must not take the others down)
             batch, tokens = self._isolate(batch, e)
         outs = self.scheduler.postprocess(batch, tokens, self.clock())
-        self._count(batch, len(tokens))
+        self._count(batch, len(outs))
         return outs
 
     def _count(self, batch: ScheduledBatch, output_tokens: int = 0) -> None:
@@ -236,8 +239,11 @@ class LLMEngine:
                                      [s.num_output_tokens for s in seqs])
         return self.to_host(tokens)
 
-    def _run(self, batch: ScheduledBatch) -> list[int]:
-        """Compute ``batch`` and sample its sampling rows: their tokens, in order, read on the host."""
+    def _run(self, batch: ScheduledBatch) -> list[int] | list[list[int]]:
+        """Compute ``batch`` and sample its sampling rows: their tokens, in order, read on the host (with
+        speculation, a list per row: ``Speculator.run``)."""
+        if self.speculator is not None:
+            return self.speculator.run(batch)
         return self._launch(batch).tolist()
 
     def _isolate(self, batch: ScheduledBatch, error: Exception) -> tuple[ScheduledBatch, list[int]]:

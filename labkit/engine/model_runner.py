@@ -110,19 +110,22 @@ class ModelRunner:
 
     # --- inputs ---------------------------------------------------------------------------------------------
     def prepare(self, seqs: Sequence[KVSequence], num_tokens: Sequence[int], num_decode: int,
-                pad_to: int | None = None, width: int | None = None, pad_tokens: int | None = None) -> ModelInput:
+                pad_to: int | None = None, width: int | None = None, pad_tokens: int | None = None,
+                logits_per_seq: Sequence[int] | None = None) -> ModelInput:
         """A ``ModelInput`` computing the next ``num_tokens[i]`` uncomputed tokens of each sequence of ``seqs``
         (slots reserved already). ``pad_to`` adds padding sequences (context 1, scratch-block tables) and as many token
         rows (scratch slot, position 0); ``pad_tokens`` pads the token rows to that count instead; ``width`` fixes
         the block-table width. A padded all-decode step stays all-decode (each padding sequence decodes its one
         padding row), exactly as the captured decode graph of ``pad_to`` rows runs it: the same attention kernel,
-        so an eager step and its replay are comparable row for row."""
+        so an eager step and its replay are comparable row for row. ``logits_per_seq``: logits of each sequence's last
+        that many rows (``pack_step``)."""
         if width is not None:
             self._check_width(seqs, width)
         if pad_to is not None and pad_tokens is None and num_decode == len(seqs):
             num_decode = pad_to
         return ModelInput.build(self.cache, seqs, num_tokens, num_decode, num_seqs=pad_to, width=width,
-                                num_rows=pad_tokens, scratch_block=self.scratch_block or 0, kernel_log=self.kernel_log)
+                                num_rows=pad_tokens, scratch_block=self.scratch_block or 0, kernel_log=self.kernel_log,
+                                logits_per_seq=logits_per_seq)
 
     def _check_width(self, seqs, width: int) -> None:
         if any(len(s.block_table) > width for s in seqs):
@@ -140,7 +143,7 @@ class ModelRunner:
     # --- the step -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, seqs: Sequence[KVSequence], num_tokens: Sequence[int], num_decode: int,
-                sampled: torch.Tensor | None = None) -> torch.Tensor:
+                sampled: torch.Tensor | None = None, logits_per_seq: Sequence[int] | None = None) -> torch.Tensor:
         """Compute the next ``num_tokens[i]`` tokens of each sequence (their K/V written to the cache); returns
         float32 logits of each sequence's last computed token ``[num_seqs, vocab]`` (a tensor of the caller's own,
         also after a graph replay). Advancing the sequences' computed counts is the caller's (the scheduler's
@@ -150,7 +153,13 @@ class ModelRunner:
         ``sampled`` (async scheduling): the previous step's sampled tokens, int64 ``[k]`` on the device. A sequence
         whose last token the host has not read yet holds ``labkit.model.attention.placeholder(j)`` there; its input
         row is read from ``sampled[j]`` on the device (``fill_placeholders``) after the inputs are copied. Nothing is
-        read back to the host."""
+        read back to the host.
+
+        ``logits_per_seq``: the logits of each sequence's last that many rows instead (``[sum, vocab]``; speculative
+        decoding's verify step: run eagerly, the graphs return one row per sequence)."""
+        if logits_per_seq is not None:
+            self.last_step_replayed = False
+            return self.forward(self.prepare(seqs, num_tokens, num_decode, logits_per_seq=logits_per_seq))
         key = self.graphs.lookup(len(seqs), sum(num_tokens), num_decode) if self.graphs is not None else None
         self.last_step_replayed = key is not None
         if key is not None:  # packed on the host in the static buffers' layout: two copies feed the graph

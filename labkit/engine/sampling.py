@@ -37,6 +37,8 @@ class SamplingParams:
       id, so a run is still reproducible)
     * ``eos_token_ids``: the end-of-sequence ids of this request (``None``: the engine's, which default to every
       EOS id of the model's config and its generation config, e.g. Llama 3 Instruct's 128001 and 128009)
+    * ``num_speculative_tokens``: tokens proposed per step for this request when the engine speculates
+      (``EngineConfig.speculative``): ``None`` the engine's ``num_speculative_tokens``, ``0`` plain decoding
 
     Every field is checked when built: a wrong type or a value out of range is a ``ValueError`` naming it (a
     single id is not a list of ids: ``stop_token_ids=5`` is refused, not wrapped).
@@ -50,6 +52,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     eos_token_ids: tuple[int, ...] | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         check_number("temperature", self.temperature, 0)  # 0: greedy
@@ -58,6 +61,8 @@ class SamplingParams:
         check_positive_int("max_tokens", self.max_tokens)
         check_int("seed", self.seed, 0, none_ok=True)
         check_bool("ignore_eos", self.ignore_eos)
+        if self.num_speculative_tokens is not None:  # None: the engine's; 0: no speculation for this request
+            check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
         object.__setattr__(self, "stop_token_ids", token_id_tuple("stop_token_ids", self.stop_token_ids))
         if self.eos_token_ids is not None:
             object.__setattr__(self, "eos_token_ids", token_id_tuple("eos_token_ids", self.eos_token_ids))

@@ -32,13 +32,20 @@ Under async scheduling (``labkit.engine.async_step``) the next step is scheduled
 the step in flight: a sequence's last token may be pending (a placeholder the device fills in), which changes nothing
 here but one rule: a sequence whose pending token is its ``max_tokens``-th is not scheduled again. One that stops on
 a stop token is scheduled once more; its extra token is discarded when the stop shows up, one step late.
+
+Speculative decoding (``num_speculative_tokens``, set by ``EngineConfig.speculative``): once every decoding sequence
+has its slot (preempting as above), each one that speculates (``speculative_tokens``: the engine's ``k`` or its
+request's, never past its ``max_tokens``) is given up to ``k`` *lookahead slots* from the blocks still free and the
+token budget still unspent (``seq.num_lookahead``; fewer, or none, where they are short: speculation never preempts
+anyone). The step proposes and verifies up to ``k`` tokens there (``labkit.engine.speculative``), and
+``postprocess`` takes the 1 to ``k + 1`` tokens it kept; the rejected slots were cut back by then.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from labkit.checks import check_bool, check_choice, check_int, check_number, check_positive_int, check_type
@@ -83,20 +90,25 @@ class Scheduler(ABC):
     context, in the whole cache, or in a step's token budget where that is required) are refused when added.
     ``preemption_mode`` ('recompute' or 'swap', with a swap space of ``num_cpu_blocks`` blocks, default as many as
     the cache) says what a preemption does; only the continuous policy ever preempts. The cache's free blocks when
-    the scheduler is built are the usable ones.
+    the scheduler is built are the usable ones. ``num_speculative_tokens``: the engine's ``k`` when it speculates
+    (module docstring), ``None`` when it does not (a request asking for ``k > 0`` is then refused).
+    ``release_hooks``: functions called with each sequence whose blocks are taken back (it finished, was aborted or
+    failed, or was preempted): the speculative proposer frees the draft model's cache of it.
     """
 
     name = "scheduler"
 
     def __init__(self, cache: PagedKVCache, max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
                  max_model_len: int | None = None, preemption_mode: str = "recompute",
-                 num_cpu_blocks: int | None = None):
+                 num_cpu_blocks: int | None = None, num_speculative_tokens: int | None = None):
         check_type("cache", cache, PagedKVCache)
         check_positive_int("max_num_seqs", max_num_seqs)
         check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
         check_positive_int("max_model_len", max_model_len, none_ok=True)
         check_positive_int("num_cpu_blocks", num_cpu_blocks, none_ok=True)
         check_choice("preemption_mode", preemption_mode, PREEMPTION_MODES)
+        self.num_speculative_tokens = check_int("num_speculative_tokens", num_speculative_tokens, 1, none_ok=True)
+        self.release_hooks: list[Callable[[Sequence], None]] = []
         self.cache = cache
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -126,7 +138,13 @@ class Scheduler(ABC):
         self.waiting.append(seq)
 
     def check(self, seq: Sequence) -> None:
-        """Raise unless ``seq`` could run: it fits ``max_model_len`` and, at its longest, the whole cache."""
+        """Raise unless ``seq`` could run: it fits ``max_model_len`` and, at its longest, the whole cache; it asks for
+        speculation only from a scheduler that speculates."""
+        k = seq.params.num_speculative_tokens
+        if k and self.num_speculative_tokens is None:
+            raise ValueError(f"request {seq.seq_id}: num_speculative_tokens={k} but the engine does not speculate; "
+                             "give it EngineConfig(speculative=SpeculativeConfig(...)) or leave the request's "
+                             "num_speculative_tokens None or 0")
         total = seq.num_prompt_tokens + seq.params.max_tokens
         if self.max_model_len is not None and total > self.max_model_len:
             raise ValueError(f"request {seq.seq_id}: prompt of {seq.num_prompt_tokens} tokens + max_tokens="
@@ -145,23 +163,27 @@ class Scheduler(ABC):
     def schedule(self) -> ScheduledBatch:
         """The next step's batch (empty only when nothing is queued or running)."""
 
-    def postprocess(self, batch: ScheduledBatch, tokens: list[int], now_s: float) -> list[TokenOutput]:
-        """After the step computed ``batch``: each sequence's computed count advances by its scheduled tokens (their
-        K/V now exist, so full blocks among them become findable by the prefix cache), each sampling sequence gets
-        its token (``tokens``, in the order of the sampling rows), and finished ones leave ``running`` and free
+    def postprocess(self, batch: ScheduledBatch, tokens: list[int | list[int]], now_s: float) -> list[TokenOutput]:
+        """After the step computed ``batch``: each sampling sequence gets its token (``tokens``, in the order of the
+        sampling rows; a list of tokens where speculation kept several: they are taken up to the first that
+        finishes the request), each sequence's computed count advances by its scheduled tokens (their K/V now exist,
+        so full blocks among them become findable by the prefix cache), and finished ones leave ``running`` and free
         their blocks. Returns the streamed tokens."""
-        sampling = [s for s, smp in zip(batch.seqs, batch.sample) if smp]
-        if len(tokens) != len(sampling):
-            raise ValueError(f"got {len(tokens)} tokens for {len(sampling)} sampling sequences")
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            self.cache.mark_computed(seq, seq.num_computed + n)
-        out = []
-        for seq, tok in zip(sampling, tokens):
-            done = seq.append_token(tok, now_s)
+        if len(tokens) != sum(batch.sample):
+            raise ValueError(f"got {len(tokens)} tokens for {sum(batch.sample)} sampling sequences")
+        out, it = [], iter(tokens)
+        for seq, n, smp in zip(batch.seqs, batch.num_tokens, batch.sample):
+            done, toks = False, next(it) if smp else []
+            for tok in toks if isinstance(toks, list) else [toks]:
+                done = seq.append_token(tok, now_s)
+                out.append(TokenOutput(seq.seq_id, tok, now_s, done))
+                if done:
+                    break
+            self.cache.mark_computed(seq, min(seq.num_computed + n, seq.num_tokens))
             if done:
                 self.running.remove(seq)
                 self.cache.free(seq)
-            out.append(TokenOutput(seq.seq_id, tok, now_s, done))
+                self._released(seq)
         return out
 
     # --- requests leaving early -----------------------------------------------------------------------------
@@ -194,6 +216,38 @@ class Scheduler(ABC):
             self.swap.discard(seq)
         else:
             raise ValueError(f"sequence {seq.seq_id} is not queued, running or swapped out ({seq.status.value})")
+        seq.num_lookahead = 0
+        self._released(seq)
+
+    def _released(self, seq: Sequence) -> None:
+        """``seq``'s blocks were taken back: tell the ``release_hooks``."""
+        for hook in self.release_hooks:
+            hook(seq)
+
+    def speculative_tokens(self, seq: Sequence) -> int:
+        """Tokens ``seq`` may propose in its next decode step: its request's ``num_speculative_tokens``, else the
+        engine's (0 when the engine does not speculate), and never more than it may still emit after the step's own
+        token (the last token of a request is always the target's)."""
+        k = seq.params.num_speculative_tokens
+        k = (self.num_speculative_tokens or 0) if k is None else k
+        return max(0, min(k, seq.params.max_tokens - seq.num_output_tokens - 1))
+
+    def _add_lookahead(self, rows: list[tuple[Sequence, int]], budget: int) -> int:
+        """Lookahead slots for the decoding rows (one token each, slot reserved) that speculate, oldest first, from
+        the free blocks and at most ``budget`` tokens: each gets up to its ``speculative_tokens``, fewer where blocks
+        or budget run short (never a preemption). Sets ``seq.num_lookahead``; returns the tokens they took."""
+        used = 0
+        for seq, n in rows:
+            if n != 1 or self._uncomputed(seq) != 1:
+                continue
+            k = min(self.speculative_tokens(seq), budget - used)
+            while k > 0 and not self.cache.can_append(seq, k):
+                k -= 1
+            if k > 0:
+                self.cache.append_slots(seq, k)
+            seq.num_lookahead = max(k, 0)
+            used += max(k, 0)
+        return used
 
     def abort_all(self) -> list[Sequence]:
         """Abort every unfinished sequence (the cache is left as empty as the scheduler found it)."""
@@ -228,12 +282,14 @@ class Scheduler(ABC):
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        seq.num_lookahead = 0
         if self.swap is not None and self.swap.can_swap_out(seq):
             self.swap.swap_out(self.cache, seq)
             self.swapped.appendleft(seq)  # like a requeued one: the last preempted comes back first
         else:
             self.cache.free(seq)
             self.waiting.appendleft(seq)
+        self._released(seq)
 
     def _batch(self, rows: list[tuple[Sequence, int]], preempted: list[Sequence] | None = None) -> ScheduledBatch:
         """Single-token rows first (decode kernel), then the rest; records peaks."""
@@ -279,7 +335,9 @@ class FIFOScheduler(Scheduler):
         if not self._uncomputed(seq):  # its last token is pending (async scheduling): nothing to compute
             return ScheduledBatch()
         self.cache.append_slots(seq)  # a slot for its sampled token (nothing while it prefills)
-        return self._batch([(seq, self._uncomputed(seq))])
+        rows = [(seq, self._uncomputed(seq))]
+        self._add_lookahead(rows, self.max_num_batched_tokens - 1)
+        return self._batch(rows)
 
 
 class StaticBatchScheduler(Scheduler):
@@ -292,9 +350,11 @@ class StaticBatchScheduler(Scheduler):
 
     name = "static"
 
-    def __init__(self, cache: PagedKVCache, batch_size: int = 8, max_model_len: int | None = None):
+    def __init__(self, cache: PagedKVCache, batch_size: int = 8, max_model_len: int | None = None,
+                 num_speculative_tokens: int | None = None):
         check_positive_int("batch_size", batch_size)
-        super().__init__(cache, max_num_seqs=batch_size, max_model_len=max_model_len)
+        super().__init__(cache, max_num_seqs=batch_size, max_model_len=max_model_len,
+                         num_speculative_tokens=num_speculative_tokens)
         self.batch_size = batch_size
 
     def schedule(self) -> ScheduledBatch:
@@ -305,6 +365,7 @@ class StaticBatchScheduler(Scheduler):
             if self._uncomputed(seq):  # not one whose last token is pending (async scheduling)
                 self.cache.append_slots(seq)
                 rows.append((seq, self._uncomputed(seq)))
+        self._add_lookahead(rows, self.max_num_batched_tokens - len(rows))
         return self._batch(rows)
 
     def _form_batch(self) -> None:
@@ -338,8 +399,10 @@ class ContinuousBatchingScheduler(Scheduler):
 
     def __init__(self, cache: PagedKVCache, max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
                  chunked_prefill: bool = True, max_model_len: int | None = None, min_admit: int = 1,
-                 preemption_mode: str = "recompute", num_cpu_blocks: int | None = None, watermark: float = 0.0):
-        super().__init__(cache, max_num_seqs, max_num_batched_tokens, max_model_len, preemption_mode, num_cpu_blocks)
+                 preemption_mode: str = "recompute", num_cpu_blocks: int | None = None, watermark: float = 0.0,
+                 num_speculative_tokens: int | None = None):
+        super().__init__(cache, max_num_seqs, max_num_batched_tokens, max_model_len, preemption_mode, num_cpu_blocks,
+                         num_speculative_tokens)
         self.watermark_blocks = int(check_number("watermark", watermark, 0, 1, high_open=True) * cache.num_blocks)
         check_bool("chunked_prefill", chunked_prefill)
         if max_num_batched_tokens < max_num_seqs:
@@ -360,6 +423,7 @@ class ContinuousBatchingScheduler(Scheduler):
     def schedule(self) -> ScheduledBatch:
         rows, preempted = self._schedule_decodes()
         budget = self.max_num_batched_tokens - len(rows)
+        budget -= self._add_lookahead(rows, budget)
         decoding = {s.seq_id for s, _ in rows}
         for seq in self.running:  # prefills already under way (chunked), oldest first
             if budget and seq.seq_id not in decoding and self._uncomputed(seq) > 0:
@@ -445,17 +509,20 @@ class ContinuousBatchingScheduler(Scheduler):
 def make_scheduler(name: str, cache: PagedKVCache, *, max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
                    chunked_prefill: bool = True, static_batch_size: int | None = None,
                    max_model_len: int | None = None, min_admit: int = 1, preemption_mode: str = "recompute",
-                   num_cpu_blocks: int | None = None, watermark: float = 0.0) -> Scheduler:
+                   num_cpu_blocks: int | None = None, watermark: float = 0.0,
+                   num_speculative_tokens: int | None = None) -> Scheduler:
     """A scheduler by name: 'fifo', 'static' (batches of ``static_batch_size``, default ``max_num_seqs``) or
-    'continuous' (the one that preempts, by ``preemption_mode``; the others never need to)."""
+    'continuous' (the one that preempts, by ``preemption_mode``; the others never need to). Each gives speculating
+    decodes lookahead slots when ``num_speculative_tokens`` is set (module docstring)."""
     check_choice("preemption_mode", preemption_mode, PREEMPTION_MODES)
+    k = num_speculative_tokens
     if name == "fifo":
         return FIFOScheduler(cache, max_num_seqs=1, max_num_batched_tokens=max_num_batched_tokens,
-                             max_model_len=max_model_len)
+                             max_model_len=max_model_len, num_speculative_tokens=k)
     if name == "static":
         return StaticBatchScheduler(cache, max_num_seqs if static_batch_size is None else static_batch_size,
-                                    max_model_len=max_model_len)
+                                    max_model_len=max_model_len, num_speculative_tokens=k)
     if name == "continuous":
         return ContinuousBatchingScheduler(cache, max_num_seqs, max_num_batched_tokens, chunked_prefill,
-                                           max_model_len, min_admit, preemption_mode, num_cpu_blocks, watermark)
+                                           max_model_len, min_admit, preemption_mode, num_cpu_blocks, watermark, k)
     raise ValueError(f"scheduler={name!r} is unknown; allowed: {SCHEDULERS}")

@@ -110,6 +110,7 @@ class Sequence:
         self.block_table: list[int] = []  # its KV blocks (the block manager's; swap-space blocks while swapped out)
         self.num_computed = 0  # its first tokens whose K/V are written
         self.block_hashes: list[bytes] = []  # chained hashes of its computed full blocks (prefix caching)
+        self.num_lookahead = 0  # slots reserved past its tokens for this step's speculative proposals (scheduler.py)
         stop = set(self.params.stop_token_ids)
         if self.params.eos_token_ids is not None:  # the request's own EOS ids replace the engine's
             eos_token_ids = self.params.eos_token_ids

@@ -1,47 +1,119 @@
-"""Speculative decoding on ``labkit.model`` and the paged KV cache: propose ``k`` tokens cheaply, verify them with
-one forward of the target, keep the longest accepted prefix plus one token of the target's own.
+"""Speculative decoding inside ``LLMEngine``: propose ``k`` tokens cheaply, verify them with one forward of the
+target, keep the longest accepted prefix plus one token of the target's own.
 
-One step for a batch of sequences, each with its own ``k_i`` (``k_i = 0``, or a proposer that finds nothing,
-is a plain decode step in the same batch):
+    from labkit.engine import LLMEngine, SamplingParams, SpeculativeConfig
+    engine = LLMEngine(model, tok, speculative=SpeculativeConfig("prompt_lookup", num_speculative_tokens=4))
+    engine = LLMEngine(model, tok, speculative=SpeculativeConfig("draft", 4, draft_model=draft))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=64, num_speculative_tokens=2))  # per request k
 
-1. each sequence (a ``kvcache.SeqBlocks``) holds its committed tokens, all with K/V in the cache except the last
-   (``pending``);
-2. the proposer gives ``d_1 .. d_k``; appended to the sequence (``append_slots`` reserves their slots), one target
-   forward over the flat batch of ``1 + k_i`` query rows per sequence gives the target's logits after each of them
-   (``ModelInput.build(..., all_logits=True)``: ``forward_paged`` returns every row's logits);
-3. ``accept`` keeps ``d_1 .. d_n`` and draws one more token ``x`` (the correction, or the bonus when all ``k``
+Everything else stays the engine's: admission, chunked prefill, preemption (recompute and swap), aborts, failure
+isolation. A step with speculation:
+
+1. the scheduler gives every decoding sequence its slot as usual, then *lookahead slots* for up to ``k`` proposals
+   from the blocks and token budget left (``seq.num_lookahead``; ``Scheduler.speculative_tokens``: the request's
+   ``k`` or the engine's, never past ``max_tokens``);
+2. ``Speculator.run`` asks the proposer for each such sequence's ``d_1 .. d_n`` (``n <= num_lookahead``; a prompt
+   lookup that finds nothing proposes none), appends them, and runs *one* target forward over the batch: plain
+   decodes (one row), speculating decodes (``1 + n`` rows, all of whose logits come back) and prefill chunks;
+3. ``accept`` keeps ``d_1 .. d_m`` and draws one more token ``x`` (the correction, or the bonus when all ``n``
    were accepted): greedy, ``d_j`` is kept while it equals the target's argmax, so the output is plain greedy
    decoding's token for token; sampled, by the rejection rule of Leviathan et al. (2023) / Chen et al. (2023):
    keep ``d_j`` with probability ``min(1, p(d_j) / q(d_j))``, on the first rejection draw ``x`` from
-   ``max(0, p - q)`` renormalised, which makes every emitted token follow the target's distribution ``p``;
-4. ``cache.rollback`` cuts the sequence back to ``pending, d_1 .. d_n`` (the rejected tokens, their slots and any
-   block past them return to the allocator) and ``x`` becomes the new ``pending``.
+   ``max(0, p - q)`` renormalised, so every emitted token follows the target's distribution ``p`` (its
+   temperature, top-k and top-p);
+4. ``cache.rollback`` cuts the sequence back to its pending token and ``d_1 .. d_m`` (the rejected tokens' slots
+   and any block past them return to the allocator; nothing of them was hashed), and the scheduler's
+   ``postprocess`` takes ``d_1 .. d_m, x`` as the step's tokens (up to a stop token).
 
-Scope: this is a driver of its own over ``PagedKVCache`` (``SpeculativeDecoder.generate``), batched over a fixed
-set of sequences with per-sequence ``k``; it does not plug into ``LLMEngine``'s scheduler (no admission,
-preemption or prefix caching while speculating) and runs eagerly (no CUDA graphs: the verify width varies).
+Rows without proposals are sampled by the engine's ``Sampler`` exactly as without speculation (so ``k = 0`` is plain
+decoding, also sampled). The draft model's cache is its own (``SpeculativeConfig.draft_num_blocks``); the scheduler
+calls ``Proposer.release`` whenever it takes a sequence's blocks back (finished, aborted, failed, preempted by
+recompute or by swap), so the draft holds KV only for running sequences; a preempted sequence's draft prefills its
+context again when it next speculates. Verify steps run eagerly (the captured CUDA graphs return one row of
+logits per sequence); steps without proposals replay graphs as usual.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
-from labkit.engine.proposers import Proposer, check_ks, sample
-from labkit.kvcache import PagedKVCache, SeqBlocks
-from labkit.model.attention import ModelInput
-from labkit.model.model import CausalLM
+from labkit.checks import check_choice, check_int, check_positive_int
+from labkit.engine.proposers import DraftModelProposer, PromptLookupProposer, Proposer
+from labkit.engine.sampling import SamplingParams, apply_top_k_top_p, token_seed
+from labkit.engine.scheduler import ScheduledBatch
+from labkit.engine.sequence import Sequence
+
+SPEC_METHODS = ("prompt_lookup", "draft")
+"""Proposers of ``SpeculativeConfig.method``: n-gram lookup in the context (vLLM's 'ngram'), or a draft model."""
+_DRAFT_SALT, _ACCEPT_SALT = 0x5BEC1, 0x5BEC2  # a step's draft and acceptance draws: streams of their own
 
 
-def accept(p: torch.Tensor, proposal: Sequence[int], q: torch.Tensor | None, temperature: float,
-           generator: torch.Generator | None = None) -> tuple[int, int]:
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How the engine speculates (vLLM's names where it has them).
+
+    * ``method``: 'prompt_lookup' (no model) or 'draft' (``draft_model``: a ``labkit.model.CausalLM`` or an HF
+      Llama-family model with the target's vocabulary, on its device)
+    * ``num_speculative_tokens``: ``k``, tokens proposed per step (a request overrides it:
+      ``SamplingParams.num_speculative_tokens``, 0 turning speculation off for it)
+    * ``prompt_lookup_max`` / ``prompt_lookup_min``: the n-gram lengths prompt lookup tries, longest first
+    * ``draft_num_blocks``: blocks of the draft's own KV cache (default: as many as the target's cache, of the same
+      block size); a sequence it cannot hold decodes plainly
+    """
+
+    method: str = "prompt_lookup"
+    num_speculative_tokens: int = 4
+    draft_model: object = None
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+    draft_num_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        check_choice("method", self.method, SPEC_METHODS)
+        check_positive_int("num_speculative_tokens", self.num_speculative_tokens)
+        check_positive_int("prompt_lookup_max", self.prompt_lookup_max)
+        check_int("prompt_lookup_min", self.prompt_lookup_min, 1, self.prompt_lookup_max + 1)
+        check_int("draft_num_blocks", self.draft_num_blocks, 2, none_ok=True)
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError(f"method={self.method!r} with draft_model={type(self.draft_model).__name__}: a draft "
+                             "model goes with method='draft' and only with it")
+
+    def make_proposer(self, target_vocab: int, device: torch.device, num_blocks: int, block_size: int) -> Proposer:
+        """The proposer this config names, checked against the target (vocabulary, device)."""
+        if self.method == "prompt_lookup":
+            return PromptLookupProposer(self.prompt_lookup_max, self.prompt_lookup_min)
+        prop = DraftModelProposer(self.draft_model, self.draft_num_blocks or num_blocks, block_size)
+        vocab, dev = prop.draft.config.vocab_size, prop.draft.device
+        if vocab != target_vocab:
+            raise ValueError(f"draft_model has a vocabulary of {vocab} tokens, the target {target_vocab}: a draft "
+                             "must share the target's tokenizer")
+        if dev.type != device.type:
+            raise ValueError(f"draft_model is on {dev}, the target on {device}: put both on one device")
+        return prop
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution the engine's ``Sampler`` draws from for ``params``, per row of float ``logits`` ``[n,
+    vocab]``: ``softmax`` of the logits over the temperature, cut by top-k and top-p (``apply_top_k_top_p``)."""
+    n = logits.shape[0]
+    x = logits.float() / params.temperature
+    if params.top_k or params.top_p < 1:
+        x = apply_top_k_top_p(x, torch.full((n,), params.top_k, dtype=torch.long, device=x.device),
+                              torch.full((n,), params.top_p, dtype=torch.float32, device=x.device))
+    return torch.softmax(x, dim=-1)
+
+
+def accept(p: torch.Tensor, proposal: Seq[int], q: torch.Tensor | None, temperature: float = 0.0,
+           generator: torch.Generator | None = None, top_k: int = 0, top_p: float = 1.0) -> tuple[int, int]:
     """``(n_accepted, next_token)`` for one sequence.
 
-    ``p``: float32 target logits ``[k + 1, vocab]`` (row ``j`` predicts the token after ``d_j``; row 0 after
-    ``pending``); ``proposal``: ``k`` token ids; ``q``: float32 draft probabilities ``[k, vocab]`` or ``None``
-    (deterministic proposals: ``q`` one-hot on ``d_j``). At ``temperature`` 0 the rule is argmax equality."""
+    ``p``: float32 target logits ``[k + 1, vocab]`` on the CPU (row ``j`` predicts the token after ``d_j``; row 0
+    after the pending token); ``proposal``: ``k`` token ids; ``q``: float32 draft probabilities ``[k, vocab]`` or
+    ``None`` (deterministic proposals: ``q`` one-hot on ``d_j``). At ``temperature`` 0 the rule is argmax equality;
+    above it the target's distribution is ``target_probs`` with ``top_k`` / ``top_p``."""
     k = len(proposal)
     if p.dim() != 2 or p.shape[0] != k + 1:
         raise ValueError(f"p must be [k + 1 = {k + 1}, vocab], got {tuple(p.shape)}")
@@ -51,7 +123,7 @@ def accept(p: torch.Tensor, proposal: Sequence[int], q: torch.Tensor | None, tem
         while n < k and proposal[n] == best[n]:
             n += 1
         return n, best[n]
-    probs = torch.softmax(p / temperature, dim=-1)
+    probs = target_probs(p, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
     for j, d in enumerate(proposal):
         qd = 1.0 if q is None else float(q[j, d])
         pd = float(probs[j, d])
@@ -70,118 +142,97 @@ def accept(p: torch.Tensor, proposal: Sequence[int], q: torch.Tensor | None, tem
     return k, int(torch.multinomial(probs[k], 1, generator=generator))
 
 
-@dataclass
-class SpecStats:
-    """Counts over a run: target steps, tokens proposed / accepted / emitted per sequence-step summed."""
+class Speculator:
+    """The engine's speculative step (module docstring): ``run(batch)`` in place of a plain step's forward and
+    sampling. Built by ``LLMEngine`` from ``EngineConfig.speculative``; registers the proposer's ``release`` with the
+    scheduler. Counts go to the engine's ``EngineStats`` (``draft_tokens``, ``accepted_tokens``, ``spec_decodes``)."""
 
-    steps: int = 0
-    proposed: int = 0
-    accepted: int = 0
-    emitted: int = 0
-    accepted_per_step: list[int] = field(default_factory=list)
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted over proposed tokens (the per-token α of the notebook's model, when proposals are full-k)."""
-        return self.accepted / self.proposed if self.proposed else 0.0
-
-    @property
-    def tokens_per_step(self) -> float:
-        return self.emitted / self.steps if self.steps else 0.0
-
-
-class SpeculativeDecoder:
-    """Generate with ``target`` over its own ``PagedKVCache``, verifying a ``proposer``'s guesses.
-
-    ``proposer=None`` (or ``k=0``) is plain decoding by the same code: the baseline the speedup is measured
-    against. ``k``: an int for every sequence or a list (one per prompt)."""
-
-    def __init__(self, target: CausalLM, proposer: Proposer | None = None, k: int | Sequence[int] = 4,
-                 num_blocks: int = 256, block_size: int = 16):
-        self.target, self.proposer, self.k = target, proposer, k
-        self.cache: PagedKVCache = target.make_cache(num_blocks, block_size)
-        self.stats = SpecStats()
-
-    @torch.inference_mode()
-    def verify(self, seqs: Sequence[SeqBlocks], proposals: Sequence[list[int]]) -> list[torch.Tensor]:
-        """Append each proposal to its sequence (whose last token, the pending one, has no K/V yet) and run one
-        target forward over the pending token and the proposal of every sequence; returns float32 logits ``[1 +
-        k_i, vocab]`` per sequence."""
-        for seq, prop in zip(seqs, proposals):
-            seq.token_ids.extend(prop)
-            self.cache.append_slots(seq)
-        lens = [1 + len(p) for p in proposals]
-        inp = ModelInput.build(self.cache, seqs, lens, all_logits=True)
-        return list(self.target.forward_paged(inp, self.cache).split(lens))
-
-    @torch.inference_mode()
-    def prefill(self, seqs: Sequence[SeqBlocks]) -> torch.Tensor:
-        """Blocks for each sequence's prompt and one forward over all of them: logits ``[num_seqs, vocab]``."""
-        for seq in seqs:
-            self.cache.allocate(seq)
-        logits = self.target.forward_paged(ModelInput.build(self.cache, seqs, [s.num_tokens for s in seqs]),
-                                           self.cache)
-        for seq in seqs:
-            self.cache.mark_computed(seq, seq.num_tokens)
-        return logits
-
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
-                 generator: torch.Generator | None = None, eos_token_id: int | None = None) -> list[list[int]]:
-        """New tokens per prompt (at most ``max_new_tokens``, ending at ``eos_token_id`` if given). All cache
-        blocks are freed when it returns."""
-        if not prompts or any(len(p) < 1 for p in prompts):
-            raise ValueError("prompts must be a non-empty list of non-empty token lists")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-        if temperature < 0:
-            raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy)")
-        ks = [self.k] * len(prompts) if isinstance(self.k, int) else list(self.k)
-        check_ks(ks, len(prompts))
-        if self.proposer is None:
-            ks = [0] * len(prompts)
-        seqs = [SeqBlocks(list(p), seq_id=i) for i, p in enumerate(prompts)]
-        try:
-            logits = self.prefill(seqs)
-            for i, seq in enumerate(seqs):  # the pending token: emitted, its K/V computed by the next step
-                seq.token_ids.append(sample(logits[i], temperature, generator)[0])
-            live = [i for i in range(len(seqs)) if not self._done(seqs[i], len(prompts[i]), max_new_tokens,
-                                                                  eos_token_id)]
-            while live:
-                self._step(seqs, live, prompts, ks, max_new_tokens, temperature, generator)
-                live = [i for i in live if not self._done(seqs[i], len(prompts[i]), max_new_tokens, eos_token_id)]
-        finally:
-            for seq in seqs:
-                if seq.block_table:
-                    self.cache.free(seq)
-                if self.proposer is not None:
-                    self.proposer.release(seq.seq_id)
-        out = [seq.token_ids[len(p):] for seq, p in zip(seqs, prompts)]
-        if eos_token_id is not None:
-            out = [o[:o.index(eos_token_id) + 1] if eos_token_id in o else o for o in out]
-        return [o[:max_new_tokens] for o in out]
+    def __init__(self, engine, config: SpeculativeConfig):
+        self.engine, self.config = engine, config
+        cache = engine.cache
+        self.proposer = config.make_proposer(engine.vocab_size, engine.device, cache.num_blocks, cache.block_size)
+        engine.scheduler.release_hooks.append(lambda seq: self.proposer.release(seq.seq_id))
 
     @staticmethod
-    def _done(seq: SeqBlocks, num_prompt: int, max_new: int, eos: int | None) -> bool:
-        return seq.num_tokens - num_prompt >= max_new or (eos is not None and eos in seq.token_ids[num_prompt:])
+    def _generator(seq: Sequence, salt: int) -> torch.Generator:
+        """A CPU random stream of ``seq``'s next verify step: seeded by the request's seed and output index (as the
+        sampler's noise), so a run is reproducible whatever the batch; ``salt`` keeps the draft's draws and the
+        acceptance test's independent of each other (the rule needs them so) and of the sampler's."""
+        return torch.Generator().manual_seed(token_seed(seq.seed ^ salt, seq.num_output_tokens))
 
-    def _step(self, seqs, live, prompts, ks, max_new, temperature, generator) -> None:
-        # Never propose past the token budget: the last emitted token is always the target's own.
-        want = [min(ks[i], max_new - (seqs[i].num_tokens - len(prompts[i])) - 1) for i in live]
-        if self.proposer is not None and any(want):
-            contexts = [list(seqs[i].token_ids) for i in live]
-            proposals = self.proposer.propose(live, contexts, want, temperature, generator)
-        else:
-            proposals = [([], None) for _ in live]
-        committed = [seqs[i].num_tokens for i in live]  # the pending token included
-        logits = self.verify([seqs[i] for i in live], [p for p, _ in proposals])
-        for row, i in enumerate(live):
-            prop, q = proposals[row]
-            n, x = accept(logits[row], prop, q, temperature, generator)
-            self.cache.rollback(seqs[i], committed[row] + n)  # the rejected proposals go, with their slots
-            self.cache.mark_computed(seqs[i], committed[row] + n)
-            seqs[i].token_ids.append(x)
-            self.stats.steps += 1
-            self.stats.proposed += len(prop)
-            self.stats.accepted += n
-            self.stats.emitted += n + 1
-            self.stats.accepted_per_step.append(n)
+    def run(self, batch: ScheduledBatch) -> list[list[int]]:
+        """Propose, verify in one target forward and accept, for the sequences of ``batch`` given lookahead slots;
+        returns each sampling row's tokens (a list: the accepted proposals and the target's token) and leaves each
+        speculating row's ``batch.num_tokens`` at the rows it keeps (1 + accepted). Raises as the forward does, with
+        every sequence as it was (proposals removed, lookahead slots returned)."""
+        rows = [i for i, s in enumerate(batch.seqs) if s.num_lookahead > 0 and batch.num_tokens[i] == 1
+                and batch.sample[i]]
+        pending = {i: batch.seqs[i].num_tokens for i in rows}  # tokens before the proposals: the pending one last
+        try:
+            proposals = self._propose(batch, rows)
+            logits, props = self._verify(batch, proposals)
+            tokens = self._accept(batch, logits, props)
+        except BaseException:
+            for i in rows:
+                self._cut(batch.seqs[i], pending[i])
+            raise
+        for i in rows:  # rejected proposals go; kept ones come back through postprocess with the target's token
+            seq, keep = batch.seqs[i], len(tokens[i]) - 1
+            self._cut(seq, pending[i] + keep)
+            del seq.token_ids[pending[i]:]
+            batch.num_tokens[i] = 1 + keep
+        return [tokens[i] for i in range(len(batch.seqs)) if batch.sample[i]]
+
+    def _cut(self, seq: Sequence, num_tokens: int) -> None:
+        del seq.token_ids[num_tokens:]
+        self.engine.cache.rollback(seq, num_tokens)
+        seq.num_lookahead = 0
+
+    def _propose(self, batch: ScheduledBatch, rows: list[int]) -> dict[int, tuple[list[int], torch.Tensor | None]]:
+        if not rows:
+            return {}
+        seqs = [batch.seqs[i] for i in rows]
+        out = self.proposer.propose([s.seq_id for s in seqs], [list(s.token_ids) for s in seqs],
+                                    [s.num_lookahead for s in seqs], [s.params.temperature for s in seqs],
+                                    [self._generator(s, _DRAFT_SALT) for s in seqs])
+        stats = self.engine.stats
+        stats.spec_decodes += len(rows)
+        proposals = {}
+        for i, seq, (toks, q) in zip(rows, seqs, out):
+            toks = list(toks)[:seq.num_lookahead]
+            seq.token_ids.extend(toks)  # their slots are reserved (lookahead)
+            proposals[i] = (toks, q)
+            stats.draft_tokens += len(toks)
+        return proposals
+
+    def _verify(self, batch: ScheduledBatch, proposals: dict) -> tuple[dict[int, torch.Tensor], dict]:
+        """One target forward: plain decodes first (one row), then speculating ones (1 + n rows, every row's
+        logits), then prefill chunks; returns each row's logits (``[1 or 1 + n, vocab]``) by batch row."""
+        props = {i: p for i, p in proposals.items() if p[0]}
+        n = len(batch.seqs)
+        order = [i for i in range(batch.num_decode) if i not in props] + sorted(props) + \
+            list(range(batch.num_decode, n))
+        counts = [1 + len(props[i][0]) if i in props else 1 for i in order]
+        ntok = [counts[j] if i in props else batch.num_tokens[i] for j, i in enumerate(order)]
+        runner = self.engine.runner
+        logits = runner.execute([batch.seqs[i] for i in order], ntok, batch.num_decode - len(props),
+                                logits_per_seq=counts if props else None)
+        return dict(zip(order, logits.split(counts))), props
+
+    def _accept(self, batch: ScheduledBatch, logits: dict[int, torch.Tensor], props: dict) -> dict[int, list[int]]:
+        """Tokens per sampling row: ``accept`` for rows with a proposal, the engine's sampler for the others."""
+        plain = [i for i in range(len(batch.seqs)) if batch.sample[i] and i not in props]
+        tokens: dict[int, list[int]] = {}
+        if plain:
+            seqs = [batch.seqs[i] for i in plain]
+            sampled = self.engine.sampler(torch.cat([logits[i] for i in plain]), [s.params for s in seqs],
+                                          [s.seed for s in seqs], [s.num_output_tokens for s in seqs])
+            tokens.update((i, [t]) for i, t in zip(plain, sampled))
+        for i, (toks, q) in props.items():
+            seq = batch.seqs[i]
+            prm = seq.params
+            p = logits[i] if prm.greedy else logits[i].float().cpu()
+            m, x = accept(p, toks, q, prm.temperature, self._generator(seq, _ACCEPT_SALT), prm.top_k, prm.top_p)
+            tokens[i] = toks[:m] + [x]
+            self.engine.stats.accepted_tokens += m
+        return tokens

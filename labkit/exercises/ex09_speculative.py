@@ -42,8 +42,9 @@ def _speedup_measure() -> list[Measurement]:
             return (f"alpha here is the one the measured tokens per step imply, so E is right by construction; the "
                     f"gap is in the costs: c(k) and c_d were timed alone on fresh caches, while the measured run "
                     f"also pays the proposer's bookkeeping ({extra}), "
-                    f"the rejection and the cache roll-back of every step, and runs one prompt; short runs on a "
-                    f"shared machine add noise of their own")
+                    f"the rejection and the cache roll-back of every step, and its time includes the prefill; "
+                    f"short runs on a shared machine add noise of their own (the record's spread over prompts, "
+                    f"where it has one, shows how much)")
         out.append(Measurement(f"speed-up of speculative decoding over plain decoding, batch 1, {proposer}, k={k} "
                                f"(alpha {alpha[proposer]:.3f}, c(k) {c1:.3f}, c_d {c_d:.3f}: the record's own)",
                                (alpha[proposer], k, c1, c_d), data["measured"][proposer], "x", source, 0.25, explain,

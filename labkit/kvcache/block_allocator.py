@@ -78,14 +78,18 @@ class BlockAllocator:
             raise ValueError(f"block={block} is free; only a block in use can be shared")
         self.ref_counts[block] += 1
 
-    def free(self, block: int) -> None:
-        """Drop one reference; the last one returns the block to the tail of the free queue (hash kept)."""
+    def free(self, block: int, reuse_first: bool = False) -> None:
+        """Drop one reference; the last one returns the block to the tail of the free queue (hash kept), or with
+        ``reuse_first`` (a block holding nothing worth keeping: speculative decoding's rejected slots) and no hash
+        to its head, to be taken again before any cached block is evicted."""
         self._check_id(block)
         if self.ref_counts[block] < 1:
             raise ValueError(f"block={block} is already free (double free)")
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
             self._free[block] = None
+            if reuse_first and block not in self.block_hash:
+                self._free.move_to_end(block, last=False)
 
     # --- prefix-hash registry -------------------------------------------------------------------------------
     def register_hash(self, block: int, block_hash: bytes) -> None:

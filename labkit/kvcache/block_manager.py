@@ -154,11 +154,12 @@ class BlockManager:
         return seq.num_computed
 
     # --- growth ---------------------------------------------------------------------------------------------
-    def _append_cost(self, seq: KVSequence) -> tuple[int, list[int]]:
-        """New blocks ``append_slots(seq)`` takes, and the indices of the shared blocks it copies: those its
-        uncomputed tokens will be written into."""
+    def _append_cost(self, seq: KVSequence, lookahead: int = 0) -> tuple[int, list[int]]:
+        """New blocks ``append_slots(seq, lookahead)`` takes, and the indices of the shared blocks it copies: those
+        its uncomputed tokens will be written into."""
+        check_int("lookahead", lookahead, 0)  # slots past the sequence's tokens
         try:  # every step: the check costs nothing unless the attributes are missing
-            table, bs, n = seq.block_table, self.block_size, seq.num_tokens
+            table, bs, n = seq.block_table, self.block_size, seq.num_tokens + lookahead
         except AttributeError:
             check_seq(seq)
             raise
@@ -168,16 +169,18 @@ class BlockManager:
         refs = self.allocator.ref_counts
         return new, [j for j in range(seq.num_computed // bs, min(len(table), _cdiv(n, bs))) if refs[table[j]] > 1]
 
-    def can_append(self, seq: KVSequence) -> bool:
-        """Whether ``append_slots(seq)`` would succeed now."""
-        new, cow = self._append_cost(seq)
+    def can_append(self, seq: KVSequence, lookahead: int = 0) -> bool:
+        """Whether ``append_slots(seq, lookahead)`` would succeed now."""
+        new, cow = self._append_cost(seq, lookahead)
         return not (new or cow) or new + len(cow) <= self.allocator.num_free
 
-    def append_slots(self, seq: KVSequence) -> None:
-        """Slots for every token of ``seq`` (those appended since the last call), all or nothing (``CacheFullError``);
-        a shared block its uncomputed tokens will be written into (a partly filled last block after ``fork``) is
-        first copied to a private block: copy on write, so the other sequences keep their tokens."""
-        new, cow = self._append_cost(seq)
+    def append_slots(self, seq: KVSequence, lookahead: int = 0) -> None:
+        """Slots for every token of ``seq`` (those appended since the last call) and ``lookahead`` more past them
+        (vLLM's lookahead slots: speculative decoding's proposals, appended before the step computes them; cut by
+        ``rollback`` to what is kept), all or nothing (``CacheFullError``); a shared block its uncomputed tokens
+        will be written into (a partly filled last block after ``fork``) is first copied to a private block: copy
+        on write, so the other sequences keep their tokens."""
+        new, cow = self._append_cost(seq, lookahead)
         if not (new or cow):
             return
         if new + len(cow) > self.allocator.num_free:
@@ -246,15 +249,15 @@ class BlockManager:
 
     def rollback(self, seq: KVSequence, num_tokens: int) -> None:
         """Cut ``seq`` back to its first ``num_tokens`` tokens (speculative decoding's rejected ones): token ids,
-        blocks past them, computed count. Their K/V stay in the pool, unreachable; tokens in the prefix cache cannot
-        be cut (``ValueError``)."""
+        blocks past them (to the head of the free queue: taken again before a cached block is evicted), computed
+        count. Their K/V stay in the pool, unreachable; tokens in the prefix cache cannot be cut (``ValueError``)."""
         hashed = len(check_seq(seq).block_hashes) * self.block_size
         if not max(1, hashed) <= check_int("num_tokens", num_tokens) <= seq.num_tokens:
             raise ValueError(f"num_tokens={num_tokens!r} must be an int in [{max(1, hashed)}, {seq.num_tokens}] for "
                              f"sequence {seq.seq_id!r} (its first {hashed} tokens are in the prefix cache)")
         keep = self.blocks_for(num_tokens)
-        for b in reversed(seq.block_table[keep:]):
-            self.allocator.free(b)
+        for b in seq.block_table[keep:]:  # nothing in them to keep: the next allocation takes them first
+            self.allocator.free(b, reuse_first=True)
         del seq.block_table[keep:]
         del seq.token_ids[num_tokens:]
         seq.num_computed = min(seq.num_computed, num_tokens)

@@ -40,7 +40,7 @@ class ModelInput:
       step's writes; ``query_start_loc``: int32 ``[num_seqs + 1]``, sequence ``s`` owns rows
       ``query_start_loc[s]:query_start_loc[s + 1]`` (vLLM's ``cu_seqlens_q``)
     * ``logits_indices``: int32 ``[num_logits]``: the rows whose logits the forward returns (each sequence's last,
-      or every row: the speculative decoder's verify step)
+      every row, or each sequence's last few: speculative decoding's verify rows)
     * ``num_decodes``: the leading sequences with one row each (a host int)
     * ``kernel_log``: a ``labkit.model.ops.KernelLog`` the step's ops record the kernels they ran in, or None
     """
@@ -92,16 +92,18 @@ class ModelInput:
     @classmethod
     def build(cls, cache: PagedKVCache, seqs: Sequence[KVSequence], num_tokens: Sequence[int], num_decodes: int = 0,
               *, num_seqs: int | None = None, width: int | None = None, all_logits: bool = False,
-              kernel_log: list | None = None, **padding) -> ModelInput:
+              logits_per_seq: Sequence[int] | None = None, kernel_log: list | None = None,
+              **padding) -> ModelInput:
         """``pack_step`` over ``seqs`` with ``cache``'s block size, copied to ``cache``'s device (two copies).
-        ``num_seqs``, ``width`` and ``padding`` (``num_rows``, ``scratch_block``, ``token_ids``) as ``pack_step``
-        takes them; ``kernel_log`` as the field."""
+        ``num_seqs``, ``width``, ``all_logits``, ``logits_per_seq`` and ``padding`` (``num_rows``, ``scratch_block``,
+        ``token_ids``) as ``pack_step`` takes them; ``kernel_log`` as the field."""
         num_seqs = num_seqs or len(seqs)
         width = width or max((len(s.block_table) for s in seqs), default=1)
         longs, ints = pack_step(seqs, num_tokens, cache.block_size, num_seqs=num_seqs, width=width,
-                                all_logits=all_logits, **padding)
+                                all_logits=all_logits, logits_per_seq=logits_per_seq, **padding)
         longs, ints = (host_to_device(a, cache.device) for a in (longs, ints))
-        c, q, g, t0 = layout(num_seqs, longs.shape[1] if all_logits else num_seqs)  # views of the two arrays
+        num_logits = ints.shape[0] - 2 * num_seqs - 1 - num_seqs * width
+        c, q, g, t0 = layout(num_seqs, num_logits)  # views of the two arrays
         return cls(longs[0], longs[1], longs[2], ints[t0:].view(num_seqs, width), ints[c:q], ints[q:g], ints[g:t0],
                    num_decodes, (longs, ints), kernel_log)
 
@@ -113,13 +115,16 @@ def layout(num_seqs: int, num_logits: int) -> tuple[int, int, int, int]:
 
 def pack_step(seqs: Sequence[KVSequence], num_tokens: Sequence[int], block_size: int, *,
               num_seqs: int | None = None, num_rows: int | None = None, width: int | None = None,
-              scratch_block: int = 0, all_logits: bool = False, token_ids: bool = True) -> tuple[np.ndarray, ...]:
+              scratch_block: int = 0, all_logits: bool = False, logits_per_seq: Sequence[int] | None = None,
+              token_ids: bool = True) -> tuple[np.ndarray, ...]:
     """The step computing the next ``num_tokens[i]`` tokens of each sequence (from its ``num_computed`` on; their
     slots reserved; the sequences are only read) as two host arrays: int64 ``[3, rows]`` and int32 ``[2 * num_seqs
     + 1 + num_logits + num_seqs * width]`` (``layout``).
 
     Padded to ``num_seqs`` sequences and ``num_rows`` token rows (see the module docstring), block tables ``width``
-    wide (default: the widest table). ``all_logits``: every row's logits, not each sequence's last. ``token_ids=False``
+    wide (default: the widest table). ``all_logits``: every row's logits, not each sequence's last; ``logits_per_seq``:
+    the logits of the last ``logits_per_seq[i]`` rows of sequence ``i`` (in ``[1, num_tokens[i]]``: speculative
+    decoding's verify rows beside other sequences' prefill chunks), padding sequences one each. ``token_ids=False``
     leaves the input ids 0 (a pipeline stage's sequences hold none: its inputs are hidden states)."""
     n = len(seqs)
     if len(num_tokens) != n or (n == 0 and not num_seqs):
@@ -161,7 +166,12 @@ def pack_step(seqs: Sequence[KVSequence], num_tokens: Sequence[int], block_size:
         longs[0, :n_real] = ids
     longs[1:, :n_real] = (pos, slots)
     longs[2, n_real:] = scratch_block * bs
-    n_logits = n_tok if all_logits else n_seqs
+    if logits_per_seq is not None:
+        counts = list(logits_per_seq)
+        if all_logits or len(counts) != n or any(not 1 <= c <= q for c, q in zip(counts, num_tokens)):
+            raise ValueError(f"logits_per_seq={counts!r} must give each of the {n} sequences a count in [1, its "
+                             f"num_tokens={list(num_tokens)!r}] (and all_logits must be False)")
+    n_logits = n_tok if all_logits else n_seqs if logits_per_seq is None else sum(counts) + n_seqs - n
     ints = np.full(2 * n_seqs + 1 + n_logits + n_seqs * width, scratch_block, dtype=np.int32)
     c, q, g, t0 = layout(n_seqs, n_logits)
     ints[c:q] = 1
@@ -171,6 +181,10 @@ def pack_step(seqs: Sequence[KVSequence], num_tokens: Sequence[int], block_size:
     ints[q + 1 + n:g] = n_real
     if all_logits:
         ints[g:t0] = np.arange(n_tok)
+    elif logits_per_seq is not None:
+        ends = ints[q + 1:q + 1 + n]
+        ints[g:t0] = 0
+        ints[g:g + n_logits - (n_seqs - n)] = np.concatenate([np.arange(e - c, e) for e, c in zip(ends, counts)])
     else:
         ints[g:t0] = 0
         ints[g:g + n] = ints[q + 1:q + 1 + n] - 1
