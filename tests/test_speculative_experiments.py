@@ -92,17 +92,3 @@ def test_explain_speedup_bounds_the_speedup_by_tokens_per_step():
     h200 = S.explain_speedup(REPO_ROOT / "results/h200/records/09_speculative.json")
     assert h200["timing_artefact"] and h200["device"] == "NVIDIA H200"  # the committed record's 2.65x
 
-
-def test_run_decoder_wraps_the_engine():
-    from labkit.engine import DraftModelProposer, PromptLookupProposer
-
-    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
-                      num_heads=2, num_kv_heads=1, head_dim=16)
-    m = from_config(cfg, dtype=torch.float32)
-    prompts = [[1, 2, 3, 1, 2], [5, 6, 7]]
-    plain, st0, t = S.run_decoder(m, None, prompts, 0, 6, num_blocks=16)
-    assert t > 0 and st0.tokens_per_step == 1.0 and [len(o) for o in plain] == [6, 6]
-    for prop in (PromptLookupProposer(), DraftModelProposer(m)):
-        out, st, _ = S.run_decoder(m, prop, prompts, 3, 6, num_blocks=16)
-        assert out == plain
-    assert st.acceptance_rate == 1 and st.tokens_per_step > 1  # the target as its own draft

@@ -52,34 +52,6 @@ def alpha_from_tokens_per_step(tokens_per_step: float, k: int) -> float:
     return (lo + hi) / 2
 
 
-def run_decoder(target: CausalLM, proposer, prompts, k: int, max_new_tokens: int, num_blocks: int = 512):
-    """Greedy generation of ``prompts`` through ``LLMEngine`` speculating with ``proposer``'s method (``None`` or
-    ``k = 0``: plain decoding); ``(outputs, stats, seconds)``, ``stats`` with ``acceptance_rate`` and
-    ``tokens_per_step``. The notebook's former entry point, kept as a thin wrapper over the engine until notebook 09
-    moves to ``labkit.experiments.speculative_runs``."""
-    import time
-    from types import SimpleNamespace
-
-    from labkit.engine import DraftModelProposer, LLMEngine, SamplingParams, SpeculativeConfig
-
-    spec = None
-    if proposer is not None and k > 0:
-        spec = (SpeculativeConfig("draft", k, draft_model=proposer.draft) if isinstance(proposer, DraftModelProposer)
-                else SpeculativeConfig("prompt_lookup", k, prompt_lookup_max=proposer.max_ngram,
-                                       prompt_lookup_min=proposer.min_ngram))
-    eng = LLMEngine(target, num_blocks=num_blocks, max_num_seqs=len(prompts), speculative=spec)
-    t0 = time.perf_counter()
-    outs = eng.generate([list(p) for p in prompts], SamplingParams(max_tokens=max_new_tokens, ignore_eos=True),
-                        progress=False)
-    if target.device.type == "cuda":
-        torch.cuda.synchronize(target.device)
-    seconds = time.perf_counter() - t0
-    st = eng.stats
-    return ([o.output_token_ids for o in outs],
-            SimpleNamespace(acceptance_rate=st.acceptance_rate, tokens_per_step=st.tokens_per_spec_decode or 1.0),
-            seconds)
-
-
 @torch.inference_mode()
 def verify_cost_ratio(model: CausalLM, k: int, batch: int = 1, context: int = 512, iters: int = 10,
                       block_size: int = 16, kernels: str = "auto", cuda_graph: bool = False) -> dict:
