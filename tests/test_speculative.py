@@ -313,5 +313,5 @@ def test_bad_configuration(tiny_model):
         LLMEngine(model, num_blocks=16, speculative=SpeculativeConfig("draft", 2, draft_model=small_draft(64)))
     with pytest.raises(ValueError, match="speculative='ngram' must be a SpeculativeConfig"):
         EngineConfig(speculative="ngram")
-    with pytest.raises(ValueError, match="num_speculative_tokens=-1 must be None"):
+    with pytest.raises(ValueError, match="num_speculative_tokens=-1 must be an int >= 0"):
         SamplingParams(num_speculative_tokens=-1)
