@@ -62,7 +62,7 @@ SIZES = {
     "cpu": dict(seq_len=256, windows=24, calib_samples=32, calib_seq_len=256, context=64, decode_iters=3,
                 error_tokens=(2, 64), matmul_size=512, sum_lengths=(256, 1024, 4096, 16384),
                 dtype_windows=8, accuracy_device="cpu"),
-    "gpu": dict(seq_len=512, windows=None, calib_samples=128, calib_seq_len=512, context=512, decode_iters=50,
+    "gpu": dict(seq_len=512, windows=None, calib_samples=64, calib_seq_len=512, context=512, decode_iters=50,
                 error_tokens=(8, 512), matmul_size=8192, sum_lengths=(256, 1024, 4096, 16384),
                 dtype_windows=None, accuracy_device="cuda"),
 }[PROFILE]

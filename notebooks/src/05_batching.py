@@ -71,10 +71,11 @@ SIZES = {
     # gpu: one H200; the offline comparison serves 128 requests (512-token prompts, outputs exponential with mean
     # 128, at most 1,024) on both sides, HF generate with the static cache and torch.compile in two batches of 64
     # (its compile and two batches' longest outputs: about as long as the eager subsample it replaces)
-    # (the load sweep took 114 s of the H200's 266 and ran past 180 s on a cold H100 at 96 requests and five loads:
-    # 64 requests and four loads keep the notebook inside its 240 s)
+    # (the load sweep took 114 s of the H200's 262 at four loads, and ran past 115 s on a cold H100: a policy at
+    # load x spends the arrival span, 1/x of FIFO's service time, so load 0.5 cost half the sweep; the gpu profile
+    # starts at load 1, where the policies already part)
     "gpu": dict(check_tokens=16, sweep_n=64, sweep_prompt=(32, 256), sweep_out=(32, 128), batch=16, budget=2048,
-                sweep_kv_tokens=8192, loads=[0.5, 1.0, 2.0, math.inf], slo=(0.5, 0.05), grouped=True,
+                sweep_kv_tokens=8192, loads=[1.0, 2.0, math.inf], slo=(0.5, 0.05), grouped=True,
                 chunk_n=12, chunk_prompt=(256, 1024), chunk_out=(32, 128), chunk_budget=256, chunk_rate_x=0.5,
                 decode_context=512, decode_steps=32, big_batch=64, profile_steps=4,
                 offline_n=128, offline_prompt=512, offline_out=(128, 1024), offline_batch=256,
