@@ -51,7 +51,7 @@ from labkit.model import from_config, load_checkpoint
 SIZES = {"ci": dict(prompts=32, prompt_len=32, new=8, ks=[2], batches=[1, 4], iters=2, repeats=1),
          "cpu": dict(prompts=32, prompt_len=96, new=32, ks=[1, 2, 4], batches=[1, 4, 16, 64], iters=5, repeats=1),
          "gpu": dict(prompts=64, prompt_len=96, new=32, ks=[1, 2, 4], batches=[1, 4, 16, 64], iters=10,
-                     repeats=3)}[PROFILE]
+                     repeats=1)}[PROFILE]
 DEVICE = "cuda" if PROFILE == "gpu" else "cpu"
 torch.manual_seed(seed)
 print(PROFILE, DEVICE, SIZES)
