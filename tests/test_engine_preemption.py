@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from labkit.data import sample_prompts
 from labkit.engine import EngineConfig, LLMEngine, SamplingParams
-from labkit.engine.scheduler import ContinuousBatchingScheduler
+from labkit.engine.policies import ContinuousBatchingScheduler
 from labkit.engine.sequence import Request, Sequence
 from labkit.kvcache import CacheFullError, PagedKVCache
 

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from labkit.engine.policies import ContinuousBatchingScheduler, FIFOScheduler, StaticBatchScheduler, make_scheduler
 from labkit.engine.sampling import SamplingParams
-from labkit.engine.scheduler import ContinuousBatchingScheduler, FIFOScheduler, StaticBatchScheduler, make_scheduler
 from labkit.engine.sequence import Request, Sequence
 from labkit.kvcache import CacheFullError, PagedKVCache
 

@@ -22,18 +22,16 @@
 from labkit.engine.cuda_graph import StepGraphs, default_graph_batch_sizes, default_graph_token_sizes
 from labkit.engine.llm_engine import EngineConfig, EngineStats, LLMEngine
 from labkit.engine.model_runner import KERNELS, ModelRunner
-from labkit.engine.proposers import DraftModelProposer, PromptLookupProposer, Proposer
-from labkit.engine.sampling import Sampler, SamplingParams
-from labkit.engine.scheduler import (
-    PREEMPTION_MODES,
+from labkit.engine.policies import (
     SCHEDULERS,
     ContinuousBatchingScheduler,
     FIFOScheduler,
-    ScheduledBatch,
-    Scheduler,
     StaticBatchScheduler,
     make_scheduler,
 )
+from labkit.engine.proposers import DraftModelProposer, PromptLookupProposer, Proposer
+from labkit.engine.sampling import Sampler, SamplingParams
+from labkit.engine.scheduler import PREEMPTION_MODES, ScheduledBatch, Scheduler
 from labkit.engine.sequence import (
     FinishReason,
     Request,

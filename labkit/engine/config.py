@@ -9,8 +9,9 @@ from dataclasses import asdict, dataclass, fields, replace
 import torch
 
 from labkit.checks import ArgumentTypeError, check_bool, check_choice, check_int, check_number, check_type
+from labkit.engine.policies import SCHEDULERS
 from labkit.engine.sampling import token_id_tuple
-from labkit.engine.scheduler import PREEMPTION_MODES, SCHEDULERS
+from labkit.engine.scheduler import PREEMPTION_MODES
 from labkit.engine.speculative import SpeculativeConfig
 from labkit.kvcache import kv_format
 from labkit.model import FusionPlan

@@ -28,8 +28,9 @@ from labkit.engine.async_step import AsyncStepLoop
 from labkit.engine.config import EngineConfig, EngineStats, default_eos_token_ids, engine_config, vocab_size
 from labkit.engine.cuda_graph import default_graph_batch_sizes, default_graph_token_sizes
 from labkit.engine.model_runner import ModelRunner, uses_triton
+from labkit.engine.policies import make_scheduler
 from labkit.engine.sampling import SampledTokens, Sampler, SamplingParams, token_seed
-from labkit.engine.scheduler import ScheduledBatch, make_scheduler
+from labkit.engine.scheduler import ScheduledBatch
 from labkit.engine.sequence import FinishReason, Request, RequestOutput, Sequence, TokenOutput, prompt_token_list
 from labkit.engine.speculative import Speculator
 from labkit.kvcache import PagedKVCache

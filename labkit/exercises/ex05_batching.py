@@ -1,6 +1,6 @@
 """Notebook 05 (batching): one step of continuous batching under a token budget, and decode slots with preemption.
 
-Both are the policy of labkit's ``ContinuousBatchingScheduler`` (``labkit.engine.scheduler``), taken out of the
+Both are the policy of labkit's ``ContinuousBatchingScheduler`` (``labkit.engine.policies``), taken out of the
 engine into pure functions over plain records so that a learner can write them in a cell: the engine's version also
 moves K/V blocks, samples and swaps, which is beside the point here.
 """
