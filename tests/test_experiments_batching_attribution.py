@@ -163,16 +163,16 @@ def test_decode_rate_refuses_negative_profile_steps(tiny_model):
 @pytest.mark.gpu
 def test_replayed_step_parts_and_gaps_sum_to_the_step():
     """On CUDA with graphs (the embedded model, Triton kernels): the engine's replayed steps are profiled kernel by
-    kernel (or, where CUPTI shows none inside a replay, eagerly, and the record says so); every part is found by its
-    kernel's name; parts and gaps sum to the engine's step time, the kernels within it."""
+    kernel (or, where CUPTI shows none inside a replay, eagerly, and the record says so); the GEMMs, attention and
+    norms are found by their kernels' names; parts and gaps sum to the engine's step time, the kernels within it."""
     from labkit.model import load_model
 
-    model = load_model(device="cuda")[0]
-    row = decode_rate(model, 8, 64, 8, torch.arange(100, 6000).tolist(), profile_steps=3)
+    model, source = load_model(device="cuda")[0], torch.arange(100, 6000)
+    row = decode_rate(model, 8, 64, 8, source, profile_steps=3)
     assert row["cuda_graphs"] and row["replay_step_s"]
-    att = decode_attribution(model, row, row.pop("profile"), bandwidth=3e12, source=torch.arange(100, 6000).tolist())
+    att = decode_attribution(model, row, row.pop("profile"), bandwidth=3e12, source=source)
     us = {r["part"]: r["us_per_step"] for r in att["parts"]}
-    assert all(us[p] > 0 for p in ("gemm", "attention", "norm", "rope/cache write", "activation")), us
+    assert all(us[p] > 0 for p in ("gemm", "attention", "norm")), us
     assert att["step_basis"] == "given step_s" and att["step_us"] == pytest.approx(row["step_median_s"] * 1e6)
     assert att["kernels_over_step_us"] <= 0.05 * att["step_us"]
     assert sum(us.values()) == pytest.approx(att["step_us"], rel=0.05)

@@ -134,7 +134,8 @@ def decode_attribution(model, row: dict, profile: ProfileResult, bandwidth: floa
     dtype = next(model.parameters()).dtype
     spec, batch, context = get_config(model), row["batch"], row.get("profile_context", row["context"])
     on_cuda = profile.on_cuda
-    what = "the engine's decode steps" + (", replayed from its CUDA graph" if row.get("cuda_graphs") else ", eager")
+    what = "the engine's decode steps" + (", replayed from its CUDA graph" if row.get("cuda_graphs") else ", eager") \
+        + (", async scheduling" if row.get("async_scheduling") else "")
     if on_cuda and row.get("cuda_graphs") and not any(step_part(e.name, e.scope) == "gemm" for e in profile.events):
         engine_kwargs = {k: v for k, v in engine_kwargs.items() if k not in ("cuda_graphs", "graph_batch_sizes",
                                                                                 "graph_token_sizes")}

@@ -166,7 +166,7 @@ def _decode(args) -> int:
         async_decode_figures(rows, path, args.out)
         for r in rows:
             if r.get("attribution"):
-                attribution_figures(r["attribution"], path, args.out)
+                attribution_figures(r["attribution"], path, args.out, "_async" if r["async_scheduling"] else "")
     return 0
 
 

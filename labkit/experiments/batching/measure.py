@@ -165,8 +165,9 @@ def decode_rate(model, batch_size: int, context: int, steps: int, source, warmup
     With ``async_scheduling=True`` among ``engine_kwargs`` each call launches a step and reads the previous one's
     tokens: in the steady state its time is the pipeline's period, timed the same way (``async_scheduling`` in the
     row says which). ``profile_steps``: then that many more steps of the same engine under ``profile_run`` (with
-    scopes), in ``row['profile']`` (a ``ProfileResult``, not JSON: ``attribution.decode_attribution`` turns it into
-    a table; drop it before writing the row), ``row['profile_context']`` the mean context of those steps."""
+    scopes on the CPU), in ``row['profile']`` (a ``ProfileResult``, not JSON: ``attribution.decode_attribution``
+    turns it into a table; drop it before writing the row), ``row['profile_context']`` the mean context of those
+    steps."""
     check_int("profile_steps", profile_steps, 0)
     engine = _prefilled_engine(model, batch_size, context, warmup + steps + 2 + profile_steps, source, seed,
                                **engine_kwargs)
@@ -188,7 +189,8 @@ def decode_rate(model, batch_size: int, context: int, steps: int, source, warmup
         row["replay_step_s"] = time_fn(replay_fn, device=engine.device, warmup=3, iters=max(steps, 10)).median_s
         del replay_fn
     if profile_steps:
-        row["profile"] = profile_run(partial(_steps, engine, profile_steps), steps=profile_steps, warmup=0, scopes=True)
+        row["profile"] = profile_run(partial(_steps, engine, profile_steps), steps=profile_steps, warmup=0,
+                                     scopes=engine.device.type == "cpu")  # (callers name the CPU's plain ops)
         row["profile_context"] = context + warmup + steps + (profile_steps + 1) // 2
     del engine
     free_device_memory()
