@@ -16,6 +16,12 @@ the part's own bandwidth utilisation.
 * ``attribution_rows`` / ``format_attribution`` / ``plot_attribution``: the table, printed, and one plot
 * ``attribution_figures``: ``engine.decode_b{b}_gap_frac``, ``_gemm_floor_frac`` and ``_attn_floor_frac``
 
+What names cannot tell: on the GPU a kernel's name is all the profiler gives inside a graph replay, so torch's generic
+kernels land by name (the logits' cast to float32 and the copy of the graph's output are copy kernels: copies/other;
+the torch expressions of the ops, ``kernels='torch'``, are mostly generic elementwise kernels: copies/other too). The
+default GPU plan runs each op as its own Triton kernel, whose name says the part. On the CPU every operator's callers
+name it (``profile_run(scopes=True)``).
+
 Which step time: on CUDA the engine's step end to end timed without the profiler (``step_median_s``: kernel
 durations are the device's own and do not change under the profiler, host work does); on the CPU the profiled
 wall time per step (the operators' self times include the profiler's overhead, so they are compared with the step
