@@ -182,39 +182,72 @@ def plot_roofline(hardware: Hardware, points: list[tuple[str, float, float]], ax
 
 # --- profiler ---------------------------------------------------------------------------------------------------
 CATEGORIES = ("matmul", "attention", "norm/elementwise", "memory copy", "communication")
-_PATTERNS = [
-    ("communication", r"nccl|all_?reduce|all_?gather|reduce_scatter|broadcast|send|recv|gloo|c10d"),
-    ("attention", r"flash|fmha|attention|attn|sdpa|cudnn.*mha"),
-    ("matmul", r"gemm|gemv|cutlass|xmma|nvjet|cublas|wgmma|\bmm\b|aten::(mm|addmm|bmm|matmul|linear|_int_mm|"
-               r"_scaled_mm)|splitk|matmul|dot"),
-    ("memory copy", r"memcpy|memset|aten::(copy_|to|_to_copy|clone|contiguous|cat|index_select|index_copy_|"
-                    r"index_put_|slice_scatter|stack|fill_|zero_|empty|full)|catarraybatched|copy_kernel"),
-    ("norm/elementwise", r"elementwise|vectorized|reduce|norm|rsqrt|pow|mean|silu|gelu|softmax|mul|add|sub|div|"
-                         r"neg|exp|tanh|sigmoid|rotary|rope|embedding|index|gather|scatter|where|masked|cumsum|"
-                         r"argmax|max|topk|sort|triton|aten::(cos|sin|arange|unsqueeze|view|reshape|transpose|"
-                         r"expand|select|slice|t|permute|detach|alias|lift|resize_|_unsafe_view|as_strided|"
-                         r"ones|ones_like|zeros_like|empty_like|isin|any|all|eq|ne|lt|gt|le|ge|bitwise|logical|"
-                         r"clamp|min|sum|abs|_local_scalar_dense|item|is_nonzero|scalar_tensor|"
-                         r"_assert_async|new_ones|new_zeros|split|chunk|narrow|squeeze|flatten|repeat|"
-                         r"result_type|numpy_t|matmul)"),
+STEP_PARTS = ("gemm", "attention", "norm", "rope/cache write", "activation", "sampling/logits", "copies/other")
+"""The parts of a decode step ``step_part`` names: finer than ``CATEGORIES`` inside the elementwise kernels."""
+_ELEMENTWISE = (r"elementwise|vectorized|reduce|norm|rsqrt|pow|mean|silu|gelu|softmax|mul|add|sub|div|"
+                r"neg|exp|tanh|sigmoid|rotary|rope|embedding|index|gather|scatter|where|masked|cumsum|"
+                r"argmax|max|topk|sort|sampl|triton|aten::(cos|sin|arange|unsqueeze|view|reshape|transpose|"
+                r"expand|select|slice|t|permute|detach|alias|lift|resize_|_unsafe_view|as_strided|"
+                r"ones|ones_like|zeros_like|empty_like|isin|any|all|eq|ne|lt|gt|le|ge|bitwise|logical|"
+                r"clamp|min|sum|abs|_local_scalar_dense|item|is_nonzero|scalar_tensor|"
+                r"_assert_async|new_ones|new_zeros|split|chunk|narrow|squeeze|flatten|repeat|"
+                r"result_type|numpy_t|matmul)")
+_PATTERNS = [  # (category, step part, pattern), tried in order: the first match names both
+    ("communication", "copies/other", r"nccl|all_?reduce|all_?gather|reduce_scatter|broadcast|send|recv|gloo|c10d"),
+    ("attention", "attention", r"flash|fmha|attention|attn|sdpa|cudnn.*mha"),
+    ("matmul", "gemm", r"gemm|gemv|cutlass|xmma|nvjet|cublas|wgmma|\bmm\b|aten::(mm|addmm|bmm|matmul|linear|"
+                       r"_int_mm|_scaled_mm)|splitk|matmul|dot"),
+    ("memory copy", "copies/other", r"memcpy|memset|aten::(copy_|to|_to_copy|clone|contiguous|cat|index_select|"
+                                    r"index_copy_|index_put_|slice_scatter|stack|fill_|zero_|empty|full)|"
+                                    r"catarraybatched|copy_kernel"),
+    # the elementwise kernels, by what they compute where the name says it (the rest: copies/other)
+    ("norm/elementwise", "norm", r"norm|rsqrt|pow|mean"),
+    ("norm/elementwise", "rope/cache write", r"rotary|rope|rotate|aten::(cos|sin)$"),
+    ("norm/elementwise", "activation", r"silu|gelu|tanh|sigmoid|act_and_mul"),
+    ("norm/elementwise", "sampling/logits", r"softmax|argmax|topk|sort|cumsum|sampl"),
+    ("norm/elementwise", "copies/other", _ELEMENTWISE),
 ]
-_COMPILED = [(c, re.compile(p, re.IGNORECASE)) for c, p in _PATTERNS]
+_COMPILED = [(c, part, re.compile(p, re.IGNORECASE)) for c, part, p in _PATTERNS]
 
 
 def categorize(name: str) -> str:
     """The category of a kernel or operator name, or ``other`` when no pattern claims it."""
-    for cat, pat in _COMPILED:
+    for cat, _, pat in _COMPILED:
         if pat.search(name):
             return cat
     return "other"
 
 
+def step_part(name: str, scope: str = "") -> str:
+    """The part of a decode step (``STEP_PARTS``) a kernel or operator belongs to: from ``scope`` (its callers,
+    outermost first, separated by ' > ': operators and labkit functions, as ``profile_run(scopes=True)`` records them
+    on the CPU), the outermost one whose name says a part other than copies/other; else from ``name`` itself. On the
+    CPU the torch expressions of RoPE or SwiGLU are plain ``aten::mul``/``aten::cat``, known only by their caller
+    (``rope_and_write``, ``act_and_mul``); on the GPU the Triton kernels' names say it."""
+    for caller in (scope.split(" > ") if scope else []):
+        part = _part(caller)
+        if part not in ("copies/other", None):
+            return part
+    return _part(name) or "copies/other"
+
+
+def _part(name: str) -> str | None:
+    for _, part, pat in _COMPILED:
+        if pat.search(name):
+            return part
+    return None
+
+
 @dataclass
 class KernelEvent:
+    """One kernel (CUDA) or operator (CPU, its self time); ``scope``: its callers, outermost first, ' > ' between
+    them (operators and labkit functions; recorded on the CPU by ``profile_run(scopes=True)``, else empty)."""
+
     name: str
     start_us: float
     dur_us: float
     category: str
+    scope: str = ""
 
 
 @dataclass
@@ -296,7 +329,20 @@ class ProfileResult:
                  "us_per_step": r["total (ms)"] * 1e3 / self.steps} for r in self.top_kernels(n)]
 
 
-def _device_events(prof, on_cuda: bool) -> list[KernelEvent]:
+def _scope(event) -> str:
+    """The callers of a CPU operator that ``step_part`` reads: enclosing operators and labkit functions (with
+    ``with_stack``, the profiler's Python frames are parents), outermost first."""
+    names, p = [], event.cpu_parent
+    while p is not None:
+        if p.name.startswith("aten::"):
+            names.append(p.name)
+        elif "labkit/" in p.name:  # 'labkit/model/ops.py(74): rope_and_write'
+            names.append(p.name.rsplit(": ", 1)[-1])
+        p = p.cpu_parent
+    return " > ".join(reversed(names))
+
+
+def _device_events(prof, on_cuda: bool, scopes: bool = False) -> list[KernelEvent]:
     from torch.autograd import DeviceType
 
     out = []
@@ -310,7 +356,8 @@ def _device_events(prof, on_cuda: bool) -> list[KernelEvent]:
                 continue
             dur = e.self_cpu_time_total
         if dur > 0:
-            out.append(KernelEvent(e.name, float(e.time_range.start), float(dur), categorize(e.name)))
+            out.append(KernelEvent(e.name, float(e.time_range.start), float(dur), categorize(e.name),
+                                   _scope(e) if scopes and not on_cuda else ""))
     return out
 
 
@@ -325,11 +372,13 @@ def step_breakdown(step: Callable[[], object], top: int = 15, steps: int = 3) ->
 
 
 def profile_run(fn: Callable[[], object], steps: int = 1, trace_path: str | None = None,
-                warmup: int = 1) -> ProfileResult:
+                warmup: int = 1, scopes: bool = False) -> ProfileResult:
     """Profile ``fn()`` (after ``warmup`` unprofiled calls) and attribute device time.
 
     ``steps`` is how many decode steps (or forwards) ``fn`` performs, for kernels per step. On CUDA the kernels
     are CUPTI's; on the CPU the aten operators' self times. ``trace_path`` exports a Chrome/Perfetto trace.
+    ``scopes``: also record each CPU operator's callers (``KernelEvent.scope``, for ``step_part``) from the Python
+    stack (``with_stack``: the profiled wall time grows, about doubling for the embedded model's step).
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -341,7 +390,7 @@ def profile_run(fn: Callable[[], object], steps: int = 1, trace_path: str | None
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     if on_cuda:
         torch.cuda.synchronize()
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=scopes) as prof:
         t0 = time.perf_counter()
         fn()
         if on_cuda:
@@ -349,7 +398,7 @@ def profile_run(fn: Callable[[], object], steps: int = 1, trace_path: str | None
         wall = time.perf_counter() - t0
     if trace_path:
         prof.export_chrome_trace(trace_path)
-    events = _device_events(prof, on_cuda)
+    events = _device_events(prof, on_cuda, scopes)
     device = torch.cuda.get_device_name() if on_cuda else "cpu"
     return ProfileResult(device, wall, steps, events, trace_path, on_cuda)
 

@@ -165,6 +165,24 @@ def test_bench_decode_runs_both_scheduling_modes(tmp_path):
     assert figs["engine.decode_b2_async_speedup"]["value"] > 0
 
 
+def test_bench_decode_profile_writes_the_attribution(tmp_path):
+    """``--profile``: each batch's row carries where its step's time went (parts, gaps, floors), the profile itself
+    not written; with ``--figures`` the gap share and the GEMMs' and attention's floor fractions per batch."""
+    assert bench_main(["decode", "--batch", "2", "--context", "8", "--steps", "3", "--no-hf", "--kernels", "torch",
+                       "--profile", "--profile-steps", "2", "--figures", "--out", str(tmp_path), "--device",
+                       "cpu"]) == 0
+    rows = json.loads((tmp_path / "records" / "bench_decode.json").read_text())["data"]["rows"]
+    att = rows[0]["attribution"]
+    assert "profile" not in rows[0] and att["batch"] == 2 and att["steps_profiled"] == 2
+    assert [r["part"] for r in att["parts"]][-1] == "gaps" and att["bandwidth_bytes_per_s"] > 0
+    assert sum(r["us_per_step"] for r in att["parts"]) == pytest.approx(att["step_us"])
+    figs = json.loads((tmp_path / "figures.json").read_text())
+    assert {"engine.decode_b2_gap_frac", "engine.decode_b2_gemm_floor_frac", "engine.decode_b2_attn_floor_frac"} \
+        <= set(figs)
+    with pytest.raises(SystemExit):
+        bench_main(["decode", "--profile", "--profile-steps", "0"])
+
+
 def test_host_frac_is_one_formula_in_both_modes(tmp_path):
     """``engine.decode_b{b}_host_frac`` and its ``_async`` twin: 1 - (the captured step replayed alone) / (the step
     end to end), whatever the mode measured."""

@@ -22,7 +22,8 @@
 # arrival instead of sleeping (notebook 00 replays HF the same way, so the two compare on one footing).
 #
 # **Reading guide**: CUDA-graph gate (GPU) → predict → greedy-output gate → load sweep (the answer to hint 3) → chunked prefill → CUDA graphs
-# → decode waterfall → offline throughput against HF `generate` → trade-off table → takeaways (checked claims).
+# → decode waterfall → where the step's time goes → offline throughput against HF `generate` → trade-off table →
+# takeaways (checked claims).
 
 # %% tags=["parameters"]
 profile = "auto"
@@ -48,8 +49,9 @@ from labkit.bench.workload import LengthDist, make_workload
 from labkit.bench.serving import SLO
 from labkit.experiments.baseline import run_generate
 from labkit.claims import Claim, show
-from labkit.experiments.batching import (check_graph_replays, check_greedy_vs_hf, decode_rate, fifo_sweep,
-                                         free_device_memory, profile_engine_decode, serve_sweep)
+from labkit.experiments.batching import (attribution_rows, check_graph_replays, check_greedy_vs_hf, decode_attribution,
+                                         decode_rate, fifo_sweep, format_attribution, free_device_memory,
+                                         plot_attribution, profile_engine_decode, serve_sweep)
 from labkit.hardware import measure_ceilings
 from labkit.model import get_config, human_bytes, load_model, random_model
 from labkit.profiling import plot_timeline
@@ -366,7 +368,9 @@ hf_static = time_decode_step(speed_model, 1, ctx, cuda_graph=True, iters=SIZES["
 engine_bs1 = decode_rate(speed_model, 1, ctx, SIZES["decode_steps"], source)  # CUDA graphs where they exist
 eager_bs1 = decode_rate(speed_model, 1, ctx, max(4, SIZES["decode_steps"] // 4), source, cuda_graphs=False) \
     if ON_GPU else engine_bs1
-engine_big = decode_rate(speed_model, SIZES["big_batch"], ctx, max(4, SIZES["decode_steps"] // 4), source)
+engine_big = decode_rate(speed_model, SIZES["big_batch"], ctx, max(4, SIZES["decode_steps"] // 4), source,
+                         profile_steps=SIZES["profile_steps"])  # and a profile of a few more steps, for the next section
+big_profile = engine_big.pop("profile")
 kernels_word = "Triton kernels" if eager_bs1["kernels"] == "triton" else "torch references"
 waterfall = pd.DataFrame([
     {"step": "HF generate, eager, batch 1", "tok_s": hf_exec.decode_tok_s(), "timed": "end to end"},
@@ -397,6 +401,28 @@ replay_mbu = bs1_floor_s / engine_bs1["replay_step_s"] if engine_bs1["replay_ste
 print(f"batch 1: {engine_bs1['tok_s']:.1f} tokens/s end to end = {decode_mbu:.1%} of the bandwidth floor "
       f"({bs1_floor_s * 1e3:.3f} ms/token)" + (f"; the replayed step alone {replay_mbu:.1%}" if replay_mbu else ""))
 elapsed("waterfall")
+
+# %% [markdown]
+# ## Where the rest of the step goes
+# The largest batch's decode step cut into parts (GEMMs, attention, norms, RoPE and the cache write, the activation,
+# sampling and logits, copies and the rest, each kernel named by `labkit.profiling.step_part`) plus the **gaps**, the
+# step's time no kernel accounts for. Each part stands beside its floor: the bytes it must move (weights, the KV cache
+# of the batch at its context, activations, logits) over the copy bandwidth measured above; `floor/actual` is that
+# part's own bandwidth utilisation. On the GPU the profiled steps are the engine's, replayed from its CUDA graph, and
+# the gaps are taken against the step end to end (host work the device waits for); on the CPU the operators' self
+# times of the embedded model's eager step, and the gaps are Python. `python -m labkit bench decode --profile` prints
+# the same table for each batch.
+
+# %%
+attribution = decode_attribution(speed_model, engine_big, big_profile, bandwidth, source)
+del big_profile
+display(pd.DataFrame(attribution_rows(attribution)).round(3))
+print(format_attribution(attribution).splitlines()[0])
+fig, ax = plt.subplots(figsize=(8, 3.8))
+plot_attribution(attribution, ax=ax)
+plt.tight_layout()
+plt.show()
+elapsed("step attribution")
 
 # %% [markdown]
 # ## Offline throughput against HF `generate` in static batches (measured, not extrapolated)
@@ -458,7 +484,8 @@ rec = write_record("05_batching", {
     "waterfall": waterfall.to_dict("records"),
     "decode": {"hf_generate_bs1": {"token_times_s": hf_exec.token_times_s, "decode_tok_s": hf_exec.decode_tok_s()},
                "hf_static_cache_step": hf_static, "engine_eager_bs1": eager_bs1, "engine_bs1": engine_bs1,
-               "engine_big_batch": engine_big, "bs1_bytes_per_step": bs1_bytes, "bs1_floor_s": bs1_floor_s,
+               "engine_big_batch": engine_big, "big_batch_attribution": attribution,
+               "bs1_bytes_per_step": bs1_bytes, "bs1_floor_s": bs1_floor_s,
                "bs1_mbu_end_to_end": decode_mbu, "bs1_mbu_replay": replay_mbu},
     "offline": {"recipe": {"n": len(off_wl), "prompt": SIZES["offline_prompt"],
                            "output": LengthDist.exponential(SIZES["offline_out"][0], 1,

@@ -6,7 +6,9 @@
     bench decode  steady-state decode tokens/s at given batch sizes, with the bandwidth floor and MBU, beside HF
                   ``generate`` with the static cache, eager and compiled (compiled on CUDA only), same prompts;
                   with ``--formats`` also the model quantised to each weight format, each layer taking the kernel
-                  its machine's table measured fastest at the batch (``--dispatch``), against bf16 in the same run
+                  its machine's table measured fastest at the batch (``--dispatch``), against bf16 in the same run;
+                  with ``--profile`` where each step's time goes: GEMMs, attention, norms, RoPE, sampling, the gaps,
+                  each against its byte floor (``attribution.py``; bf16, the first scheduling mode)
 
 ``--async-scheduling off|on|both``: the engine without overlap (the default), with it
 (``EngineConfig.async_scheduling``: the host prepares the next step while the device runs this one), or both in one
@@ -22,6 +24,8 @@ Examples::
     python -m labkit bench decode --model llama-3-8b --batch 1 16 64 --context 512
     python -m labkit bench decode --model llama-3-8b --batch 1 16 64 --async-scheduling both --no-hf --figures
     python -m labkit bench decode --model llama-3-8b --batch 1 16 64 --formats bf16 int8 int4 fp8 --no-hf --figures
+    python -m labkit bench decode --model llama-3-8b --batch 1 16 64 --context 512 --max-num-seqs 64 --no-hf --profile \
+        --figures
 """
 
 from __future__ import annotations
@@ -109,6 +113,7 @@ def _serve(args) -> int:
 
 def _decode(args) -> int:
     from labkit.bench import write_record
+    from labkit.experiments.batching.attribution import attribution_figures, decode_attribution, format_attribution
     from labkit.experiments.batching.measure import decode_rate, free_device_memory
     from labkit.experiments.quantization.metrics import decode_weight_bytes
     from labkit.hardware import measure_ceilings
@@ -128,12 +133,16 @@ def _decode(args) -> int:
                           async_scheduling=overlap)
                 if args.formats:  # the decode step of this batch is what is compared: capture that one graph only
                     kw.update(graph_batch_sizes=(b,), graph_token_sizes=())
-                r = decode_rate(m, b, args.context, args.steps, source, **kw)
+                profiled = args.profile and fmt == "bf16" and overlap == modes[0]
+                r = decode_rate(m, b, args.context, args.steps, source, profile_steps=args.profile_steps * profiled,
+                                **kw)
                 weight_bytes = spec.decode_weight_bytes(dtype) if fmt == "bf16" else decode_weight_bytes(spec, fmt)
                 floor_bytes = weight_bytes + b * spec.kv_bytes(r["context"], dtype)
                 r.update(weights=fmt, kernels_by_layer=_paths_at(m, b), floor_bytes=floor_bytes,
                          floor_s=floor_bytes / bw, mbu=floor_bytes * r["tok_s"] / b / bw,
                          mbu_datasheet=floor_bytes * r["tok_s"] / b / sheet if sheet else None)
+                if profiled:  # the profile's table in the row, the profile itself dropped (not JSON)
+                    r["attribution"] = decode_attribution(m, r, r.pop("profile"), bw, source, **kw)
                 if not args.no_hf and fmt == "bf16" and overlap == modes[0]:  # HF once per batch
                     r.update(hf_static_decode(model, b, args.context, args.steps, source, args.seed))
                 rows.append(r)
@@ -141,6 +150,8 @@ def _decode(args) -> int:
                                                 "datasheet_bytes_per_s": sheet, "context": args.context, "rows": rows,
                                                 "dispatch": tables}, out_dir=args.out)  # (a run cut short keeps them)
                 _print_decode_row(label, r)
+                if profiled:
+                    print(format_attribution(r["attribution"]), flush=True)
         if m is not model:
             del m
             free_device_memory()
@@ -153,6 +164,9 @@ def _decode(args) -> int:
             decode_figures([r for r in mine if r.get("weights", "bf16") == "bf16"], path, args.out, suffix)
             quant_decode_figures(mine, path, args.out, suffix)
         async_decode_figures(rows, path, args.out)
+        for r in rows:
+            if r.get("attribution"):
+                attribution_figures(r["attribution"], path, args.out, "_async" if r["async_scheduling"] else "")
     return 0
 
 
@@ -359,6 +373,11 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--dispatch", default="measured",
                    help="kernels of the quantised layers: 'measured' (this machine's table), 'labkit', or the path "
                         "of a quant_dispatch.json record")
+    d.add_argument("--profile", action="store_true",
+                   help="also profile each batch's decode steps: time per part (GEMMs, attention, norms, RoPE/cache "
+                        "write, activation, sampling, copies) and the gaps, each against its byte floor; with "
+                        "--figures, engine.decode_b*_gap_frac, _gemm_floor_frac and _attn_floor_frac")
+    d.add_argument("--profile-steps", type=int, default=4, help="decode steps profiled per batch (with --profile)")
     d.add_argument("--name", default="bench_decode", help="record name")
     d.set_defaults(fn=_decode)
     return ap
@@ -368,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point for ``python -m labkit bench ...`` (``argv`` without the leading 'bench')."""
     args = _parser().parse_args(argv)
     for name in ("num_requests", "max_num_seqs", "max_num_batched_tokens", "block_size", "prompt_len", "context",
-                 "steps", "hf_batch"):
+                 "steps", "hf_batch", "profile_steps"):
         v = getattr(args, name, 1)
         if v is not None and v < 1:
             raise SystemExit(f"--{name.replace('_', '-')}={v} must be >= 1")

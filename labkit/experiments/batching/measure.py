@@ -8,7 +8,8 @@
   the device time of one captured step replayed alone
 * ``runner_step``: one engine forward (a decode step of a batch at a context, or one prefill) as a callable, on
   a cache filled without a prefill, for sweeps of step time over batch, context and precision
-* ``profile_engine_decode``: a profiler trace of decode steps, eager or replayed from CUDA graphs
+* ``profile_engine_decode``: a profiler trace of decode steps, eager or replayed from CUDA graphs (``decode_rate``
+  profiles its own engine's steps too, for ``attribution``: where the step's time goes, part by part)
 * ``serve_sweep``: policies x offered loads on one workload (Poisson arrivals), with latency percentiles,
   inter-token gaps, throughput, busy fraction and memory
 * ``fifo_sweep``: the FIFO engine run once with every request queued, its per-request service replayed at each
@@ -33,6 +34,7 @@ from tqdm.auto import tqdm
 from labkit.bench import time_fn
 from labkit.bench.serving import SLO, percentile, serve, summarize
 from labkit.bench.workload import LengthDist, RequestSpec, at_rate, make_workload
+from labkit.checks import check_int
 from labkit.engine import LLMEngine, ModelRunner, SamplingParams, default_graph_batch_sizes
 from labkit.evaluate import relative_error
 from labkit.experiments.baseline import Execution, replay_fifo
@@ -156,14 +158,19 @@ def _prefilled_engine(model, batch_size: int, context: int, max_tokens: int, sou
 
 
 def decode_rate(model, batch_size: int, context: int, steps: int, source, warmup: int = 3, seed: int = 0,
-                replay: bool = True, **engine_kwargs) -> dict:
+                replay: bool = True, profile_steps: int = 0, **engine_kwargs) -> dict:
     """Decode tokens/s at ``batch_size`` sequences of ``context`` prompt tokens, timed over ``steps`` steps of
     ``LLMEngine.step`` (scheduling, input preparation, the forward, sampling: end to end), after ``warmup``.
     On CUDA with graphs, ``replay_step_s`` is also the median device time of the captured step replayed alone.
     With ``async_scheduling=True`` among ``engine_kwargs`` each call launches a step and reads the previous one's
     tokens: in the steady state its time is the pipeline's period, timed the same way (``async_scheduling`` in the
-    row says which)."""
-    engine = _prefilled_engine(model, batch_size, context, warmup + steps + 2, source, seed, **engine_kwargs)
+    row says which). ``profile_steps``: then that many more steps of the same engine under ``profile_run`` (with
+    scopes on the CPU), in ``row['profile']`` (a ``ProfileResult``, not JSON: ``attribution.decode_attribution``
+    turns it into a table; drop it before writing the row), ``row['profile_context']`` the mean context of those
+    steps."""
+    check_int("profile_steps", profile_steps, 0)
+    engine = _prefilled_engine(model, batch_size, context, warmup + steps + 2 + profile_steps, source, seed,
+                               **engine_kwargs)
     for _ in range(warmup):
         engine.step()
     times = []
@@ -181,6 +188,10 @@ def decode_rate(model, batch_size: int, context: int, steps: int, source, warmup
         replay_fn = graphs.graphs[graphs.lookup(batch_size, batch_size, batch_size)].replay
         row["replay_step_s"] = time_fn(replay_fn, device=engine.device, warmup=3, iters=max(steps, 10)).median_s
         del replay_fn
+    if profile_steps:
+        row["profile"] = profile_run(partial(_steps, engine, profile_steps), steps=profile_steps, warmup=0,
+                                     scopes=engine.device.type == "cpu")  # (callers name the CPU's plain ops)
+        row["profile_context"] = context + warmup + steps + (profile_steps + 1) // 2
     del engine
     free_device_memory()
     return row
