@@ -1,16 +1,16 @@
 """The ops of the paged forward, each run by the kernel its ``FusionPlan`` field names: the model applies the plan
-here, by plain calls (no lookup by name, no module switch).
+(resolved once, by ``CausalLM.use``) here, by plain calls (no lookup by name, no module switch, no decision again).
 
 * ``add_norm``: ``[residual +] h`` then RMSNorm (``plan.norm``: 'triton' is one fused kernel, ``rms_norm(h, w, eps,
   residual=r)``)
 * ``rope_and_write``: RoPE on q and k, then k and v into the paged cache (``plan.rope``; ``rope_cache_write``: one
   kernel for both, ``apply_rope_and_cache``, with a cache stored in the activations' dtype)
 * ``act_and_mul``: the gated MLP's ``act(gate) * up`` (``plan.activation``: ``silu_and_mul``)
-* ``projection``: an int8/int4 projection with its neighbours inside the GEMV (``plan.quant_epilogues``): the
+* ``projection``: an int8/int4 projection's GEMV with its epilogue as arguments (``plan.quant_epilogues``): the
   RMSNorm before it, the residual add after it, or SwiGLU of its input; ``qkv_projection``: the merged q/k/v
   projection with RoPE and the cache write in its store (``plan.qkv_rope_cache``). The quantised linears
   themselves are plain linears (``weights()``, ``tuning``, ``uses_kernels``); which kernel takes which neighbour is
-  decided here (``EPILOGUE_KERNELS``).
+  said here (``EPILOGUE_KERNELS``), and whether they run is the plan's (``epilogue_ready``, at resolution).
 
 Every torch expression rounds as the family's HF module does, so the torch plan's greedy output equals HF's.
 
@@ -22,7 +22,6 @@ step's ``ModelInput.kernel_log``, set by ``ModelRunner(kernel_log=...)`` or ``Mo
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from labkit.kernels.common import KernelLog
@@ -56,19 +55,13 @@ def add_norm(norm: nn.Module, h: torch.Tensor, residual: torch.Tensor | None, pl
     return norm(h), h
 
 
-def caches_raw(cache: PagedKVCache, dtype: torch.dtype) -> bool:
-    """Whether ``cache`` stores K/V as they are (no int8/fp8 format, the activations' dtype): kernels may write
-    and read its pools directly."""
-    return not cache.fmt.quantised and cache.fmt.storage_dtype == dtype
-
-
 def rope_and_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    cache: PagedKVCache, layer: int, slot_mapping: torch.Tensor,
                    plan: FusionPlan, log: KernelLog | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on ``q`` ``[T, heads, D]`` and ``k`` ``[T, kv_heads, D]``; the rotated ``k`` and ``v`` written at
     ``slot_mapping`` of ``layer``. Returns the rotated ``(q, k)``."""
     if plan.rope == "triton":
-        if plan.rope_cache_write and caches_raw(cache, q.dtype):
+        if plan.rope_cache_write:  # resolved for a cache stored in the activations' dtype (CausalLM.use)
             from labkit.kernels.rope import apply_rope_and_cache
 
             _note(log, "rope", "apply_rope_and_cache", ("cache",))
@@ -96,9 +89,10 @@ def act_and_mul(act, gate_up: torch.Tensor, plan: FusionPlan, log: KernelLog | N
     return act(gate) * up
 
 
-def epilogue_ready(linears: list[nn.Module]) -> bool:
-    """Whether every one of ``linears`` is labkit's int8/int4 linear (what the epilogue fusions need)."""
-    return all(type(m) in EPILOGUE_KERNELS for m in linears)
+def epilogue_ready(linears: list[nn.Module | None], device: torch.device) -> bool:
+    """Whether every one of ``linears`` is labkit's int8/int4 linear running its kernels on ``device`` (what the
+    epilogue fusions need; None: a layer the model's weight layout does not have)."""
+    return all(type(m) in EPILOGUE_KERNELS and m.uses_kernels(device) for m in linears)
 
 
 def peers_take(linears: list[nn.Module], rows: int) -> bool:
@@ -109,11 +103,12 @@ def peers_take(linears: list[nn.Module], rows: int) -> bool:
 
 def projection(lin: nn.Module, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None,
                swiglu: bool = False, pdl: str = "", log: KernelLog | None = None) -> torch.Tensor:
-    """``residual + lin(pre(x))``, where ``pre`` is ``norm`` (an RMSNorm: the q/k/v and gate/up projections) or,
-    with ``swiglu``, ``silu(gate) * up`` of ``x`` ``[..., 2 * in_features]`` (the down projection); ``residual``
-    ``[..., out_features]`` (o and down end in the residual add). With the kernels (``lin.uses_kernels(x)``) one
-    16-bit row does all of it inside the stationary GEMV; otherwise the separate torch ops, as the model rounds
-    them. ``pdl``: the GEMV's programmatic dependent launch ('release', 'overlap')."""
+    """``residual + lin(pre(x))`` by labkit's int8/int4 GEMV ``lin`` with its epilogue inside: ``pre`` is ``norm``
+    (an RMSNorm: the q/k/v and gate/up projections) or, with ``swiglu``, ``silu(gate) * up`` of ``x`` ``[..., 2 *
+    in_features]`` (the down projection); ``residual`` ``[..., out_features]`` (o and down end in the residual add).
+    One 16-bit row does all of it inside the stationary GEMV. ``pdl``: the GEMV's programmatic dependent launch
+    ('release', 'overlap'). Where the model runs it is decided once (``FusionPlan.quant_epilogues``, resolved by
+    ``CausalLM.use``); the separate ops are the layers' unfused path."""
     width = 2 * lin.in_features if swiglu else lin.in_features
     if x.dim() == 0 or x.shape[-1] != width:
         raise ValueError(f"x {tuple(x.shape)} must be [..., {'2 * ' if swiglu else ''}in_features] = [..., {width}]"
@@ -121,13 +116,6 @@ def projection(lin: nn.Module, x: torch.Tensor, norm: nn.Module | None = None, r
     if norm is not None and swiglu:
         raise ValueError("norm and swiglu=True cannot be combined (an RMSNorm precedes q/k/v and gate/up, SwiGLU the "
                          "down projection)")
-    if not lin.uses_kernels(x):
-        _note(log, "projection", "torch")
-        if swiglu:
-            gate, up = x.chunk(2, dim=-1)
-            x = F.silu(gate) * up
-        y = lin(norm(x) if norm is not None else x)
-        return y if residual is None else residual + y
     kernel = EPILOGUE_KERNELS[type(lin)][0]
     opts = {"swiglu": swiglu, **({"pdl": pdl} if pdl else {}), **_tuned(lin)}
     if norm is not None:

@@ -103,10 +103,10 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 128, scale_dtype: torc
 
 
 # --- the kernels -------------------------------------------------------------------------------------------
-def _use_kernels(backend: str, x: torch.Tensor) -> bool:
-    """Whether a layer of ``backend`` runs its Triton kernel on ``x`` ('auto': on CUDA; 'triton': everywhere,
+def _use_kernels(backend: str, device: torch.device | str) -> bool:
+    """Whether a layer of ``backend`` runs its Triton kernel on ``device`` ('auto': on CUDA; 'triton': everywhere,
     through the interpreter on the CPU)."""
-    return backend == "triton" or (backend == "auto" and x.is_cuda)
+    return backend == "triton" or (backend == "auto" and torch.device(device).type == "cuda")
 
 
 def _check_backend(backend: str) -> str:
@@ -141,16 +141,16 @@ class _QuantizedLinear(nn.Module):
             if peer is not None:
                 y = peer(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
                 return y if self.bias is None else y + self.bias
-        if not self.uses_kernels(x):
+        if not self.uses_kernels(x.device):
             return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         tuned = {} if self.tuning is None else {"tuning": self.tuning}
         y = self._kernel(x.reshape(-1, self.in_features), *self.weights(), **tuned).view(*x.shape[:-1],
                                                                                          self.out_features)
         return y if self.bias is None else y + self.bias
 
-    def uses_kernels(self, x: torch.Tensor) -> bool:
-        """Whether this layer runs labkit's Triton kernel on ``x`` (its backend and ``x``'s device)."""
-        return _use_kernels(self.backend, x)
+    def uses_kernels(self, device: torch.device | str) -> bool:
+        """Whether this layer runs labkit's Triton kernel on inputs on ``device`` (its backend and the device)."""
+        return _use_kernels(self.backend, device)
 
 
 class Int8Linear(_QuantizedLinear):
