@@ -18,7 +18,7 @@ from labkit.kvcache.paged import PagedKVCache
 from labkit.model.attention import ModelInput, cached_attention, causal_attention
 from labkit.model.config import ModelConfig
 from labkit.model.fusion import FusionPlan
-from labkit.model.ops import act_and_mul, add_norm, projection, qkv_projection, rope_and_write
+from labkit.model.ops import act_and_mul, add_norm, qkv_projection, rope_and_write
 from labkit.model.rotary import rotate
 
 TORCH = FusionPlan()  # every op in torch: the references
@@ -128,7 +128,7 @@ class Attention(nn.Module):
                 q, _ = qkv_projection(self.qkv_proj, h, norm, self.num_heads, cos, sin, cache, self.layer,
                                       inp.slot_mapping, pdl, log)
                 return self._paged(q, cache, inp, plan, "release" if pdl else ""), h
-            out, residual = projection(self.qkv_proj, h, norm=norm, pdl=pdl, log=log), h
+            out, residual = self.qkv_proj(h, norm=norm, pdl=pdl, log=log), h
         else:
             x, residual = add_norm(norm, h, residual, plan, log)
             out = self.qkv_out(x)
@@ -179,15 +179,15 @@ class DecoderLayer(nn.Module):
         (one kernel with its RMSNorm on the Triton path).
 
         ``fuse`` (``plan.quant_epilogues``, unless a peer kernel takes the step's rows): the int8/int4 GEMVs take
-        their neighbours as arguments (``ops.projection``): each RMSNorm inside the GEMV after it, each residual add
+        their neighbours as arguments (``Int8Linear.forward``): each RMSNorm inside the GEMV after it, each residual add
         inside the one before it, SwiGLU inside down; only the stream passes between layers (``residual`` None).
         ``pdl``: this layer's q/k/v GEMV launch mode ('' unless ``plan.gemv_pdl``); its later GEMVs overlap the
         kernel ahead."""
         log, overlap, attn, mlp = inp.kernel_log, "overlap" if pdl else "", self.self_attn, self.mlp
         out, residual = attn.forward_paged(h, residual, self.input_layernorm, cos, sin, cache, inp, plan, fuse, pdl)
         if fuse:
-            h = projection(attn.o_proj, out, residual=residual, pdl=overlap, log=log)
-            gate_up = projection(mlp.gate_up_proj, h, norm=self.post_attention_layernorm, pdl=overlap, log=log)
-            return projection(mlp.down_proj, gate_up, swiglu=True, residual=h, pdl=overlap, log=log), None
+            h = attn.o_proj(out, residual=residual, pdl=overlap, log=log)
+            gate_up = mlp.gate_up_proj(h, norm=self.post_attention_layernorm, pdl=overlap, log=log)
+            return mlp.down_proj(gate_up, swiglu=True, residual=h, pdl=overlap, log=log), None
         x, residual = add_norm(self.post_attention_layernorm, attn.o_proj(out), residual, plan, log)
         return mlp(x, plan, log), residual
