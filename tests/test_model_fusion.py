@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from labkit.model import CausalLM, FusionPlan, ModelConfig, from_config
-from labkit.model.fusion import resolve
+from labkit.model.fusion import resolve_plan
 
 CFG = ModelConfig(name="micro", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
                   num_kv_heads=1, head_dim=16, max_position_embeddings=64)
@@ -76,7 +76,7 @@ def test_an_engine_build_resolves_the_plan_once():
     from labkit.engine import LLMEngine
 
     model = from_config(CFG, dtype=torch.float32)
-    watched = {resolve.__code__: "resolve", FusionPlan.named.__func__.__code__: "named"}
+    watched = {resolve_plan.__code__: "resolve_plan", FusionPlan.named.__func__.__code__: "named"}
     calls = []
 
     def profile(frame, event, arg):
@@ -88,5 +88,5 @@ def test_an_engine_build_resolves_the_plan_once():
         engine = LLMEngine(model, kernels="triton", num_blocks=8, block_size=4, max_num_seqs=2)
     finally:
         sys.setprofile(None)
-    assert sorted(calls) == ["named", "resolve"]
+    assert sorted(calls) == ["named", "resolve_plan"]
     assert engine.runner.plan == FusionPlan.triton().without("quant_epilogues") and model.plan == FusionPlan()

@@ -17,9 +17,9 @@ cache write in the q/k/v GEMV's store) and ``gemv_pdl`` (the GEMVs as programmat
 weight layout (merged q/k/v and gate/up) is not the plan's: it is fixed when the model is built (``merge_qkv`` /
 ``merge_gate_up`` of ``labkit.model.build``).
 
-A plan is resolved once, by ``resolve`` (called by ``CausalLM.use``, the one path), into the plan a model runs: what
-its family (``conflicts``), its layers or its cache (``CausalLM.use``) cannot run turned back to torch / off with what
-needs it (``without``); nothing decides again while it runs.
+A plan is resolved once, by ``resolve_plan`` (called by ``CausalLM.use``, the one path), into the plan a model runs:
+what its family (``conflicts``), its layers or its cache (``CausalLM.use``) cannot run turned back to torch / off with
+what needs it (``without``); nothing decides again while it runs.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def check_kernels(kernels) -> str | FusionPlan:
     return kernels
 
 
-def resolve(kernels: str | FusionPlan, config: ModelConfig, device: str | torch.device,
+def resolve_plan(kernels: str | FusionPlan, config: ModelConfig, device: str | torch.device,
             dtype: torch.dtype | None = None, unfit: dict[str, str] | None = None) -> FusionPlan:
     """The plan a model runs: ``kernels`` (``named``) without what ``config``'s family cannot run nor the fields
     ``unfit`` names (field -> why: what the model's layers or cache cannot run), checked for ``device`` and ``dtype``

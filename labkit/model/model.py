@@ -22,7 +22,7 @@ from labkit.checks import check_bool, check_type
 from labkit.kvcache.paged import PagedKVCache
 from labkit.model.attention import ModelInput
 from labkit.model.config import FAMILIES, ModelConfig
-from labkit.model.fusion import FusionPlan, resolve
+from labkit.model.fusion import FusionPlan, resolve_plan
 from labkit.model.layers import DecoderLayer, RMSNorm
 from labkit.model.ops import add_norm, epilogue_ready, peers_take
 from labkit.model.rotary import RotaryEmbedding
@@ -111,7 +111,7 @@ class CausalLM(nn.Module):
 
     def use(self, kernels: str | FusionPlan = "auto", cache: PagedKVCache | None = None) -> CausalLM:
         """This model over the same modules and weights, with ``plan`` ``kernels`` (a ``FusionPlan`` or 'auto' |
-        'torch' | 'triton') resolved once, here (``fusion.resolve``): what the family cannot run turns back to torch
+        'torch' | 'triton') resolved once, here (``resolve_plan``): what the family cannot run turns back to torch
         (``FusionPlan.fit``); the int8/int4 epilogue fusions stay only where every projection is labkit's int8/int4
         linear, merged, on its kernels on this device; the fused cache writes only for a ``cache`` (default: one of
         the model's dtype) stored in the activations' dtype. Raises ``ValueError`` for Triton attention in bf16 on the
@@ -127,7 +127,7 @@ class CausalLM(nn.Module):
         nn.Module.__init__(view)
         view.config, view.merge_qkv, view.merge_gate_up = self.config, self.merge_qkv, self.merge_gate_up
         view.model, view.lm_head = self.model, self.lm_head
-        view._plan = resolve(kernels, self.config, self.device, self.dtype, unfit)
+        view._plan = resolve_plan(kernels, self.config, self.device, self.dtype, unfit)
         return view.train(self.training)
 
     def _caches_raw(self, cache: PagedKVCache) -> bool:
