@@ -2,8 +2,6 @@
 forward; the Triton path (through the interpreter on the CPU) against the torch path; padded batches (as CUDA graphs
 run them) leave real rows and other sequences' cache untouched."""
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -107,24 +105,22 @@ def test_triton_path_matches_torch_path(tiny_model, prompts):
 def test_quantised_projections_merge(tiny_model, prompts, method):
     """labkit's int8/int4 linears merge into one q/k/v and one gate/up layer per layer, and the merged runner
     computes what the unmerged one does."""
+    from labkit.model import adopt_hf_model
     from labkit.quant import quantize
     from labkit.quant.weight_only import Int4Linear, Int8Linear
 
     qmodel = quantize(tiny_model[0], method)
     short = [prompts[0][:12], prompts[1], prompts[2][:5]]
     ref_cache = nan_cache(qmodel, num_blocks=24, block_size=4)
-    separate = replace(FusionPlan.triton(), merge_qkv=False, merge_gate_up=False, quant_epilogues=False,
-                       qkv_rope_cache=False, gemv_pdl=False)
-    ref = run_steps(ModelRunner(qmodel, ref_cache, kernels=separate), ref_cache, short)[0]
+    separate = adopt_hf_model(qmodel, merge=False)  # the weight layout is the model's, chosen when it is built
+    ref = run_steps(ModelRunner(separate, ref_cache, kernels="triton"), ref_cache, short)[0]
     cache = nan_cache(qmodel, num_blocks=24, block_size=4)
     runner = ModelRunner(qmodel, cache, kernels="triton")
     qkv = runner.model.model.layers[0].self_attn.qkv_proj
     assert runner.model.merge_qkv and type(qkv) is {"int8": Int8Linear, "int4": Int4Linear}[method]
-    # both fold their neighbours by default (float32 on the CPU: the separate ops, in labkit.model.ops.projection);
-    # a plan without quant_epilogues keeps them out
-    assert runner.plan.quant_epilogues
-    assert not ModelRunner(qmodel, nan_cache(qmodel, num_blocks=24, block_size=4), kernels=plan(False)
-                           ).plan.quant_epilogues
+    # the layers' 'auto' backend runs torch on the CPU: the plan, resolved once, keeps the epilogues out (the
+    # separate ops); on CUDA, or with backend='triton', they fold their neighbours
+    assert not runner.plan.quant_epilogues
     for (a, _), (b, _) in zip(run_steps(runner, cache, short)[0], ref):
         assert relative_error(a, b) <= 1e-5
 
@@ -211,7 +207,8 @@ def _wide_tiles(qmodel) -> None:
 
 def plan(fuse: bool, qkv_rope: bool = True, pdl: bool = True) -> FusionPlan:
     """The Triton plan with the int8/int4 epilogue fusions on (and RoPE in the q/k/v GEMV, PDL as given) or off."""
-    return replace(FusionPlan.triton(), quant_epilogues=fuse, qkv_rope_cache=fuse and qkv_rope, gemv_pdl=fuse and pdl)
+    off = ("qkv_rope_cache",) * (not qkv_rope) + ("gemv_pdl",) * (not pdl) if fuse else ("quant_epilogues",)
+    return FusionPlan.triton().without(*off)
 
 
 def decode_logits(model, prompt, steps: int, fuse: bool, feed: list[int] | None = None,

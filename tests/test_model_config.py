@@ -125,8 +125,8 @@ def test_fusion_plan_validation_and_fit():
     assert FusionPlan.for_device("cpu") == FusionPlan()
     with pytest.raises(ValueError, match="norm='cuda'"):
         FusionPlan(norm="cuda")
-    with pytest.raises(ValueError, match="merge_qkv=1"):
-        FusionPlan(merge_qkv=1)
+    with pytest.raises(ValueError, match="gemv_pdl=1"):
+        FusionPlan(gemv_pdl=1)
     with pytest.raises(ValueError, match="rope_cache_write=True needs rope='triton'"):
         FusionPlan(rope_cache_write=True)
     with pytest.raises(ValueError, match="qkv_rope_cache=True needs quant_epilogues"):

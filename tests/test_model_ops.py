@@ -1,5 +1,6 @@
-"""labkit.model.ops: the int8/int4 projection with its neighbours (moved here from the quantised linear's old
-``fused_forward``), the plan's norm, RoPE + cache write and activation against their torch expressions."""
+"""labkit.model.ops and the int8/int4 linears' epilogue arguments the decoder's fused path passes them: the linear
+with its neighbours inside the GEMV, the plan's norm, RoPE + cache write and activation against their torch
+expressions."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from torch import nn
 from labkit.evaluate import relative_error
 from labkit.kvcache import PagedKVCache, SeqBlocks
 from labkit.model import FusionPlan, RMSNorm
-from labkit.model.ops import act_and_mul, add_norm, projection, rope_and_write
+from labkit.model.ops import act_and_mul, add_norm, rope_and_write
 from labkit.quant.weight_only import Int4Linear
 
 
@@ -21,10 +22,10 @@ def _norm(dim, dtype=torch.float32, seed=12):
 
 
 def test_int4_projection_is_the_layer_with_its_neighbours():
-    """``projection`` is ``residual + layer(act(x))`` with ``act`` an RMSNorm or ``silu(gate) * up``: on the torch
-    path exactly the separate ops, and on the fused kernel (the interpreter here; one bf16 row takes the stationary
-    GEMV with them inside) within bf16 rounding of a float32 reference. Bad widths and norm with swiglu are
-    refused."""
+    """An int4 linear with its epilogue as arguments (``lin(x, norm=, residual=, swiglu=)``) is ``residual +
+    lin(act(x))`` with ``act`` an RMSNorm or ``silu(gate) * up``, by the fused kernel (the interpreter here): in
+    float32 the separate ops within float32 rounding, and one bf16 row (the stationary GEMV with them inside) within
+    bf16 rounding of a float32 reference. Bad widths and norm with swiglu are refused."""
     torch.manual_seed(11)
     lin = nn.Linear(256, 32, bias=False)
     q = Int4Linear.from_linear(lin, 64)
@@ -32,22 +33,22 @@ def test_int4_projection_is_the_layer_with_its_neighbours():
     gate_up, x, res = torch.randn(3, 512), torch.randn(3, 256) * 3, torch.randn(3, 32)
     with torch.no_grad():
         gate, up = gate_up.chunk(2, dim=-1)
-        assert torch.equal(projection(q, gate_up, swiglu=True, residual=res), res + q(F.silu(gate) * up))
-        assert torch.equal(projection(q, x, norm=norm), q(norm(x)))
+        assert relative_error(q(gate_up, swiglu=True, residual=res), res + q(F.silu(gate) * up)) < 1e-5
+        assert relative_error(q(x, norm=norm), q(norm(x))) < 1e-5
         qb = Int4Linear(q.packed, q.scales.bfloat16(), q.zeros.bfloat16(), 64, backend="triton")
         w = q.dequantize(torch.float32)
         row, rb = gate_up[:1].bfloat16(), res[:1].bfloat16()
         g, u = row.chunk(2, dim=-1)
         ref = F.linear((F.silu(g) * u).float(), w) + rb.float()
-        assert relative_error(projection(qb, row, swiglu=True, residual=rb), ref) < 1e-2
+        assert relative_error(qb(row, swiglu=True, residual=rb), ref) < 1e-2
         normb = _norm(256, torch.bfloat16)
         normb.weight.data.copy_(norm.weight)
         ref = F.linear(normb(x[:1].bfloat16()).float(), w)
-        assert relative_error(projection(qb, x[:1].bfloat16(), norm=normb), ref) < 1e-2
+        assert relative_error(qb(x[:1].bfloat16(), norm=normb), ref) < 1e-2
     with pytest.raises(ValueError, match="2 \\* in_features"):
-        projection(q, torch.randn(2, 256), swiglu=True)
+        q(torch.randn(2, 256), swiglu=True)
     with pytest.raises(ValueError, match="norm and swiglu"):
-        projection(q, gate_up, norm=norm, swiglu=True)
+        q(gate_up, norm=norm, swiglu=True)
 
 
 def test_triton_ops_match_torch():

@@ -15,6 +15,7 @@ from labkit.engine.scheduler import PREEMPTION_MODES
 from labkit.engine.speculative import SpeculativeConfig
 from labkit.kvcache import kv_format
 from labkit.model import FusionPlan
+from labkit.model.fusion import check_kernels
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class EngineConfig:
     * ``block_size``, ``num_blocks``: the paged cache; ``num_blocks=None`` sizes it from
       ``gpu_memory_utilization`` of free device memory on CUDA, and for ``max_num_seqs`` full-length sequences
       (capped at 1 GiB) on the CPU
-    * ``kernels``: a ``labkit.model.FusionPlan`` or 'auto' | 'torch' | 'triton' (``FusionPlan.named``);
+    * ``kernels``: a ``labkit.model.FusionPlan`` or 'auto' | 'torch' | 'triton' (resolved by ``CausalLM.use``);
       ``cuda_graphs``: 'auto' | True | False; ``graph_batch_sizes``:
       the captured all-decode batches (default ``default_graph_batch_sizes``); ``graph_token_sizes``: the
       captured steps with prefill chunks, by token count (default: ``default_graph_token_sizes`` of the token
@@ -74,7 +75,7 @@ class EngineConfig:
         """Refuse any field of the wrong type or out of range, naming it, its value and what is allowed (nothing is
         coerced: ``max_model_len=0`` is an error, not the model's maximum)."""
         check_choice("scheduler", self.scheduler, SCHEDULERS)
-        FusionPlan.named(self.kernels, "cpu")  # a plan, or one of its names (an unknown name raises)
+        check_kernels(self.kernels)  # a plan, or one of its names (resolved once, when the engine is built)
         for name, low in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("min_admit", 1), ("block_size", 1),
                           ("seed", 0)):
             check_int(name, getattr(self, name), low)

@@ -27,13 +27,14 @@ from labkit.device import host_to_device
 from labkit.engine.async_step import AsyncStepLoop
 from labkit.engine.config import EngineConfig, EngineStats, default_eos_token_ids, engine_config, vocab_size
 from labkit.engine.cuda_graph import default_graph_batch_sizes, default_graph_token_sizes
-from labkit.engine.model_runner import ModelRunner, uses_triton
+from labkit.engine.model_runner import ModelRunner
 from labkit.engine.policies import make_scheduler
 from labkit.engine.sampling import SampledTokens, Sampler, SamplingParams, token_seed
 from labkit.engine.scheduler import ScheduledBatch
 from labkit.engine.sequence import FinishReason, Request, RequestOutput, Sequence, TokenOutput, prompt_token_list
 from labkit.engine.speculative import Speculator
 from labkit.kvcache import PagedKVCache
+from labkit.model import FusionPlan, adopt_hf_model
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,9 @@ class LLMEngine:
         self.cache = PagedKVCache.for_model(model, self._num_blocks(model), cfg.block_size, kv_dtype=cfg.kv_dtype,
                                             enable_prefix_caching=cfg.enable_prefix_caching)
         sizes = cfg.graph_batch_sizes or default_graph_batch_sizes(cfg.seqs_per_step)
-        self.runner = ModelRunner(model, self.cache, cfg.kernels, cfg.cuda_graphs, cfg.seqs_per_step,
-                                  self.max_model_len, sizes, graph_token_sizes=self._token_sizes())
+        resolved = adopt_hf_model(model).use(cfg.kernels, self.cache)  # the plan, resolved once for this engine
+        self.runner = ModelRunner(resolved, self.cache, None, cfg.cuda_graphs, cfg.seqs_per_step,
+                                  self.max_model_len, sizes, graph_token_sizes=self._token_sizes(resolved.plan))
         self.scheduler = make_scheduler(cfg.scheduler, self.cache, max_num_seqs=cfg.max_num_seqs,
                                         max_num_batched_tokens=cfg.max_num_batched_tokens,
                                         chunked_prefill=cfg.chunked_prefill, static_batch_size=cfg.static_batch_size,
@@ -77,13 +79,13 @@ class LLMEngine:
         self._async = AsyncStepLoop(self) if cfg.async_scheduling else None
         self.reset()
 
-    def _token_sizes(self) -> tuple[int, ...]:
+    def _token_sizes(self, plan: FusionPlan) -> tuple[int, ...]:
         """Token counts of the captured steps with prefill chunks: by default the continuous scheduler's (most of
         its steps carry one), up to its token budget, where the runner's Triton path can capture them."""
         cfg = self.config
         if cfg.graph_token_sizes is not None:
             return cfg.graph_token_sizes
-        if cfg.scheduler != "continuous" or not uses_triton(cfg.kernels, self.device):
+        if cfg.scheduler != "continuous" or not plan.uses_triton:
             return ()
         return tuple(default_graph_token_sizes(cfg.max_num_batched_tokens))
 

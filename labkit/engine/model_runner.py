@@ -13,8 +13,9 @@ them: the scheduler's postprocess advances their computed counts once the step i
 
 ``kernels``: a ``FusionPlan`` or its name: 'torch' (the references: greedy output equals HF ``generate`` token for
 token in float32), 'triton' (every op by labkit's kernels; on the CPU through Triton's interpreter, slowly, for
-tests) or 'auto' (the device's default, ``FusionPlan.for_device``: Triton on CUDA, torch on the CPU). The plan is
-fitted to the model's family (a sliding window keeps attention on torch, Gemma's norm stays torch, ...).
+tests) or 'auto' (the device's default, ``FusionPlan.for_device``: Triton on CUDA, torch on the CPU), resolved once
+for the model and the cache by ``CausalLM.use`` (a sliding window keeps attention on torch, Gemma's norm stays
+torch, ...); ``None`` runs a model ``use`` returned as it is (``LLMEngine`` resolves before it builds the runner).
 
 All-decode steps of up to the largest captured batch replay a CUDA graph, and so do steps with prefill chunks of up
 to the largest captured token count when ``graph_token_sizes`` are given (``labkit.engine.cuda_graph``).
@@ -23,7 +24,6 @@ to the largest captured token count when ``graph_token_sizes`` are given (``labk
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -32,24 +32,18 @@ from labkit.engine.cuda_graph import StepGraphs, default_graph_batch_sizes
 from labkit.kvcache import KVSequence, PagedKVCache
 from labkit.model import FusionPlan, KernelLog, adopt_hf_model
 from labkit.model.attention import ModelInput, fill_placeholders, pack_step
-from labkit.model.fusion import KERNEL_NAMES
+from labkit.model.fusion import KERNEL_NAMES, check_kernels
 
 KERNELS = KERNEL_NAMES
 """Kernel choices of the ModelRunner by name ('auto': Triton on CUDA, torch on the CPU); a FusionPlan also works."""
-
-
-def uses_triton(kernels: str | FusionPlan, device: torch.device) -> bool:
-    """Whether ``kernels`` (a name or a plan) runs any Triton kernel on ``device``."""
-    return FusionPlan.named(kernels, device).uses_triton
 
 
 class ModelRunner:
     """Runs a ``labkit.model.CausalLM`` (or an HF Llama-family causal LM, adopted: ``labkit.model.adopt_hf_model``,
     weights shared) on a ``PagedKVCache``.
 
-    * ``kernels``: a ``FusionPlan`` or 'auto' | 'torch' | 'triton' (module docstring); fitted to the family, and
-      its int8/int4 epilogue fusions apply where every projection is labkit's int8/int4 linear (``CausalLM.use``).
-      ``runner.plan`` is the plan in force.
+    * ``kernels``: a ``FusionPlan`` or 'auto' | 'torch' | 'triton', resolved for the model and ``cache`` by
+      ``CausalLM.use`` (module docstring), or None: the model's own plan. ``runner.plan`` is the plan in force.
     * ``cuda_graphs``: 'auto' (on with CUDA and an unquantised cache), True, False; decode steps are captured
       for ``graph_batch_sizes`` (default ``cuda_graph.default_graph_batch_sizes(max_num_seqs)``), steps with
       prefill chunks for ``graph_token_sizes`` (total tokens of the step; default none, see
@@ -59,18 +53,16 @@ class ModelRunner:
       which kernel ran); replayed steps record nothing
     """
 
-    def __init__(self, model, cache: PagedKVCache, kernels: str | FusionPlan = "auto",
+    def __init__(self, model, cache: PagedKVCache, kernels: str | FusionPlan | None = "auto",
                  cuda_graphs: bool | str = "auto", max_num_seqs: int = 256, max_model_len: int | None = None,
                  graph_batch_sizes: Sequence[int] | None = None, graph_token_sizes: Sequence[int] = (),
                  kernel_log: KernelLog | None = None):
-        plan = FusionPlan.named(kernels, cache.device)  # a bad name fails before the model is touched
-        self.model = m = adopt_hf_model(model, merge=plan.merge_qkv and plan.merge_gate_up)
+        if kernels is not None:
+            check_kernels(kernels)  # a bad name fails before the model is touched
+        m = adopt_hf_model(model)
         m.check_cache(cache)
+        self.model = m if kernels is None else m.use(kernels, cache)
         self.cache, self.device, self.dtype = cache, cache.device, m.dtype
-        merged = m.merge_qkv and m.merge_gate_up  # the epilogue fusions need both merges
-        plan = replace(plan, merge_qkv=m.merge_qkv, merge_gate_up=m.merge_gate_up,
-                       **({} if merged else dict(quant_epilogues=False, qkv_rope_cache=False, gemv_pdl=False)))
-        self.plan = m.use(plan.fit(m.config))
         self.max_model_len = max_model_len or self.model.config.max_position_embeddings
         self.max_num_seqs = max_num_seqs
         self.max_blocks = cache.blocks_for(self.max_model_len)
@@ -82,6 +74,11 @@ class ModelRunner:
         if self._want_graphs(cuda_graphs):
             self.graphs = StepGraphs(self, graph_batch_sizes or default_graph_batch_sizes(max_num_seqs),
                                      graph_token_sizes)
+
+    @property
+    def plan(self) -> FusionPlan:
+        """The plan in force: the model's, resolved once (``CausalLM.use``)."""
+        return self.model.plan
 
     @property
     def use_triton(self) -> bool:

@@ -60,13 +60,12 @@ def verify_cost_ratio(model: CausalLM, k: int, batch: int = 1, context: int = 51
 
     ``kernels``: the model's ``FusionPlan`` for the measurement ('auto': the engine's choice for the device, Triton
     on CUDA). ``cuda_graph``: time graph replays, as the engine runs its steps (a step that cannot be captured is
-    timed eagerly; ``timed`` says which). The model's own plan is restored afterwards."""
+    timed eagerly; ``timed`` says which). ``model`` itself keeps its plan (``CausalLM.use`` returns another view)."""
     from labkit.bench import time_fn
-    from labkit.model import FusionPlan
 
-    previous = model.plan
-    plan = model.use(FusionPlan.named(kernels, model.device, model.config).fit(model.config))
     cache = model.make_cache(batch * ((context + k + 1) // block_size + 2), block_size)
+    model = model.use(kernels, cache)
+    plan = model.plan
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     for pool in cache.k_caches + cache.v_caches:
@@ -86,14 +85,11 @@ def verify_cost_ratio(model: CausalLM, k: int, batch: int = 1, context: int = 51
                      for f in (step(1), step(k + 1)))
 
     try:
-        try:
-            (t1, tk), timed = medians(cuda_graph), "cuda_graph" if cuda_graph else "eager"
-        except RuntimeError:  # a capture the step does not survive: time it as launched
-            if not cuda_graph:
-                raise
-            (t1, tk), timed = medians(False), "eager (capture failed)"
-    finally:
-        model.use(previous)
+        (t1, tk), timed = medians(cuda_graph), "cuda_graph" if cuda_graph else "eager"
+    except RuntimeError:  # a capture the step does not survive: time it as launched
+        if not cuda_graph:
+            raise
+        (t1, tk), timed = medians(False), "eager (capture failed)"
     return {"k": k, "batch": batch, "context": context, "t_1token_s": t1, "t_verify_s": tk, "ratio": tk / t1,
             "plan": "triton" if plan.attention == "triton" else "torch", "timed": timed}
 

@@ -13,8 +13,10 @@ sizes a model (parameters, bytes, FLOPs, KV bytes; the presets); one way to buil
     last = model.forward_paged(inp, cache)                      # [num_seqs, vocab] float32
     cache.mark_computed(seq, len(prompt))
 
-``FusionPlan`` says which kernel runs each op of ``forward_paged`` (``model.use(plan)``; the engine's ``kernels``);
-a ``KernelLog`` handed to a step (``ModelInput.kernel_log``, ``ModelRunner(kernel_log=...)``) records which ran.
+``FusionPlan`` says which kernel runs each op of ``forward_paged``: ``model.use(kernels, cache)`` (the engine's
+``kernels``) resolves it once and returns the model over the same weights with that frozen ``plan``; the weight layout
+(merged q/k/v, gate/up) is chosen when the model is built. A ``KernelLog`` handed to a step
+(``ModelInput.kernel_log``, ``ModelRunner(kernel_log=...)``) records which kernel ran.
 """
 
 from labkit.kernels.common import KernelCall, KernelLog

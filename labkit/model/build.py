@@ -118,7 +118,6 @@ def adopt_hf_model(hf_model, merge: bool = True) -> CausalLM:
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
     if left:
         raise ValueError(f"{type(hf_model).__name__}: no weights found for {left[:8]}")
-    model.plan = type(model.plan)(merge_qkv=merge_qkv, merge_gate_up=merge_gate_up)
     return model.eval()
 
 

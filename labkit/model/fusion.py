@@ -11,16 +11,15 @@ attention       ``paged_attention`` (all-decode steps) and ``paged_prefill_atten
 activation      ``silu_and_mul`` on the merged gate/up output
 ==============  ===========================================================================================
 
-and the fusions across ops: ``merge_qkv`` / ``merge_gate_up`` (one matmul for q/k/v and for gate/up: the model's
-weight layout, chosen when it is built), ``quant_epilogues`` (int8/int4 layers take in their neighbours:
-RMSNorm inside the projection after it, the residual add inside the one before it, SwiGLU inside down),
-``qkv_rope_cache`` (RoPE and the cache write in the q/k/v GEMV's store) and ``gemv_pdl`` (the GEMVs as programmatic
-dependent launches, sm_90). The epilogue fusions apply where every projection is labkit's int8 / int4 linear
-(``CausalLM.use`` turns them off otherwise).
+and the fusions across ops: ``quant_epilogues`` (int8/int4 layers take in their neighbours: RMSNorm inside the
+projection after it, the residual add inside the one before it, SwiGLU inside down), ``qkv_rope_cache`` (RoPE and the
+cache write in the q/k/v GEMV's store) and ``gemv_pdl`` (the GEMVs as programmatic dependent launches, sm_90). The
+weight layout (merged q/k/v and gate/up) is not the plan's: it is fixed when the model is built (``merge_qkv`` /
+``merge_gate_up`` of ``labkit.model.build``).
 
-``check(config)`` refuses a plan a family cannot run (the Triton RMSNorm computes ``x * w``, not Gemma's
-``x * (1 + w)``; the attention kernels have no sliding window; ...); ``fit(config)`` turns those parts back to
-torch instead; ``for_device`` gives the default plan of a device, fitted to a config when one is given.
+A plan is resolved once, by ``resolve_plan`` (called by ``CausalLM.use``, the one path), into the plan a model runs:
+what its family (``conflicts``), its layers or its cache (``CausalLM.use``) cannot run turned back to torch / off with
+what needs it (``without``); nothing decides again while it runs.
 """
 
 from __future__ import annotations
@@ -36,18 +35,18 @@ KERNELS = ("torch", "triton")
 KERNEL_NAMES = ("auto", "torch", "triton")
 """Names ``FusionPlan.named`` turns into a plan ('auto': Triton on CUDA, torch on the CPU)."""
 _OPS = ("norm", "rope", "attention", "activation")
+_NEEDS = {"rope_cache_write": "rope", "qkv_rope_cache": "quant_epilogues", "gemv_pdl": "quant_epilogues"}
+"""A fusion -> the field it needs on (``without`` turns it off with that field)."""
 
 
 @dataclass(frozen=True)
 class FusionPlan:
-    """Kernel per op and the fusions across ops (module docstring); the default is all torch, weights merged."""
+    """Kernel per op and the fusions across ops (module docstring); the default is all torch."""
 
     norm: str = "torch"
     rope: str = "torch"
     attention: str = "torch"
     activation: str = "torch"
-    merge_qkv: bool = True
-    merge_gate_up: bool = True
     rope_cache_write: bool = False
     quant_epilogues: bool = False
     qkv_rope_cache: bool = False
@@ -61,13 +60,9 @@ class FusionPlan:
                     raise ValueError(f"{f.name}={v!r} is unknown; allowed: {KERNELS}")
             elif not isinstance(v, bool):
                 raise ValueError(f"{f.name}={v!r} must be True or False")
-        needs = (("rope_cache_write", self.rope == "triton", "rope='triton'"),
-                 ("quant_epilogues", self.merge_qkv and self.merge_gate_up, "merge_qkv and merge_gate_up"),
-                 ("qkv_rope_cache", self.quant_epilogues, "quant_epilogues"),
-                 ("gemv_pdl", self.quant_epilogues, "quant_epilogues"))
-        for name, ok, what in needs:
-            if getattr(self, name) and not ok:
-                raise ValueError(f"{name}=True needs {what}")
+        for name, need in _NEEDS.items():
+            if getattr(self, name) and getattr(self, need) in ("torch", False):
+                raise ValueError(f"{name}=True needs {need}" + ("='triton'" if need in _OPS else ""))
 
     @classmethod
     def triton(cls, pdl: bool = True) -> FusionPlan:
@@ -77,30 +72,18 @@ class FusionPlan:
                    quant_epilogues=True, qkv_rope_cache=True, gemv_pdl=pdl)
 
     @classmethod
-    def for_device(cls, device: str | torch.device, config: ModelConfig | None = None) -> FusionPlan:
-        """The default plan: torch on the CPU; on CUDA ``triton()`` (PDL on sm_90 and newer). Fitted to ``config``
-        if given."""
+    def for_device(cls, device: str | torch.device) -> FusionPlan:
+        """The default plan: torch on the CPU; on CUDA ``triton()`` (PDL on sm_90 and newer)."""
         dev = torch.device(device)
-        plan = cls.triton(torch.cuda.get_device_capability(dev)[0] >= 9) if dev.type == "cuda" else cls()
-        return plan if config is None else plan.fit(config)
+        return cls.triton(torch.cuda.get_device_capability(dev)[0] >= 9) if dev.type == "cuda" else cls()
 
     @classmethod
-    def named(cls, kernels: str | FusionPlan, device: str | torch.device,
-              config: ModelConfig | None = None) -> FusionPlan:
+    def named(cls, kernels: str | FusionPlan, device: str | torch.device) -> FusionPlan:
         """``kernels`` as a plan: a ``FusionPlan`` as given, or a name of ``KERNEL_NAMES``: 'auto' (``for_device``),
-        'torch' (``FusionPlan()``) or 'triton' (``triton()``, on the CPU through the interpreter). Fitted to
-        ``config`` if given."""
-        if isinstance(kernels, FusionPlan):
-            plan = kernels
-        elif kernels == "auto":
-            plan = cls.for_device(device)
-        elif kernels == "torch":
-            plan = cls()
-        elif kernels == "triton":
-            plan = cls.triton()
-        else:
-            raise ValueError(f"kernels={kernels!r} is unknown; allowed: a FusionPlan or one of {KERNEL_NAMES}")
-        return plan if config is None else plan.fit(config)
+        'torch' (``FusionPlan()``) or 'triton' (``triton()``, on the CPU through the interpreter)."""
+        if check_kernels(kernels) == "auto":
+            return cls.for_device(device)
+        return {"torch": cls, "triton": cls.triton}[kernels]() if isinstance(kernels, str) else kernels
 
     @property
     def uses_triton(self) -> bool:
@@ -141,12 +124,33 @@ class FusionPlan:
             raise ValueError("FusionPlan does not fit model_type=" + repr(config.model_type) + ": "
                              + "; ".join(f"{k}: {v}" for k, v in bad.items()))
 
+    def without(self, *names: str) -> FusionPlan:
+        """This plan with the fields ``names`` turned back to torch / off, and every fusion that needs one of them
+        (``rope_cache_write`` needs Triton RoPE; ``qkv_rope_cache`` and ``gemv_pdl`` need ``quant_epilogues``)."""
+        unknown = sorted(set(names) - {f.name for f in fields(self)})
+        if unknown:
+            raise ValueError(f"{unknown} are not FusionPlan fields; allowed: {[f.name for f in fields(self)]}")
+        off = set(names) | {n for n, need in _NEEDS.items() if need in names}
+        return replace(self, **{k: ("torch" if k in _OPS else False) for k in off})
+
     def fit(self, config: ModelConfig) -> FusionPlan:
         """This plan with every field ``config`` cannot run turned back to torch / off (and what depends on it)."""
-        off = {k: ("torch" if k in _OPS else False) for k in self.conflicts(config)}
-        d = {**self.__dict__, **off}
-        if d["rope"] == "torch":
-            d["rope_cache_write"] = False
-        if not d["quant_epilogues"]:
-            d.update(qkv_rope_cache=False, gemv_pdl=False)
-        return replace(self, **d)
+        return self.without(*self.conflicts(config))
+
+
+def check_kernels(kernels) -> str | FusionPlan:
+    """``kernels`` if it is a ``FusionPlan`` or one of ``KERNEL_NAMES`` (a ``ValueError`` naming them otherwise)."""
+    if not isinstance(kernels, FusionPlan) and kernels not in KERNEL_NAMES:
+        raise ValueError(f"kernels={kernels!r} is unknown; allowed: a FusionPlan or one of {KERNEL_NAMES}")
+    return kernels
+
+
+def resolve_plan(kernels: str | FusionPlan, config: ModelConfig, device: str | torch.device,
+            dtype: torch.dtype | None = None, unfit: dict[str, str] | None = None) -> FusionPlan:
+    """The plan a model runs: ``kernels`` (``named``) without what ``config``'s family cannot run nor the fields
+    ``unfit`` names (field -> why: what the model's layers or cache cannot run), checked for ``device`` and ``dtype``
+    (``check``). ``CausalLM.use`` calls it, once per model it returns; nothing else does."""
+    plan = FusionPlan.named(kernels, device)
+    plan = plan.without(*plan.conflicts(config), *(unfit or {}))
+    plan.check(config, device, dtype)
+    return plan

@@ -18,7 +18,7 @@ from labkit.kvcache.paged import PagedKVCache
 from labkit.model.attention import ModelInput, cached_attention, causal_attention
 from labkit.model.config import ModelConfig
 from labkit.model.fusion import FusionPlan
-from labkit.model.ops import act_and_mul, add_norm, caches_raw, projection, qkv_projection, rope_and_write
+from labkit.model.ops import act_and_mul, add_norm, qkv_projection, rope_and_write
 from labkit.model.rotary import rotate
 
 TORCH = FusionPlan()  # every op in torch: the references
@@ -115,11 +115,26 @@ class Attention(nn.Module):
         out = causal_attention(q, k, v, self.scale, self.window)
         return self.o_proj(out.reshape(*x.shape[:-1], self.q_size))
 
-    def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKVCache,
-                      inp: ModelInput, plan: FusionPlan = TORCH) -> torch.Tensor:
-        """Paged: ``x`` ``[num_tokens, hidden]``; k and v are written at ``inp.slot_mapping`` first, then every
-        query attends over its sequence's cached tokens. Returns ``[num_tokens, hidden]``."""
-        return self.o_proj(self.attend(*self.qkv_heads(self.qkv_out(x)), cos, sin, cache, inp, plan))
+    def forward_paged(self, h: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, cos: torch.Tensor,
+                      sin: torch.Tensor, cache: PagedKVCache, inp: ModelInput, plan: FusionPlan = TORCH,
+                      fuse: bool = False, pdl: str = "") -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Paged, in the layer's pair form (``DecoderLayer.forward_paged``): ``norm`` of the stream, the q/k/v
+        projection, RoPE, k and v written at ``inp.slot_mapping``, attention over each sequence's cached tokens.
+        Returns the o projection's input ``[num_tokens, heads * head_dim]`` and the stream. ``fuse``: the norm inside
+        the q/k/v GEMV (with ``plan.qkv_rope_cache`` RoPE and the cache write too); ``pdl``: its launch mode."""
+        log = inp.kernel_log
+        if fuse:
+            if plan.qkv_rope_cache:
+                q, _ = qkv_projection(self.qkv_proj, h, norm, self.num_heads, cos, sin, cache, self.layer,
+                                      inp.slot_mapping, pdl, log)
+                return self._paged(q, cache, inp, plan, "release" if pdl else ""), h
+            out, residual = self.qkv_proj(h, norm=norm, pdl=pdl, log=log), h
+        else:
+            x, residual = add_norm(norm, h, residual, plan, log)
+            out = self.qkv_out(x)
+        q, k, v = self.qkv_heads(out)
+        q, k = rope_and_write(q, k, v, cos, sin, cache, self.layer, inp.slot_mapping, plan, log)
+        return self._paged(q, cache, inp, plan, "release" if pdl else ""), residual
 
     def qkv_out(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The projections of ``x`` ``[T, hidden]``: one merged ``[T, q + 2 kv]`` or three tensors."""
@@ -135,30 +150,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               cache: PagedKVCache, inp: ModelInput, plan: FusionPlan, pdl: str = "") -> torch.Tensor:
-        """RoPE, the cache write and attention of heads ``q``, ``k``, ``v``: ``[T, heads * head_dim]``, the o
-        projection's input."""
-        q, k = rope_and_write(q, k, v, cos, sin, cache, self.layer, inp.slot_mapping, plan, inp.kernel_log)
-        return self._paged(q, cache, inp, plan, pdl)
-
     def _paged(self, q: torch.Tensor, cache: PagedKVCache, inp: ModelInput, plan: FusionPlan,
                pdl: str = "") -> torch.Tensor:
         out = cached_attention(q, cache, self.layer, inp, self.scale, self.window, plan.attention, pdl)
         return out.reshape(q.shape[0], self.q_size)
-
-    def fused_input(self, stream: torch.Tensor, norm: RMSNorm, cos: torch.Tensor, sin: torch.Tensor,
-                    cache: PagedKVCache, inp: ModelInput, plan: FusionPlan, pdl: str = "") -> torch.Tensor:
-        """With int8/int4 projections (``plan.quant_epilogues``): the RMSNorm inside the q/k/v GEMV, and with
-        ``plan.qkv_rope_cache`` RoPE and the cache write in its store too; then attention (whose decode kernel
-        releases the launch after it when ``pdl``). Returns the o projection's input ``[T, heads * head_dim]``."""
-        attn_pdl = "release" if pdl else ""
-        if plan.qkv_rope_cache and caches_raw(cache, stream.dtype) and self.qkv_proj.uses_kernels(stream):
-            q, _ = qkv_projection(self.qkv_proj, stream, norm, self.num_heads, cos, sin, cache, self.layer,
-                                  inp.slot_mapping, pdl, inp.kernel_log)
-            return self._paged(q, cache, inp, plan, attn_pdl)
-        q, k, v = self.qkv_heads(projection(self.qkv_proj, stream, norm=norm, pdl=pdl, log=inp.kernel_log))
-        return self.attend(q, k, v, cos, sin, cache, inp, plan, attn_pdl)
 
 
 class DecoderLayer(nn.Module):
@@ -177,26 +172,22 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def forward_paged(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                      cache: PagedKVCache, inp: ModelInput,
-                      plan: FusionPlan = TORCH) -> tuple[torch.Tensor, torch.Tensor]:
+                      cache: PagedKVCache, inp: ModelInput, plan: FusionPlan = TORCH, fuse: bool = False,
+                      pdl: str = "") -> tuple[torch.Tensor, torch.Tensor | None]:
         """Paged, vLLM's layout: ``h`` ``[num_tokens, hidden]`` is the last block's output and ``residual`` the
-        stream before it (None at the first layer); returns the pair for the next layer, whose first op adds them
-        (one kernel with its RMSNorm on the Triton path)."""
-        log = inp.kernel_log
-        x, residual = add_norm(self.input_layernorm, h, residual, plan, log)
-        h = self.self_attn.forward_paged(x, cos, sin, cache, inp, plan)
-        x, residual = add_norm(self.post_attention_layernorm, h, residual, plan, log)
-        return self.mlp(x, plan, log), residual
+        stream before it (None: ``h`` is the stream); returns the pair for the next layer, whose first op adds them
+        (one kernel with its RMSNorm on the Triton path).
 
-    def forward_fused(self, stream: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKVCache,
-                      inp: ModelInput, plan: FusionPlan, pdl: str = "") -> torch.Tensor:
-        """Paged with int8/int4 projections that take in their neighbours (``plan.quant_epilogues``): each RMSNorm
-        inside the GEMV after it, each residual add inside the one before it, SwiGLU inside down. Only the residual
-        stream ``[num_tokens, hidden]`` passes between layers; at decode batch 1 a layer is four GEMVs and
-        attention. ``pdl``: this layer's q/k/v GEMV launch mode; with ``plan.gemv_pdl`` every later GEMV overlaps
-        the kernel ahead of it."""
-        overlap, log = "overlap" if plan.gemv_pdl else "", inp.kernel_log
-        attn = self.self_attn.fused_input(stream, self.input_layernorm, cos, sin, cache, inp, plan, pdl)
-        stream = projection(self.self_attn.o_proj, attn, residual=stream, pdl=overlap, log=log)
-        gate_up = projection(self.mlp.gate_up_proj, stream, norm=self.post_attention_layernorm, pdl=overlap, log=log)
-        return projection(self.mlp.down_proj, gate_up, swiglu=True, residual=stream, pdl=overlap, log=log)
+        ``fuse`` (``plan.quant_epilogues``, unless a peer kernel takes the step's rows): the int8/int4 GEMVs take
+        their neighbours as arguments (``Int8Linear.forward``): each RMSNorm inside the GEMV after it, each residual add
+        inside the one before it, SwiGLU inside down; only the stream passes between layers (``residual`` None).
+        ``pdl``: this layer's q/k/v GEMV launch mode ('' unless ``plan.gemv_pdl``); its later GEMVs overlap the
+        kernel ahead."""
+        log, overlap, attn, mlp = inp.kernel_log, "overlap" if pdl else "", self.self_attn, self.mlp
+        out, residual = attn.forward_paged(h, residual, self.input_layernorm, cos, sin, cache, inp, plan, fuse, pdl)
+        if fuse:
+            h = attn.o_proj(out, residual=residual, pdl=overlap, log=log)
+            gate_up = mlp.gate_up_proj(h, norm=self.post_attention_layernorm, pdl=overlap, log=log)
+            return mlp.down_proj(gate_up, swiglu=True, residual=h, pdl=overlap, log=log), None
+        x, residual = add_norm(self.post_attention_layernorm, attn.o_proj(out), residual, plan, log)
+        return mlp(x, plan, log), residual

@@ -15,16 +15,14 @@ Module names follow HF's (``model.layers.N.self_attn.o_proj`` ...), except the m
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 from torch import nn
 
-from labkit.checks import check_type
+from labkit.checks import check_bool, check_type
 from labkit.kvcache.paged import PagedKVCache
 from labkit.model.attention import ModelInput
 from labkit.model.config import FAMILIES, ModelConfig
-from labkit.model.fusion import FusionPlan
+from labkit.model.fusion import FusionPlan, resolve_plan
 from labkit.model.layers import DecoderLayer, RMSNorm
 from labkit.model.ops import add_norm, epilogue_ready, peers_take
 from labkit.model.rotary import RotaryEmbedding
@@ -57,18 +55,17 @@ class Transformer(nn.Module):
         return self.norm(h)
 
     def forward_paged(self, inp: ModelInput, cache: PagedKVCache, plan: FusionPlan) -> torch.Tensor:
-        """Paged: the final hidden states of the rows ``inp.logits_indices`` names, ``[rows, hidden]``."""
+        """Paged: the final hidden states of the rows ``inp.logits_indices`` names, ``[rows, hidden]``. Each layer runs
+        its one paged forward; the int8/int4 GEMVs take their neighbours (``plan.quant_epilogues``) unless the kernel
+        table hands this step's rows to a peer kernel (``labkit.quant.dispatch``: a choice by rows, not the plan's)."""
         seq_lens = inp.token_seq_lens() if self._dynamic else None
         h = self.embed(inp.input_ids)
         cos, sin = self.rotary_emb.lookup(inp.positions, h.dtype, seq_lens)
-        residual = None
-        if plan.quant_epilogues and not self._peer_rows(h.shape[0]):  # only the residual stream between layers
-            overlap, release = ("overlap", "release") if plan.gemv_pdl else ("", "")
-            for i, layer in enumerate(self.layers):
-                h = layer.forward_fused(h, cos, sin, cache, inp, plan, overlap if i else release)
-        else:
-            for layer in self.layers:
-                h, residual = layer.forward_paged(h, residual, cos, sin, cache, inp, plan)
+        fuse = plan.quant_epilogues and not self._peer_rows(h.shape[0])
+        pdl, residual = "release" if fuse and plan.gemv_pdl else "", None
+        for layer in self.layers:
+            h, residual = layer.forward_paged(h, residual, cos, sin, cache, inp, plan, fuse, pdl)
+            pdl = "overlap" if pdl else ""
         if not inp.is_decode:  # rows of prefill chunks (or every row's logits wanted): keep the named rows
             rows = inp.logits_indices
             h = h.index_select(0, rows)
@@ -99,30 +96,43 @@ class CausalLM(nn.Module):
                              f"allowed: {FAMILIES}")
         super().__init__()
         self.config = cfg
-        self.merge_qkv, self.merge_gate_up = merge_qkv, merge_gate_up
+        self.merge_qkv = check_bool("merge_qkv", merge_qkv)  # the weight layout, fixed here
+        self.merge_gate_up = check_bool("merge_gate_up", merge_gate_up)
         self.model = Transformer(cfg, merge_qkv, merge_gate_up)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.plan = FusionPlan(merge_qkv=merge_qkv, merge_gate_up=merge_gate_up)
+        self._plan = FusionPlan()
 
-    def use(self, plan: FusionPlan) -> FusionPlan:
-        """Run ``forward_paged`` with ``plan`` from now on; returns the plan in force. Raises ``ValueError`` where
-        the family cannot run it (``FusionPlan.check``; pass ``plan.fit(model.config)`` to fall back to torch
-        there) or it asks for another weight layout than the model's. The int8/int4 epilogue fusions are turned
-        off unless every projection is labkit's int8/int4 linear (``ops.epilogue_ready``)."""
-        if not isinstance(plan, FusionPlan):
-            raise ValueError(f"plan must be a FusionPlan, got {type(plan).__name__}")
-        plan.check(self.config, self.device, self.dtype)
-        if (plan.merge_qkv, plan.merge_gate_up) != (self.merge_qkv, self.merge_gate_up):
-            raise ValueError(f"plan has merge_qkv={plan.merge_qkv}, merge_gate_up={plan.merge_gate_up}; this model "
-                             f"was built with {self.merge_qkv}, {self.merge_gate_up}")
-        if plan.quant_epilogues and not all(
-                epilogue_ready([ly.self_attn.qkv_proj, ly.self_attn.o_proj, ly.mlp.gate_up_proj, ly.mlp.down_proj])
-                for ly in self.model.layers):
-            plan = replace(plan, quant_epilogues=False, qkv_rope_cache=False, gemv_pdl=False)
-        self.plan = plan
-        return plan
+    @property
+    def plan(self) -> FusionPlan:
+        """The frozen plan ``forward_paged`` runs (torch for a model as built); ``use`` is the one way to change it."""
+        return self._plan
+
+    def use(self, kernels: str | FusionPlan = "auto", cache: PagedKVCache | None = None) -> CausalLM:
+        """This model over the same modules and weights, with ``plan`` ``kernels`` (a ``FusionPlan`` or 'auto' |
+        'torch' | 'triton') resolved once, here (``resolve_plan``): what the family cannot run turns back to torch
+        (``FusionPlan.fit``); the int8/int4 epilogue fusions stay only where every projection is labkit's int8/int4
+        linear, merged, on its kernels on this device; the fused cache writes only for a ``cache`` (default: one of
+        the model's dtype) stored in the activations' dtype. Raises ``ValueError`` for Triton attention in bf16 on the
+        CPU. ``self`` is unchanged; resolve again after moving the model or replacing its layers."""
+        unfit = {}
+        if not all(epilogue_ready([getattr(ly.self_attn, "qkv_proj", None), ly.self_attn.o_proj,
+                                   getattr(ly.mlp, "gate_up_proj", None), ly.mlp.down_proj], self.device)
+                   for ly in self.model.layers):
+            unfit["quant_epilogues"] = "the projections are not labkit's int8/int4 linears on their kernels, merged"
+        if cache is not None and not self._caches_raw(cache):
+            unfit.update(rope_cache_write=cache.fmt.name, qkv_rope_cache=cache.fmt.name)
+        view = CausalLM.__new__(CausalLM)
+        nn.Module.__init__(view)
+        view.config, view.merge_qkv, view.merge_gate_up = self.config, self.merge_qkv, self.merge_gate_up
+        view.model, view.lm_head = self.model, self.lm_head
+        view._plan = resolve_plan(kernels, self.config, self.device, self.dtype, unfit)
+        return view.train(self.training)
+
+    def _caches_raw(self, cache: PagedKVCache) -> bool:
+        """Whether ``cache`` stores K/V as they are (this model's dtype): kernels may write its pools directly."""
+        return not cache.fmt.quantised and cache.fmt.storage_dtype == self.dtype
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.embed_tokens
@@ -157,6 +167,9 @@ class CausalLM(nn.Module):
         vocab]`` of the rows ``inp.logits_indices`` names (each sequence's last token, or every row)."""
         inp.check()
         self.check_cache(cache)
+        if (self._plan.rope_cache_write or self._plan.qkv_rope_cache) and not self._caches_raw(cache):
+            raise ValueError(f"this model's plan writes K/V in the activations' dtype, and cache is {cache.fmt.name}: "
+                             "resolve the plan for it, model.use(kernels, cache)")
         return self.lm_head(self.model.forward_paged(inp, cache, self.plan)).float()
 
     def check_cache(self, cache: PagedKVCache) -> None:

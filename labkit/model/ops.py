@@ -1,16 +1,15 @@
 """The ops of the paged forward, each run by the kernel its ``FusionPlan`` field names: the model applies the plan
-here, by plain calls (no lookup by name, no module switch).
+(resolved once, by ``CausalLM.use``) here, by plain calls (no lookup by name, no module switch, no decision again).
 
 * ``add_norm``: ``[residual +] h`` then RMSNorm (``plan.norm``: 'triton' is one fused kernel, ``rms_norm(h, w, eps,
   residual=r)``)
 * ``rope_and_write``: RoPE on q and k, then k and v into the paged cache (``plan.rope``; ``rope_cache_write``: one
   kernel for both, ``apply_rope_and_cache``, with a cache stored in the activations' dtype)
 * ``act_and_mul``: the gated MLP's ``act(gate) * up`` (``plan.activation``: ``silu_and_mul``)
-* ``projection``: an int8/int4 projection with its neighbours inside the GEMV (``plan.quant_epilogues``): the
-  RMSNorm before it, the residual add after it, or SwiGLU of its input; ``qkv_projection``: the merged q/k/v
-  projection with RoPE and the cache write in its store (``plan.qkv_rope_cache``). The quantised linears
-  themselves are plain linears (``weights()``, ``tuning``, ``uses_kernels``); which kernel takes which neighbour is
-  decided here (``EPILOGUE_KERNELS``).
+* ``qkv_projection``: the merged int8/int4 q/k/v projection with its RMSNorm, RoPE and the cache write in its
+  store (``plan.qkv_rope_cache``). The other int8/int4 projections take their epilogue (the RMSNorm before, the
+  residual add after, SwiGLU of the input) as arguments of their own forward (``plan.quant_epilogues``;
+  ``labkit.quant.weight_only``); whether the model runs them so is the plan's (``epilogue_ready``, at resolution).
 
 Every torch expression rounds as the family's HF module does, so the torch plan's greedy output equals HF's.
 
@@ -22,18 +21,17 @@ step's ``ModelInput.kernel_log``, set by ``ModelRunner(kernel_log=...)`` or ``Mo
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from labkit.kernels.common import KernelLog
-from labkit.kernels.quantized_matmul import w4a16_matmul, w4a16_qkv_rope_cache, w8a16_matmul, w8a16_qkv_rope_cache
 from labkit.kvcache.paged import PagedKVCache
 from labkit.model.fusion import FusionPlan
 from labkit.model.rotary import rotate
 from labkit.quant.weight_only import Int4Linear, Int8Linear
 
-EPILOGUE_KERNELS = {Int8Linear: (w8a16_matmul, w8a16_qkv_rope_cache), Int4Linear: (w4a16_matmul, w4a16_qkv_rope_cache)}
-"""Linear type -> (its GEMV with neighbours, its q/k/v GEMV with RoPE and the cache write)."""
+EPILOGUE_LINEARS = (Int8Linear, Int4Linear)
+"""The linears whose GEMVs take their epilogue as arguments (``forward(x, norm=, residual=, swiglu=)``) and have a
+q/k/v GEMV with RoPE and the cache write (``qkv_kernel``)."""
 
 
 def _note(log: KernelLog | None, op: str, kernel: str, fused=(), pdl: str = "") -> None:
@@ -56,19 +54,13 @@ def add_norm(norm: nn.Module, h: torch.Tensor, residual: torch.Tensor | None, pl
     return norm(h), h
 
 
-def caches_raw(cache: PagedKVCache, dtype: torch.dtype) -> bool:
-    """Whether ``cache`` stores K/V as they are (no int8/fp8 format, the activations' dtype): kernels may write
-    and read its pools directly."""
-    return not cache.fmt.quantised and cache.fmt.storage_dtype == dtype
-
-
 def rope_and_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    cache: PagedKVCache, layer: int, slot_mapping: torch.Tensor,
                    plan: FusionPlan, log: KernelLog | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on ``q`` ``[T, heads, D]`` and ``k`` ``[T, kv_heads, D]``; the rotated ``k`` and ``v`` written at
     ``slot_mapping`` of ``layer``. Returns the rotated ``(q, k)``."""
     if plan.rope == "triton":
-        if plan.rope_cache_write and caches_raw(cache, q.dtype):
+        if plan.rope_cache_write:  # resolved for a cache stored in the activations' dtype (CausalLM.use)
             from labkit.kernels.rope import apply_rope_and_cache
 
             _note(log, "rope", "apply_rope_and_cache", ("cache",))
@@ -96,9 +88,10 @@ def act_and_mul(act, gate_up: torch.Tensor, plan: FusionPlan, log: KernelLog | N
     return act(gate) * up
 
 
-def epilogue_ready(linears: list[nn.Module]) -> bool:
-    """Whether every one of ``linears`` is labkit's int8/int4 linear (what the epilogue fusions need)."""
-    return all(type(m) in EPILOGUE_KERNELS for m in linears)
+def epilogue_ready(linears: list[nn.Module | None], device: torch.device) -> bool:
+    """Whether every one of ``linears`` is labkit's int8/int4 linear running its kernels on ``device`` (what the
+    epilogue fusions need; None: a layer the model's weight layout does not have)."""
+    return all(type(m) in EPILOGUE_LINEARS and m.uses_kernels(device) for m in linears)
 
 
 def peers_take(linears: list[nn.Module], rows: int) -> bool:
@@ -107,52 +100,13 @@ def peers_take(linears: list[nn.Module], rows: int) -> bool:
     return any(getattr(m, "dispatch", None) is not None and m.dispatch.takes(rows) for m in linears)
 
 
-def projection(lin: nn.Module, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None,
-               swiglu: bool = False, pdl: str = "", log: KernelLog | None = None) -> torch.Tensor:
-    """``residual + lin(pre(x))``, where ``pre`` is ``norm`` (an RMSNorm: the q/k/v and gate/up projections) or,
-    with ``swiglu``, ``silu(gate) * up`` of ``x`` ``[..., 2 * in_features]`` (the down projection); ``residual``
-    ``[..., out_features]`` (o and down end in the residual add). With the kernels (``lin.uses_kernels(x)``) one
-    16-bit row does all of it inside the stationary GEMV; otherwise the separate torch ops, as the model rounds
-    them. ``pdl``: the GEMV's programmatic dependent launch ('release', 'overlap')."""
-    width = 2 * lin.in_features if swiglu else lin.in_features
-    if x.dim() == 0 or x.shape[-1] != width:
-        raise ValueError(f"x {tuple(x.shape)} must be [..., {'2 * ' if swiglu else ''}in_features] = [..., {width}]"
-                         f"{' ([gate | up] with swiglu=True)' if swiglu else ''}")
-    if norm is not None and swiglu:
-        raise ValueError("norm and swiglu=True cannot be combined (an RMSNorm precedes q/k/v and gate/up, SwiGLU the "
-                         "down projection)")
-    if not lin.uses_kernels(x):
-        _note(log, "projection", "torch")
-        if swiglu:
-            gate, up = x.chunk(2, dim=-1)
-            x = F.silu(gate) * up
-        y = lin(norm(x) if norm is not None else x)
-        return y if residual is None else residual + y
-    kernel = EPILOGUE_KERNELS[type(lin)][0]
-    opts = {"swiglu": swiglu, **({"pdl": pdl} if pdl else {}), **_tuned(lin)}
-    if norm is not None:
-        opts.update(norm_weight=norm.weight, norm_eps=norm.eps)
-    inside = residual is not None and lin.bias is None  # the bias comes between the product and the add
-    if inside:
-        opts["residual"] = residual.reshape(-1, lin.out_features)
-    fused = ("norm",) * (norm is not None) + ("residual",) * inside + ("swiglu",) * swiglu
-    _note(log, "projection", kernel.__name__, fused, pdl)
-    y = kernel(x.reshape(-1, width), *lin.weights(), **opts).view(*x.shape[:-1], lin.out_features)
-    if lin.bias is not None:
-        y = y + lin.bias
-    return y if residual is None or inside else residual + y
-
-
 def qkv_projection(lin: nn.Module, x: torch.Tensor, norm: nn.Module, num_heads: int, cos: torch.Tensor,
                    sin: torch.Tensor, cache: PagedKVCache, layer: int, slot_mapping: torch.Tensor,
                    pdl: str = "", log: KernelLog | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``norm``, the merged bias-free q/k/v projection ``lin``, RoPE and the cache write of ``layer`` in one kernel
     at decode batch 1 (``w4a16_qkv_rope_cache`` / ``w8a16_qkv_rope_cache``). Returns the rotated ``(q, k)``."""
-    kernel = EPILOGUE_KERNELS[type(lin)][1]
+    kernel = lin.qkv_kernel
     _note(log, "qkv_projection", kernel.__name__, ("norm", "rope", "cache"), pdl)
     return kernel(x, *lin.weights(), num_heads, cos, sin, cache.k_caches[layer], cache.v_caches[layer],
-                  slot_mapping, norm_weight=norm.weight, norm_eps=norm.eps, pdl=pdl, **_tuned(lin))
-
-
-def _tuned(lin: nn.Module) -> dict:
-    return {} if lin.tuning is None else {"tuning": lin.tuning}
+                  slot_mapping, norm_weight=norm.weight, norm_eps=norm.eps, pdl=pdl,
+                  **({} if lin.tuning is None else {"tuning": lin.tuning}))

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.kernels.quantized_matmul import w4a16_matmul, w8a16_matmul
+from labkit.kernels.common import KernelLog
+from labkit.kernels.quantized_matmul import w4a16_matmul, w4a16_qkv_rope_cache, w8a16_matmul, w8a16_qkv_rope_cache
 from labkit.kernels.quantized_matmul.packing import dequantize_int4, dequantize_int8, pack_int4
 
 INT8_QMAX = 127
@@ -103,10 +104,10 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 128, scale_dtype: torc
 
 
 # --- the kernels -------------------------------------------------------------------------------------------
-def _use_kernels(backend: str, x: torch.Tensor) -> bool:
-    """Whether a layer of ``backend`` runs its Triton kernel on ``x`` ('auto': on CUDA; 'triton': everywhere,
+def _use_kernels(backend: str, device: torch.device | str) -> bool:
+    """Whether a layer of ``backend`` runs its Triton kernel on ``device`` ('auto': on CUDA; 'triton': everywhere,
     through the interpreter on the CPU)."""
-    return backend == "triton" or (backend == "auto" and x.is_cuda)
+    return backend == "triton" or (backend == "auto" and torch.device(device).type == "cuda")
 
 
 def _check_backend(backend: str) -> str:
@@ -118,9 +119,9 @@ def _check_backend(backend: str) -> str:
 # --- modules -------------------------------------------------------------------------------------------------
 class _QuantizedLinear(nn.Module):
     """What labkit's quantised linears share: ``y = x @ W.T + bias``, by their Triton kernel (``_kernel``, called on
-    ``(x, *self.weights())``) or by dequantising and ``F.linear`` (the torch reference). A quantised linear is only a
-    linear: the decoder's fusions around it (RMSNorm, residual add, SwiGLU, RoPE and the cache write inside the
-    GEMV) are applied by ``labkit.model``, which reads ``weights()`` and ``tuning``. Subclasses set
+    ``(x, *self.weights())``) or by dequantising and ``F.linear`` (the torch reference), and on the kernel its
+    epilogue as arguments (``forward``'s ``norm``, ``residual``, ``swiglu``: the decoder's neighbours inside the GEMV).
+    ``qkv_kernel``: the q/k/v GEMV with RoPE and the cache write (``labkit.model.ops.qkv_projection``). Subclasses set
     ``in_features``, ``out_features``, ``bias`` and ``backend``. ``tuning``: the kernels' launch parameters
     (``labkit.kernels.quantized_matmul.QuantTuning``), None for the device's table."""
 
@@ -135,22 +136,55 @@ class _QuantizedLinear(nn.Module):
         """The kernel's weight arguments after ``x`` (tensors, then the group size where there is one)."""
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None,
+                swiglu: bool = False, pdl: str = "", log: KernelLog | None = None) -> torch.Tensor:
+        """``x @ W.T + bias``; with an epilogue ``residual + self(pre(x))`` on labkit's GEMV (whoever passes one has
+        resolved that it runs: ``FusionPlan.quant_epilogues``), ``pre`` the RMSNorm ``norm`` (q/k/v, gate/up) or,
+        with ``swiglu``, ``silu(gate) * up`` of ``x`` ``[..., 2 * in_features]`` (down); ``residual`` ``[...,
+        out_features]`` (o and down end in the residual add); one 16-bit row does all of it inside the stationary
+        GEMV. ``pdl``: its programmatic dependent launch ('release', 'overlap'); ``log``: a ``KernelLog`` it is
+        recorded in (op 'projection')."""
+        if norm is not None or residual is not None or swiglu:
+            return self._with_epilogue(x, norm, residual, swiglu, pdl, log)
         if self.dispatch is not None:  # a peer kernel where the machine's table measured one faster at these rows
             peer = self.dispatch.kernel_for(x.reshape(-1, self.in_features))
             if peer is not None:
                 y = peer(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
                 return y if self.bias is None else y + self.bias
-        if not self.uses_kernels(x):
+        if not self.uses_kernels(x.device):
             return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        tuned = {} if self.tuning is None else {"tuning": self.tuning}
-        y = self._kernel(x.reshape(-1, self.in_features), *self.weights(), **tuned).view(*x.shape[:-1],
-                                                                                         self.out_features)
+        y = self._kernel(x.reshape(-1, self.in_features), *self.weights(), **self._tuned()).view(*x.shape[:-1],
+                                                                                                self.out_features)
         return y if self.bias is None else y + self.bias
 
-    def uses_kernels(self, x: torch.Tensor) -> bool:
-        """Whether this layer runs labkit's Triton kernel on ``x`` (its backend and ``x``'s device)."""
-        return _use_kernels(self.backend, x)
+    def _with_epilogue(self, x, norm, residual, swiglu: bool, pdl: str, log) -> torch.Tensor:
+        width = 2 * self.in_features if swiglu else self.in_features
+        if x.dim() == 0 or x.shape[-1] != width:
+            raise ValueError(f"x {tuple(x.shape)} must be [..., {'2 * ' if swiglu else ''}in_features] = [..., "
+                             f"{width}]{' ([gate | up] with swiglu=True)' if swiglu else ''}")
+        if norm is not None and swiglu:
+            raise ValueError("norm and swiglu=True cannot be combined (an RMSNorm precedes q/k/v and gate/up, SwiGLU "
+                             "the down projection)")
+        opts = {"swiglu": swiglu, **({"pdl": pdl} if pdl else {}), **self._tuned()}
+        if norm is not None:
+            opts.update(norm_weight=norm.weight, norm_eps=norm.eps)
+        inside = residual is not None and self.bias is None  # the bias comes between the product and the add
+        if inside:
+            opts["residual"] = residual.reshape(-1, self.out_features)
+        if log is not None:
+            fused = ("norm",) * (norm is not None) + ("residual",) * inside + ("swiglu",) * swiglu
+            log.record("projection", self._kernel.__name__, fused, pdl)
+        y = self._kernel(x.reshape(-1, width), *self.weights(), **opts).view(*x.shape[:-1], self.out_features)
+        if self.bias is not None:
+            y = y + self.bias
+        return y if residual is None or inside else residual + y
+
+    def _tuned(self) -> dict:
+        return {} if self.tuning is None else {"tuning": self.tuning}
+
+    def uses_kernels(self, device: torch.device | str) -> bool:
+        """Whether this layer runs labkit's Triton kernel on inputs on ``device`` (its backend and the device)."""
+        return _use_kernels(self.backend, device)
 
 
 class Int8Linear(_QuantizedLinear):
@@ -181,7 +215,7 @@ class Int8Linear(_QuantizedLinear):
         """The weight ``[N, K]`` this layer computes with."""
         return dequantize_int8(self.qweight, self.scale, dtype)
 
-    _kernel = staticmethod(w8a16_matmul)
+    _kernel, qkv_kernel = staticmethod(w8a16_matmul), staticmethod(w8a16_qkv_rope_cache)
 
     def weights(self) -> tuple:
         return self.qweight, self.scale
@@ -225,7 +259,7 @@ class Int4Linear(_QuantizedLinear):
         """The weight ``[N, K]`` this layer computes with."""
         return dequantize_int4(self.packed, self.scales, self.zeros, self.group_size, dtype)
 
-    _kernel = staticmethod(w4a16_matmul)
+    _kernel, qkv_kernel = staticmethod(w4a16_matmul), staticmethod(w4a16_qkv_rope_cache)
 
     def weights(self) -> tuple:
         return self.packed, self.scales, self.zeros, self.group_size

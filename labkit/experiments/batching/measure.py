@@ -25,7 +25,6 @@ import gc
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from functools import partial
 
 import torch
@@ -197,9 +196,9 @@ def decode_rate(model, batch_size: int, context: int, steps: int, source, warmup
     return row
 
 
-# The A/B names notebook 04 records its rows under -> the FusionPlan field each turns off (with what depends on it).
-PLAN_OPTIONS = {"fuse_layer_ops": ("quant_epilogues", "qkv_rope_cache", "gemv_pdl"),
-                "fuse_qkv_rope": ("qkv_rope_cache",), "gemv_pdl": ("gemv_pdl",)}
+# The A/B names notebook 04 records its rows under -> the FusionPlan field each turns off (``FusionPlan.without``:
+# with what depends on it).
+PLAN_OPTIONS = {"fuse_layer_ops": "quant_epilogues", "fuse_qkv_rope": "qkv_rope_cache", "gemv_pdl": "gemv_pdl"}
 
 
 def plan_options(model, **options) -> FusionPlan:
@@ -209,8 +208,7 @@ def plan_options(model, **options) -> FusionPlan:
     if unknown:
         raise ValueError(f"options {unknown} are unknown; allowed: {sorted(PLAN_OPTIONS)}")
     plan = FusionPlan.for_device(next(model.parameters()).device)
-    off = {f: False for name, on in options.items() if not on for f in PLAN_OPTIONS[name]}
-    return replace(plan, **off)
+    return plan.without(*(PLAN_OPTIONS[name] for name, on in options.items() if not on))
 
 
 def runner_step(model, phase: str, batch_size: int, context: int, block_size: int = 16, seed: int = 0,
