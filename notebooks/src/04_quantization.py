@@ -56,7 +56,7 @@ from labkit.workbook import resolve_profile
 
 PROFILE = resolve_profile(profile)
 SIZES = {
-    "ci": dict(seq_len=256, windows=24, calib_samples=32, calib_seq_len=256, context=32, decode_iters=2,
+    "ci": dict(seq_len=256, windows=24, calib_samples=16, calib_seq_len=256, context=32, decode_iters=2,
                error_tokens=(2, 64), matmul_size=256, sum_lengths=(256, 1024, 4096), dtype_windows=4,
                accuracy_device="cpu"),
     "cpu": dict(seq_len=256, windows=24, calib_samples=32, calib_seq_len=256, context=64, decode_iters=3,
