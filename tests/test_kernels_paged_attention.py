@@ -2,9 +2,11 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from labkit.evaluate import relative_error
-from labkit.kernels.paged_attention import auto_num_splits, paged_attention, paged_attention_ref
+from labkit.kernels.paged_attention import _kv_as, auto_num_splits, paged_attention, paged_attention_ref
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on the CPU, compiled on CUDA
@@ -95,6 +97,58 @@ def test_quantised_cache_is_dequantised_in_registers(kv_dtype, num_splits):
     assert relative_error(out, ref) < 1e-5
     with pytest.raises(ValueError, match="k_scale and v_scale"):
         paged_attention(q, kq, vq, tables, ctx)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantised_cache_with_16_bit_queries(kv_dtype):
+    """16-bit queries multiply 8-bit K/V as float16 Tensor Core operands: int8 read through its bits (1024 + x +
+    128 as a float16, minus 1152; on CUDA the PRMT/LOP3/HSUB2 sequence, here the same steps in Triton operations),
+    every int8 value from -127 to 127 exact. The reference dequantises in float64."""
+    from labkit.kvcache.quant import dequantize_kv
+
+    q, k, v, tables, ctx = _case(3, 4, 2, 64, 16, [1, 77, 150], 40, torch.float32, seed=9)
+    k[0, 0, 0, :] = torch.linspace(-4, 4, 64)  # a row whose int8 codes run -127 .. 127
+    kq, vq, scales = _quantised_kv(k, v, kv_dtype)
+    ref = paged_attention_ref(q.double(), dequantize_kv(kq, scales["k_scale"], torch.float64),
+                              dequantize_kv(vq, scales["v_scale"], torch.float64), tables, ctx)
+    for splits in (1, 2):
+        out = paged_attention(q.half(), kq, vq, tables, ctx, num_splits=splits, **scales)
+        assert out.dtype == torch.float16
+        assert relative_error(out, ref) < 2e-3, splits
+
+
+@triton.jit
+def _int8_to_f16(src, dst, PTX: tl.constexpr):
+    offs = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
+    tl.store(dst + offs, _kv_as(tl.load(src + offs), tl.float16, PTX))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_int8_bytes_read_as_float16_exactly(device):
+    """``_kv_as``'s int8 -> float16 bit steps (inline PTX on CUDA, Triton operations under the interpreter) give
+    every one of the 256 codes exactly, in place (4 bytes a word: the PRMT byte order)."""
+    codes = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8).roll(37).to(device)
+    out = torch.empty(256, dtype=torch.float16, device=device)
+    _int8_to_f16[(1,)](codes, out, PTX=device == "cuda")
+    assert torch.equal(out, codes.half())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, None])
+def test_quantised_cache_gpu(kv_dtype, dtype, num_splits):
+    """The compiled int8 (inline PTX) and fp8 paths at the engine's head shape against the dequantised
+    reference."""
+    from labkit.kvcache.quant import dequantize_kv
+
+    lens = [1, 100, 4096, 2000, 17]
+    q, k, v, tables, ctx = _case(5, 32, 8, 128, 16, lens, 1400, torch.float32, seed=16, device="cuda")
+    k, v, scales = _quantised_kv(k, v, kv_dtype)
+    ref = paged_attention_ref(q.double(), dequantize_kv(k, scales["k_scale"], torch.float64),
+                              dequantize_kv(v, scales["v_scale"], torch.float64), tables, ctx)
+    out = paged_attention(q.to(dtype), k, v, tables, ctx, num_splits=num_splits, **scales)
+    assert relative_error(out, ref) < TOL[dtype]
 
 
 def test_bad_inputs():

@@ -89,17 +89,53 @@ def _kv_tile(pool_ptr, blk, in_blk, head_off, stride_b, stride_t, stride_h, offs
                    + offs_d[None, :], mask=mask, other=0.0)
 
 
+# int8 -> float16 without a conversion instruction: I2F runs at a quarter of the integer rate on sm_90, and the
+# byte-to-float16 conversion of a 4k-context batch cost as much time as reading the bytes (int8 attention ran
+# 1.11x bf16 while reading half the bytes). PRMT spreads bytes 0-1 (2-3) of a word into the low bytes of two
+# float16 lanes; one LOP3 sets the exponent of 1024 and flips the sign bit (two's complement -> offset binary),
+# so each lane holds 1024 + (x + 128) exactly; one HSUB2 takes 1152 off: 1.25 instructions per byte, all at the
+# full rate.
+_I8_TO_F16 = tl.constexpr("""{
+.reg .b32 lo, hi, c;
+prmt.b32 lo, $2, 0, 0x4140;
+prmt.b32 hi, $2, 0, 0x4342;
+lop3.b32 lo, lo, 0x00800080, 0x64006400, 0xBE;
+lop3.b32 hi, hi, 0x00800080, 0x64006400, 0xBE;
+mov.b32 c, 0x64806480;
+sub.f16x2 $0, lo, c;
+sub.f16x2 $1, hi, c;
+}""")
+
+
+@triton.jit
+def _kv_as(x, dtype: tl.constexpr, PTX: tl.constexpr):
+    """A quantised K or V tile (int8 or float8_e4m3fn) as ``dtype`` values, exactly (the scale is applied by the
+    caller). int8 to float16 on CUDA: ``_I8_TO_F16``; under the interpreter (``PTX`` False) the same bit steps
+    in Triton operations."""
+    if x.dtype == tl.int8 and dtype == tl.float16:
+        if PTX:
+            return tl.inline_asm_elementwise(_I8_TO_F16, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            bits = (x.to(tl.int16) & 0xFF) ^ 0x6480  # 1024 + (x + 128) as float16 bits
+            return bits.to(tl.float16, bitcast=True) - 1152.0
+    else:
+        return x.to(dtype)  # float8_e4m3fn -> float16: CVT.F16X2.E4M3X2 on sm_89+, two per instruction
+
+
 @triton.jit
 def _attend_tile(q, k, v, t_ok, blk, in_blk, kv_head_off, m_i, l_i, acc, k_scale_ptr, v_scale_ptr, stride_sb,
-                 stride_st, stride_sh, qk_scale, KV_QUANT: tl.constexpr, PRECISION: tl.constexpr):
+                 stride_st, stride_sh, qk_scale, KV_QUANT: tl.constexpr, PRECISION: tl.constexpr,
+                 PTX: tl.constexpr):
     """One tile of the online softmax: ``q`` ``[G, D]`` against ``k``, ``v`` ``[N, D]`` (rows where ``t_ok``);
-    returns the running maximum, sum and un-normalised output, updated."""
+    returns the running maximum, sum and un-normalised output, updated. Quantised K/V are multiplied in ``q``'s
+    dtype (float16 for 16-bit queries -- ``paged_attention`` passes them as float16 then -- float32 otherwise)."""
     if KV_QUANT:
         # int8/fp8 K with one scale per (token, head): q . (kq * s) = (q . kq) * s, so the scale is
         # applied to the [G, N] scores, not to the [N, D] tile
         slot = blk * stride_sb + in_blk * stride_st + kv_head_off * stride_sh
         ks = tl.load(k_scale_ptr + slot, mask=t_ok, other=0.0)
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * (ks * qk_scale)[None, :]
+        vs = tl.load(v_scale_ptr + slot, mask=t_ok, other=0.0)
+        qk = tl.dot(q, tl.trans(_kv_as(k, q.dtype, PTX)), input_precision=PRECISION) * (ks * qk_scale)[None, :]
     else:
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     qk = tl.where(t_ok[None, :], qk, -float("inf"))
@@ -108,8 +144,7 @@ def _attend_tile(q, k, v, t_ok, blk, in_blk, kv_head_off, m_i, l_i, acc, k_scale
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     if KV_QUANT:  # p @ (vq * s) = (p * s) @ vq
-        vs = tl.load(v_scale_ptr + slot, mask=t_ok, other=0.0)
-        acc = tl.dot((p * vs[None, :]).to(q.dtype), v.to(q.dtype), acc * alpha[:, None],
+        acc = tl.dot((p * vs[None, :]).to(q.dtype), _kv_as(v, q.dtype, PTX), acc * alpha[:, None],
                      input_precision=PRECISION)
     else:
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
@@ -124,7 +159,7 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, 
                        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                        KV_QUANT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
-                       ONE_TILE: tl.constexpr = False):
+                       ONE_TILE: tl.constexpr = False, PTX: tl.constexpr = False):
     """One program per (sequence, KV head, context range). ``ONE_TILE`` (with ``SPLIT``; the host knows every
     range of a ``table_len``-token table fits one tile): range ``split`` is tokens ``split * BLOCK_N ...`` whatever
     the context, so its block-table entries are read alongside the context length, not after it -- one memory round
@@ -147,6 +182,10 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, 
     kv_head_off = kvh.to(tl.int64)
     q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    if KV_QUANT and q.dtype == tl.bfloat16:
+        # 8-bit K/V are exact in float16, and a query's float16 rounding (2**-11) is finer than bfloat16's:
+        # float16 Tensor Core operands, where int8 and fp8 convert without going through float32
+        q = q.to(tl.float16)
     m_i = tl.full([BLOCK_G], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -160,7 +199,7 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, 
             v = _kv_tile(v_ptr, blk, in_blk, kv_head_off, stride_vb, stride_vt, stride_vh, offs_d, ld_mask)
             m_i, l_i, acc = _attend_tile(q, k, v, t_ok, blk, in_blk, kv_head_off, m_i, l_i, acc, k_scale_ptr,
                                          v_scale_ptr, stride_sb, stride_st, stride_sh, qk_scale, KV_QUANT,
-                                         PRECISION)
+                                         PRECISION, PTX)
     else:
         for t0 in range(start, end, BLOCK_N):
             tok = t0 + offs_n
@@ -173,7 +212,7 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, 
             v = _kv_tile(v_ptr, blk, in_blk, kv_head_off, stride_vb, stride_vt, stride_vh, offs_d, ld_mask)
             m_i, l_i, acc = _attend_tile(q, k, v, t_ok, blk, in_blk, kv_head_off, m_i, l_i, acc, k_scale_ptr,
                                          v_scale_ptr, stride_sb, stride_st, stride_sh, qk_scale, KV_QUANT,
-                                         PRECISION)
+                                         PRECISION, PTX)
     if SPLIT:
         # partials: acc [seq, head, split, D] un-normalised; (m, l) [seq, head, split, 2]
         row = (seq * n_heads + heads) * n_splits + split
@@ -367,7 +406,8 @@ def _launch(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, 
             out.stride(0), out.stride(1), next_pow2(max_context), max_context)
     meta = dict(BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
                 BLOCK_G=max(16, next_pow2(group)), SPLIT=split, KV_QUANT=quant,
-                PRECISION="ieee" if q.dtype == torch.float32 else "tf32")  # fp32 stays exact
+                PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays exact
+                PTX=q.device.type == "cuda" and torch.version.hip is None)  # the interpreter runs no PTX
     grid = (num_seqs, num_kv_heads, num_splits)
     launch = pdl_launch(pdl, q.device)
     if q.device.type == "cuda":
