@@ -26,8 +26,8 @@ from types import ModuleType
 from labkit.data import REPO_ROOT
 
 PACKAGES = ("labkit.model", "labkit.kernels", "labkit.kvcache", "labkit.quant", "labkit.engine", "labkit.parallel",
-            "labkit.finetune", "labkit.plan", "labkit.profiling", "labkit.bench", "labkit.hardware", "labkit.data",
-            "labkit.checks", "labkit.exercises")
+            "labkit.finetune", "labkit.plan", "labkit.roofline", "labkit.profiling", "labkit.bench", "labkit.hardware",
+            "labkit.data", "labkit.checks", "labkit.exercises")
 API_PAGE = REPO_ROOT / "docs" / "api.md"
 REGENERATE = "python -m labkit docs"
 _WIDTH = 116

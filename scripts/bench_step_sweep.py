@@ -26,7 +26,7 @@ from labkit.bench import time_fn, write_record
 from labkit.experiments.decode_step import time_decode_step
 from labkit.hardware import detect, measure_ceilings, measured_hardware
 from labkit.model import get_config, random_model
-from labkit.profiling import roofline
+from labkit.roofline import roofline
 
 
 def build(preset: str, weights: str):

@@ -1,7 +1,8 @@
 """The GPU run of quantisation at serving batches, in stages that each leave their records behind.
 
     python scripts/quant_peers.py gemm --out DIR [--budget 110 --timing 50 --budget-175b 25 --timing-175b 30]
-        every path of every weight format on one 8B layer, then one 175B layer (labkit.experiments.quantization.peers):
+        every path of every weight format on one 8B layer, then one 175B layer
+        (labkit.experiments.quantization.format_gemm):
         DIR/records/format_gemm.json (rewritten after each layer shape) and DIR/records/quant_dispatch.json (the
         engine's kernel table, from the 8B rows)
     python scripts/quant_peers.py figures --out DIR
@@ -26,7 +27,7 @@ import labkit  # noqa: F401  (before anything imports triton)
 
 def gemm(out: Path, budget: float, timing: float, budget_175b: float, timing_175b: float) -> int:
     from labkit.bench import write_record
-    from labkit.experiments.quantization import peers
+    from labkit.experiments.quantization import format_gemm
 
     t0 = time.perf_counter()
 
@@ -36,14 +37,14 @@ def gemm(out: Path, budget: float, timing: float, budget_175b: float, timing_175
                            rows=before["rows"] + partial["rows"])
         write_record("format_gemm", partial, out_dir=out)
 
-    data = peers.measure(presets=("llama-3-8b",), budget_s=budget, timing_s=timing, checkpoint=keep)
+    data = format_gemm.measure(presets=("llama-3-8b",), budget_s=budget, timing_s=timing, checkpoint=keep)
     print(f"8B layer measured in {time.perf_counter() - t0:.0f} s", flush=True)
-    peers.write_records(data, out_dir=out)  # and the engine's kernel table, from the 8B rows
-    big = peers.measure(presets=("gpt3-175b",), budget_s=budget_175b, timing_s=timing_175b,
-                        batches=tuple(data["batches"]), checkpoint=lambda d: keep(d, data))
+    format_gemm.write_records(data, out_dir=out)  # and the engine's kernel table, from the 8B rows
+    big = format_gemm.measure(presets=("gpt3-175b",), budget_s=budget_175b, timing_s=timing_175b,
+                              batches=tuple(data["batches"]), checkpoint=lambda d: keep(d, data))
     data = dict(data, presets=data["presets"] + big["presets"], rows=data["rows"] + big["rows"],
                 seconds=data["seconds"] + big["seconds"])
-    paths = peers.write_records(data, out_dir=out)
+    paths = format_gemm.write_records(data, out_dir=out)
     print(f"both layers measured in {time.perf_counter() - t0:.0f} s: {paths}", flush=True)
     return 0
 
@@ -52,7 +53,7 @@ def figures(out: Path) -> int:
     from labkit.bench import record_figure, write_record
     from labkit.experiments.batching.cli import quant_decode_figures
     from labkit.experiments.capstone import plan_figures
-    from labkit.experiments.quantization import peers
+    from labkit.experiments.quantization import format_gemm
     from labkit.plan import SCENARIO_175B, recommend
 
     rec_dir = out / "records"
@@ -60,9 +61,9 @@ def figures(out: Path) -> int:
     fresh = None
     if gemm_path.exists():
         fresh = json.loads(gemm_path.read_text())["data"]
-        for name, e in peers.figures(fresh, gemm_path, out_dir=out).items():
+        for name, e in format_gemm.figures(fresh, gemm_path, out_dir=out).items():
             print(f"{name} = {e['value']}")
-    decode = rec_dir / f"{peers.DECODE_RECORD}.json"
+    decode = rec_dir / f"{format_gemm.DECODE_RECORD}.json"
     if decode.exists():
         rows = json.loads(decode.read_text())["data"]["rows"]
         for name, e in quant_decode_figures(rows, decode, out).items():

@@ -20,7 +20,7 @@ from labkit.plan import (
     prefill_time,
     validate,
 )
-from labkit.profiling import roofline
+from labkit.roofline import roofline
 
 H200 = get_hardware("h200")
 ONE = Cluster(H200, gpus_per_node=1, nodes=1)

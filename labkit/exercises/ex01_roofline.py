@@ -8,7 +8,7 @@ import random
 from labkit.exercises.core import Case, Exercise, Measurement, Prediction, register
 from labkit.exercises.measured import data_of, figure
 from labkit.model import ModelConfig, get_config
-from labkit.profiling import RooflineRow
+from labkit.roofline import RooflineRow
 
 
 def linear_roofline(tokens: int, d_in: int, d_out: int, bytes_per_el: float, peak_flops: float,

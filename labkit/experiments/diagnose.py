@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from labkit.profiling import CATEGORIES, ProfileResult, profile_run, roofline
+from labkit.profiling import CATEGORIES, ProfileResult, profile_run
+from labkit.roofline import roofline
 
-# roofline rows (``labkit.profiling.roofline``) -> the profiler category whose time they predict
+# roofline rows (``labkit.roofline.roofline``) -> the profiler category whose time they predict
 ROOFLINE_CATEGORY = {"QKV/O projections": "matmul", "MLP": "matmul", "LM head": "matmul", "attention": "attention",
                      "norms and residuals": "norm/elementwise"}
 FLAT, DOUBLES = 1.3, 1.6  # a time ratio under FLAT did not move; at or over DOUBLES it followed the work

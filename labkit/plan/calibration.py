@@ -4,8 +4,8 @@
 of the engine by weight format, batch and context). ``kernel_paths`` reads the further paths measured per format in
 the committed records: the engine's batch-1 steps of notebook 04 (labkit's GEMVs, FP8 through
 ``torch._scaled_mm``), KV attention per KV format of notebook 03, and the per-format GEMMs of
-``labkit.experiments.quantization.peers`` (labkit's kernels beside tinygemm, gemlite, torchao, cuBLAS int8 and FP8,
-on the 8B and the 175B layer, at every batch measured). Each path stands for the batch it was measured at only.
+``labkit.experiments.quantization.format_gemm`` (labkit's kernels beside tinygemm, gemlite, torchao, cuBLAS int8 and
+FP8, on the 8B and the 175B layer, at every batch measured). Each path stands for the batch it was measured at only.
 ``load_calibration`` joins the two.
 """
 
@@ -27,7 +27,7 @@ RECORDS = REPO_ROOT / "results" / "h200" / "records"
 STEP_SWEEP_RECORD = RECORDS / "step_sweep.json"
 """The committed step sweep the planner is fitted to."""
 FORMAT_GEMM_RECORD = RECORDS / "format_gemm.json"
-"""Per-format GEMMs (labkit's and the peers') by batch, written by ``labkit.experiments.quantization.peers``."""
+"""Per-format GEMMs (labkit's and the peers') by batch, written by ``labkit.experiments.quantization.format_gemm``."""
 
 NOMINAL = Calibration({"bf16": 0.8}, {"bf16": 0.6}, 1e-6, "nominal (no measured record): 80% of bandwidth, 60% "
                       "of matmul rate, 1 us per layer")

@@ -3,9 +3,9 @@ table measured on the machine it runs on.
 
 A weight format's fastest kernel changes with the number of rows: labkit's GEMVs stream int4 weights at batch one
 faster than anything else measured here, while at serving batches a tensor-core kernel built for more rows wins (see
-``labkit.experiments.quantization.peers`` and notebook 04). ``DispatchTable`` holds, per format, the measured batches
-and the fastest path that the engine can run at each (labkit's own or a peer of ``labkit.quant.peers``); it is data,
-``results/<machine>/records/quant_dispatch.json``, written by the measurement on that machine. ``KernelChoice``
+``labkit.experiments.quantization.format_gemm`` and notebook 04). ``DispatchTable`` holds, per format, the measured
+batches and the fastest path that the engine can run at each (labkit's own or a peer of ``labkit.quant.peers``); it is
+data, ``results/<machine>/records/quant_dispatch.json``, written by the measurement on that machine. ``KernelChoice``
 attaches it to one layer: the peer kernels it needs are built once, from the layer's own codes and scales, and
 ``kernel_for(x)`` returns the callable for ``x``'s rows (None: the layer's own kernel). A number of rows between
 measured batches takes the path of the nearest measured batch (by ratio; a tie goes to the larger batch).
@@ -78,7 +78,7 @@ class DispatchTable:
 
 
 def table_from_rows(rows: list[dict], machine: str, source: str = "", preset: str | None = None) -> DispatchTable:
-    """The table of a per-format GEMM measurement (``labkit.experiments.quantization.peers`` rows: ``weights``,
+    """The table of a per-format GEMM measurement (``labkit.experiments.quantization.format_gemm`` rows: ``weights``,
     ``path``, ``batch``, ``us``, ``status``, ``preset``): at each batch, the fastest path that timed and that the
     engine can run. ``preset``: the layer shape to choose on (default the first measured)."""
     presets = list(dict.fromkeys(r.get("preset") for r in rows))

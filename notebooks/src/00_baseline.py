@@ -33,7 +33,8 @@ from labkit.claims import Claim, show
 from labkit.experiments.baseline import hf_modes, offline_speedups, offline_throughput, run_generate, sweep_load
 from labkit.hardware import detect, measure_ceilings
 from labkit.model import get_config, human_bytes, load_model, random_model
-from labkit.profiling import plot_timeline, profile_run, roofline
+from labkit.profiling import plot_timeline, profile_run
+from labkit.roofline import roofline
 from labkit.workbook import resolve_profile
 
 PROFILE = resolve_profile(profile)

@@ -5,7 +5,7 @@
 # which phase, and what will prove that a change worked? This notebook answers with two instruments used by every
 # later notebook:
 #
-# * `labkit.profiling.roofline`: FLOPs and bytes of each layer type, hence arithmetic intensity, the binding
+# * `labkit.roofline.roofline`: FLOPs and bytes of each layer type, hence arithmetic intensity, the binding
 #   ceiling and the time it implies (a prediction);
 # * `labkit.profiling.profile_run`: `torch.profiler` device time by category, idle time between kernels, kernels
 #   per decode step, and the Chrome/Perfetto trace (a measurement).
@@ -32,7 +32,8 @@ from labkit.experiments.diagnose import profile_decode, regimes
 from labkit.figures import machine_figures, read_summary
 from labkit.hardware import KNOWN, detect, measure_ceilings, measured_hardware
 from labkit.model import PRESETS, get_config, load_model, random_model
-from labkit.profiling import mbu, mfu, plot_roofline, plot_timeline, profile_run, roofline
+from labkit.profiling import plot_timeline, profile_run
+from labkit.roofline import mbu, mfu, plot_roofline, roofline
 from labkit.workbook import resolve_profile
 
 PROFILE = resolve_profile(profile)

@@ -343,7 +343,7 @@ if fp8_counts is not None:
 # int8, FP8) multiplies on the 8-bit tensor cores at twice bf16's rate, and keeps a bound of two at every batch. The
 # dashed and dotted lines of the plot are those bounds from the machine's datasheet.
 #
-# The measurement (`labkit.experiments.quantization.peers`): one Llama-3-8B layer's four linears (fused q/k/v, o,
+# The measurement (`labkit.experiments.quantization.format_gemm`): one Llama-3-8B layer's four linears (fused q/k/v, o,
 # fused gate/up, down) from one row to a large serving batch, every path of every format -- labkit's own, and tinygemm (gpt-fast's int4),
 # `torch._int_mm`, labkit's FP8 with its activation quantisation in one Triton kernel, gemlite's W4A16 / W8A16 / W8A8,
 # torchao's one-line configs and `torch.compile` of the FP8 quantisation with its GEMM -- each checked against the
@@ -354,13 +354,13 @@ if fp8_counts is not None:
 # that was fastest at the batch (`quantize(model, method, dispatch="measured")`, `labkit.quant.dispatch`).
 
 # %%
-from labkit.experiments.quantization import peers
+from labkit.experiments.quantization import format_gemm
 from labkit.data import machine_class
 from labkit.hardware import KNOWN as HW
 
 gemm_records = {}
 if PROFILE == "gpu":  # the 8B and the 175B layer: notebooks 06 and 08 reuse this run's record
-    gemm_records["this run"] = peers.run_format_gemm(PROFILE)
+    gemm_records["this run"] = format_gemm.run_format_gemm(PROFILE)
 else:
     for path in sorted((REPO_ROOT / "results").glob("*/records/format_gemm.json")):
         gemm_records[path.parent.parent.name] = (path.relative_to(REPO_ROOT), json.loads(path.read_text())["data"])
@@ -368,24 +368,24 @@ for where, (path, data) in gemm_records.items():
     device = data.get("device", "?")
     hw = HW.get(machine_class(device))
     print(f"{device} ({where}: {path})")
-    table = pd.DataFrame(peers.speedup_table(data)).set_index(["weights", "path"])
+    table = pd.DataFrame(format_gemm.speedup_table(data)).set_index(["weights", "path"])
     table = table.drop(columns="library") if not table["library"].any() else table  # older records name none
     display(table.round(2))
     if hw is not None:
-        bound = pd.DataFrame([{"weights": f, "multiplies": kind, **{b: peers.roofline_speedup(f, b, hw, kind == "W8A8")
-                                                                    for b in (1, 16, 64, 256)}}
+        bound = pd.DataFrame([{"weights": f, "multiplies": kind,
+                               **{b: format_gemm.roofline_speedup(f, b, hw, kind == "W8A8") for b in (1, 16, 64, 256)}}
                               for f in ("int8", "int4", "fp8") for kind in ("weight-only", "W8A8")
                               if not (f == "int4" and kind == "W8A8")])
         print(f"the bound each path sits under ({hw.name} datasheet: bytes per weight, bf16 or 8-bit tensor cores):")
         display(bound.round(2))
-    fig = peers.plot_speedups(data, hw=hw, title=f"one Llama-3-8B layer's linears on {device}: speed-up over "
-                              "cuBLAS bf16 by rows (labkit's own kernel in black)")
+    fig = format_gemm.plot_speedups(data, hw=hw, title=f"one Llama-3-8B layer's linears on {device}: speed-up over "
+                                    "cuBLAS bf16 by rows (labkit's own kernel in black)")
     plt.show()
-    for name, e in peers.figures(data, path).items():
+    for name, e in format_gemm.figures(data, path).items():
         print(f"  {name} = {e['value']}")
-decode_runs = sorted((REPO_ROOT / "results").glob(f"*/records/{peers.DECODE_RECORD}.json"))
-if PROFILE == "gpu" and (output_dir() / "records" / f"{peers.DECODE_RECORD}.json").exists():
-    decode_runs = [output_dir() / "records" / f"{peers.DECODE_RECORD}.json"]
+decode_runs = sorted((REPO_ROOT / "results").glob(f"*/records/{format_gemm.DECODE_RECORD}.json"))
+if PROFILE == "gpu" and (output_dir() / "records" / f"{format_gemm.DECODE_RECORD}.json").exists():
+    decode_runs = [output_dir() / "records" / f"{format_gemm.DECODE_RECORD}.json"]
 for path in decode_runs:  # the engine's decode step per format, the kernels taken at each batch
     d = json.loads(path.read_text())
     rows = pd.DataFrame([{"weights": r["weights"], "batch": r["batch"], "step (ms)": r["replay_step_s"] * 1e3

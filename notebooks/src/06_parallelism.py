@@ -241,7 +241,7 @@ print(f"overlap: all-reduce of {human_bytes(ov['bytes'])} {ov['comm'] * 1e3:.2f}
 # is rendered from the same function, so its numbers cannot drift from them.
 
 # %%
-from labkit.experiments.quantization.peers import run_format_gemm  # noqa: E402
+from labkit.experiments.quantization.format_gemm import run_format_gemm  # noqa: E402
 from labkit.plan import SCENARIO_175B, calibrated_cluster, every_layout, recommend, worked_example_175b  # noqa: E402
 
 # each weight format's kernels by batch: measured in this run under the gpu profile (or 04's, reused)

@@ -36,9 +36,9 @@ figures = dict(load_summary())
 derived = cap.derived_figures()
 fresh = output_dir() / "records" / "format_gemm.json"  # measured earlier in this run (gpu profile), if at all
 if PROFILE == "gpu" and not fresh.exists():  # each weight format's kernels, labkit's and the peers', by batch
-    from labkit.experiments.quantization import peers
+    from labkit.experiments.quantization.format_gemm import measure, write_records
 
-    peers.write_records(peers.measure(budget_s=150, timing_s=80))
+    write_records(measure(budget_s=150, timing_s=80))
 format_gemm = json.loads(fresh.read_text())["data"] if fresh.exists() else None
 rec = recommend(SCENARIO_175B, format_gemm=format_gemm)
 sweep = load_sweep()

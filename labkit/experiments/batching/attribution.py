@@ -41,7 +41,7 @@ GAPS = "gaps"
 def decode_part_bytes(spec, batch: int, context: float, dtype="bf16", kv_dtype=None) -> dict[str, float]:
     """Bytes each part of one decode step of ``batch`` sequences must move, each sequence reading ``context``
     cached tokens: weights in ``dtype``, the KV cache in ``kv_dtype`` (default ``dtype``), activations in ``dtype``
-    (16-bit at least, as ``labkit.profiling.roofline``). Per token ``T = batch``, ``L`` layers, hidden ``h``,
+    (16-bit at least, as ``labkit.roofline.roofline``). Per token ``T = batch``, ``L`` layers, hidden ``h``,
     q/kv widths ``q``/``k``, MLP width ``I``, vocabulary ``V``:
 
     * gemm: every matmul weight once (``decode_weight_bytes`` less the norms' weights: with them, the weights and

@@ -6,7 +6,7 @@ takes the fastest kernel measured per format at each batch (``labkit.plan``), so
 measured; the accuracy figures do not. ``plan_figures`` records, per weight format, the planner's GPU count with every
 measured kernel, the kernel its plan's step reads the weights with, and the GPU count with labkit's own kernels only
 (the same planner on a calibration holding only them); ``KERNELS`` is the paragraph notebook 08 renders from those
-figures and notebook 04's kernel figures (``labkit.experiments.quantization.peers``).
+figures and notebook 04's kernel figures (``labkit.experiments.quantization.format_gemm``).
 """
 
 from __future__ import annotations

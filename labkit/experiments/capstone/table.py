@@ -225,9 +225,9 @@ def derived_figures(summary: dict | None = None) -> list[dict]:
 
 
 def _format_gemm_figures() -> list[dict]:
-    """Notebook 04's kernel figures (``peers.gemm_figures``) of each GPU's committed per-format GEMM record
+    """Notebook 04's kernel figures (``format_gemm.gemm_figures``) of each GPU's committed per-format GEMM record
     (``results/<gpu>/records/format_gemm.json``), each under the machine that measured it."""
-    from labkit.experiments.quantization.peers import gemm_figures
+    from labkit.experiments.quantization.format_gemm import gemm_figures
 
     out = []
     for path in sorted((REPO_ROOT / "results").glob("*/records/format_gemm.json")):
