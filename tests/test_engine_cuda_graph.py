@@ -427,6 +427,32 @@ def test_run_refuses_inputs_that_do_not_fit(tiny_model, monkeypatch):
         runner.graphs.run_packed(np.zeros((3, 1), np.int64), np.zeros(5, np.int32), GraphKey("decode", 2, 2), 1)
 
 
+def test_no_garbage_collection_inside_a_capture(tiny_model, monkeypatch):
+    """A collection in the middle of a capture may free an earlier engine's graphs (a CUDA call the capture does
+    not permit): the collector runs before the captures and is off while they run, then on again as it was."""
+    import gc
+
+    seen = []
+
+    class Watching(HostGraphs):
+        def _capture_into(self, graph, pool, step):
+            seen.append(gc.isenabled())
+            return super()._capture_into(graph, pool, step)
+
+    model = tiny_model[0]
+    assert gc.isenabled()
+    host_graph_runner(model, nan_cache(model, num_blocks=16, block_size=4), monkeypatch, sizes=(1, 2),
+                      graphs=Watching)
+    assert seen == [False, False] and gc.isenabled()
+    gc.disable()
+    try:  # a caller that turned the collector off keeps it off
+        host_graph_runner(model, nan_cache(model, num_blocks=16, block_size=4), monkeypatch, sizes=(1,),
+                          graphs=Watching)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_refused_on_the_cpu(tiny_model):
     runner = ModelRunner(tiny_model[0], PagedKVCache.for_model(tiny_model[0], 4, 4), kernels="torch")
     if not torch.cuda.is_available():

@@ -34,7 +34,9 @@ so that the tests can run this module on the CPU against a stand-in that checks 
 from __future__ import annotations
 
 import bisect
+import gc
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -59,6 +61,23 @@ def default_graph_token_sizes(max_num_batched_tokens: int) -> list[int]:
     sizes = [16, 32, 64, 128] + list(range(192, 513, 64)) + list(range(640, 1025, 128)) + \
         list(range(1280, max(max_num_batched_tokens, 1280) + 256, 256))
     return sorted({s for s in sizes if s < max_num_batched_tokens} | {max_num_batched_tokens})
+
+
+@contextmanager
+def _no_collection():
+    """Python's garbage collector collected first and then held off while the steps are captured: a collection
+    that frees an earlier engine's graphs in the middle of a capture calls ``cudaGraphExecDestroy`` inside it,
+    which invalidates the capture (notebook 09 on an H100: "operation failed due to a previous error during
+    capture", after "operation not permitted when stream is capturing (function reset)"). torch no longer
+    collects before a capture unless ``force_cudagraph_gc`` is set."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -104,15 +123,16 @@ class StepGraphs:
     @torch.inference_mode()
     def _capture(self) -> None:
         pool = None
-        for key in sorted(self.keys, key=lambda k: (k.tokens, k.kind == "mixed"), reverse=True):
-            inp = self._static_input(key)
-            self.runner.forward(inp)  # warm-up, eager: Triton autotuning and cuBLAS handles happen here
+        with _no_collection():
+            for key in sorted(self.keys, key=lambda k: (k.tokens, k.kind == "mixed"), reverse=True):
+                inp = self._static_input(key)
+                self.runner.forward(inp)  # warm-up, eager: Triton autotuning and cuBLAS handles happen here
+                self._synchronize()
+                graph = self._new_graph()
+                self.logits[key] = self._capture_into(graph, pool, partial(self.runner.forward, inp))
+                pool = self._pool(graph)
+                self.graphs[key] = graph
             self._synchronize()
-            graph = self._new_graph()
-            self.logits[key] = self._capture_into(graph, pool, partial(self.runner.forward, inp))
-            pool = self._pool(graph)
-            self.graphs[key] = graph
-        self._synchronize()
 
     # --- the CUDA calls (the tests replace these with a host stand-in) ---------------------------------------
     @staticmethod

@@ -117,15 +117,19 @@ def _decode(args) -> int:
     from labkit.experiments.batching.measure import decode_rate, free_device_memory
     from labkit.experiments.quantization.metrics import decode_weight_bytes
     from labkit.hardware import measure_ceilings
-    from labkit.model import get_config
+    from labkit.model import adopt_hf_model, get_config
 
     model, _, source, label = _load(args)
     spec, dtype = get_config(model), next(model.parameters()).dtype
     ceilings = measure_ceilings(next(model.parameters()).device, iters=5)
     bw, sheet = ceilings["copy_bytes_per_s"], ceilings["datasheet_bytes_per_s"]
     rows, tables, modes = [], {}, OVERLAP[args.async_scheduling]
+    # every engine of the bf16 rows runs one adopted model: an engine built from the HF model merges its own copy of
+    # q/k/v and gate/up (9 GB for an 8B model), and a batch-64 engine ran out of an H100's memory after four of them
+    # (research/records/h100/gpu_check_2026-12-07/bench_decode.log)
+    adopted = adopt_hf_model(model)
     for fmt in args.formats or ["bf16"]:
-        m = model if fmt == "bf16" else _quantised(model, fmt, args.dispatch, tables)
+        m = adopted if fmt == "bf16" else _quantised(model, fmt, args.dispatch, tables)
         for b in args.batch:
             for overlap in modes:
                 kw = _engine_kwargs(args)
@@ -152,7 +156,7 @@ def _decode(args) -> int:
                 _print_decode_row(label, r)
                 if profiled:
                     print(format_attribution(r["attribution"]), flush=True)
-        if m is not model:
+        if m is not adopted:
             del m
             free_device_memory()
     path = write_record(args.name, {"model": label, "bandwidth_bytes_per_s": bw, "datasheet_bytes_per_s": sheet,
