@@ -405,8 +405,8 @@ if DEVICE == "cuda":
 # ## Quantised KV: int8 and fp8 (e4m3)
 # *Speed is not measured here.* Whether reading half the bytes makes decode attention faster depends on the
 # kernel that reads them; notebook 03 times it at one shape (batch 16, context 4096) and records it as
-# `kvcache.int8_attn_speedup_ctx4k_b16`, the one figure for int8 KV attention (quoted in the table below when the
-# summary has it).
+# `kvcache.int8_attn_speedup_ctx4k_b16` and `kvcache.fp8_attn_speedup_ctx4k_b16`, the one figure for each format's
+# KV attention (quoted in the table below when the summary has them), and plots both over context beside bf16.
 #
 # K and V are stored in 8 bits with one float32 scale per token and KV head (no calibration: each token's scale
 # comes from its own values) and dequantised when read. Accuracy: every scored token of the held-out text attends
@@ -452,9 +452,17 @@ plt.show()
 from labkit.figures import committed_figures  # noqa: E402  (each figure's committed value, a GPU's first)
 
 _figs = committed_figures() if SUMMARY_PATH.exists() else {}
-_speed = _figs.get("kvcache.int8_attn_speedup_ctx4k_b16")
-int8_latency = (f"{_speed['value']:.2f}x bf16 attention speed (notebook 03, batch 16, context 4096, "
-                f"{_speed['machine']})" if _speed else "measured in notebook 03 (kvcache.int8_attn_speedup_ctx4k_b16)")
+
+
+def kv_attention_latency(fmt: str) -> str:
+    """The committed speed of notebook 03's ``fmt`` KV attention over bf16, or where it will be measured."""
+    name = f"kvcache.{fmt}_attn_speedup_ctx4k_b16"
+    speed = _figs.get(name)
+    return (f"{speed['value']:.2f}x bf16 attention speed (notebook 03, batch 16, context 4096, {speed['machine']})"
+            if speed else f"measured in notebook 03 ({name})")
+
+
+int8_latency, fp8_latency = kv_attention_latency("int8"), kv_attention_latency("fp8")
 tradeoff = pd.DataFrame([
     {"technique": "paged KV cache (block 16)", "accuracy": "unchanged (token-identical)",
      "memory": f"waste {contig.waste_frac:.0%} -> {paged.waste_frac:.1%}; {max_seqs_ratio:.1f}x sequences "
@@ -470,7 +478,7 @@ tradeoff = pd.DataFrame([
      "memory": f"{int8_bytes_ratio:.2f}x bf16", "latency": int8_latency},
     {"technique": "fp8 e4m3 KV", "accuracy": f"ppl {quant_rows[2]['ppl delta']:+.3%}",
      "memory": f"{quant_rows[2]['bytes/token (Llama-3-8B)'] / quant_rows[0]['bytes/token (Llama-3-8B)']:.2f}x bf16",
-     "latency": "as int8 (same bytes; notebook 03)"},
+     "latency": f"{fp8_latency}; the same bytes as int8"},
 ])
 display(tradeoff)
 
@@ -577,5 +585,6 @@ show(
 # * **Block size is a small knob.** Waste grows with the block size and the table shrinks; 16 is the usual choice
 #   (the GPU kernel reads a block's tokens contiguously, so tiny blocks cost bandwidth).
 # * **Whether 8-bit KV is also faster is a kernel question**, answered in notebook 03
-#   (`kvcache.int8_attn_speedup_ctx4k_b16`, one shape): halving the bytes halves the floor, and only a kernel
-#   that dequantises in registers can approach it. Its memory gain holds whatever the kernel.
+#   (`kvcache.int8_attn_speedup_ctx4k_b16` and `kvcache.fp8_attn_speedup_ctx4k_b16` at one shape, and a sweep over
+#   context): halving the bytes halves the floor, and only a kernel that dequantises in registers can approach it.
+#   Its memory gain holds whatever the kernel.

@@ -6,7 +6,9 @@
   pass, counted pass by pass from the Hugging Face expressions -- the predicted speed-up of fusing them.
 * ``matmul_rates``: the same matmul in float32 on CUDA cores, TF32 and bfloat16 on Tensor Cores.
 * ``kv_quant_attention``: one layer's decode attention over a paged cache in bf16, int8 dequantised inside
-  the kernel, and int8 dequantised to bf16 first (the algorithmic change without a kernel for it).
+  the kernel, int8 dequantised to bf16 first (the algorithmic change without a kernel for it), and fp8 (e4m3)
+  dequantised inside the kernel; ``kv_quant_attention_sweep`` / ``plot_kv_quant_sweep``: bf16, int8 and fp8 over
+  contexts, against each format's bytes floor.
 * ``decode_steps``: one decode step of a Hugging Face model as CUDA-graph replays: patched with labkit's kernels,
   against the same step with SDPA called with ``enable_gqa`` (``sdpa_gqa``: each KV head read once, the strong
   baseline) and against HF's own SDPA path (which may copy K/V once per query group over a static cache).
@@ -95,48 +97,179 @@ def matmul_rates(n: int | None = None, device=None, iters: int = 10) -> list[dic
     return rows
 
 
-# The int8 KV attention figure's one shape (issue 30/33): batch 16, context 4096, 32 query / 8 KV heads, d 128
+# The quantised-KV attention figures' one shape (issue 30/33): batch 16, context 4096, 32 query / 8 KV heads, d 128
 INT8_ATTN_SHAPE = {"seqs": 16, "heads": 32, "kv_heads": 8, "head_dim": 128, "context": 4096}
 INT8_ATTN_FIGURE = "kvcache.int8_attn_speedup_ctx4k_b16"
+FP8_ATTN_FIGURE = "kvcache.fp8_attn_speedup_ctx4k_b16"
+KV_ATTN_ROWS = {"bf16": "bf16 cache", "int8": "int8 cache, dequantised in the kernel",
+                "int8 first": "int8 cache, dequantised first", "fp8": "fp8 cache, dequantised in the kernel"}
+"""``kv_quant_attention``'s row names (its ``attention`` column) by short name; other code reads them by name."""
+KV_SWEEP_FORMATS = ("bf16", "int8", "fp8")
+"""The caches ``kv_quant_attention_sweep`` times, each read by the kernel as stored (``labkit.kvcache.quant`` names;
+"bf16" is the unquantised cache in the sweep's ``dtype``)."""
+KV_ROUNDING_BOUND = {"int8": 2e-2, "fp8": 2**-4}
+"""The bound on a quantised cache's attention output against the unquantised cache's (relative error): int8 weights'
+2e-2 of the house table, and e4m3's unit roundoff (3 mantissa bits: each element within 2^-4 of itself) for fp8."""
+FLOOR = "floor us (measured copy bw)"
+"""The sweep's floor column, after the format's name: its bytes over the copy bandwidth measured on the device."""
 
 
 def int8_attention_speedup(rows: list[dict]) -> float:
     """bf16-cache time over int8-cache-read-in-the-kernel time, from ``kv_quant_attention`` rows (> 1: int8 wins)."""
     by = {r["attention"]: r["us"] for r in rows}
-    return by["bf16 cache"] / by["int8 cache, dequantised in the kernel"]
+    return by[KV_ATTN_ROWS["bf16"]] / by[KV_ATTN_ROWS["int8"]]
+
+
+def fp8_attention_speedup(rows: list[dict]) -> float:
+    """bf16-cache time over fp8-cache-read-in-the-kernel time, from ``kv_quant_attention`` rows (> 1: fp8 wins)."""
+    by = {r["attention"]: r["us"] for r in rows}
+    return by[KV_ATTN_ROWS["bf16"]] / by[KV_ATTN_ROWS["fp8"]]
+
+
+def _kv_cache_bytes(seqs: int, context: int, kv_heads: int, head_dim: int, elem_bytes: int, scales: bool) -> int:
+    """Bytes of K and V of ``seqs`` sequences of ``context`` tokens, with one float32 scale per token and KV head
+    each where ``scales``."""
+    elems = 2 * seqs * context * kv_heads * head_dim
+    return elems * elem_bytes + (elems // head_dim * 4 if scales else 0)
+
+
+def _kv_attention_calls(q, k, v, tables, lens, names) -> dict:
+    """``paged_attention`` over the same K/V stored each way of ``names`` (keys of ``KV_ATTN_ROWS``): name -> a
+    call of no arguments. The quantised copies are made once, here (``labkit.kvcache.quant``'s per token and head
+    scales)."""
+    from labkit.kernels.paged_attention import paged_attention
+    from labkit.kvcache.quant import dequantize_kv, kv_format, quantize_kv
+
+    calls = {}
+    for name in names:
+        if name == "bf16":
+            calls[name] = lambda: paged_attention(q, k, v, tables, lens)
+            continue
+        fmt = kv_format(name.split()[0])
+        (kq, ks), (vq, vs) = quantize_kv(k, fmt), quantize_kv(v, fmt)
+        if name.endswith("first"):
+            calls[name] = lambda kq=kq, ks=ks, vq=vq, vs=vs: paged_attention(
+                q, dequantize_kv(kq, ks, q.dtype), dequantize_kv(vq, vs, q.dtype), tables, lens)
+        else:
+            calls[name] = lambda kq=kq, ks=ks, vq=vq, vs=vs: paged_attention(q, kq, vq, tables, lens,
+                                                                              k_scale=ks, v_scale=vs)
+    return calls
+
+
+def _device_dtype(device, dtype) -> tuple[torch.device, torch.dtype]:
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return dev, dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float16)
 
 
 def kv_quant_attention(seqs: int, heads: int, kv_heads: int, head_dim: int, context: int, block_size: int = 16,
                        dtype: torch.dtype | None = None, device=None, iters: int = 20) -> list[dict]:
-    """One layer's paged decode attention with the cache in bf16, int8 read by the kernel, and int8
-    dequantised to bf16 before a bf16 kernel. Rows carry time, cache bytes and the error against bf16."""
+    """One layer's paged decode attention with the cache in bf16, int8 read by the kernel, int8 dequantised to bf16
+    before a bf16 kernel, and fp8 (e4m3) read by the kernel (rows named by ``KV_ATTN_ROWS``, in that order). Rows
+    carry time, cache bytes and the error against bf16."""
     from labkit.evaluate import relative_error
     from labkit.experiments.kernels.cases import _paged_inputs
-    from labkit.kernels.paged_attention import paged_attention
-    from labkit.kvcache.quant import dequantize_kv, kv_format, quantize_kv
 
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float16)
+    dev, dtype = _device_dtype(device, dtype)
     q, k, v, tables, lens = _paged_inputs((seqs, heads, kv_heads, head_dim, block_size, context), dtype, dev)
-    (kq, ks), (vq, vs) = quantize_kv(k, kv_format("int8")), quantize_kv(v, kv_format("int8"))
-    fns = {
-        "bf16 cache": lambda: paged_attention(q, k, v, tables, lens),
-        "int8 cache, dequantised in the kernel": lambda: paged_attention(q, kq, vq, tables, lens,
-                                                                         k_scale=ks, v_scale=vs),
-        "int8 cache, dequantised first": lambda: paged_attention(q, dequantize_kv(kq, ks, dtype),
-                                                                 dequantize_kv(vq, vs, dtype), tables, lens),
-    }
-    elems = 2 * seqs * context * kv_heads * head_dim
-    nbytes = [elems * torch.finfo(dtype).bits // 8, elems + elems // head_dim * 4,
-              elems + elems // head_dim * 4 + 2 * 2 * elems]  # read int8, write + re-read bf16
-    ref = fns["bf16 cache"]()
-    warm = 3 if dev.type == "cuda" else 1
-    rows = []
-    for (name, fn), nb in zip(fns.items(), nbytes, strict=True):
+    fns = _kv_attention_calls(q, k, v, tables, lens, KV_ATTN_ROWS)
+    one = _kv_cache_bytes(seqs, context, kv_heads, head_dim, 1, True)  # int8 or fp8, scales included
+    two = _kv_cache_bytes(seqs, context, kv_heads, head_dim, torch.finfo(dtype).bits // 8, False)
+    nbytes = {"bf16": two, "int8": one, "int8 first": one + 2 * two, "fp8": one}  # first: + write, re-read bf16
+    warm = 3 if dev.type == "cuda" else 0  # the interpreter compiles nothing; the output's call warms it
+    rows, ref = [], None
+    for name, fn in fns.items():
+        out = fn()
+        ref = out if ref is None else ref  # the bf16 cache's, the first
         t = time_fn(fn, dev, warmup=warm, iters=iters, cuda_graph=dev.type == "cuda")
-        rows.append({"attention": name, "us": t.median_us, "cache MB read": nb / 1e6,
-                     "GB/s": nb / t.median_s / 1e9, "rel_err vs bf16": relative_error(fn(), ref)})
+        rows.append({"attention": KV_ATTN_ROWS[name], "us": t.median_us, "cache MB read": nbytes[name] / 1e6,
+                     "GB/s": nbytes[name] / t.median_s / 1e9, "rel_err vs bf16": relative_error(out, ref)})
     return rows
+
+
+def kv_quant_attention_sweep(contexts=(1024, 2048, 4096, 8192, 16384, 32768), seqs: int = 16, heads: int = 32,
+                             kv_heads: int = 8, head_dim: int = 128, block_size: int = 16,
+                             dtype: torch.dtype | None = None, device=None, iters: int = 20,
+                             copy_bandwidth: float | None = None, progress: bool = True) -> list[dict]:
+    """One layer's paged decode attention at each context of ``contexts``, the cache in bf16 and in int8 and fp8
+    read by the kernel (``KV_SWEEP_FORMATS``): one row per context with, per format, ``{fmt} us`` (median),
+    ``{fmt} MB`` (K/V, their scales, q and the output: the bytes one call must move), ``{fmt} GB/s``, ``{fmt}
+    floor us (measured copy bw)`` (those bytes over ``copy_bandwidth``) and, for int8 and fp8, ``{fmt} speed-up``
+    (bf16 time over theirs) and ``{fmt} rel_err`` (against the bf16 cache's output).
+
+    ``copy_bandwidth``: bytes/s of a device-to-device copy measured on this device (``measure_ceilings``'s
+    ``copy_bytes_per_s``); None measures it now. ``dtype``: the unquantised cache's (bf16 on CUDA, float16 on the CPU,
+    where the interpreter's bf16 ``tl.dot`` is wrong). One context's caches live at a time (at batch 16, context
+    32768, 8 KV heads, d 128: 2.1 GB of bf16 K/V and half that per 8-bit copy); a progress bar counts the contexts.
+    """
+    from tqdm.auto import tqdm
+
+    from labkit.evaluate import relative_error
+    from labkit.experiments.kernels.cases import _paged_inputs
+    from labkit.hardware import measure_copy_bandwidth
+
+    dev, dtype = _device_dtype(device, dtype)
+    bw = copy_bandwidth if copy_bandwidth is not None else measure_copy_bandwidth(dev)
+    act = 2 * seqs * heads * head_dim * (torch.finfo(dtype).bits // 8)  # q read, output written
+    warm = 3 if dev.type == "cuda" else 0  # the interpreter compiles nothing; the output's call warms it
+    rows = []
+    for context in tqdm(list(contexts), desc="KV attention sweep", unit="context", disable=not progress):
+        q, k, v, tables, lens = _paged_inputs((seqs, heads, kv_heads, head_dim, block_size, context), dtype, dev)
+        fns = _kv_attention_calls(q, k, v, tables, lens, KV_SWEEP_FORMATS)
+        del k, v  # the calls hold what they read
+        row = {"context": context, "seqs": seqs, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+               "dtype": str(dtype).replace("torch.", ""), "copy GB/s (measured)": bw / 1e9}
+        ref = None
+        for name, fn in fns.items():
+            out = fn()
+            ref = out if ref is None else ref
+            elem = torch.finfo(dtype).bits // 8 if name == "bf16" else 1
+            nbytes = _kv_cache_bytes(seqs, context, kv_heads, head_dim, elem, name != "bf16") + act + tables.numel() * 4
+            t = time_fn(fn, dev, warmup=warm, iters=iters, cuda_graph=dev.type == "cuda")
+            row.update({f"{name} us": t.median_us, f"{name} MB": nbytes / 1e6,
+                        f"{name} GB/s": nbytes / t.median_s / 1e9, f"{name} {FLOOR}": 1e6 * nbytes / bw})
+            if name != "bf16":
+                row[f"{name} rel_err"] = relative_error(out, ref)
+        for name in KV_SWEEP_FORMATS[1:]:
+            row[f"{name} speed-up"] = row["bf16 us"] / row[f"{name} us"]
+        rows.append(row)
+        del fns, ref, out
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def plot_kv_quant_sweep(rows: list[dict], ax=None):
+    """Time per call against context (log-log) for each format of ``kv_quant_attention_sweep``'s rows, solid, with
+    its bytes floor (bytes over the measured copy bandwidth) dashed in the same colour. Returns the axes."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    ax = ax if ax is not None else plt.subplots(figsize=(7, 4.2))[1]
+    rows = sorted(rows, key=lambda r: r["context"])
+    ctx = [r["context"] for r in rows]
+    r0, bw = rows[0], rows[0]["copy GB/s (measured)"]
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(r0["dtype"], r0["dtype"])
+    names = {"bf16": short, "int8": "int8", "fp8": "fp8 e4m3"}
+    # int8 and fp8 move the same bytes: their floors coincide, so their dashes interleave (both stay visible)
+    dashes = {"bf16": (0, (5, 3)), "int8": (0, (4, 4)), "fp8": (4, (4, 4))}
+    for i, name in enumerate(KV_SWEEP_FORMATS):  # measured first, floors after: the legend's two columns
+        ax.plot(ctx, [r[f"{name} us"] for r in rows], "o-", color=f"C{i}", lw=2, label=f"{names[name]}: measured")
+    for i, name in enumerate(KV_SWEEP_FORMATS):
+        ax.plot(ctx, [r[f"{name} {FLOOR}"] for r in rows], color=f"C{i}", lw=1.5, ls=dashes[name],
+                label=f"{names[name]}: bytes floor")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.xaxis.set_major_locator(FixedLocator(ctx))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticklabels([f"{c // 1024}k" if c >= 1024 and c % 1024 == 0 else str(c) for c in ctx])
+    ax.set(xlabel="context (tokens per sequence)", ylabel="time per call (µs)",
+           title=f"paged decode attention, one layer: batch {r0['seqs']}, {r0['heads']} query / {r0['kv_heads']} KV "
+                 f"heads, d {r0['head_dim']}\nint8 / fp8 read by the kernel; floor = bytes / measured copy bandwidth "
+                 f"({f'{bw / 1e3:.2f} TB/s' if bw >= 1e3 else f'{bw:.1f} GB/s'})")
+    ax.title.set_fontsize(10)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8, ncol=2, loc="best")
+    return ax
 
 
 SDPA_GQA = "labkit_sdpa_gqa"
