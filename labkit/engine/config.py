@@ -110,8 +110,7 @@ class EngineConfig:
     def seqs_per_step(self) -> int:
         """Sequences a step can hold under this scheduler."""
         static = self.max_num_seqs if self.static_batch_size is None else self.static_batch_size
-        return {"fifo": 1, "static": static}.get(self.scheduler,
-                                                                                        self.max_num_seqs)
+        return {"fifo": 1, "static": static}.get(self.scheduler, self.max_num_seqs)
 
 
 @dataclass
