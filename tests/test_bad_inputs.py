@@ -168,7 +168,7 @@ ENTRIES = [
           dict(seq="seq")),
     Entry("PagedKVCache.append_slots", lambda **kw: paged().append_slots(**kw), dict(seq=fresh_seq()),
           dict(seq="seq")),
-    Entry("PagedKVCache.can_allocate", lambda **kw: paged().can_allocate(**kw), dict(seq=fresh_seq()),
+    Entry("PagedKVCache.blocks_needed", lambda **kw: paged().blocks_needed(**kw), dict(seq=fresh_seq()),
           dict(seq="seq")),
     Entry("PagedKVCache.free", lambda **kw: (lambda c: c.free(kw["seq"] if "seq" in kw else held(c)))(paged()),
           {}, dict(seq="seq")),

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from labkit.evaluate import relative_error
-from labkit.kernels.patch import is_patched, patch_model, patch_summary, unpatch
+from labkit.kernels.patch import patch_model, patch_summary, unpatch
 
 PROMPT = 'def read_file(path):\n    """Return'
 # the shared fixture's model lives on the CPU, where the kernels need the interpreter; CUDA has its own tests
@@ -32,7 +32,7 @@ def test_patched_greedy_matches_token_for_token(tiny_model):
         assert torch.equal(_greedy(model, input_ids=ids), ref)
     finally:
         unpatch(model)
-    assert not is_patched(model) and model.config._attn_implementation == "sdpa"
+    assert patch_summary(model) == {"patched": False} and model.config._attn_implementation == "sdpa"
     assert torch.equal(_greedy(model, input_ids=ids), ref)
 
 

@@ -95,8 +95,8 @@ def test_inplace_modifies_the_model(tiny_model):
     ("gptq", {}, "needs calibration text"),
     ("gptq", {"tokenizer": "tok", "calib_split": "heldout"}, "calib_split='heldout'"),
     ("bnb-int8", {"threshold": -1.0}, "threshold"),
-    ("int4", {"group_size": 64.0}, "group_size=64.0 must be a int"),
-    ("int4", {"group_size": -64}, "group_size=-64 must be > 0"),
+    ("int4", {"group_size": 64.0}, "group_size=64.0 must be an int"),
+    ("int4", {"group_size": -64}, "group_size=-64 must be an int >= 1"),
     ("bnb-nf4", {"double_quant": "yes"}, "double_quant='yes' must be True or False"),
     ("int8", {"inplace": 1}, "inplace=1 must be True or False"),
 ])

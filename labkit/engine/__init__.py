@@ -1,18 +1,13 @@
 """The serving engine: requests in, tokens out, over one model and one paged KV cache.
 
-* ``LLMEngine`` (llm_engine.py): ``generate`` (offline), ``add_request`` + ``step`` (online; a benchmark replays a
-  workload against it: ``labkit.bench.serving``); ``EngineConfig`` holds its settings (vLLM's names)
-* schedulers (scheduler.py): FIFO, static batches, continuous batching with chunked prefill and preemption by
-  recompute or swap
-* ``ModelRunner`` (model_runner.py): the model over a flat token batch on the paged cache, Triton kernels on CUDA,
-  steps replayed from CUDA graphs (cuda_graph.py); ``ModelInput`` (``labkit.model.attention``) is one step's inputs
-* ``SamplingParams`` / ``Sampler`` (sampling.py), requests, sequences and outputs (sequence.py)
-* async scheduling (async_step.py, ``EngineConfig.async_scheduling=True``): the host schedules and prepares step n+1
-  while the device runs step n, and reads step n's tokens one step late (vLLM's async scheduling)
-* speculative decoding inside the engine (speculative.py, proposers.py): ``EngineConfig.speculative`` takes a
-  ``SpeculativeConfig`` (prompt lookup or a draft model, ``num_speculative_tokens`` per step, per request through
-  ``SamplingParams``); the scheduler reserves lookahead slots, one target forward verifies every proposal with the
-  exact acceptance rule (``accept``) and rejected slots are rolled back
+* ``LLMEngine`` (llm_engine.py; settings: ``EngineConfig``, config.py): ``generate`` offline, ``add_request`` +
+  ``step`` online
+* schedulers (scheduler.py, policies.py): FIFO, static batches, continuous batching with chunked prefill and
+  preemption by recompute or swap
+* ``ModelRunner`` (model_runner.py) with CUDA graphs (cuda_graph.py); ``ModelInput`` (``labkit.model.attention``)
+* ``SamplingParams`` / ``Sampler`` (sampling.py); requests, sequences and outputs (sequence.py)
+* async scheduling (async_step.py) and speculative decoding (speculative.py, proposers.py): ``EngineConfig``
+  settings
 
     from labkit.engine import LLMEngine, SamplingParams
     engine = LLMEngine(model, tokenizer, max_num_seqs=64)

@@ -15,6 +15,7 @@ from labkit.engine.scheduler import PREEMPTION_MODES
 from labkit.engine.speculative import SpeculativeConfig
 from labkit.kvcache import kv_format
 from labkit.model import FusionPlan
+from labkit.model.build import eos_ids
 from labkit.model.fusion import check_kernels
 
 
@@ -110,8 +111,7 @@ class EngineConfig:
     def seqs_per_step(self) -> int:
         """Sequences a step can hold under this scheduler."""
         static = self.max_num_seqs if self.static_batch_size is None else self.static_batch_size
-        return {"fifo": 1, "static": static}.get(self.scheduler,
-                                                                                        self.max_num_seqs)
+        return {"fifo": 1, "static": static}.get(self.scheduler, self.max_num_seqs)
 
 
 @dataclass
@@ -163,15 +163,9 @@ def vocab_size(model) -> int:
 
 
 def default_eos_token_ids(model, tokenizer=None) -> tuple[int, ...]:
-    """Every EOS id the checkpoint declares: ``config.eos_token_ids`` (labkit.model) or ``eos_token_id`` (an id or a
-    list, as Llama 3 Instruct's [128001, 128009]), with the generation config's; the tokenizer's without any."""
-    ids: list[int] = []
-    for src in (model.config, getattr(model, "generation_config", None)):
-        for name in ("eos_token_ids", "eos_token_id"):
-            v = getattr(src, name, None) if src is not None else None
-            if v is not None:  # an HF config may hold one id
-                ids += token_id_tuple(name, [v] if isinstance(v, int) else v)
+    """Every EOS id the checkpoint declares (``labkit.model.build.eos_ids``); the tokenizer's without any."""
+    ids = eos_ids(model)
     if not ids and getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.append(int(tokenizer.eos_token_id))
-    return tuple(dict.fromkeys(ids))
+        ids = (int(tokenizer.eos_token_id),)
+    return ids
 

@@ -2,10 +2,9 @@
 prefill chunks per token-count bucket.
 
 Why: at batch 1 a decode step of an 8B model is ~400 kernels of a few microseconds each; launched one by one
-from Python, the GPU idles between them (notebook 00 measured HF ``generate`` at 3% of the bandwidth floor).
-A CUDA graph records the whole step once and replays it with one launch. Under continuous batching most steps
-carry a prefill chunk beside the decodes (a request is admitted whenever one retires); run eagerly such a step
-took ~22 ms on the H200 against ~6 ms for a replayed decode step, so those steps are captured too.
+from Python, the GPU idles between them. A CUDA graph records the whole step once and replays it with one launch.
+Under continuous batching most steps carry a prefill chunk beside the decodes, and run eagerly such a step costs
+several replayed decode steps (research/README.md), so those steps are captured too.
 
 A graph replays fixed addresses and shapes, so (as vLLM and nano-vllm do):
 

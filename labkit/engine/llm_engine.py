@@ -5,9 +5,6 @@ cache, the Sampler picks the tokens, and the step's tokens are streamed back.
 * online: ``add_request`` + ``step()`` (each call returns the tokens it produced, ``TokenOutput``); a benchmark
   replays a workload's arrivals against ``step`` (``labkit.bench.serving.serve``)
 
-With ``async_scheduling`` each ``step()`` launches the next step before it reads the tokens of the one in flight, so
-the host's work overlaps the device's (``labkit.engine.async_step``); tokens come out one call later, the same ones.
-
 Each request's arrival and each token are stamped with ``clock`` (a function returning seconds, ``time.perf_counter``
 by default; a benchmark may lend its own): the one place the engine reads a time. Nothing else is timed here.
 """

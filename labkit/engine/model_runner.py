@@ -1,24 +1,12 @@
 """The engine's ModelRunner: a ``labkit.model.CausalLM`` over a flat token batch on the paged KV cache, each op by the
-kernel its ``FusionPlan`` names, and steps replayed from CUDA graphs captured per batch-size bucket.
+kernel its ``FusionPlan`` names, and steps replayed from CUDA graphs (``labkit.engine.cuda_graph``).
 
 A step is a ``ModelInput`` (``labkit.model.attention``, vLLM's names): ``num_tokens`` tokens of ``num_seqs`` sequences
 back to back, single-token rows (decodes) first, with each token's cache slot (``slot_mapping``) and each sequence's
-``block_table`` and ``context_len``. The runner packs it on the host (``pack_step``: two copies to the device),
-hands it to ``CausalLM.forward_paged``; the model does the rest (see
-``labkit.model.layers``: per layer [add residual +] RMSNorm -> merged q/k/v -> RoPE + cache write -> paged
-attention -> o -> add + RMSNorm -> merged gate/up -> SwiGLU -> down; with int8/int4 projections the norms,
-residual adds, SwiGLU, RoPE and the cache write inside the GEMVs). Logits are computed for each sequence's last
-token only. The runner reads the sequences (their tokens, block tables, computed counts) and changes nothing of
-them: the scheduler's postprocess advances their computed counts once the step is done.
-
-``kernels``: a ``FusionPlan`` or its name: 'torch' (the references: greedy output equals HF ``generate`` token for
-token in float32), 'triton' (every op by labkit's kernels; on the CPU through Triton's interpreter, slowly, for
-tests) or 'auto' (the device's default, ``FusionPlan.for_device``: Triton on CUDA, torch on the CPU), resolved once
-for the model and the cache by ``CausalLM.use`` (a sliding window keeps attention on torch, Gemma's norm stays
-torch, ...); ``None`` runs a model ``use`` returned as it is (``LLMEngine`` resolves before it builds the runner).
-
-All-decode steps of up to the largest captured batch replay a CUDA graph, and so do steps with prefill chunks of up
-to the largest captured token count when ``graph_token_sizes`` are given (``labkit.engine.cuda_graph``).
+``block_table`` and ``context_len``. The runner packs it on the host (``pack_step``: two copies to the device) and
+hands it to ``CausalLM.forward_paged`` (the ops of a layer: ``labkit.model.layers``); logits come for each sequence's
+last token only. The runner reads the sequences and changes nothing of them: the scheduler's postprocess advances
+their computed counts once the step is done.
 """
 
 from __future__ import annotations
@@ -42,8 +30,11 @@ class ModelRunner:
     """Runs a ``labkit.model.CausalLM`` (or an HF Llama-family causal LM, adopted: ``labkit.model.adopt_hf_model``,
     weights shared) on a ``PagedKVCache``.
 
-    * ``kernels``: a ``FusionPlan`` or 'auto' | 'torch' | 'triton', resolved for the model and ``cache`` by
-      ``CausalLM.use`` (module docstring), or None: the model's own plan. ``runner.plan`` is the plan in force.
+    * ``kernels``: a ``FusionPlan`` or its name: 'torch' (the references: greedy output equals HF ``generate`` token
+      for token in float32), 'triton' (every op by labkit's kernels; on the CPU through Triton's interpreter, for
+      tests) or 'auto' (``FusionPlan.for_device``: Triton on CUDA, torch on the CPU), resolved once for the model and
+      ``cache`` by ``CausalLM.use`` (a sliding window keeps attention on torch, ...); None: the model's own plan
+      (``LLMEngine`` resolves before it builds the runner). ``runner.plan`` is the plan in force.
     * ``cuda_graphs``: 'auto' (on with CUDA and an unquantised cache), True, False; decode steps are captured
       for ``graph_batch_sizes`` (default ``cuda_graph.default_graph_batch_sizes(max_num_seqs)``), steps with
       prefill chunks for ``graph_token_sizes`` (total tokens of the step; default none, see

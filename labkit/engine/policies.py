@@ -54,12 +54,8 @@ class FIFOScheduler(Scheduler):
 
 
 class StaticBatchScheduler(Scheduler):
-    """Batches of up to ``batch_size`` requests that run until the longest one ends.
-
-    A batch is formed only when the previous one has fully finished, from the requests waiting then, and only
-    as many as fit at their worst case (prompt + ``max_tokens``): a static batch reserves memory for its longest
-    possible request as HF's static cache does, so it never needs preemption.
-    """
+    """Batches of up to ``batch_size`` requests that run until the longest one ends (module docstring): each
+    reserves memory for its worst case as HF's static cache does, so it never needs preemption."""
 
     name = "static"
 

@@ -175,10 +175,3 @@ class DraftModelProposer(Proposer):
         seq = self.seqs.pop(seq_id, None)
         if seq is not None and seq.block_table:
             self.cache.free(seq)
-
-    @property
-    def memory_bytes(self) -> int:
-        """Bytes the draft adds: its weights plus its KV pool."""
-        w = sum(p.numel() * p.element_size() for p in self.draft.parameters())
-        kv = sum(t.numel() * t.element_size() for t in self.cache.k_caches + self.cache.v_caches)
-        return w + kv

@@ -8,25 +8,17 @@ for its tokens at admission, ``append_slots`` a slot for its sampled token, and 
 K/V are written (``postprocess`` advances it after each step). A step computes a *chunk* of each scheduled sequence;
 a sequence samples its next token when the chunk reaches its last token.
 
-Under async scheduling (``labkit.engine.async_step``) the next step is scheduled before the host has read the tokens of
-the step in flight: a sequence's last token may be pending (a placeholder the device fills in), which changes nothing
-here but one rule: a sequence whose pending token is its ``max_tokens``-th is not scheduled again. One that stops on
-a stop token is scheduled once more; its extra token is discarded when the stop shows up, one step late.
-
-Speculative decoding (``num_speculative_tokens``, set by ``EngineConfig.speculative``): once every decoding sequence
-has its slot (preempting where a policy does: ``labkit.engine.policies``), each one that speculates
-(``speculative_tokens``: the engine's ``k`` or its request's, never past its ``max_tokens``) is given up to ``k``
-*lookahead slots* from the blocks still free and the token budget still unspent (``seq.num_lookahead``; fewer, or
-none, where they are short: speculation never preempts anyone). The step proposes and verifies up to ``k`` tokens
-there (``labkit.engine.speculative``), and ``postprocess`` takes the 1 to ``k + 1`` tokens it kept; the rejected
-slots were cut back by then.
+Async scheduling (``labkit.engine.async_step``) changes one rule here: a sequence whose pending token is its
+``max_tokens``-th is not scheduled again (``_uncomputed``). Speculative decoding (``labkit.engine.speculative``): once
+every decoding sequence has its slot, each one that speculates gets up to ``k`` lookahead slots from what is left
+(``_add_lookahead``: never a preemption), and ``postprocess`` takes the 1 to ``k + 1`` tokens the step kept.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from labkit.checks import check_choice, check_int, check_positive_int, check_type
@@ -166,14 +158,6 @@ class Scheduler(ABC):
         return out
 
     # --- requests leaving early -----------------------------------------------------------------------------
-    def find(self, seq_id: Hashable) -> Sequence | None:
-        """The unfinished sequence ``seq_id`` (waiting, running or swapped out), or ``None``."""
-        for q in (self.running, self.waiting, self.swapped):
-            for seq in q:
-                if seq.seq_id == seq_id:
-                    return seq
-        return None
-
     def finish_early(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         """Take an unfinished ``seq`` out wherever it is (queue, running, swap space), free its blocks and finish
         it with ``reason`` (``ABORT``, or ``ERROR`` with the message ``error``)."""

@@ -7,12 +7,7 @@ request timestamps are taken), and what the KV cache's block manager keeps on it
 (``labkit.kvcache.KVSequence``): its ``block_table``, how many of its tokens have K/V written (``num_computed``,
 advanced by the scheduler after each step) and the chained hashes of its computed full blocks. A sequence preempted
 by recompute gives its blocks back and is prefilled again from ``token_ids`` when readmitted, so nothing it
-generated is lost.
-
-Under async scheduling (``EngineConfig.async_scheduling``) a sequence may hold one *pending* token: sampled by the
-step in flight, still on the device. Its place in ``token_ids`` holds a placeholder (a negative id,
-``labkit.model.attention.placeholder``: the next step reads the real id on the device) until ``resolve`` writes the
-id the host read one step later, and checks the stop conditions then.
+generated is lost. Under async scheduling a sequence may hold one *pending* token (``append_pending``, ``resolve``).
 """
 
 from __future__ import annotations
@@ -43,10 +38,8 @@ class FinishReason(enum.StrEnum):
 
 
 def prompt_token_list(prompt, vocab_size: int | None = None, request_id=None, name: str = "prompt") -> list[int]:
-    """``prompt`` (a list, tuple, 1-D integer tensor or array of token ids) as a list of ints, checked
-    (``labkit.checks.check_token_ids``): not empty, every id an integer (no float, no bool) in ``[0, vocab_size)``.
-    An error names the request, the argument ``name``, the bad id and its position; nothing is truncated or
-    wrapped."""
+    """``prompt`` (a list, tuple, 1-D integer tensor or array of token ids) as a checked list of ints
+    (``labkit.checks.check_token_ids``, ids in ``[0, vocab_size)``); an error names the request and ``name``."""
     return check_token_ids(f"request {request_id}: {name}" if request_id is not None else name, prompt, vocab_size)
 
 

@@ -6,8 +6,8 @@ that is seven kernels (cast, abs, amax, divide, clamp, divide, clamp, cast), eac
 decode batch they cost more than the GEMM. Here one program per row reads it twice (the maximum, then the codes) and
 writes the codes and the scale: one launch.
 
-``quantize_rows_fp8_ref`` is the torch reference (``labkit.quant.fp8.quantize_fp8_rows``' arithmetic): the kernel
-returns the same scale and, code by code, the same e4m3 values (both divide in float32 and round once).
+``quantize_rows_fp8_ref`` is the torch reference (``labkit.quant.fp8`` quantises with it: ``quantize_fp8_rows``): the
+kernel returns the same scale and, code by code, the same e4m3 values (both divide in float32 and round once).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ TINY = 1e-12  # the smallest scale: an all-zero row stays zero whatever it is
 
 
 def quantize_rows_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference: ``x`` ``[M, K]`` -> (e4m3 codes ``[M, K]``, float32 scales ``[M, 1]``), ``x ~= codes *
-    scale``."""
+    """Per-row dynamic quantisation of ``x`` ``[M, K]`` -> (e4m3 codes ``[M, K]``, float32 scales ``[M, 1]``), ``x ~=
+    codes * scale``: the kernel's torch reference, and ``labkit.quant.fp8.quantize_fp8_rows``."""
     scale = (x.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=TINY)
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 

@@ -144,10 +144,6 @@ def unpatch(model: torch.nn.Module):
     return model
 
 
-def is_patched(model: torch.nn.Module) -> bool:
-    return getattr(model, _STATE, None) is not None
-
-
 def patch_summary(model: torch.nn.Module) -> dict:
     """What ``patch_model`` swapped: counts of norms, MLPs and decoder layers, and the attention function."""
     state = getattr(model, _STATE, None)

@@ -6,17 +6,13 @@ The torch reference of paged attention, the one the engine's torch path runs and
   cached. It covers decode too (one query per sequence) and chunks that attend to a cached prefix.
 * ``paged_decode_attention_ref``: the one-query case, batched (no loop over sequences), so the engine's CPU
   decode steps stay cheap.
-* ``decode_attention``: one query per sequence; the Triton ``paged_attention`` kernel of
-  ``labkit.kernels.paged_attention`` on CUDA where it exists (imported when first asked for), else
-  ``paged_decode_attention_ref``.
-* ``decode_attention`` reads int8/fp8 caches directly in the kernel (dequantised in registers); elsewhere
-  ``dequantised_blocks`` / ``dequantise_gathered`` give the blocks a batch reads, dequantised, with block tables
-  remapped onto them, and the torch references run unchanged (dequantise on read).
+* ``decode_attention``: one query per sequence; the Triton ``paged_attention`` kernel on CUDA (int8/fp8 pools
+  dequantised in registers), else ``paged_decode_attention_ref``.
+* ``dequantised_blocks`` / ``dequantise_gathered``: the blocks a batch reads, dequantised, with block tables remapped
+  onto them, so the torch references run unchanged on int8/fp8 caches (dequantise on read).
 """
 
 from __future__ import annotations
-
-import inspect
 
 import torch
 
@@ -90,24 +86,12 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return torch.einsum("skgn,snkd->skgd", p, v).reshape(s, h, d).to(q.dtype)
 
 
-def _triton_paged_attention():
-    """The Triton kernel if the kernels module has it, else ``None`` (imported lazily: it may not exist
-    yet)."""
-    from labkit.kernels import paged_attention as mod
-
-    return getattr(mod, "paged_attention", None)
-
-
-def _takes_scales(kernel) -> bool:
-    return "k_scale" in inspect.signature(kernel).parameters
-
-
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float | None = None,
                      backend: str = "auto", k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode attention, ``q`` ``[num_seqs, num_heads, head_dim]``; ``backend`` 'auto' (Triton on CUDA when
-    available, else torch), 'torch' or 'triton' (an error if the kernel does not exist).
+    """Decode attention, ``q`` ``[num_seqs, num_heads, head_dim]``; ``backend`` 'auto' (Triton on CUDA, else
+    torch), 'torch' or 'triton' (``labkit.kernels.paged_attention``, imported when first asked for).
 
     int8/fp8 caches come with ``k_scale``/``v_scale`` float32 ``[num_blocks, block_size, num_kv_heads]``: the
     Triton kernel dequantises them in registers (reading one byte per element); the torch path first
@@ -117,15 +101,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"backend={backend!r} is unknown; allowed: {BACKENDS}")
     if (k_scale is None) != (v_scale is None):
         raise ValueError("k_scale and v_scale must be given together (int8/fp8 caches) or not at all")
-    kernel = _triton_paged_attention() if backend != "torch" else None
-    if backend == "triton" and kernel is None:
-        raise ValueError("backend='triton': labkit.kernels.paged_attention has no Triton paged_attention "
-                         "kernel; use 'auto' or 'torch'")
     quant = k_scale is not None
-    fits = kernel is not None and (k_cache.dtype == q.dtype or (quant and _takes_scales(kernel)))
-    if kernel is not None and (backend == "triton" or q.is_cuda) and fits:
+    if (backend == "triton" or (backend == "auto" and q.is_cuda)) and (quant or k_cache.dtype == q.dtype):
+        from labkit.kernels.paged_attention import paged_attention
+
         extra = {"k_scale": k_scale, "v_scale": v_scale} if quant else {}
-        return kernel(q, k_cache, v_cache, block_tables, context_lens, scale=scale, **extra)
+        return paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=scale, **extra)
     if quant:
         k_cache, v_cache, block_tables = dequantise_gathered(k_cache, v_cache, k_scale, v_scale, block_tables,
                                                              q.dtype)

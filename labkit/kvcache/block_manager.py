@@ -119,10 +119,6 @@ class BlockManager:
         """Free blocks ``allocate(seq)`` would take now (prefix hits on cached free blocks count)."""
         return self._blocks_to_allocate(seq)[2]
 
-    def can_allocate(self, seq: KVSequence) -> bool:
-        """Whether ``allocate(seq)`` would succeed now."""
-        return self.blocks_needed(seq) <= self.allocator.num_free
-
     def allocate(self, seq: KVSequence) -> int:
         """Blocks for every token of ``seq``, which holds none, all or none; sets its ``block_table``,
         ``block_hashes`` and ``num_computed`` (the tokens found in the prefix cache, a multiple of ``block_size``)

@@ -13,7 +13,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from labkit.checks import check_bool, check_device, check_positive_int
+from labkit.checks import check_bool, check_device, check_int, check_positive_int
 from labkit.kvcache.block_allocator import CacheFullError
 from labkit.kvcache.metrics import KVCacheStats
 from labkit.kvcache.quant import kv_format
@@ -82,9 +82,7 @@ class ContiguousKVCache:
     def check_layer(self, layer: int) -> None:
         """Refuse a layer index that is not an int in ``[0, num_layers)`` (a negative one would pick a layer
         from the end)."""
-        n = len(self.k_caches)
-        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < n:
-            raise ValueError(f"layer={layer!r} must be an int in [0, {n})")
+        check_int("layer", layer, 0, len(self.k_caches))
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``, ``v`` ``[num_tokens, kv_heads, head_dim]`` at ``slot_mapping``."""

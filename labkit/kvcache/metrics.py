@@ -34,10 +34,6 @@ class KVCacheStats:
         return self.tokens_held * self.bytes_per_slot
 
     @property
-    def bytes_total(self) -> int:
-        return self.slots_total * self.bytes_per_slot
-
-    @property
     def waste_frac(self) -> float:
         """Reserved slots holding no token, as a fraction of reserved slots (0 when nothing is reserved)."""
         return 1.0 - self.tokens_held / self.slots_reserved if self.slots_reserved else 0.0

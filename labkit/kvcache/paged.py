@@ -8,12 +8,11 @@ scatters K/V to a ``slot_mapping``).
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Iterable, Sequence
 
 import torch
 
-from labkit.checks import check_bool, check_device, check_positive_int
+from labkit.checks import check_bool, check_device, check_int, check_positive_int
 from labkit.kvcache.block_manager import BlockManager, KVSequence, SeqBlocks
 from labkit.kvcache.metrics import KVCacheStats
 from labkit.kvcache.quant import KVFormat, dequantize_kv, kv_format, quantize_kv
@@ -137,8 +136,7 @@ class PagedKVCache(BlockManager):
     def check_layer(self, layer: int) -> None:
         """Refuse a layer index that is not an int in ``[0, num_layers)`` (a negative one would pick a layer
         from the end)."""
-        if not isinstance(layer, numbers.Integral) or isinstance(layer, bool) or not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer={layer!r} must be an int in [0, {self.num_layers})")
+        check_int("layer", layer, 0, self.num_layers)
 
     def read_blocks(self, layer: int, blocks: torch.Tensor,
                     dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:

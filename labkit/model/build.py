@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from labkit.checks import ArgumentTypeError, check_device, check_dtype, check_int, check_positive_int
+from labkit.checks import ArgumentTypeError, check_device, check_dtype, check_int, check_positive_int, check_token_ids
 from labkit.data import EMBEDDED_MODEL, EMBEDDED_MODEL_DIR
 from labkit.model.config import ModelConfig
 from labkit.model.loader import FLOAT_DTYPE_NAMES, Checkpoint, load_weights, logger
@@ -121,14 +121,16 @@ def adopt_hf_model(hf_model, merge: bool = True) -> CausalLM:
     return model.eval()
 
 
-def eos_ids(hf_model) -> tuple[int, ...]:
-    """Every end-of-sequence id of an HF model: its config's and its ``generation_config``'s (either may be a
-    list), in that order, without repeats."""
-    ids = []
-    for src in (hf_model.config, getattr(hf_model, "generation_config", None)):
-        v = getattr(src, "eos_token_id", None) if src is not None else None
-        ids += [] if v is None else list(v) if isinstance(v, (list, tuple)) else [v]
-    return tuple(dict.fromkeys(int(i) for i in ids))
+def eos_ids(model) -> tuple[int, ...]:
+    """Every end-of-sequence id a model declares: its config's ``eos_token_ids`` (labkit.model) or ``eos_token_id``
+    (an id or a list, as Llama 3 Instruct's [128001, 128009]), then its ``generation_config``'s, without repeats."""
+    ids: list[int] = []
+    for src in (model.config, getattr(model, "generation_config", None)):
+        for name in ("eos_token_ids", "eos_token_id"):
+            v = getattr(src, name, None) if src is not None else None
+            if v is not None:
+                ids += check_token_ids(name, [v] if isinstance(v, int) else v, allow_empty=True)
+    return tuple(dict.fromkeys(ids))
 
 
 def _merged(parent: nn.Module, fused: str, parts: tuple[str, ...], merge: bool) -> nn.Module | None:

@@ -186,9 +186,7 @@ class CausalLM(nn.Module):
 
     def make_cache(self, num_blocks: int, block_size: int = 16, kv_dtype=None, **kwargs) -> PagedKVCache:
         """A ``PagedKVCache`` shaped for this model on its device (``kv_dtype`` defaults to the model's dtype)."""
-        c = self.config
-        return PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size,
-                            kv_dtype=self.dtype if kv_dtype is None else kv_dtype, device=self.device, **kwargs)
+        return PagedKVCache.for_model(self, num_blocks, block_size, kv_dtype, **kwargs)
 
     def _check_ids(self, input_ids: torch.Tensor) -> None:
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):

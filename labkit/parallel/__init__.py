@@ -8,7 +8,7 @@ schedules, the collectives the TP layers issue (``comm``) and the analytical cos
 """
 
 from labkit.parallel import comm, cost_model
-from labkit.parallel.dtensor_plan import check_dtensor_tp_size, dtensor_tensor_parallel, llama_tp_plan, local_shard
+from labkit.parallel.dtensor_plan import check_dtensor_tp_size, dtensor_tensor_parallel, llama_tp_plan
 from labkit.parallel.launch import (
     RankError,
     check_backend,
@@ -49,7 +49,7 @@ from labkit.parallel.tensor_parallel import (
 __all__ = ["comm", "cost_model", "launch", "RankError", "rank_device", "init_rank", "default_backend",
            "check_backend", "free_port", "resolve_fn", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "tensor_parallel", "allowed_tp_sizes", "check_tp_size", "head_rows",
-           "shard_range", "dtensor_tensor_parallel", "llama_tp_plan", "check_dtensor_tp_size", "local_shard",
+           "shard_range", "dtensor_tensor_parallel", "llama_tp_plan", "check_dtensor_tp_size",
            "LlamaStage", "StageKVCache", "build_stage", "partition_layers", "head_cost_layers", "pipeline_generate",
            "sync_tied_embeddings", "SCHEDULES", "bubble_formula", "gpipe_forward",
            "pipeline_train_step", "torch_pipelining_forward"]

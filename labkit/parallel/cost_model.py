@@ -7,8 +7,8 @@ Communication follows the alpha-beta model of ring collectives (Thakur et al. 20
 - point-to-point of ``n`` bytes:             ``alpha + n / B``
 
 where ``B`` is one GPU's bandwidth in one direction. Tensor parallelism all-reduces the activations twice per
-layer (``tokens x hidden`` each) and pipeline parallelism sends them once per stage boundary. Compute is the
-memory per GPU is each stage's share of the weights and KV cache (``memory_per_device``).
+layer (``tokens x hidden`` each) and pipeline parallelism sends them once per stage boundary. The memory per GPU is
+each stage's share of the weights and KV cache (``memory_per_device``).
 
 Bandwidths are the published per-GPU, per-direction figures; latencies are typical orders of magnitude, replaced by
 measured ones where a multi-GPU record holds alpha-beta fits (``scripts/bench_multigpu.py``; ``tp_comm(...,
@@ -22,6 +22,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from labkit.model import ModelConfig, dtype_bytes
+from labkit.parallel.schedules import bubble_formula as bubble_fraction  # noqa: F401 (the pipeline's idle share)
 
 
 @dataclass(frozen=True)
@@ -75,13 +76,6 @@ def all_gather_time(nbytes: float, p: int, link: str | Link) -> float:
 def p2p_time(nbytes: float, link: str | Link) -> float:
     lk = get_link(link)
     return lk.latency_s + nbytes / lk.bandwidth
-
-
-def bubble_fraction(p: int, m: int) -> float:
-    """Pipeline idle share ``(p - 1) / (m + p - 1)`` (same as ``schedules.bubble_formula``)."""
-    if p < 1 or m < 1:
-        raise ValueError(f"p={p} and m={m} must be >= 1")
-    return (p - 1) / (m + p - 1)
 
 
 # --- per-step communication -------------------------------------------------------------------------------

@@ -15,10 +15,9 @@ replicate KV heads: ``tp`` must divide ``num_key_value_heads``.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from labkit.parallel.tensor_parallel import allowed_tp_sizes
+from labkit.parallel.tensor_parallel import allowed_tp_sizes, local_heads
 
 
 def llama_tp_plan() -> dict:
@@ -53,19 +52,12 @@ def check_dtensor_tp_size(config, tp: int) -> None:
 def _labkit_ready(model: nn.Module, tp: int) -> None:
     """A ``labkit.model.CausalLM`` takes the plan with separate projections (an even row split of a merged q/k/v
     would cut across q, k and v); its attention modules and config then count this rank's heads."""
-    from dataclasses import replace
-
     if model.merge_qkv or model.merge_gate_up:
         raise ValueError("the DTensor plan shards q/k/v and gate/up as separate layers: build the labkit model with "
                          "merge_qkv=False, merge_gate_up=False (or use labkit.parallel.tensor_parallel, which shards "
                          "the merged layers per head group)")
     cfg = model.config
-    for layer in model.model.layers:
-        a = layer.self_attn
-        a.num_heads, a.num_kv_heads = cfg.num_heads // tp, cfg.num_kv_heads // tp
-        a.q_size, a.kv_size = a.num_heads * cfg.head_dim, a.num_kv_heads * cfg.head_dim
-    model.config = replace(cfg, num_heads=cfg.num_heads // tp, num_kv_heads=cfg.num_kv_heads // tp,
-                           intermediate_size=cfg.intermediate_size // tp)
+    local_heads(model, cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.intermediate_size // tp)
 
 
 def dtensor_tensor_parallel(model: nn.Module, mesh=None) -> nn.Module:
@@ -91,8 +83,3 @@ def dtensor_tensor_parallel(model: nn.Module, mesh=None) -> nn.Module:
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight  # both Shard(0) over the vocabulary
     return model
-
-
-def local_shard(param: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter, DTensor or plain."""
-    return param.to_local() if hasattr(param, "to_local") else param

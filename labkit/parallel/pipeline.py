@@ -107,6 +107,15 @@ class LlamaStage(nn.Module):
 
     def __init__(self, model: nn.Module, layers: range, stage_index: int, num_stages: int, group=None):
         super().__init__()
+        self._take(model, layers, stage_index, num_stages, group)
+        self.rotary_emb = model.model.rotary_emb
+        self._kw = _cache_kwarg(self.layers[0])
+        # sdpa applies the causal mask itself when none is given (is_causal); eager attention needs it explicit
+        self._needs_mask = getattr(model.config, "_attn_implementation", "sdpa") != "sdpa"
+
+    def _take(self, model: nn.Module, layers: range, stage_index: int, num_stages: int, group) -> None:
+        """Check the stage's place and keep its parts of ``model``: its layers, the embedding (first stage), the
+        final norm and the LM head (last stage)."""
         n = len(model.model.layers)
         if not isinstance(layers, range) or not layers or min(layers) < 0 or max(layers) >= n:
             raise ValueError(f"layers={layers!r} must be a non-empty range of layer indices in [0, {n}) (a negative "
@@ -120,12 +129,8 @@ class LlamaStage(nn.Module):
         self.config = model.config
         self.embed_tokens = model.model.embed_tokens if self.is_first else None
         self.layers = nn.ModuleList(model.model.layers[i] for i in layers)
-        self.rotary_emb = model.model.rotary_emb
         self.norm = model.model.norm if self.is_last else None
         self.lm_head = model.lm_head if self.is_last else None
-        self._kw = _cache_kwarg(self.layers[0])
-        # sdpa applies the causal mask itself when none is given (is_causal); eager attention needs it explicit
-        self._needs_mask = getattr(model.config, "_attn_implementation", "sdpa") != "sdpa"
 
     def peer(self, stage: int) -> int:
         """Global rank of pipeline stage ``stage`` (what ``send``/``recv`` address)."""
@@ -143,7 +148,6 @@ class LlamaStage(nn.Module):
                       use_cache=cache is not None, **{self._kw: cache})
             h = h[0] if isinstance(h, tuple) else h
         return self.lm_head(self.norm(h)) if self.is_last else h
-
 
     def new_cache(self) -> StageKVCache:
         """An empty cache of this stage for one micro-batch."""
@@ -183,17 +187,10 @@ class LabkitStage(LlamaStage):
 
     def __init__(self, model: nn.Module, layers: range, stage_index: int, num_stages: int, group=None):
         nn.Module.__init__(self)
-        self.stage_index, self.num_stages, self.layer_ids = stage_index, num_stages, layers
-        self.group = group
-        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
-        self.config = model.config
         self.body = model.model  # embed, rotary_emb and norm; its layer list is not run, only ours
-        self.embed_tokens = model.model.embed_tokens if self.is_first else None
-        self.layers = nn.ModuleList(model.model.layers[i] for i in layers)
+        self._take(model, layers, stage_index, num_stages, group)
         for local, layer in enumerate(self.layers):
             layer.self_attn.layer = local  # this stage's cache holds its layers only
-        self.norm = model.model.norm if self.is_last else None
-        self.lm_head = model.lm_head if self.is_last else None
 
     def new_cache(self) -> StagePagedCache:
         return StagePagedCache()
@@ -270,6 +267,16 @@ def wait_all(pending: list) -> None:
     pending.clear()
 
 
+def micro_batches(stage: LlamaStage, input_ids: torch.Tensor, num_microbatches: int):
+    """``(device, dtype, micro-batches)`` of a stage's pass over ``input_ids`` ``[batch, ...]``, the batch cut into
+    ``num_microbatches`` equal parts (``ValueError`` unless that divides it)."""
+    if num_microbatches < 1 or input_ids.shape[0] % num_microbatches:
+        raise ValueError(f"num_microbatches={num_microbatches} must divide batch size {input_ids.shape[0]}")
+    device = next(stage.parameters()).device
+    dtype = next(stage.layers.parameters()).dtype
+    return device, dtype, list(input_ids.to(device).chunk(num_microbatches))
+
+
 @torch.no_grad()
 def pipeline_generate(stage: LlamaStage, input_ids: torch.Tensor, max_new_tokens: int,
                       num_microbatches: int = 1) -> torch.Tensor:
@@ -283,13 +290,9 @@ def pipeline_generate(stage: LlamaStage, input_ids: torch.Tensor, max_new_tokens
     """
     rank, world = stage.stage_index, stage.num_stages
     batch = input_ids.shape[0]
-    if num_microbatches < 1 or batch % num_microbatches:
-        raise ValueError(f"num_microbatches={num_microbatches} must divide batch size {batch}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
-    device = next(stage.parameters()).device
-    dtype = next(stage.layers.parameters()).dtype
-    mbs = list(input_ids.to(device).chunk(num_microbatches))
+    device, dtype, mbs = micro_batches(stage, input_ids, num_microbatches)
     caches = [stage.new_cache() for _ in mbs]
     new_tokens: list[list[torch.Tensor]] = [[] for _ in mbs]
     pending: list = []

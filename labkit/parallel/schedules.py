@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from labkit.parallel.pipeline import LlamaStage, isend, recv, wait_all
+from labkit.parallel.pipeline import LlamaStage, isend, micro_batches, recv, wait_all
 
 SCHEDULES = ("gpipe", "1f1b")
 """Pipeline-parallel schedules."""
@@ -42,20 +42,12 @@ def bubble_formula(num_stages: int, num_microbatches: int) -> float:
     return (num_stages - 1) / (num_microbatches + num_stages - 1)
 
 
-def _setup(stage: LlamaStage, input_ids: torch.Tensor, num_microbatches: int):
-    if num_microbatches < 1 or input_ids.shape[0] % num_microbatches:
-        raise ValueError(f"num_microbatches={num_microbatches} must divide batch size {input_ids.shape[0]}")
-    device = next(stage.parameters()).device
-    dtype = next(stage.layers.parameters()).dtype
-    return device, dtype, list(input_ids.to(device).chunk(num_microbatches))
-
-
 @torch.no_grad()
 def gpipe_forward(stage: LlamaStage, input_ids: torch.Tensor, num_microbatches: int,
                   region: Region = _run) -> torch.Tensor | None:
     """Forward-only GPipe over micro-batches of ``input_ids`` ``[batch, seq]`` (the same on every rank). Returns the
     logits ``[batch, seq, vocab]`` on the last stage, else None."""
-    device, dtype, mbs = _setup(stage, input_ids, num_microbatches)
+    device, dtype, mbs = micro_batches(stage, input_ids, num_microbatches)
     rank, hidden = stage.stage_index, stage.config.hidden_size
     pending, outs = [], []
     for j, mb in enumerate(mbs):
@@ -78,7 +70,7 @@ def pipeline_train_step(stage: LlamaStage, input_ids: torch.Tensor, num_microbat
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is unknown; allowed: {SCHEDULES}")
-    device, dtype, mbs = _setup(stage, input_ids, num_microbatches)
+    device, dtype, mbs = micro_batches(stage, input_ids, num_microbatches)
     rank, p, m, hidden = stage.stage_index, stage.num_stages, num_microbatches, stage.config.hidden_size
     pending, saved, losses = [], {}, []
 

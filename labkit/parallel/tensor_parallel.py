@@ -212,40 +212,17 @@ def _rows(*parts: tuple[int, slice]) -> torch.Tensor:
     return torch.cat([torch.arange(off + sl.start, off + sl.stop) for off, sl in parts])
 
 
-def _shard_labkit(model: nn.Module, group, tp: int, rank: int) -> nn.Module:
-    """``tensor_parallel`` of a ``labkit.model.CausalLM``: the merged ``qkv_proj`` keeps this rank's query heads
-    and their KV heads (rows of q, of k and of v), ``gate_up_proj`` its share of gate and of up; the attention
-    modules and the config count this rank's heads, so ``make_cache`` sizes a rank's cache."""
+def local_heads(model: nn.Module, num_heads: int, num_kv_heads: int, intermediate_size: int) -> None:
+    """Make a sharded ``labkit.model.CausalLM``'s attention modules and config count this rank's heads and MLP width,
+    so ``make_cache`` sizes a rank's cache."""
     from dataclasses import replace
 
-    cfg = model.config
-    q_rows, kv_rows, _ = head_rows(cfg, tp, rank)
-    d, q, kv = cfg.head_dim, cfg.q_size, cfg.kv_size
-    mlp_rows = shard_range(cfg.intermediate_size, tp, rank, "intermediate_size")
+    d = model.config.head_dim
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if attn.merged:
-            attn.qkv_proj = ColumnParallelLinear.from_linear(attn.qkv_proj, group,
-                                                             _rows((0, q_rows), (q, kv_rows), (q + kv, kv_rows)))
-        else:
-            attn.q_proj = ColumnParallelLinear.from_linear(attn.q_proj, group, q_rows)
-            attn.k_proj = ColumnParallelLinear.from_linear(attn.k_proj, group, kv_rows)
-            attn.v_proj = ColumnParallelLinear.from_linear(attn.v_proj, group, kv_rows)
-        attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, group, q_rows)
-        attn.num_heads, attn.num_kv_heads = (q_rows.stop - q_rows.start) // d, (kv_rows.stop - kv_rows.start) // d
-        attn.q_size, attn.kv_size = attn.num_heads * d, attn.num_kv_heads * d
-        if mlp.merged:
-            i = cfg.intermediate_size
-            mlp.gate_up_proj = ColumnParallelLinear.from_linear(mlp.gate_up_proj, group,
-                                                                _rows((0, mlp_rows), (i, mlp_rows)))
-        else:
-            mlp.gate_proj = ColumnParallelLinear.from_linear(mlp.gate_proj, group, mlp_rows)
-            mlp.up_proj = ColumnParallelLinear.from_linear(mlp.up_proj, group, mlp_rows)
-        mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group, mlp_rows)
-    _shard_vocab(model, group)
-    model.config = replace(cfg, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
-                           intermediate_size=mlp_rows.stop - mlp_rows.start)
-    return model
+        a = layer.self_attn
+        a.num_heads, a.num_kv_heads, a.q_size, a.kv_size = num_heads, num_kv_heads, num_heads * d, num_kv_heads * d
+    model.config = replace(model.config, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                           intermediate_size=intermediate_size)
 
 
 def _shard_vocab(model: nn.Module, group) -> None:
@@ -269,21 +246,30 @@ def tensor_parallel(model: nn.Module, group=None) -> nn.Module:
     from labkit.model import CausalLM
 
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
-    config = model.config
-    check_tp_size(config, tp)
-    if isinstance(model, CausalLM):
-        return _shard_labkit(model, group, tp, rank)
-    q_rows, kv_rows, _ = head_rows(config, tp, rank)
+    cfg = model.config
+    check_tp_size(cfg, tp)
+    q_rows, kv_rows, _ = head_rows(cfg, tp, rank)
+    mlp_rows = shard_range(cfg.intermediate_size, tp, rank, "intermediate_size")
+    col, row = ColumnParallelLinear.from_linear, RowParallelLinear.from_linear
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        attn.q_proj = ColumnParallelLinear.from_linear(attn.q_proj, group, q_rows)
-        attn.k_proj = ColumnParallelLinear.from_linear(attn.k_proj, group, kv_rows)
-        attn.v_proj = ColumnParallelLinear.from_linear(attn.v_proj, group, kv_rows)
-        attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, group, q_rows)
-        # HF reads the GQA group size from the module; it changes when KV heads are replicated
-        attn.num_key_value_groups = (q_rows.stop - q_rows.start) // (kv_rows.stop - kv_rows.start)
-        mlp.gate_proj = ColumnParallelLinear.from_linear(mlp.gate_proj, group)
-        mlp.up_proj = ColumnParallelLinear.from_linear(mlp.up_proj, group)
-        mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group)
+        if getattr(attn, "merged", False):  # labkit's merged q/k/v keeps this rank's rows of q, of k and of v
+            q, kv = cfg.q_size, cfg.kv_size
+            attn.qkv_proj = col(attn.qkv_proj, group, _rows((0, q_rows), (q, kv_rows), (q + kv, kv_rows)))
+        else:
+            attn.q_proj, attn.k_proj = col(attn.q_proj, group, q_rows), col(attn.k_proj, group, kv_rows)
+            attn.v_proj = col(attn.v_proj, group, kv_rows)
+        attn.o_proj = row(attn.o_proj, group, q_rows)
+        if getattr(mlp, "merged", False):  # labkit's merged gate/up: its share of gate and of up
+            mlp.gate_up_proj = col(mlp.gate_up_proj, group, _rows((0, mlp_rows), (cfg.intermediate_size, mlp_rows)))
+        else:
+            mlp.gate_proj, mlp.up_proj = col(mlp.gate_proj, group, mlp_rows), col(mlp.up_proj, group, mlp_rows)
+        mlp.down_proj = row(mlp.down_proj, group, mlp_rows)
+        if not isinstance(model, CausalLM):  # HF reads the GQA group size from the module; replicas change it
+            attn.num_key_value_groups = (q_rows.stop - q_rows.start) // (kv_rows.stop - kv_rows.start)
     _shard_vocab(model, group)
+    if isinstance(model, CausalLM):
+        d = cfg.head_dim
+        local_heads(model, (q_rows.stop - q_rows.start) // d, (kv_rows.stop - kv_rows.start) // d,
+                    mlp_rows.stop - mlp_rows.start)
     return model

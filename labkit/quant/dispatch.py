@@ -16,8 +16,8 @@ FP8 layer; where no table was measured for that machine it says so and leaves la
 with a peer taking a step's rows, the decoder runs the unfused layer (norms, SwiGLU and RoPE as their own Triton
 kernels around the peer GEMMs) instead of folding them into labkit's GEMVs.
 
-A peer keeps its own copy of the weights in its packing beside labkit's (``KernelChoice.peer_bytes``): two kernels,
-two layouts. A deployment that picks one kernel per format holds one.
+A peer keeps its own copy of the weights in its packing beside labkit's: two kernels, two layouts. A deployment that
+picks one kernel per format holds one.
 """
 
 from __future__ import annotations
@@ -199,17 +199,6 @@ class KernelChoice:
     def for_layer(self, layer: nn.Module) -> KernelChoice:
         """The same table on another layer of the format (a merged q/k/v): its peers built from its weights."""
         return KernelChoice.build(layer, self.table)
-
-    def peer_bytes(self) -> int:
-        """Bytes the peers built so far hold in their own weight copies (closure tensors), beside the layer's."""
-        seen, total = set(), 0
-        for fn in self.kernels.values():
-            for cell in getattr(fn, "__closure__", None) or ():
-                v = cell.cell_contents
-                if isinstance(v, torch.Tensor) and id(v) not in seen:
-                    seen.add(id(v))
-                    total += v.numel() * v.element_size()
-        return total
 
 
 def quantised_layers(model: nn.Module) -> dict[str, nn.Module]:

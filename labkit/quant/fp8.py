@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from labkit.kernels.fp8_quant import quantize_rows_fp8_ref as quantize_fp8_rows
 from labkit.quant.weight_only import _check_weight
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -31,7 +32,6 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 """Largest finite e4m3 value (448): scales map each row's absolute maximum to it."""
 BACKENDS = ("auto", "scaled_mm", "fused", "emulated")
-_TINY = 1e-12  # keeps an all-zero row from dividing by zero (its codes are zero whatever the scale)
 
 
 def fp8_supported(device: torch.device | str) -> bool:
@@ -41,18 +41,11 @@ def fp8_supported(device: torch.device | str) -> bool:
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight`` ``[N, K]`` -> (e4m3 ``[N, K]``, float32 per-row scale ``[N]``) with ``w ~= q * scale``."""
+    """``weight`` ``[N, K]`` -> (e4m3 ``[N, K]``, float32 per-row scale ``[N]``) with ``w ~= q * scale``: the
+    activations' per-row quantisation (``quantize_fp8_rows``) applied to the weight's rows."""
     _check_weight(weight)
-    w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=_TINY)
-    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
-
-
-def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row dynamic quantisation of activations ``[M, K]`` -> (e4m3 ``[M, K]``, float32 scale
-    ``[M, 1]``)."""
-    scale = (x.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=_TINY)
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    q, scale = quantize_fp8_rows(weight.detach())
+    return q, scale[:, 0]
 
 
 def _resolve_backend(backend: str, device: torch.device, n: int, k: int) -> str:

@@ -39,6 +39,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from labkit.checks import check_bool, check_int, check_number, check_positive_int, check_type
 from labkit.quant.bnb import bnb_int8_linear, bnb_nf4_linear
 from labkit.quant.fp8 import Fp8Linear, fp8_supported
 from labkit.quant.gptq import gptq_quantize_model
@@ -63,26 +64,18 @@ CALIB_SPLITS = ("calib", "train", "task_train")  # never a held-out split: that 
 """Dataset splits a calibrated method may read."""
 
 
-_TYPES = {"group_size": int, "calib_samples": int, "calib_seq_len": int, "seed": int, "batch_size": int,
-          "blocksize": int, "damp": float, "threshold": float, "double_quant": bool, "inplace": bool,
-          "progress": bool, "backend": str}
-_POSITIVE = ("group_size", "calib_samples", "calib_seq_len", "batch_size", "blocksize", "damp", "threshold")
-
-
 def _check_option(name: str, value) -> None:
-    """The type (and sign) an option must have: a ``ValueError`` naming it and its value otherwise."""
-    kind = _TYPES.get(name)
-    if kind is None:
-        return
-    ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
-    if kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
-    if not ok:
-        raise ValueError(f"{name}={value!r} must be {'True or False' if kind is bool else 'a ' + kind.__name__}")
-    if name in _POSITIVE and value <= 0:
-        raise ValueError(f"{name}={value!r} must be > 0")
-    if name == "seed" and value < 0:
-        raise ValueError(f"seed={value!r} must be >= 0")
+    """The type (and sign) an option must have (``labkit.checks``: an error naming it and its value otherwise)."""
+    if name in ("group_size", "calib_samples", "calib_seq_len", "batch_size", "blocksize"):
+        check_positive_int(name, value)
+    elif name == "seed":
+        check_int(name, value, 0)
+    elif name in ("damp", "threshold"):
+        check_number(name, value, 0, low_open=True)
+    elif name in ("double_quant", "inplace", "progress"):
+        check_bool(name, value)
+    elif name == "backend":
+        check_type(name, value, str)
 
 
 def _options(method: str, given: dict) -> dict:

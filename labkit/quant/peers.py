@@ -135,16 +135,14 @@ def _gemlite_layer(make) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: g(x)
 
 
-def _gemlite_a16w8_int8(layer: Int8Linear):
-    helper = _gemlite()
-    return _gemlite_layer(lambda: helper.A16W8_INT8(device=str(layer.qweight.device), dtype=torch.bfloat16)
-                          .from_weights(layer.qweight, None, layer.scale.float()[:, None]))
-
-
-def _gemlite_a8w8_int8(layer: Int8Linear):
-    helper = _gemlite()
-    return _gemlite_layer(lambda: helper.A8W8_int8_dynamic(device=str(layer.qweight.device), dtype=torch.bfloat16)
-                          .from_weights(layer.qweight, None, layer.scale.float()[:, None]))
+def _gemlite_rows(kind: str):
+    """The builder of gemlite's ``helper.<kind>`` over an int8 or FP8 layer's codes and per-row scales."""
+    def build(layer: nn.Module):
+        helper = _gemlite()
+        w, s = (layer.qweight, layer.scale) if isinstance(layer, Int8Linear) else (layer.weight, layer.weight_scale)
+        return _gemlite_layer(lambda: getattr(helper, kind)(device=str(w.device), dtype=torch.bfloat16)
+                              .from_weights(w, None, s.float()[:, None]))
+    return build
 
 
 # --- int4 -------------------------------------------------------------------------------------------------------
@@ -191,54 +189,35 @@ def _gemlite_a16w4(layer: Int4Linear):
 
 
 # --- fp8 --------------------------------------------------------------------------------------------------------
-def _fp8_fused(layer: Fp8Linear):
-    """The layer's codes and scales with its ``fused`` backend: one Triton kernel quantises the rows, then
-    ``torch._scaled_mm`` (row-wise scales, bf16 out)."""
-    from labkit.kernels.fp8_quant import quantize_rows_fp8
+def _fp8_scaled_mm(fused: bool):
+    """The layer's codes and scales through ``torch._scaled_mm`` (row-wise scales, bf16 out), the rows quantised by
+    one Triton kernel (``fused``: the layer's ``fused`` backend) or in eager torch (its own ``scaled_mm``)."""
+    def build(layer: Fp8Linear):
+        from labkit.kernels.fp8_quant import quantize_rows_fp8
 
-    w_t, ws = layer.weight.t(), layer.weight_scale[None, :]
-    if layer.out_features % 16 or layer.in_features % 16:
-        raise PeerUnavailable(f"torch._scaled_mm needs both dimensions divisible by 16; the layer is "
-                              f"[{layer.out_features}, {layer.in_features}]")
+        quantise = quantize_rows_fp8 if fused else quantize_fp8_rows
+        w_t, ws = layer.weight.t(), layer.weight_scale[None, :]
+        if fused and (layer.out_features % 16 or layer.in_features % 16):
+            raise PeerUnavailable(f"torch._scaled_mm needs both dimensions divisible by 16; the layer is "
+                                  f"[{layer.out_features}, {layer.in_features}]")
 
-    def run(x: torch.Tensor) -> torch.Tensor:
-        xq, xs = quantize_rows_fp8(x)
-        return torch._scaled_mm(xq, w_t, scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16).to(x.dtype)
-    return run
-
-
-def _fp8_eager(layer: Fp8Linear):
-    """The layer's own ``scaled_mm`` backend: the eager row quantisation, then ``torch._scaled_mm``."""
-    w_t, ws = layer.weight.t(), layer.weight_scale[None, :]
-
-    def run(x: torch.Tensor) -> torch.Tensor:
-        xq, xs = quantize_fp8_rows(x)
-        return torch._scaled_mm(xq, w_t, scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16).to(x.dtype)
-    return run
-
-
-def _gemlite_a16w8_fp8(layer: Fp8Linear):
-    helper = _gemlite()
-    return _gemlite_layer(lambda: helper.A16W8_FP8(device=str(layer.weight.device), dtype=torch.bfloat16)
-                          .from_weights(layer.weight, None, layer.weight_scale.float()[:, None]))
-
-
-def _gemlite_a8w8_fp8(layer: Fp8Linear):
-    helper = _gemlite()
-    return _gemlite_layer(lambda: helper.A8W8_fp8_dynamic(device=str(layer.weight.device), dtype=torch.bfloat16)
-                          .from_weights(layer.weight, None, layer.weight_scale.float()[:, None]))
+        def run(x: torch.Tensor) -> torch.Tensor:
+            xq, xs = quantise(x)
+            return torch._scaled_mm(xq, w_t, scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16).to(x.dtype)
+        return run
+    return build
 
 
 PEERS: dict[str, PeerPath] = {p.name: p for p in (
     PeerPath("torch._int_mm W8A8 (cuBLAS)", "int8", "torch", False, _int_mm),
-    PeerPath("gemlite A16W8 int8 (Triton)", "int8", "gemlite", True, _gemlite_a16w8_int8),
-    PeerPath("gemlite A8W8 int8 dynamic (Triton)", "int8", "gemlite", True, _gemlite_a8w8_int8),
+    PeerPath("gemlite A16W8 int8 (Triton)", "int8", "gemlite", True, _gemlite_rows("A16W8_INT8")),
+    PeerPath("gemlite A8W8 int8 dynamic (Triton)", "int8", "gemlite", True, _gemlite_rows("A8W8_int8_dynamic")),
     PeerPath("torch._weight_int4pack_mm (tinygemm)", "int4", "torch", False, _tinygemm),
     PeerPath("gemlite A16W4 (Triton)", "int4", "gemlite", True, _gemlite_a16w4),
-    PeerPath("Fp8Linear fused (Triton act quant + _scaled_mm)", "fp8", "labkit", False, _fp8_fused),
-    PeerPath(LABKIT_PATHS["fp8"], "fp8", "labkit", False, _fp8_eager),
-    PeerPath("gemlite A16W8 fp8 (Triton, weight-only)", "fp8", "gemlite", True, _gemlite_a16w8_fp8),
-    PeerPath("gemlite A8W8 fp8 dynamic (Triton)", "fp8", "gemlite", True, _gemlite_a8w8_fp8),
+    PeerPath("Fp8Linear fused (Triton act quant + _scaled_mm)", "fp8", "labkit", False, _fp8_scaled_mm(True)),
+    PeerPath(LABKIT_PATHS["fp8"], "fp8", "labkit", False, _fp8_scaled_mm(False)),
+    PeerPath("gemlite A16W8 fp8 (Triton, weight-only)", "fp8", "gemlite", True, _gemlite_rows("A16W8_FP8")),
+    PeerPath("gemlite A8W8 fp8 dynamic (Triton)", "fp8", "gemlite", True, _gemlite_rows("A8W8_fp8_dynamic")),
 )}
 """Every path a labkit layer can take besides its own, by name (module docstring)."""
 

@@ -1,19 +1,13 @@
 """Weight-only int8 and int4 quantisation by round-to-nearest (RTN), and the linear layers that hold them.
 
-Decode at small batch reads every weight once per token and does two FLOPs per weight, so its time is the
-bytes of the weights over memory bandwidth. Storing weights in 8 or 4 bits and widening them to 16 bits inside
-the matmul (``w8a16`` / ``w4a16``) cuts those bytes 2x or ~3.8x while activations and accumulation stay in
-floating point. Formats (``labkit.quant.packing``):
+Decode at small batch reads every weight once per token, so its time is the weights' bytes over memory bandwidth;
+storing them in 8 or 4 bits and widening them inside the matmul (``w8a16`` / ``w4a16``) cuts those bytes 2x or ~3.8x
+while activations and accumulation stay in floating point. The formats are ``labkit.quant.packing``'s: int8 per
+output channel, symmetric; int4 per group of ``group_size`` inputs, asymmetric, with integer zero-points (stored in
+the scales' float dtype, where they are exact), so a weight of zero is represented exactly.
 
-* int8, per output channel, symmetric: ``w = q * scale``; ``q`` int8 ``[N, K]`` in [-127, 127], ``scale``
-  ``[N]``.
-* int4, per group of ``group_size`` inputs, asymmetric: ``w = (q - zero) * scale``; ``q`` in [0, 15] packed two
-  per byte into uint8 ``[N, K // 2]``; ``scales`` and ``zeros`` ``[N, K // group_size]``. Zero-points are integers
-  (stored in the scales' float dtype, where they are exact), so a weight of zero is represented exactly.
-
-On CUDA the layers call the fused Triton kernels of ``labkit.kernels.quantized_matmul`` (they read exactly
-these formats); elsewhere, or when those kernels are absent, they dequantise to the activation dtype and call
-``F.linear``: the torch reference the kernels are tested against.
+The layers call the fused Triton kernels of ``labkit.kernels.quantized_matmul`` on CUDA (``backend``); elsewhere they
+dequantise to the activation dtype and call ``F.linear``: the torch reference the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -158,23 +152,16 @@ class _QuantizedLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def _with_epilogue(self, x, norm, residual, swiglu: bool, pdl: str, log) -> torch.Tensor:
-        width = 2 * self.in_features if swiglu else self.in_features
-        if x.dim() == 0 or x.shape[-1] != width:
-            raise ValueError(f"x {tuple(x.shape)} must be [..., {'2 * ' if swiglu else ''}in_features] = [..., "
-                             f"{width}]{' ([gate | up] with swiglu=True)' if swiglu else ''}")
-        if norm is not None and swiglu:
-            raise ValueError("norm and swiglu=True cannot be combined (an RMSNorm precedes q/k/v and gate/up, SwiGLU "
-                             "the down projection)")
         opts = {"swiglu": swiglu, **({"pdl": pdl} if pdl else {}), **self._tuned()}
         if norm is not None:
             opts.update(norm_weight=norm.weight, norm_eps=norm.eps)
         inside = residual is not None and self.bias is None  # the bias comes between the product and the add
         if inside:
-            opts["residual"] = residual.reshape(-1, self.out_features)
+            opts["residual"] = residual
         if log is not None:
             fused = ("norm",) * (norm is not None) + ("residual",) * inside + ("swiglu",) * swiglu
             log.record("projection", self._kernel.__name__, fused, pdl)
-        y = self._kernel(x.reshape(-1, width), *self.weights(), **opts).view(*x.shape[:-1], self.out_features)
+        y = self._kernel(x, *self.weights(), **opts)  # which checks x's width, and that norm and swiglu do not meet
         if self.bias is not None:
             y = y + self.bias
         return y if residual is None or inside else residual + y

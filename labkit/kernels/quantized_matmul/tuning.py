@@ -3,15 +3,9 @@
 ``tuning_for(device)`` picks the table: ``HOPPER`` on CUDA (measured on the H200; every CUDA device takes it) and
 ``INTERPRETER`` on the CPU (small tiles that Triton's interpreter runs quickly, no autotuning). Every public matmul
 takes ``tuning=`` to use another (tests, studies); nothing here is a module-level switch. ``stationary_plan``
-turns a table's rule into the launch of one ``[N, K]`` stationary GEMV.
-
-The rules: the stationary int4 GEMV on 16 rows x 512 activations, 2 warps, or programs owning the whole of K (4
-rows a step, 4 warps) where K <= 4096 and N <= 8192 (a GEMV with the RMSNorm in its prologue takes the split tile);
-row blocks per program the most that leave every SM ``warps_per_sm`` / ``split_warps_per_sm`` warps; word pairs
-wherever a group holds two words or more (``group_size >= 16``); the stationary int8 GEMV on the int4 tiles' bytes
-per row block, taken only with neighbours inside (a bare int8 product keeps the split-K GEMV); the split-K GEMVs and
-the GEMMs autotuned on CUDA over ``SPLITK_CANDIDATES`` and ``GEMM_CANDIDATES`` (once per shape, on the first call: a
-warm-up before CUDA-graph capture). The measurements behind each: research/README.md (``gemv_study.py``).
+turns a table's rule into the launch of one ``[N, K]`` stationary GEMV. The split-K GEMVs and the GEMMs autotune on
+CUDA over ``SPLITK_CANDIDATES`` and ``GEMM_CANDIDATES`` (once per shape, on the first call: a warm-up before CUDA-graph
+capture). The measurements behind each choice: research/README.md (``gemv_study.py``, ``autotune_report.py``).
 """
 
 from __future__ import annotations
@@ -128,7 +122,7 @@ class SplitKCandidates:
     w4_tiles: tuple = ((16, 512, 2), (16, 1024, 4), (8, 2048, 4), (64, 128, 2), (256, 128, 4))
     splits: tuple = (1, 2, 4, 8, 16)
     load_stages: tuple = (1, 3)
-    max_ctas_per_sm: int = 8  # the H200's best at 4096 -> 4096 had 7.8 programs per SM
+    max_ctas_per_sm: int = 8  # the best split measured stayed under it (research/README.md)
 
 
 SPLITK_CANDIDATES = SplitKCandidates()
