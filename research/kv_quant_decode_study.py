@@ -397,28 +397,37 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     t_start = time.perf_counter()
     rows: list[dict] = []
+    out = Path(args.out) if args.out else (Path(__file__).resolve().parent / "records" / _gpu_slug()
+                                           / f"kv_quant_decode_study_{_short(git_commit())}.json")
+    command = "python research/kv_quant_decode_study.py " + " ".join(argv if argv is not None else sys.argv[1:])
+
+    def write(pick: dict | None, done: list) -> None:  # after each context: a run cut off keeps what it measured
+        record = {"env": environment(), "data": {
+            "question": __doc__.splitlines()[0], "shape": SHAPE, "main_context": MAIN_CONTEXT, "tolerance": TOL,
+            "command": command, "contexts_done": done, "v6_pick": pick,
+            "seconds": time.perf_counter() - t_start, "rows": rows}}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=1, default=str))
+        print(f"wrote {out} ({record['data']['seconds']:.0f} s so far)", flush=True)
+
     if device.type == "cuda":
         print(f"{'ctx':>6} {'variant':<44} {'time':>11} {'of its bytes':>12}  x bf16  rel err", flush=True)
         main_case = Case(MAIN_CONTEXT, device)
         pick = ladder(main_case, rows)
+        done = [MAIN_CONTEXT]
+        write(pick, done)
         del main_case
         torch.cuda.empty_cache()
         for ctx in args.contexts or CHECK_CONTEXTS:
             case = Case(ctx, device)
             check_context(case, rows, pick)
+            done.append(ctx)
+            write(pick, done)
             del case
             torch.cuda.empty_cache()
     else:
         pick = ladder(Case(70, device, TINY_SHAPE, pools=1, lens=TINY_LENS), rows, cpu_tile={"BLOCK_N": 16})
-    record = {"env": environment(), "data": {
-        "question": __doc__.splitlines()[0], "shape": SHAPE, "main_context": MAIN_CONTEXT, "tolerance": TOL,
-        "command": "python research/kv_quant_decode_study.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "v6_pick": pick, "seconds": time.perf_counter() - t_start, "rows": rows}}
-    out = Path(args.out) if args.out else (Path(__file__).resolve().parent / "records" / _gpu_slug()
-                                           / f"kv_quant_decode_study_{_short(git_commit())}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1, default=str))
-    print(f"wrote {out} ({record['data']['seconds']:.0f} s)", flush=True)
+        write(pick, [70])
     return 0 if all(r.get("ok") or "error" in r for r in rows) else 2
 
 

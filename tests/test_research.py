@@ -9,7 +9,8 @@ import pytest
 import torch
 
 RESEARCH = Path(__file__).resolve().parent.parent / "research"
-SCRIPTS = ("gemv_study", "sass_report", "pdl_check", "rmsnorm_study", "attention_splits", "autotune_report")
+SCRIPTS = ("gemv_study", "sass_report", "pdl_check", "rmsnorm_study", "attention_splits", "autotune_report",
+           "kv_quant_decode_study")
 
 
 def _load(name: str):
