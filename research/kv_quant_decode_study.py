@@ -13,7 +13,9 @@ each checked against ``paged_attention_ref`` on the dequantised cache before it 
 * ``v3``  (a) the scales loaded before K, every load of a tile (scales, K, V) issued before any math;
   ``v3hm`` the same over head-major scale pools (``[blocks, kv_heads, block_size]``: a 16-token block's scales of
   one head are 64 contiguous bytes instead of 16 words 32 bytes apart), a layout probe;
-* ``v4``  (b)/(c) the product int8 kernel with a forced tile: BLOCK_N 64/128/256, warps and stages;
+* ``v4``  (b)/(c) the product int8 kernel with a forced tile: BLOCK_N 64/128/256, warps, stages up to 6, and a
+  128-register cap (occupancy: compiled for sm_90 on a CPU under Triton 3.9, int8 at 64/4w/3s took 185 registers
+  against bf16's 122, and every K/V/block-table/scale load was already an async copy a stage ahead);
 * ``v5``  (b) the product int8 (and bf16) kernel with 2x and 4x ``auto_num_splits``' context ranges;
 * ``v6``  the best scale order of v0-copy/v2/v3/v3hm with the best v4 tiles and v5 split factors; also fp8 with it.
 
@@ -49,8 +51,12 @@ MAIN_CONTEXT = 4096
 CHECK_CONTEXTS = (1024, 16384)
 TOL = 2e-2  # relative error against the float32 reference on the dequantised cache (the product test's 1e-2 x2)
 SCALES = {"product": 0, "none": 1, "prefetch": 2, "first": 3}  # the copy's scale-load orders (SCALE_MODE)
+# more stages at 64 tokens: an int8 tile is half a bf16 one's bytes, so the same stages keep half the bytes in flight
 V4_TILES = [dict(BLOCK_N=n, num_warps=w, num_stages=s)
-            for n, w, s in ((64, 4, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 2), (256, 8, 3))]
+            for n, w, s in ((64, 4, 4), (64, 4, 5), (64, 4, 6), (128, 4, 3), (128, 8, 3), (256, 8, 3))]
+# a register cap: compiled for sm_90 on a CPU (Triton 3.9), the int8 kernel at 64/4w/3s took 185 registers against
+# bf16's 122 (2 programs an SM against 4 by registers); capped at 128, 4 fit (spills, if any, are in the record)
+V4_TILES += [dict(BLOCK_N=64, num_warps=4, num_stages=s, maxnreg=128) for s in (3, 4)]
 SPLIT_FACTORS = (2, 4)
 
 
@@ -323,7 +329,8 @@ def ladder(case: Case, rows: list, cpu_tile: dict | None = None) -> dict:
                                                                                        lay),
                 probe=scales == "none", scales=scales, layout=layout, tile=t8, num_splits=case.auto_splits)
     for tile in (V4_TILES if case.device.type == "cuda" else []):
-        measure(case, rows, f"v4 product int8 tile {tile['BLOCK_N']}/{tile['num_warps']}w/{tile['num_stages']}s",
+        cap = f"/{tile['maxnreg']}r" if "maxnreg" in tile else ""
+        measure(case, rows, f"v4 product int8 tile {tile['BLOCK_N']}/{tile['num_warps']}w/{tile['num_stages']}s{cap}",
                 "int8", lambda p, t=tile: product_call(case, "int8", p, tile=t), tile=tile,
                 num_splits=case.auto_splits)
     for f in SPLIT_FACTORS:
@@ -341,8 +348,9 @@ def ladder(case: Case, rows: list, cpu_tile: dict | None = None) -> dict:
     best = None
     for tile in cand_tiles:
         for f in (1, *SPLIT_FACTORS):
+            cap = f"/{tile['maxnreg']}r" if "maxnreg" in tile else ""
             r = measure(case, rows, f"v6 {scales}/{layout} tile {tile['BLOCK_N']}/{tile.get('num_warps', '-')}w/"
-                        f"{tile.get('num_stages', '-')}s splits x{f}", "int8",
+                        f"{tile.get('num_stages', '-')}s{cap} splits x{f}", "int8",
                         lambda p, t=tile, f=f: copy_call(case, "int8", p, scales, case.auto_splits * f, t, layout),
                         scales=scales, layout=layout, tile=tile, num_splits=case.auto_splits * f, split_factor=f)
             if r.get("ok") and "us" in r and (best is None or r["us"] < best["us"]):
@@ -376,6 +384,25 @@ def _short(commit: str) -> str:
     return commit[:7] + ("-dirty" if commit.endswith("-dirty") else "")
 
 
+def compiled_stats(jit_fn) -> list[dict]:
+    """Registers, spills, shared memory, warps and stages of every binary ``jit_fn`` has compiled in this process
+    (read from Triton's JIT cache; empty where this Triton keeps it elsewhere): occupancy is the suspect when an
+    int8 tile keeps half a bf16 tile's bytes in flight."""
+    out = []
+    try:
+        for cache in getattr(jit_fn, "device_caches", {}).values():
+            for k in cache[0].values():
+                md = k.metadata
+                consts = getattr(getattr(k, "src", None), "constants", None) or {}
+                out.append({"num_warps": getattr(md, "num_warps", None), "num_stages": getattr(md, "num_stages", None),
+                            "shared": getattr(md, "shared", None), "n_regs": getattr(k, "n_regs", None),
+                            "n_spills": getattr(k, "n_spills", None),
+                            "constants": {str(a): str(b) for a, b in dict(consts).items()}})
+    except Exception as e:  # another Triton's cache layout: the timings stand without it
+        out.append({"error": f"{type(e).__name__}: {e}"[:200]})
+    return out
+
+
 def _gpu_slug() -> str:
     from labkit.data import machine_class
 
@@ -405,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         record = {"env": environment(), "data": {
             "question": __doc__.splitlines()[0], "shape": SHAPE, "main_context": MAIN_CONTEXT, "tolerance": TOL,
             "command": command, "contexts_done": done, "v6_pick": pick,
+            "compiled": {"product": compiled_stats(pa._paged_attn_kernel), "copy": compiled_stats(_study_kernel)},
             "seconds": time.perf_counter() - t_start, "rows": rows}}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(record, indent=1, default=str))
