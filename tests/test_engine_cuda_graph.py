@@ -19,7 +19,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from labkit.engine.cuda_graph import GraphKey, StepGraphs, default_graph_batch_sizes, default_graph_token_sizes
+from labkit.engine.cuda_graph import (
+    GraphKey,
+    StepGraphs,
+    default_graph_batch_sizes,
+    default_graph_token_sizes,
+    default_graph_verify_sizes,
+)
 from labkit.engine.model_runner import ModelRunner
 from labkit.evaluate import relative_error
 from labkit.kvcache import PagedKVCache, SeqBlocks
@@ -49,6 +55,11 @@ def test_bucket_sizes_and_lookup():
     assert lookup(3, 20, 2) == GraphKey("mixed", 4, 64)  # a prefill chunk: the token bucket, seqs up to 4
     assert lookup(1, 9, 0) == GraphKey("mixed", 4, 16)
     assert lookup(5, 5, 5) is None and lookup(2, 65, 1) is None  # too many sequences or tokens: eager
+    assert default_graph_verify_sizes(40, 4) == [5, 10, 20, 40, 80, 160, 200]
+    graphs.verify_sizes = [5, 10, 20]
+    assert lookup(3, 9, 1, all_logits=True) == GraphKey("verify", 4, 10)  # every row's logits: the verify bucket
+    assert lookup(1, 2, 0, all_logits=True) == GraphKey("verify", 4, 5)
+    assert lookup(3, 21, 1, all_logits=True) is None and lookup(5, 10, 0, all_logits=True) is None
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -158,9 +169,9 @@ class HostGraph:
 class HostGraphs(StepGraphs):
     """``StepGraphs`` with ``HostGraph`` for the CUDA calls."""
 
-    def __init__(self, runner, batch_sizes, monkeypatch, token_sizes=()):
+    def __init__(self, runner, batch_sizes, monkeypatch, token_sizes=(), verify_sizes=()):
         self.mp, self.pool = monkeypatch, []
-        super().__init__(runner, batch_sizes, token_sizes)
+        super().__init__(runner, batch_sizes, token_sizes, verify_sizes)
 
     @staticmethod
     def _check_device(runner) -> None:
@@ -184,10 +195,10 @@ class HostGraphs(StepGraphs):
 
 
 def host_graph_runner(model, cache, monkeypatch, sizes=(1, 2, 4), token_sizes=(), runner=ModelRunner,
-                      graphs=None, **kw) -> ModelRunner:
+                      graphs=None, verify_sizes=(), **kw) -> ModelRunner:
     """A ``runner`` (``ModelRunner`` or a subclass) whose steps replay ``graphs`` (``HostGraphs`` or a subclass)."""
     runner = runner(model, cache, cuda_graphs=False, **kw)
-    runner.graphs = (graphs or HostGraphs)(runner, list(sizes), monkeypatch, list(token_sizes))
+    runner.graphs = (graphs or HostGraphs)(runner, list(sizes), monkeypatch, list(token_sizes), list(verify_sizes))
     return runner
 
 
@@ -337,6 +348,94 @@ def test_engine_on_host_graphs_equals_hf_generate(tiny_model, monkeypatch):
     assert [o.output_token_ids for o in outs] == [hf_greedy(model, p, 3) for p in prompts]
     st = engine.stats
     assert st.graph_steps == st.steps and st.prefill_tokens == 33  # each step replayed; nothing recomputed
+
+
+def verify_steps(runner, cache, prompts, fed, replayed: list) -> list[torch.Tensor]:
+    """Speculative decoding's verify steps as ``Speculator`` runs them (every row's logits asked for): the prompts
+    prefilled in one step, then sequence 0 decoding plainly (one row) beside two sequences of 1 + n rows (pending
+    token and n proposals; 9 rows, 3 sequences: a padding sequence and padding rows in the bucket of 10), two
+    speculating alone (6 rows), one alone (5 rows: its own bucket), and last a verify step with a prefill chunk of a
+    fourth prompt beside it (each chunk's last row only: eager). Every fed token is kept (as if accepted). Returns
+    every step's logits as returned, kept until the end; appends whether each verify step replayed to ``replayed``."""
+    seqs = [SeqBlocks(p, i) for i, p in enumerate(prompts)]
+    for seq in seqs[:3]:
+        cache.allocate(seq)
+    out = [run(runner, seqs[:3], [len(p) for p in prompts[:3]], 0)]
+    g = iter(fed)
+
+    def step(idx, counts, num_decode, logits_per_seq=None):
+        live = [seqs[i] for i in idx]
+        for seq, c in zip(live, counts):
+            if seq.num_tokens == seq.num_computed:  # a decoding sequence: its pending token and the proposals
+                seq.token_ids.extend(next(g)[:c])
+                cache.append_slots(seq)
+        out.append(runner.execute(live, counts, num_decode, logits_per_seq=logits_per_seq or counts))
+        replayed.append(runner.last_step_replayed)
+        for seq, c in zip(live, counts):
+            cache.mark_computed(seq, seq.num_computed + c)
+
+    step([0, 1, 2], [1, 3, 5], 1)
+    step([1, 2], [2, 4], 0)
+    step([2], [5], 0)
+    cache.allocate(seqs[3])
+    step([0, 3], [3, len(prompts[3])], 0, logits_per_seq=[3, 1])
+    return out
+
+
+def test_host_graphs_replay_verify_steps(two_layers, monkeypatch):
+    """Verify steps (every row's logits, no prefill chunk) replay the verify graphs (Triton path, through the
+    interpreter, on two layers): row for row the eager torch runner's logits, the real rows only; a verify step with a
+    prefill chunk beside it runs eagerly."""
+    model = two_layers
+    g = torch.Generator().manual_seed(4)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 33, 19, 7)]
+    fed = torch.randint(3, vocab, (12, 5), generator=g).tolist()
+    eager_cache = nan_cache(model, num_blocks=64, block_size=16)
+    eager = verify_steps(ModelRunner(model, eager_cache, kernels="torch", max_model_len=128), eager_cache, prompts,
+                         fed, [])
+    cache = nan_cache(model, num_blocks=64, block_size=16)
+    runner = host_graph_runner(model, cache, monkeypatch, sizes=(4,), verify_sizes=(5, 10), kernels="triton",
+                               max_num_seqs=4, max_model_len=128)
+    graphs, ptrs, replayed = runner.graphs, static_ptrs(runner.graphs), []
+    got = verify_steps(runner, cache, prompts, fed, replayed)
+    assert replayed == [True, True, True, False]
+    replays = {k: graphs.graphs[k].replays for k in graphs.keys}
+    assert replays == {GraphKey("decode", 4, 4): 0, GraphKey("verify", 4, 5): 1, GraphKey("verify", 4, 10): 2}
+    assert static_ptrs(graphs) == ptrs and not owned_by_graphs(graphs, got)
+    assert [a.shape[0] for a in got] == [3, 9, 6, 5, 4]
+    for i, (a, b) in enumerate(zip(got, eager)):
+        assert a.shape == b.shape and torch.isfinite(a).all(), i
+        assert relative_error(a, b) <= 1e-5, f"step {i}: relative error {relative_error(a, b):.3g}"
+
+
+def test_speculating_engine_on_host_graphs_equals_plain(two_layers, monkeypatch):
+    """An engine speculating with a draft (the target itself: every proposal is accepted, so every decode step
+    speculates) on the stand-in graphs: the target's verify steps replay verify graphs and the draft's runner replays
+    its decode graphs, every target step replays, and the greedy tokens equal plain decoding's (an eager engine
+    without speculation)."""
+    from labkit.engine import LLMEngine, SamplingParams, SpeculativeConfig
+
+    model = two_layers
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (9, 4)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    plain = LLMEngine(model, kernels="torch", cuda_graphs=False, num_blocks=16, max_model_len=32)
+    want = [o.output_token_ids for o in plain.generate(prompts, params, progress=False)]
+    engine = LLMEngine(model, kernels="triton", cuda_graphs=False, max_num_seqs=2, num_blocks=16, max_model_len=32,
+                       speculative=SpeculativeConfig("draft", 2, draft_model=model))
+    assert engine.runner.graphs is None  # the CPU: no graphs unless given stand-ins
+    engine.runner.graphs = HostGraphs(engine.runner, [1, 2], monkeypatch, [16], [3, 6])
+    draft = engine.speculator.proposer.runner
+    assert draft.graphs is None and draft.max_model_len == 32 and draft.max_num_seqs == 2
+    draft.graphs = HostGraphs(draft, [1, 2], monkeypatch)
+    outs = engine.generate(prompts, params, progress=False)
+    assert [o.output_token_ids for o in outs] == want
+    st = engine.stats
+    assert st.draft_tokens > 0 and st.accepted_tokens == st.draft_tokens
+    assert st.graph_steps == st.steps  # the prefill step too (the graph of 16 tokens): every step replayed
+    assert sum(v.replays for k, v in engine.runner.graphs.graphs.items() if k.kind == "verify") > 0
+    assert sum(v.replays for v in draft.graphs.graphs.values()) > 0
 
 
 def test_token_graphs_need_the_triton_path(tiny_model, monkeypatch):

@@ -315,3 +315,22 @@ def test_bad_configuration(tiny_model):
         EngineConfig(speculative="ngram")
     with pytest.raises(ValueError, match="num_speculative_tokens=-1 must be an int >= 0"):
         SamplingParams(num_speculative_tokens=-1)
+
+
+def test_sample_rows_batched_equals_per_row():
+    """The draft's batched sampling: greedy rows take the argmax (``q`` None), sampled rows the draw a per-row
+    softmax at their temperature and their own generator would give, with that softmax as ``q``."""
+    from labkit.engine.proposers import sample_rows
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    temps = [0.0, 0.7, 0.0, 1.3]
+    out = sample_rows(logits, temps, [torch.Generator().manual_seed(s) for s in range(4)])
+    for r, (tok, q) in enumerate(out):
+        if temps[r] == 0:
+            assert tok == int(logits[r].argmax()) and q is None
+        else:
+            want = torch.softmax(logits[r] / temps[r], dim=-1)
+            assert torch.allclose(q, want, rtol=1e-6, atol=1e-7)
+            assert tok == int(torch.multinomial(want, 1, generator=torch.Generator().manual_seed(r)))
+    with pytest.raises(ValueError, match="one temperature and one generator per row"):
+        sample_rows(logits, temps[:3], [None] * 3)

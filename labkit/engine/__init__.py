@@ -14,27 +14,32 @@
     outs = engine.generate(["def fib(n):"], SamplingParams(max_tokens=32))
 """
 
-from labkit.engine.cuda_graph import StepGraphs, default_graph_batch_sizes, default_graph_token_sizes
+from labkit.engine.cuda_graph import (
+    StepGraphs,
+    default_graph_batch_sizes,
+    default_graph_token_sizes,
+    default_graph_verify_sizes,
+)
 from labkit.engine.llm_engine import EngineConfig, EngineStats, LLMEngine
 from labkit.engine.model_runner import KERNELS, ModelRunner
 from labkit.engine.policies import (
-    SCHEDULERS,
-    ContinuousBatchingScheduler,
-    FIFOScheduler,
-    StaticBatchScheduler,
-    make_scheduler,
+                                     SCHEDULERS,
+                                     ContinuousBatchingScheduler,
+                                     FIFOScheduler,
+                                     StaticBatchScheduler,
+                                     make_scheduler,
 )
 from labkit.engine.proposers import DraftModelProposer, PromptLookupProposer, Proposer
 from labkit.engine.sampling import Sampler, SamplingParams
 from labkit.engine.scheduler import PREEMPTION_MODES, ScheduledBatch, Scheduler
 from labkit.engine.sequence import (
-    FinishReason,
-    Request,
-    RequestMetrics,
-    RequestOutput,
-    Sequence,
-    SequenceStatus,
-    TokenOutput,
+                                     FinishReason,
+                                     Request,
+                                     RequestMetrics,
+                                     RequestOutput,
+                                     Sequence,
+                                     SequenceStatus,
+                                     TokenOutput,
 )
 from labkit.engine.speculative import SPEC_METHODS, SpeculativeConfig, Speculator, accept
 from labkit.model.attention import ModelInput
@@ -43,6 +48,7 @@ __all__ = ["LLMEngine", "EngineConfig", "EngineStats", "SamplingParams", "Sample
            "RequestOutput", "TokenOutput", "Sequence", "SequenceStatus", "FinishReason", "Scheduler",
            "FIFOScheduler", "StaticBatchScheduler", "ContinuousBatchingScheduler", "ScheduledBatch", "make_scheduler",
            "SCHEDULERS", "PREEMPTION_MODES", "ModelRunner", "ModelInput", "KERNELS", "StepGraphs",
-           "default_graph_batch_sizes", "default_graph_token_sizes", "SpeculativeConfig", "Speculator", "SPEC_METHODS",
+           "default_graph_batch_sizes", "default_graph_token_sizes", "default_graph_verify_sizes",
+           "SpeculativeConfig", "Speculator", "SPEC_METHODS",
            "accept",
            "Proposer", "PromptLookupProposer", "DraftModelProposer"]

@@ -35,7 +35,9 @@ class EngineConfig:
       ``cuda_graphs``: 'auto' | True | False; ``graph_batch_sizes``:
       the captured all-decode batches (default ``default_graph_batch_sizes``); ``graph_token_sizes``: the
       captured steps with prefill chunks, by token count (default: ``default_graph_token_sizes`` of the token
-      budget for the continuous scheduler on the Triton path, none otherwise)
+      budget for the continuous scheduler on the Triton path, none otherwise); with ``speculative`` on the Triton
+      path, verify steps are captured too (``default_graph_verify_sizes`` of ``max_num_seqs`` and ``k``, up to the
+      token budget)
     * ``preemption_mode``: 'recompute' or 'swap' (continuous: what happens to the youngest sequence when blocks run
       out; see ``labkit.engine.scheduler``); ``swap_space``: GiB of CPU memory for swapped blocks (vLLM's name and
       default), at most the device cache's size, allocated only with ``preemption_mode='swap'``
@@ -46,7 +48,8 @@ class EngineConfig:
       sampled tokens, stop checks) with the device's current step, as vLLM's async scheduling and SGLang's overlap
       scheduler do (``labkit.engine.async_step``); the tokens are the same, each reaches the host one step later
     * ``speculative``: a ``SpeculativeConfig`` to decode speculatively (``labkit.engine.speculative``: a proposer,
-      ``num_speculative_tokens`` per step, per request through ``SamplingParams``), ``None`` not to
+      ``num_speculative_tokens`` per step, per request through ``SamplingParams``; a draft model runs on a
+      ``ModelRunner`` of its own, with CUDA graphs unless ``cuda_graphs`` is False), ``None`` not to
     """
 
     scheduler: str = "continuous"

@@ -1,5 +1,6 @@
-"""Engine steps captured as CUDA graphs and replayed: all-decode steps per batch-size bucket, and steps that carry
-prefill chunks per token-count bucket.
+"""Engine steps captured as CUDA graphs and replayed: all-decode steps per batch-size bucket, steps that carry
+prefill chunks per token-count bucket, and speculative decoding's verify steps (every row's logits) per token-count
+bucket.
 
 Why: at batch 1 a decode step of an 8B model is ~400 kernels of a few microseconds each; launched one by one
 from Python, the GPU idles between them. A CUDA graph records the whole step once and replays it with one launch.
@@ -16,6 +17,12 @@ A graph replays fixed addresses and shapes, so (as vLLM and nano-vllm do):
 * a step with prefill chunks is padded up to the next captured token count ``T`` and to ``min(T,
   max_num_seqs)`` sequences: padding tokens write to the scratch block, padding sequences own no tokens, and its
   attention (``paged_prefill_attention``) has a grid that depends on ``T`` and the sequence count alone;
+* a *verify* step (speculative decoding: every sequence decodes, some with ``1 + n`` rows, its pending token and
+  ``n`` proposals) is captured as a step with prefill chunks is (the same attention, ``paged_prefill_attention`` over
+  ``query_start_loc``, the same padding), but returns the logits of every token row (its ``logits_indices`` are a
+  fixed device ``arange``, never packed), so the caller splits them per sequence; its token counts go up to
+  ``max_num_seqs * (k + 1)`` (``default_graph_verify_sizes``). A verify step with a prefill chunk beside it runs
+  eagerly (its logits rows are each chunk's last and every decode row);
 * block tables are padded to ``max_model_len / block_size`` columns, whatever the batch's longest sequence.
 
 Graphs are captured largest first and share one memory pool (only one replays at a time). Each is preceded by
@@ -62,6 +69,15 @@ def default_graph_token_sizes(max_num_batched_tokens: int) -> list[int]:
     return sorted({s for s in sizes if s < max_num_batched_tokens} | {max_num_batched_tokens})
 
 
+def default_graph_verify_sizes(max_num_seqs: int, num_speculative_tokens: int) -> list[int]:
+    """Token counts of captured verify steps for ``k = num_speculative_tokens``: ``(k + 1) * b`` for each decode batch
+    size ``b`` of ``default_graph_batch_sizes(max_num_seqs)`` (``b`` sequences that each propose ``k`` fill one
+    exactly), up to ``max_num_seqs * (k + 1)``."""
+    if num_speculative_tokens < 1:
+        raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 1")
+    return [(num_speculative_tokens + 1) * b for b in default_graph_batch_sizes(max_num_seqs)]
+
+
 @contextmanager
 def _no_collection():
     """Python's garbage collector collected first and then held off while the steps are captured: a collection
@@ -81,8 +97,9 @@ def _no_collection():
 
 @dataclass(frozen=True)
 class GraphKey:
-    """A captured step: ``decode`` batch of ``seqs`` single-token rows, or ``tokens`` rows of ``seqs``
-    sequences that may carry prefill chunks."""
+    """A captured step: ``decode`` batch of ``seqs`` single-token rows, ``mixed``: ``tokens`` rows of ``seqs``
+    sequences that may carry prefill chunks (each sequence's last row's logits), or ``verify``: ``tokens`` rows of
+    ``seqs`` sequences, every row's logits (speculative decoding's verify step)."""
 
     kind: str
     seqs: int
@@ -91,26 +108,33 @@ class GraphKey:
 
 class StepGraphs:
     """Captured steps of ``runner`` (the ``ModelRunner`` that builds this object; a capture uses its ``forward``,
-    ``cache``, ``scratch_block`` and sizes): an all-decode step per batch size in ``batch_sizes`` and a step of each
-    token count in ``token_sizes`` (any mix of prefill chunks and decodes; needs the runner's Triton path)."""
+    ``cache``, ``scratch_block`` and sizes): an all-decode step per batch size in ``batch_sizes``, a step of each
+    token count in ``token_sizes`` (any mix of prefill chunks and decodes) and a verify step of each token count in
+    ``verify_sizes`` (every row's logits); the last two need the runner's Triton path."""
 
-    def __init__(self, runner, batch_sizes: Sequence[int], token_sizes: Sequence[int] = ()):
+    def __init__(self, runner, batch_sizes: Sequence[int], token_sizes: Sequence[int] = (),
+                 verify_sizes: Sequence[int] = ()):
         self._check_device(runner)
-        sizes, tokens = sorted(set(batch_sizes)), sorted(set(token_sizes))
-        for name, vals in (("graph_batch_sizes", sizes), ("graph_token_sizes", tokens)):
+        sizes, tokens, verify = sorted(set(batch_sizes)), sorted(set(token_sizes)), sorted(set(verify_sizes))
+        for name, vals in (("graph_batch_sizes", sizes), ("graph_token_sizes", tokens),
+                           ("graph_verify_sizes", verify)):
             if (name == "graph_batch_sizes" and not vals) or any(not isinstance(b, int) or b < 1 for b in vals):
                 raise ValueError(f"{name}={vals} must be positive ints")
-        if tokens and not runner.use_triton:
-            raise ValueError("graph_token_sizes need the runner's Triton kernels (kernels='triton'): the torch "
-                             "path's prefill attention reads the chunk lengths on the host")
-        self.runner, self.batch_sizes, self.token_sizes = runner, sizes, tokens
+        for name, vals in (("graph_token_sizes", tokens), ("graph_verify_sizes", verify)):
+            if vals and not runner.use_triton:
+                raise ValueError(f"{name} need the runner's Triton kernels (kernels='triton'): the torch path's "
+                                 "prefill attention reads the chunk lengths on the host")
+        self.runner, self.batch_sizes, self.token_sizes, self.verify_sizes = runner, sizes, tokens, verify
         self.keys = [GraphKey("decode", b, b) for b in sizes] + \
-            [GraphKey("mixed", min(t, runner.max_num_seqs), t) for t in tokens]
+            [GraphKey("mixed", min(t, runner.max_num_seqs), t) for t in tokens] + \
+            [GraphKey("verify", min(t, runner.max_num_seqs), t) for t in verify]
         if runner.scratch_block is None:
             (runner.scratch_block,) = runner.cache.allocator.allocate(1)
         self.static_shape = (max(k.seqs for k in self.keys), max(k.tokens for k in self.keys))
         self.static = ModelInput.build(runner.cache, [], [], num_seqs=self.static_shape[0], width=runner.max_blocks,
                                        num_rows=self.static_shape[1], scratch_block=runner.scratch_block)
+        # a verify step's logits rows: every token row, in order (a constant: nothing to pack per step)
+        self.all_rows = torch.arange(self.static_shape[1], dtype=torch.int32, device=runner.device)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.logits: dict[GraphKey, torch.Tensor] = {}
         # device memory the captures reserved (their shared pool): measured from an emptied allocator cache, since
@@ -123,7 +147,7 @@ class StepGraphs:
     def _capture(self) -> None:
         pool = None
         with _no_collection():
-            for key in sorted(self.keys, key=lambda k: (k.tokens, k.kind == "mixed"), reverse=True):
+            for key in sorted(self.keys, key=lambda k: (k.tokens, k.kind), reverse=True):
                 inp = self._static_input(key)
                 self.runner.forward(inp)  # warm-up, eager: Triton autotuning and cuBLAS handles happen here
                 self._synchronize()
@@ -160,8 +184,9 @@ class StepGraphs:
     def _static_input(self, key: GraphKey) -> ModelInput:
         s, n, t = self.static, key.seqs, key.tokens
         decodes = n if key.kind == "decode" else 0
+        rows = self.all_rows[:t] if key.kind == "verify" else s.logits_indices[:n]
         return ModelInput(s.input_ids[:t], s.positions[:t], s.slot_mapping[:t], s.block_tables[:n],
-                          s.context_lens[:n], s.query_start_loc[:n + 1], s.logits_indices[:n], decodes)
+                          s.context_lens[:n], s.query_start_loc[:n + 1], rows, decodes)
 
     # --- lookup and replay ----------------------------------------------------------------------------------
     def bucket(self, num_seqs: int) -> int | None:
@@ -169,10 +194,18 @@ class StepGraphs:
         i = bisect.bisect_left(self.batch_sizes, num_seqs)
         return self.batch_sizes[i] if i < len(self.batch_sizes) else None
 
-    def lookup(self, num_seqs: int, num_tokens: int, num_decode: int) -> GraphKey | None:
+    def lookup(self, num_seqs: int, num_tokens: int, num_decode: int, all_logits: bool = False) -> GraphKey | None:
         """The captured step for a step of ``num_seqs`` sequences and ``num_tokens`` tokens of which
         ``num_decode`` are decodes: the decode graph of the smallest batch that holds an all-decode step, else
-        the smallest token count that holds the step (and its sequences), else ``None`` (run eagerly)."""
+        the smallest token count that holds the step (and its sequences), else ``None`` (run eagerly).
+        ``all_logits``: a step that wants every row's logits (a verify step): the smallest verify graph that holds
+        it, else ``None``."""
+        if all_logits:
+            i = bisect.bisect_left(self.verify_sizes, num_tokens)
+            if i < len(self.verify_sizes) and num_seqs <= min(self.verify_sizes[i], self.runner.max_num_seqs):
+                t = self.verify_sizes[i]
+                return GraphKey("verify", min(t, self.runner.max_num_seqs), t)
+            return None
         if num_decode == num_seqs and (bs := self.bucket(num_seqs)) is not None:
             return GraphKey("decode", bs, bs)
         i = bisect.bisect_left(self.token_sizes, num_tokens)
@@ -181,14 +214,15 @@ class StepGraphs:
             return GraphKey("mixed", min(t, self.runner.max_num_seqs), t)
         return None
 
-    def run_packed(self, longs: np.ndarray, ints: np.ndarray, key: GraphKey, num_seqs: int,
+    def run_packed(self, longs: np.ndarray, ints: np.ndarray, key: GraphKey, num_rows: int,
                    sampled: torch.Tensor | None = None) -> torch.Tensor:
         """Copy a step packed on the host in the layout of the static buffers (``labkit.model.attention.pack_step`` at
         ``static_shape`` and ``max_blocks``: two host-to-device copies feed every field, from pinned memory on CUDA)
-        and replay ``key``; returns a new tensor: the logits of the first ``num_seqs`` rows ``[num_seqs, vocab]``
-        (the graph's own output buffer is overwritten by the next replay of any bucket). ``sampled``: the previous
-        step's sampled tokens on the device (async scheduling): placeholder input ids are read from it, on the
-        device, before the replay (``labkit.model.attention.fill_placeholders``)."""
+        and replay ``key``; returns a new tensor: the logits of the first ``num_rows`` rows ``[num_rows, vocab]`` (the
+        step's sequences; for a verify key its token rows, in order), since the graph's own output buffer is
+        overwritten by the next replay of any bucket. ``sampled``: the previous step's sampled tokens on the device
+        (async scheduling): placeholder input ids are read from it, on the device, before the replay
+        (``labkit.model.attention.fill_placeholders``)."""
         for name, dst, src in zip(("longs", "ints"), self.static.buffers, (longs, ints)):
             if tuple(dst.shape) != src.shape:
                 raise ValueError(f"packed {name} {src.shape} do not match the static buffer {tuple(dst.shape)}; "
@@ -196,8 +230,8 @@ class StepGraphs:
             host_to_device(src, dst.device, out=dst)
         if key not in self.keys:
             raise ValueError(f"{key} has no captured graph; captured decode batches {self.batch_sizes}, token "
-                             f"counts {self.token_sizes}")
+                             f"counts {self.token_sizes}, verify token counts {self.verify_sizes}")
         if sampled is not None:
             fill_placeholders(self.static.input_ids, sampled)
         self.graphs[key].replay()
-        return self.logits[key][:num_seqs].clone()
+        return self.logits[key][:num_rows].clone()

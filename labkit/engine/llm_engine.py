@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from labkit.device import host_to_device
 from labkit.engine.async_step import AsyncStepLoop
 from labkit.engine.config import EngineConfig, EngineStats, default_eos_token_ids, engine_config, vocab_size
-from labkit.engine.cuda_graph import default_graph_batch_sizes, default_graph_token_sizes
+from labkit.engine.cuda_graph import default_graph_batch_sizes, default_graph_token_sizes, default_graph_verify_sizes
 from labkit.engine.model_runner import ModelRunner
 from labkit.engine.policies import make_scheduler
 from labkit.engine.sampling import SampledTokens, Sampler, SamplingParams, token_seed
@@ -56,7 +56,8 @@ class LLMEngine:
         sizes = cfg.graph_batch_sizes or default_graph_batch_sizes(cfg.seqs_per_step)
         resolved = adopt_hf_model(model).use(cfg.kernels, self.cache)  # the plan, resolved once for this engine
         self.runner = ModelRunner(resolved, self.cache, None, cfg.cuda_graphs, cfg.seqs_per_step,
-                                  self.max_model_len, sizes, graph_token_sizes=self._token_sizes(resolved.plan))
+                                  self.max_model_len, sizes, graph_token_sizes=self._token_sizes(resolved.plan),
+                                  graph_verify_sizes=self._verify_sizes(resolved.plan))
         self.scheduler = make_scheduler(cfg.scheduler, self.cache, max_num_seqs=cfg.max_num_seqs,
                                         max_num_batched_tokens=cfg.max_num_batched_tokens,
                                         chunked_prefill=cfg.chunked_prefill, static_batch_size=cfg.static_batch_size,
@@ -85,6 +86,16 @@ class LLMEngine:
         if cfg.scheduler != "continuous" or not plan.uses_triton:
             return ()
         return tuple(default_graph_token_sizes(cfg.max_num_batched_tokens))
+
+    def _verify_sizes(self, plan: FusionPlan) -> tuple[int, ...]:
+        """Token counts of the captured verify steps (speculative decoding, every row's logits): when the engine
+        speculates, ``default_graph_verify_sizes`` of its sequences per step and ``k`` (up to its token budget), where
+        the runner's Triton path can capture them."""
+        spec = self.config.speculative
+        if spec is None or not plan.uses_triton:
+            return ()
+        sizes = default_graph_verify_sizes(self.config.seqs_per_step, spec.num_speculative_tokens)
+        return tuple(sorted({min(t, self.config.max_num_batched_tokens) for t in sizes}))  # a step holds no more
 
     def _num_cpu_blocks(self) -> int | None:
         """Blocks of the swap space: ``swap_space`` GiB, at most as many as the device cache holds (``None``

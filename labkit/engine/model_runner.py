@@ -7,6 +7,10 @@ back to back, single-token rows (decodes) first, with each token's cache slot (`
 hands it to ``CausalLM.forward_paged`` (the ops of a layer: ``labkit.model.layers``); logits come for each sequence's
 last token only. The runner reads the sequences and changes nothing of them: the scheduler's postprocess advances
 their computed counts once the step is done.
+
+All-decode steps of up to the largest captured batch replay a CUDA graph, and so do steps with prefill chunks of up
+to the largest captured token count when ``graph_token_sizes`` are given, and speculative decoding's verify steps
+(every row's logits, no prefill chunk) when ``graph_verify_sizes`` are given (``labkit.engine.cuda_graph``).
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ class ModelRunner:
     * ``cuda_graphs``: 'auto' (on with CUDA and an unquantised cache), True, False; decode steps are captured
       for ``graph_batch_sizes`` (default ``cuda_graph.default_graph_batch_sizes(max_num_seqs)``), steps with
       prefill chunks for ``graph_token_sizes`` (total tokens of the step; default none, see
-      ``cuda_graph.default_graph_token_sizes``)
+      ``cuda_graph.default_graph_token_sizes``), verify steps (every row's logits: ``execute``'s ``logits_per_seq``
+      asking for all of them) for ``graph_verify_sizes`` (default none; the engine's, when it speculates,
+      ``cuda_graph.default_graph_verify_sizes(max_num_seqs, k)``)
     * ``max_model_len``: longest sequence (sets the graphs' block-table width); default the model's maximum
     * ``kernel_log``: a ``labkit.model.KernelLog`` every eager step records its ops' kernels in (tests, notebooks:
       which kernel ran); replayed steps record nothing
@@ -47,7 +53,7 @@ class ModelRunner:
     def __init__(self, model, cache: PagedKVCache, kernels: str | FusionPlan | None = "auto",
                  cuda_graphs: bool | str = "auto", max_num_seqs: int = 256, max_model_len: int | None = None,
                  graph_batch_sizes: Sequence[int] | None = None, graph_token_sizes: Sequence[int] = (),
-                 kernel_log: KernelLog | None = None):
+                 kernel_log: KernelLog | None = None, graph_verify_sizes: Sequence[int] = ()):
         if kernels is not None:
             check_kernels(kernels)  # a bad name fails before the model is touched
         m = adopt_hf_model(model)
@@ -64,7 +70,7 @@ class ModelRunner:
         self.kernel_log = kernel_log
         if self._want_graphs(cuda_graphs):
             self.graphs = StepGraphs(self, graph_batch_sizes or default_graph_batch_sizes(max_num_seqs),
-                                     graph_token_sizes)
+                                     graph_token_sizes, graph_verify_sizes)
 
     @property
     def plan(self) -> FusionPlan:
@@ -144,15 +150,19 @@ class ModelRunner:
         read back to the host.
 
         ``logits_per_seq``: the logits of each sequence's last that many rows instead (``[sum, vocab]``; speculative
-        decoding's verify step: run eagerly, the graphs return one row per sequence)."""
-        if logits_per_seq is not None:
-            self.last_step_replayed = False
-            return self.forward(self.prepare(seqs, num_tokens, num_decode, logits_per_seq=logits_per_seq))
-        key = self.graphs.lookup(len(seqs), sum(num_tokens), num_decode) if self.graphs is not None else None
+        decoding's verify step). Where it asks for every row (no prefill chunk beside the verify rows) the step replays
+        a verify graph (``graph_verify_sizes``), whose rows are the step's token rows in order; else it runs eagerly."""
+        all_logits = logits_per_seq is not None and list(logits_per_seq) == list(num_tokens)
+        key = None
+        if self.graphs is not None and (logits_per_seq is None or all_logits):
+            key = self.graphs.lookup(len(seqs), sum(num_tokens), num_decode, all_logits=all_logits)
         self.last_step_replayed = key is not None
         if key is not None:  # packed on the host in the static buffers' layout: two copies feed the graph
             longs, ints = self.pack_for_graphs(seqs, num_tokens)
-            return self.graphs.run_packed(longs, ints, key, len(seqs), sampled=sampled)  # a copy of the real rows
+            rows = sum(num_tokens) if all_logits else len(seqs)
+            return self.graphs.run_packed(longs, ints, key, rows, sampled=sampled)  # a copy of the real rows
+        if logits_per_seq is not None:
+            return self.forward(self.prepare(seqs, num_tokens, num_decode, logits_per_seq=logits_per_seq))
         inp = self.prepare(seqs, num_tokens, num_decode)
         if sampled is not None:
             fill_placeholders(inp.input_ids, sampled)

@@ -10,9 +10,12 @@ back: it finished, was aborted, failed or was preempted).
 * ``PromptLookupProposer``: n-gram match of the context's last ``n`` tokens against the prompt and output so far
   (vLLM's ``ngram`` method, its ``prompt_lookup_max`` / ``prompt_lookup_min``); no model, no memory, free.
 * ``DraftModelProposer``: a small ``labkit.model.CausalLM`` (or an HF Llama-family model, adopted) with the target's
-  vocabulary, on its own ``PagedKVCache`` (a ``kvcache.SeqBlocks`` per sequence there); it runs ``k`` batched
-  one-token steps per target step and rolls its sequence back to the accepted prefix next time (caught up lazily
-  from the committed context: after a preemption it prefills the whole context again).
+  vocabulary, on its own ``PagedKVCache`` (a ``kvcache.SeqBlocks`` per sequence there), run by a ``ModelRunner`` of
+  its own (so its one-token steps replay CUDA graphs on CUDA); it runs ``k`` batched steps per target step (the
+  first catches up, the others are one-token decodes) and rolls its sequence back to the accepted prefix next time
+  (caught up lazily from the committed context: after a preemption it prefills the whole context again). Each step
+  samples its rows batched on the device: one argmax for the greedy rows read back with one ``.tolist()``, one
+  softmax for the sampled rows (their ``q``) read back once and drawn per row on the CPU with the row's generator.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from labkit.checks import check_int, check_positive_int
+from labkit.engine.model_runner import ModelRunner
 from labkit.kvcache import CacheFullError, SeqBlocks
 from labkit.model import adopt_hf_model
-from labkit.model.attention import ModelInput
 
 Proposal = tuple[list[int], torch.Tensor | None]
 
@@ -77,33 +80,51 @@ class PromptLookupProposer(Proposer):
         return [(self.lookup(c, k), None) for c, k in zip(contexts, ks)]
 
 
-def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
-    """One token from float32 ``logits`` ``[vocab]``: argmax at temperature 0 (its ``q`` one-hot), else a draw from
-    ``softmax(logits / temperature)`` with ``generator`` (a CPU generator; the draw is made on the CPU); returns
-    ``(token, q [vocab])`` with ``q`` on the CPU."""
-    logits = logits.float().cpu()
-    if temperature == 0:
-        tok = int(logits.argmax())
-        q = torch.zeros_like(logits)
-        q[tok] = 1.0
-        return tok, q
-    q = torch.softmax(logits / temperature, dim=-1)
-    return int(torch.multinomial(q, 1, generator=generator)), q
+def sample_rows(logits: torch.Tensor, temperatures: Sequence[float],
+                generators: Sequence[torch.Generator | None]) -> list[tuple[int, torch.Tensor | None]]:
+    """One token per row of float ``logits`` ``[n, vocab]`` (on any device), batched: the rows at temperature 0 take
+    one argmax on the device, read back with one ``.tolist()`` (their ``q`` is one-hot: ``None``); the others one
+    softmax of ``logits / temperature`` on the device, copied to the CPU once, each drawn with its row's generator
+    (a CPU generator). Returns ``(token, q)`` per row, ``q`` float32 ``[vocab]`` on the CPU or ``None``."""
+    temps = list(temperatures)
+    if len(temps) != logits.shape[0] or len(generators) != len(temps):
+        raise ValueError(f"need one temperature and one generator per row of logits {tuple(logits.shape)}, got "
+                         f"{len(temps)} and {len(generators)}")
+    out: list[tuple[int, torch.Tensor | None]] = [(0, None)] * len(temps)
+    greedy = [r for r, t in enumerate(temps) if t == 0]
+    drawn = [r for r, t in enumerate(temps) if t != 0]
+    if greedy:
+        rows = logits if len(greedy) == len(temps) else logits[greedy]
+        for r, tok in zip(greedy, rows.argmax(dim=-1).tolist()):
+            out[r] = (tok, None)
+    if drawn:
+        rows = logits if len(drawn) == len(temps) else logits[drawn]
+        t = torch.tensor([temps[r] for r in drawn], dtype=torch.float32, device=logits.device)
+        qs = torch.softmax(rows.float() / t[:, None], dim=-1).cpu()
+        for j, r in enumerate(drawn):
+            out[r] = (int(torch.multinomial(qs[j], 1, generator=generators[r])), qs[j])
+    return out
 
 
 class DraftModelProposer(Proposer):
     """A small model with the target's vocabulary proposes ``k`` tokens autoregressively (greedy at temperature 0,
     else sampled at the request's temperature, its distributions returned as ``q``), on a cache of its own of
     ``num_blocks`` blocks of ``block_size`` tokens. A sequence the cache cannot hold proposes nothing this step (a
-    plain decode step), never an error."""
+    plain decode step), never an error.
+
+    Its steps run through ``self.runner``, a ``ModelRunner`` of its own (``kernels``, ``cuda_graphs``: as the runner
+    takes them; on CUDA the one-token steps replay decode graphs of batch sizes up to ``max_num_seqs``, the target's,
+    with block tables ``max_model_len`` wide, the target engine's; its scratch block comes from this cache)."""
 
     name = "draft"
 
-    def __init__(self, draft, num_blocks: int = 256, block_size: int = 16):
+    def __init__(self, draft, num_blocks: int = 256, block_size: int = 16, max_num_seqs: int = 256,
+                 max_model_len: int | None = None, cuda_graphs: bool | str = "auto", kernels: str = "auto"):
         check_int("num_blocks", num_blocks, 2)
         check_positive_int("block_size", block_size)
         self.draft = adopt_hf_model(draft)
         self.cache = self.draft.make_cache(num_blocks, block_size)
+        self.runner = ModelRunner(self.draft, self.cache, kernels, cuda_graphs, max_num_seqs, max_model_len)
         self.seqs: dict[Hashable, SeqBlocks] = {}  # the draft's copy of each sequence, on its own cache
 
     def _catch_up(self, sid: Hashable, context: Sequence[int]) -> int:
@@ -138,7 +159,7 @@ class DraftModelProposer(Proposer):
         check_ks(ks, len(contexts))
         temps = [0.0] * len(ks) if temperatures is None else list(temperatures)
         gens = [None] * len(ks) if generators is None else list(generators)
-        out: list[tuple[list[int], list[torch.Tensor]]] = [([], []) for _ in contexts]
+        out: list[tuple[list[int], list[torch.Tensor | None]]] = [([], []) for _ in contexts]
         query = {}
         for i, k in enumerate(ks):
             if k > 0:
@@ -162,11 +183,12 @@ class DraftModelProposer(Proposer):
             if not live:
                 break
             seqs = [self.seqs[seq_ids[i]] for i in live]
-            logits = self.draft.forward_paged(ModelInput.build(self.cache, seqs, [query[i] for i in live]),
-                                              self.cache)
-            for row, (i, seq) in enumerate(zip(live, seqs)):
+            counts = [query[i] for i in live]
+            decodes = len(live) if all(c == 1 for c in counts) else 0  # one-token steps: the decode graphs
+            logits = self.runner.execute(seqs, counts, decodes)
+            for seq in seqs:
                 self.cache.mark_computed(seq, seq.num_tokens)
-                tok, q = sample(logits[row], temps[i], gens[i])
+            for i, (tok, q) in zip(live, sample_rows(logits, [temps[i] for i in live], [gens[i] for i in live])):
                 out[i][0].append(tok)
                 out[i][1].append(q)
         return [(toks, torch.stack(qs) if qs and temps[i] > 0 else None) for i, (toks, qs) in enumerate(out)]

@@ -29,8 +29,10 @@ Rows without proposals are sampled by the engine's ``Sampler`` exactly as withou
 decoding, also sampled). The draft model's cache is its own (``SpeculativeConfig.draft_num_blocks``); the scheduler
 calls ``Proposer.release`` whenever it takes a sequence's blocks back (finished, aborted, failed, preempted by
 recompute or by swap), so the draft holds KV only for running sequences; a preempted sequence's draft prefills its
-context again when it next speculates. Verify steps run eagerly (the captured CUDA graphs return one row of
-logits per sequence); steps without proposals replay graphs as usual.
+context again when it next speculates. On CUDA with the Triton kernels a verify step without a prefill chunk beside it
+replays a *verify* CUDA graph (every row's logits, per token-count bucket up to ``max_num_seqs * (k + 1)``:
+``labkit.engine.cuda_graph``); one with a prefill chunk runs eagerly; steps without proposals replay graphs as usual.
+The draft model runs on a ``ModelRunner`` of its own, whose one-token steps replay its decode graphs.
 """
 
 from __future__ import annotations
@@ -81,11 +83,16 @@ class SpeculativeConfig:
             raise ValueError(f"method={self.method!r} with draft_model={type(self.draft_model).__name__}: a draft "
                              "model goes with method='draft' and only with it")
 
-    def make_proposer(self, target_vocab: int, device: torch.device, num_blocks: int, block_size: int) -> Proposer:
-        """The proposer this config names, checked against the target (vocabulary, device)."""
+    def make_proposer(self, target_vocab: int, device: torch.device, num_blocks: int, block_size: int,
+                      max_num_seqs: int = 256, max_model_len: int | None = None,
+                      cuda_graphs: bool | str = "auto") -> Proposer:
+        """The proposer this config names, checked against the target (vocabulary, device); a draft's runner holds
+        ``max_num_seqs`` sequences of up to ``max_model_len`` tokens (the target engine's) and captures CUDA graphs
+        unless ``cuda_graphs`` is False (the engine's setting: 'auto' where it is not False)."""
         if self.method == "prompt_lookup":
             return PromptLookupProposer(self.prompt_lookup_max, self.prompt_lookup_min)
-        prop = DraftModelProposer(self.draft_model, self.draft_num_blocks or num_blocks, block_size)
+        prop = DraftModelProposer(self.draft_model, self.draft_num_blocks or num_blocks, block_size, max_num_seqs,
+                                  max_model_len, "auto" if cuda_graphs is not False else False)
         vocab, dev = prop.draft.config.vocab_size, prop.draft.device
         if vocab != target_vocab:
             raise ValueError(f"draft_model has a vocabulary of {vocab} tokens, the target {target_vocab}: a draft "
@@ -150,7 +157,9 @@ class Speculator:
     def __init__(self, engine, config: SpeculativeConfig):
         self.engine, self.config = engine, config
         cache = engine.cache
-        self.proposer = config.make_proposer(engine.vocab_size, engine.device, cache.num_blocks, cache.block_size)
+        cfg = engine.config
+        self.proposer = config.make_proposer(engine.vocab_size, engine.device, cache.num_blocks, cache.block_size,
+                                             cfg.seqs_per_step, engine.max_model_len, cfg.cuda_graphs)
         engine.scheduler.release_hooks.append(lambda seq: self.proposer.release(seq.seq_id))
 
     @staticmethod
@@ -207,7 +216,8 @@ class Speculator:
 
     def _verify(self, batch: ScheduledBatch, proposals: dict) -> tuple[dict[int, torch.Tensor], dict]:
         """One target forward: plain decodes first (one row), then speculating ones (1 + n rows, every row's
-        logits), then prefill chunks; returns each row's logits (``[1 or 1 + n, vocab]``) by batch row."""
+        logits), then prefill chunks; returns each row's logits (``[1 or 1 + n, vocab]``) by batch row. Without a
+        prefill chunk every row's logits are wanted: the runner replays a verify graph where one is captured."""
         props = {i: p for i, p in proposals.items() if p[0]}
         n = len(batch.seqs)
         order = [i for i in range(batch.num_decode) if i not in props] + sorted(props) + \
