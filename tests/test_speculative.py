@@ -334,3 +334,28 @@ def test_sample_rows_batched_equals_per_row():
             assert tok == int(torch.multinomial(want, 1, generator=torch.Generator().manual_seed(r)))
     with pytest.raises(ValueError, match="one temperature and one generator per row"):
         sample_rows(logits, temps[:3], [None] * 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["prompt_lookup", "draft"])
+def test_speculating_engine_replays_cuda_graphs(method):
+    """On CUDA (the embedded model, float32): verify steps replay their graphs and the draft its decode graphs,
+    and greedy output equals plain decoding token for token. With the target as its own draft every proposal is
+    accepted, so nearly every step is a verify step: all but the prefill step must have replayed."""
+    from labkit.model import load_model
+
+    model = load_model(device="cuda")[0]
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (40, 9, 23)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    kw = dict(max_num_seqs=4, max_model_len=128)
+    want = [o.output_token_ids for o in LLMEngine(model, **kw).generate(prompts, params, progress=False)]
+    spec = SpeculativeConfig(method, 3, draft_model=model if method == "draft" else None)
+    engine = LLMEngine(model, speculative=spec, **kw)
+    assert [o.output_token_ids for o in engine.generate(prompts, params, progress=False)] == want
+    st = engine.stats
+    assert st.spec_decodes > 0
+    if method == "draft":
+        assert st.accepted_tokens == st.draft_tokens > 0
+        assert st.graph_steps >= st.steps - 1, (st.graph_steps, st.steps)
+        assert engine.speculator.proposer.runner.graph_batch_sizes  # the draft's own decode graphs
