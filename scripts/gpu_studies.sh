@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One device call of under ten minutes: the engine's decode step (issue 42's figures, sync and async, attributed)
+# and the two kernel ladders that decide issue 42's items 2 and 3.
+#   run (device):  LABKIT_GIT_COMMIT=<sha of HEAD> bash scripts/gpu_studies.sh [STAGE ...]   (no wheels needed)
+#   STAGE: decode, kvq, flash (default: all three, in that order)
+# Each stage has a hard limit and writes under $OUT/studies (logs/, bench/, kvq.json, flash.json), so a stage
+# killed at its limit leaves what the earlier ones wrote. Afterwards (here): copy the records to
+# research/records/<gpu>/ (the ladders) and results/<gpu>/records/ (bench/records/bench_decode.json), then
+# python -m labkit merge <fetched>/studies/bench results/<gpu> && python -m labkit claims && python -m labkit readme
+set -u
+start=$(date +%s)
+S=${OUT:?OUT must name the folder whose files come back}/studies
+mkdir -p "$S/logs"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+stage() {
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s) at $(( $(date +%s) - start ))s: $*"
+  PYTHONUNBUFFERED=1 timeout -k 10 "$limit" "$@" > "$S/logs/$name.log" 2>&1
+  local rc=$?
+  grep -v -E "Warning|warn\(|it/s\]|s/it\]|^W[0-9]{4}" "$S/logs/$name.log" | tail -30
+  echo "=== $name rc=$rc at $(( $(date +%s) - start ))s"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$S/gpu.txt"
+stages=("$@")
+[ ${#stages[@]} -gt 0 ] || stages=(decode kvq flash)
+for st in "${stages[@]}"; do
+  case $st in
+    decode) stage decode 330 python3 -m labkit bench decode --model llama-3-8b --batch 1 16 64 --context 512 \
+              --max-num-seqs 64 --async-scheduling both --profile --figures --no-progress --out "$S/bench" ;;
+    kvq) stage kvq 120 python3 research/kv_quant_decode_study.py --out "$S/kvq.json" ;;
+    flash) stage flash 150 python3 research/flash_prefill_study.py --out "$S/flash.json" ;;
+    *) echo "unknown stage: $st (decode, kvq, flash)" >&2; exit 2 ;;
+  esac
+done
+echo "=== done at $(( $(date +%s) - start ))s"
