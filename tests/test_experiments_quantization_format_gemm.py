@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from labkit.experiments.quantization import format_gemm as G
+from labkit.experiments.quantization import peers as P
 from labkit.experiments.quantization.peers import BF16, candidates
 from labkit.quant.peers import LABKIT_PATHS
 
@@ -83,7 +84,7 @@ def test_the_measurement_loop_records_every_path_with_its_status():
 
 
 def test_paths_are_built_cheapest_first():
-    order = sorted(candidates(), key=G._build_rank)
+    order = sorted(candidates(), key=P.build_rank)
     libs = [candidates()[n][1] for n in order]
     assert libs.index("gemlite") > libs.index("torch") and order[-1] == "torch.compile(fp8 act quant + _scaled_mm)"
 
@@ -99,8 +100,8 @@ def test_roofline_is_the_ratio_of_bytes_then_of_rates():
     assert G.roofline_speedup("int4", 4096, h) == pytest.approx(1.0)
     assert G.roofline_speedup("fp8", 4096, h, w8a8=True) == pytest.approx(h.fp8_flops / h.bf16_flops)
     assert G.roofline_speedup("int4", 64, h) > G.roofline_speedup("int4", 256, h) > 1
-    assert G.is_w8a8("Fp8Linear fused (Triton act quant + _scaled_mm)") and G.is_w8a8("torch._int_mm W8A8 (cuBLAS)")
-    assert not G.is_w8a8("gemlite A16W8 fp8 (Triton, weight-only)") and not G.is_w8a8(LABKIT_PATHS["int4"])
+    assert P.is_w8a8("Fp8Linear fused (Triton act quant + _scaled_mm)") and P.is_w8a8("torch._int_mm W8A8 (cuBLAS)")
+    assert not P.is_w8a8("gemlite A16W8 fp8 (Triton, weight-only)") and not P.is_w8a8(LABKIT_PATHS["int4"])
 
 
 def test_a_record_from_before_the_peers_reads_in_todays_names():

@@ -27,7 +27,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from labkit.experiments.quantization.peers import BF16, TOLERANCE, _check, _error, build_path, candidates
+from labkit.experiments.quantization.peers import (
+    BF16,
+    TOLERANCE,
+    _check,
+    _error,
+    build_path,
+    build_rank,
+    candidates,
+    is_w8a8,
+)
 from labkit.model import get_config
 from labkit.quant.peers import GEMLITE_SETUP, LABKIT_PATHS, LEGACY_NAMES
 
@@ -85,7 +94,7 @@ def measure(presets: tuple[str, ...] = PRESETS, batches: tuple[int, ...] = BATCH
                            "needs CUDA; on the CPU notebooks read the committed results/<gpu>/records/format_gemm.json")
     dev = torch.device(device or "cuda")
     cands = candidates()
-    names = [BF16, *sorted((n for n in (paths or cands) if n != BF16), key=_build_rank)]
+    names = [BF16, *sorted((n for n in (paths or cands) if n != BF16), key=build_rank)]
     start = time.perf_counter()
     timing_s = budget_s / 2 if timing_s is None else timing_s
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
@@ -104,17 +113,6 @@ def measure(presets: tuple[str, ...] = PRESETS, batches: tuple[int, ...] = BATCH
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return data()
-
-
-BUILD_ORDER = ("labkit", "torch", "gemlite", "torchao", "torch.compile")
-"""The order paths are built and checked in, so that a time budget spent leaves last what costs most to build and
-matters least: labkit's own, torch's kernels (tinygemm, ``_int_mm``, labkit's fused FP8), gemlite (which compiles and
-autotunes its Triton kernels per shape on first use), torchao's configs, then ``torch.compile``."""
-
-
-def _build_rank(name: str) -> int:
-    lib = "torch.compile" if name.startswith("torch.compile") else candidates()[name][1]
-    return BUILD_ORDER.index(lib) if lib in BUILD_ORDER else len(BUILD_ORDER)
 
 
 def _measure_preset(preset, names, cands, batches, iters, budget, seed, progress, dev, checkpoint) -> list[dict]:
@@ -222,9 +220,7 @@ def _fresh(lin: nn.Linear, gen: torch.Generator) -> nn.Linear:
 
 
 # --- reading a measurement ----------------------------------------------------------------------------------------
-W8A8 = ("_int_mm", "A8W8", "_scaled_mm", "Float8Dynamic")
-"""Path names with quantised activations: they multiply on the 8-bit tensor cores (twice bf16's rate on Hopper);
-every other quantised path widens its weights to 16 bits and multiplies at bf16's rate."""
+
 BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0, "fp8": 1.0, "int4": 0.5 + 4 / 128}
 """Bytes one weight costs in each format, scales included (int4: a bf16 scale and zero per 128 weights)."""
 
@@ -275,11 +271,6 @@ def roofline_speedup(fmt: str, batch: int, hw, w8a8: bool = False) -> float:
     t16 = max(2 / hw.mem_bandwidth, 2 * batch / hw.bf16_flops)
     rate = hw.fp8_flops if w8a8 and hw.fp8_flops else hw.bf16_flops
     return t16 / max(BYTES_PER_WEIGHT[fmt] / hw.mem_bandwidth, 2 * batch / rate)
-
-
-def is_w8a8(path: str) -> bool:
-    """Whether a path quantises its activations too (``W8A8``)."""
-    return any(k in path for k in W8A8) or path.startswith(("labkit Fp8Linear", "Fp8Linear", "torch.compile(fp8"))
 
 
 def best_paths(data: dict, preset: str = "llama-3-8b", batch: int = HEADLINE_BATCH) -> dict[str, dict]:

@@ -167,3 +167,25 @@ def available(name: str, device: str = "cpu") -> str:
         return "ok"
     except (PeerUnavailable, ImportError, RuntimeError, ValueError, AssertionError) as e:
         return _error(e)
+
+
+BUILD_ORDER = ("labkit", "torch", "gemlite", "torchao", "torch.compile")
+"""The order paths are built and checked in, so that a time budget spent leaves last what costs most to build and
+matters least: labkit's own, torch's kernels (tinygemm, ``_int_mm``, labkit's fused FP8), gemlite (which compiles and
+autotunes its Triton kernels per shape on first use), torchao's configs, then ``torch.compile``."""
+
+
+def build_rank(name: str) -> int:
+    """``name``'s place in ``BUILD_ORDER`` (a path of an unlisted library last)."""
+    lib = "torch.compile" if name.startswith("torch.compile") else candidates()[name][1]
+    return BUILD_ORDER.index(lib) if lib in BUILD_ORDER else len(BUILD_ORDER)
+
+
+W8A8 = ("_int_mm", "A8W8", "_scaled_mm", "Float8Dynamic")
+"""Path names with quantised activations: they multiply on the 8-bit tensor cores (twice bf16's rate on Hopper);
+every other quantised path widens its weights to 16 bits and multiplies at bf16's rate."""
+
+
+def is_w8a8(path: str) -> bool:
+    """Whether a path quantises its activations too (``W8A8``)."""
+    return any(k in path for k in W8A8) or path.startswith(("labkit Fp8Linear", "Fp8Linear", "torch.compile(fp8"))
