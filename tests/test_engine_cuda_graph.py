@@ -10,7 +10,6 @@ data inside the step fails at once. So a step input not copied into its static b
 capture, a host value baked into the step, or a caller keeping the graph's output buffer all fail here on the CPU.
 """
 
-import copy
 from functools import partial
 from types import SimpleNamespace
 
@@ -259,16 +258,6 @@ def test_host_graphs_replay_equals_eager(tiny_model, two_layers, monkeypatch, ke
     for i, (a, b) in enumerate(zip(got, eager)):
         assert a.shape == b.shape and torch.isfinite(a).all(), i
         assert relative_error(a, b) <= 1e-5, f"step {i}: relative error {relative_error(a, b):.3g}"
-
-
-@pytest.fixture(scope="module")
-def two_layers(tiny_model):
-    """The embedded model cut to two layers (a copy): the interpreter's runs of the Triton path cost a quarter, and
-    every path of a step still runs in each layer."""
-    model = copy.deepcopy(tiny_model[0])
-    model.model.layers = model.model.layers[:2]
-    model.config.num_hidden_layers = 2
-    return model
 
 
 def mixed_steps(runner, cache, prompts, fed, replayed: list | None = None) -> list[torch.Tensor]:
