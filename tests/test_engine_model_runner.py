@@ -137,7 +137,7 @@ def test_int4_layers_take_in_their_norms_and_residual_adds(tiny_model, prompts):
     from labkit.quant import quantize
 
     qmodel = quantize(tiny_model[0], "int4", backend="triton").half()  # the kernels on the CPU too
-    _wide_tiles(qmodel)
+    wide_tiles(qmodel)
     qmodel.model.layers = qmodel.model.layers[:1]  # one layer, one decode step: the interpreter is slow, and
     qmodel.config.num_hidden_layers = 1            # every fused path runs in each layer's step
     layers, steps = len(qmodel.model.layers), 1
@@ -176,7 +176,7 @@ def test_int8_layers_take_in_their_neighbours(tiny_model, prompts):
     from labkit.quant import quantize
 
     qmodel = quantize(tiny_model[0], "int8", backend="triton").half()
-    _wide_tiles(qmodel)
+    wide_tiles(qmodel)
     qmodel.model.layers = qmodel.model.layers[:1]  # one layer, two decode steps: the interpreter is slow
     qmodel.config.num_hidden_layers = 1
     log = KernelLog()
@@ -191,7 +191,7 @@ def test_int8_layers_take_in_their_neighbours(tiny_model, prompts):
         assert a.argmax() == b.argmax() and relative_error(a, b) < 2e-2
 
 
-def _wide_tiles(qmodel) -> None:
+def wide_tiles(qmodel) -> None:
     """Wide tiles for ``qmodel``'s quantised layers (tuning data the layers pass to their kernels): the interpreter's
     time grows with the programs it runs. Every stationary GEMV keeps slices of 128 activations (two slices of K or
     more: the split path with its cross-slice reduction, as RoPE in the store needs); the q/k/v GEMV keeps row blocks
