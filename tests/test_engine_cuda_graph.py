@@ -309,14 +309,15 @@ def test_host_graphs_replay_mixed_steps(two_layers, monkeypatch):
         assert relative_error(a, b) <= 1e-5, f"step {i}: relative error {relative_error(a, b):.3g}"
 
 
-def test_engine_on_host_graphs_equals_hf_generate(tiny_model, monkeypatch):
-    """The continuous engine with both kinds of graphs (stand-ins, Triton through the interpreter): prompts cut
-    into chunks that share steps with decodes, every step replayed, greedy tokens equal to HF ``generate``'s."""
+def test_engine_on_host_graphs_equals_hf_generate(two_layers, monkeypatch):
+    """The continuous engine with both kinds of graphs (stand-ins, Triton through the interpreter, on two layers):
+    prompts cut into chunks that share steps with decodes, every step replayed, greedy tokens equal to HF
+    ``generate``'s."""
     from labkit.engine.llm_engine import LLMEngine
     from labkit.engine.sampling import SamplingParams
     from labkit.experiments.batching import hf_greedy
 
-    model = tiny_model[0]
+    model = two_layers
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (9, 20, 4)]
     engine = LLMEngine(model, kernels="triton", cuda_graphs=False, max_num_seqs=2, max_num_batched_tokens=16,
