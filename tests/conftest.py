@@ -1,5 +1,6 @@
 """Shared fixtures: the embedded model, loaded once per test session."""
 
+import copy
 import os
 
 import pytest
@@ -19,6 +20,16 @@ def tiny_model():
 
     torch.manual_seed(0)
     return load_model()
+
+
+@pytest.fixture(scope="module")
+def two_layers(tiny_model):
+    """The embedded model cut to two layers (a copy per test module): the interpreter's runs of the Triton path cost
+    a quarter, and every path of a step still runs in each layer, on more than one layer's cache."""
+    model = copy.deepcopy(tiny_model[0])
+    model.model.layers = model.model.layers[:2]
+    model.config.num_hidden_layers = 2
+    return model
 
 
 @pytest.fixture(scope="module")

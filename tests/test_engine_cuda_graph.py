@@ -10,7 +10,6 @@ data inside the step fails at once. So a step input not copied into its static b
 capture, a host value baked into the step, or a caller keeping the graph's output buffer all fail here on the CPU.
 """
 
-import copy
 from functools import partial
 from types import SimpleNamespace
 
@@ -272,16 +271,6 @@ def test_host_graphs_replay_equals_eager(tiny_model, two_layers, monkeypatch, ke
         assert relative_error(a, b) <= 1e-5, f"step {i}: relative error {relative_error(a, b):.3g}"
 
 
-@pytest.fixture(scope="module")
-def two_layers(tiny_model):
-    """The embedded model cut to two layers (a copy): the interpreter's runs of the Triton path cost a quarter, and
-    every path of a step still runs in each layer."""
-    model = copy.deepcopy(tiny_model[0])
-    model.model.layers = model.model.layers[:2]
-    model.config.num_hidden_layers = 2
-    return model
-
-
 def mixed_steps(runner, cache, prompts, fed, replayed: list | None = None) -> list[torch.Tensor]:
     """Continuous batching's step shapes: two prompts prefilled in one step, then two steps that decode them while
     a third prompt arrives in two chunks (the second completes it), then a decode step of all three. Returns every
@@ -331,14 +320,15 @@ def test_host_graphs_replay_mixed_steps(two_layers, monkeypatch):
         assert relative_error(a, b) <= 1e-5, f"step {i}: relative error {relative_error(a, b):.3g}"
 
 
-def test_engine_on_host_graphs_equals_hf_generate(tiny_model, monkeypatch):
-    """The continuous engine with both kinds of graphs (stand-ins, Triton through the interpreter): prompts cut
-    into chunks that share steps with decodes, every step replayed, greedy tokens equal to HF ``generate``'s."""
+def test_engine_on_host_graphs_equals_hf_generate(two_layers, monkeypatch):
+    """The continuous engine with both kinds of graphs (stand-ins, Triton through the interpreter, on two layers):
+    prompts cut into chunks that share steps with decodes, every step replayed, greedy tokens equal to HF
+    ``generate``'s."""
     from labkit.engine.llm_engine import LLMEngine
     from labkit.engine.sampling import SamplingParams
     from labkit.experiments.batching import hf_greedy
 
-    model = tiny_model[0]
+    model = two_layers
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (9, 20, 4)]
     engine = LLMEngine(model, kernels="triton", cuda_graphs=False, max_num_seqs=2, max_num_batched_tokens=16,

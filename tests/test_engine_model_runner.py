@@ -82,10 +82,11 @@ def test_chunked_and_mixed_steps_match_hf_forward(tiny_model, prompts):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU host the Triton path runs on CUDA, where "
                     "test_engine_llm_engine's GPU test checks it against HF")
-def test_triton_path_matches_torch_path(tiny_model, prompts):
+def test_triton_path_matches_torch_path(two_layers, prompts):
     """Triton's interpreter on the CPU: RMSNorm (+ fused residual), RoPE, silu_and_mul, merged projections,
-    flash attention for prefill chunks (fresh and over a cached prefix) and paged attention for decode rows."""
-    model, _ = tiny_model
+    flash attention for prefill chunks (fresh and over a cached prefix) and paged attention for decode rows (two
+    layers: every kernel of a step runs in each)."""
+    model = two_layers
     short = [prompts[0], prompts[1], prompts[2][:5]]
     ref_cache = nan_cache(model, num_blocks=24, block_size=4)
     ref = run_steps(ModelRunner(model, ref_cache, kernels="torch"), ref_cache, short)[0]
@@ -102,14 +103,14 @@ def test_triton_path_matches_torch_path(tiny_model, prompts):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the quantised layers' CPU path; CUDA runs the fused GEMVs")
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_quantised_projections_merge(tiny_model, prompts, method):
+def test_quantised_projections_merge(two_layers, prompts, method):
     """labkit's int8/int4 linears merge into one q/k/v and one gate/up layer per layer, and the merged runner
-    computes what the unmerged one does."""
+    computes what the unmerged one does (two layers, the Triton path through the interpreter)."""
     from labkit.model import adopt_hf_model
     from labkit.quant import quantize
     from labkit.quant.weight_only import Int4Linear, Int8Linear
 
-    qmodel = quantize(tiny_model[0], method)
+    qmodel = quantize(two_layers, method)
     short = [prompts[0][:12], prompts[1], prompts[2][:5]]
     ref_cache = nan_cache(qmodel, num_blocks=24, block_size=4)
     separate = adopt_hf_model(qmodel, merge=False)  # the weight layout is the model's, chosen when it is built
@@ -136,7 +137,7 @@ def test_int4_layers_take_in_their_norms_and_residual_adds(tiny_model, prompts):
     from labkit.quant import quantize
 
     qmodel = quantize(tiny_model[0], "int4", backend="triton").half()  # the kernels on the CPU too
-    _wide_tiles(qmodel)
+    wide_tiles(qmodel)
     qmodel.model.layers = qmodel.model.layers[:1]  # one layer, one decode step: the interpreter is slow, and
     qmodel.config.num_hidden_layers = 1            # every fused path runs in each layer's step
     layers, steps = len(qmodel.model.layers), 1
@@ -175,7 +176,7 @@ def test_int8_layers_take_in_their_neighbours(tiny_model, prompts):
     from labkit.quant import quantize
 
     qmodel = quantize(tiny_model[0], "int8", backend="triton").half()
-    _wide_tiles(qmodel)
+    wide_tiles(qmodel)
     qmodel.model.layers = qmodel.model.layers[:1]  # one layer, two decode steps: the interpreter is slow
     qmodel.config.num_hidden_layers = 1
     log = KernelLog()
@@ -190,19 +191,26 @@ def test_int8_layers_take_in_their_neighbours(tiny_model, prompts):
         assert a.argmax() == b.argmax() and relative_error(a, b) < 2e-2
 
 
-def _wide_tiles(qmodel) -> None:
-    """Wide stationary tiles for ``qmodel``'s quantised layers (tuning data the layers pass to their kernels): they
-    keep the interpreter's time down; two slices of K, as RoPE in the store needs."""
+def wide_tiles(qmodel) -> None:
+    """Wide tiles for ``qmodel``'s quantised layers (tuning data the layers pass to their kernels): the interpreter's
+    time grows with the programs it runs. Every stationary GEMV keeps slices of 128 activations (two slices of K or
+    more: the split path with its cross-slice reduction, as RoPE in the store needs); the q/k/v GEMV keeps row blocks
+    of 64 (RoPE in the store needs blocks that fit a head), the others take 256 rows a block; the prompt's GEMMs and
+    the bare int8 product's split-K GEMV take 128 rows a program."""
     from dataclasses import replace
 
-    from labkit.kernels.quantized_matmul import INTERPRETER, StationaryRule, StationaryTile
+    from labkit.kernels.quantized_matmul import INTERPRETER, GemmTile, SplitKTile, StationaryRule, StationaryTile
     from labkit.quant.weight_only import Int4Linear, Int8Linear
 
-    rule = StationaryRule(split=StationaryTile(64, 128, num_warps=1, row_steps=1))
-    tuning = replace(INTERPRETER, w4_stationary=rule, w8_stationary=rule)
-    for m in qmodel.modules():
+    wide = dict(gemm=GemmTile(16, 128, 64), w8_splitk=SplitKTile(128, 128))
+    for name, m in qmodel.named_modules():
         if isinstance(m, (Int4Linear, Int8Linear)):
-            m.tuning = tuning
+            proj = name.rsplit(".", 1)[-1]
+            qkv = proj in ("q_proj", "k_proj", "v_proj")
+            tile = StationaryTile(64 if qkv else 256, 256 if proj == "down_proj" else 128, num_warps=1,
+                                  row_steps=2 if qkv else 1)
+            rule = StationaryRule(split=tile)
+            m.tuning = replace(INTERPRETER, w4_stationary=rule, w8_stationary=rule, **wide)
 
 
 def plan(fuse: bool, qkv_rope: bool = True, pdl: bool = True) -> FusionPlan:

@@ -17,16 +17,17 @@ def _greedy(model, new_tokens=6, **inputs):
 
 
 @cpu_only
-def test_patched_greedy_matches_token_for_token(tiny_model):
-    model, tok = tiny_model
+def test_patched_greedy_matches_token_for_token(tiny_model, two_layers):
+    model, (_, tok) = two_layers, tiny_model  # two layers: the interpreter runs every patched module in each
     ids = tok(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
         ref_logits = model(ids).logits
     ref = _greedy(model, input_ids=ids)
     patch_model(model)
     try:
-        s = patch_summary(model)
-        assert s["norm"] == 2 * 8 + 1 and s["mlp"] == 8 and s["layer"] == 8 and s["attention"] == "labkit_triton"
+        s, n = patch_summary(model), model.config.num_hidden_layers
+        assert n == 2 and s["norm"] == 2 * n + 1 and s["mlp"] == n and s["layer"] == n
+        assert s["attention"] == "labkit_triton"
         with torch.no_grad():
             assert relative_error(model(ids).logits, ref_logits) < 1e-5
         assert torch.equal(_greedy(model, input_ids=ids), ref)
@@ -37,9 +38,10 @@ def test_patched_greedy_matches_token_for_token(tiny_model):
 
 
 @cpu_only
-def test_patched_padded_batch_uses_the_mask(tiny_model):
-    """Left padding makes HF build a boolean mask; the kernel must apply it, not plain causal attention."""
-    model, tok = tiny_model
+def test_patched_padded_batch_uses_the_mask(tiny_model, two_layers):
+    """Left padding makes HF build a boolean mask; the kernel must apply it, not plain causal attention (two layers:
+    the mask reaches the kernel of each)."""
+    model, (_, tok) = two_layers, tiny_model
     side = tok.padding_side
     tok.padding_side = "left"
     if tok.pad_token is None:
@@ -76,11 +78,11 @@ def test_patch_refuses_a_model_without_llama_modules():
 
 
 @cpu_only
-def test_patched_static_cache_decode_step(tiny_model):
-    """The decode step the notebook times (HF StaticCache: a boolean mask over the whole cache)."""
+def test_patched_static_cache_decode_step(two_layers):
+    """The decode step the notebook times (HF StaticCache: a boolean mask over the whole cache), on two layers."""
     from labkit.experiments.decode_step import StaticDecodeStep
 
-    model, _ = tiny_model
+    model = two_layers
     ref = StaticDecodeStep(model, batch_size=2, context_len=21, cuda_graph=False).step().clone()
     patch_model(model)
     try:

@@ -22,11 +22,19 @@ def test_plan_covers_every_linear_and_refuses_kv_replication():
         check_dtensor_tp_size(config, 4)
 
 
+@pytest.fixture(scope="module")
+def two_ranks():
+    """Each rank's ``(dtensor_check, labkit_dtensor_check)`` results from one launch (``ex.sequence``): starting
+    the ranks and joining the group cost more than the two checks."""
+    calls = [(ex.dtensor_check, (torch.randint(8192, (2, 11), generator=torch.Generator().manual_seed(3)),),
+              {"max_new_tokens": 5}),
+             (labkit_dtensor_check, (torch.randint(8192, (2, 11), generator=torch.Generator().manual_seed(4)),), {})]
+    return launch(ex.sequence, 2, calls, backend="gloo", timeout_s=180)
+
+
 @pytest.mark.distributed
-def test_dtensor_plan_equals_hand_written_tp():
-    prompt = torch.randint(8192, (2, 11), generator=torch.Generator().manual_seed(3))
-    out = launch(ex.dtensor_check, 2, prompt, max_new_tokens=5, backend="gloo", timeout_s=180)
-    for res in out:
+def test_dtensor_plan_equals_hand_written_tp(two_ranks):
+    for res, _ in two_ranks:
         assert res["plan_vs_hand_rel_err"] < 1e-5
         assert res["plan_vs_single_rel_err"] < 1e-5
         assert torch.equal(res["tokens_plan"], res["tokens_hand"])
@@ -47,11 +55,10 @@ def labkit_dtensor_check(rank: int, world_size: int, prompt_ids: torch.Tensor) -
 
 
 @pytest.mark.distributed
-def test_dtensor_plan_on_labkit_model():
+def test_dtensor_plan_on_labkit_model(two_ranks):
     from labkit.model import load_checkpoint
 
-    prompt = torch.randint(8192, (2, 11), generator=torch.Generator().manual_seed(4))
-    for res in launch(labkit_dtensor_check, 2, prompt, backend="gloo", timeout_s=180):
+    for _, res in two_ranks:
         assert res["rel_err"] < 1e-5 and res["heads"] == 2
     with pytest.raises(ValueError, match="merge_qkv=False"):
         from labkit.parallel.dtensor_plan import _labkit_ready

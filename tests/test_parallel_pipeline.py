@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from labkit.evaluate import relative_error
-from labkit.experiments.parallelism import pp_check
+from labkit.experiments.parallelism import pp_check, sequence
 from labkit.parallel import launch
 from labkit.parallel.pipeline import StageKVCache, build_stage, causal_mask, head_cost_layers, partition_layers
 
@@ -76,12 +76,35 @@ def test_bad_stage_arguments(tiny_model):
         LlamaStage(model, range(0, 4), -1, 2)
 
 
+# per world size (3: a middle stage): pp_check's (batch, micro-batches, train), labkit_pp_check's (batch, micro-batches)
+PP_CASES = {2: ((4, 2, True), (2, 2)), 3: ((3, 3, False), (3, 1))}
+
+
+@pytest.fixture(scope="module")
+def pp_ranks():
+    """``run(world)``: each rank's results of both checks of ``PP_CASES[world]``, ``[(pp_check's, labkit_pp_check's)]``,
+    from one launch per world size (``sequence``): starting the ranks (each imports torch, transformers and labkit)
+    and joining the group cost more than the checks."""
+    runs = {}
+
+    def run(world: int) -> list:
+        if world not in runs:
+            (batch, m, train), (labkit_batch, labkit_m) = PP_CASES[world]
+            calls = [(pp_check, (torch.randint(8192, (batch, 11), generator=torch.Generator().manual_seed(world)),),
+                      {"max_new_tokens": 5, "num_microbatches": m, "train": train}),
+                     (labkit_pp_check, (torch.randint(8192, (labkit_batch, 9),
+                                                      generator=torch.Generator().manual_seed(7)),),
+                      {"num_microbatches": labkit_m})]
+            runs[world] = launch(sequence, world, calls, backend="gloo", timeout_s=240)
+        return runs[world]
+
+    return run
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("world, batch, m, train", [(2, 4, 2, True), (3, 3, 3, False)])  # 3: a middle stage
-def test_pipeline_matches_single_process(world, batch, m, train):
-    prompt = torch.randint(8192, (batch, 11), generator=torch.Generator().manual_seed(world))
-    out = launch(pp_check, world, prompt, max_new_tokens=5, num_microbatches=m, train=train, backend="gloo",
-                 timeout_s=180)
+@pytest.mark.parametrize("world, batch, m, train", [(w, *c[0]) for w, c in PP_CASES.items()])
+def test_pipeline_matches_single_process(pp_ranks, world, batch, m, train):
+    out = [pp for pp, _ in pp_ranks(world)]
     last = out[-1]
     assert last["logits_rel_err"] < TOL
     assert last["torch_pipelining_rel_err"] < TOL
@@ -119,11 +142,10 @@ def labkit_pp_check(rank: int, world_size: int, prompt: torch.Tensor, max_new_to
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world, batch, m", [(2, 2, 2), (3, 3, 1)])
-def test_labkit_model_pipeline_matches_hf(world, batch, m):
+@pytest.mark.parametrize("world, batch, m", [(w, *c[1]) for w, c in PP_CASES.items()])
+def test_labkit_model_pipeline_matches_hf(pp_ranks, world, batch, m):
     """labkit.model split by layer ranges over 2 and 3 gloo ranks (micro-batched or not): HF's greedy tokens."""
-    prompt = torch.randint(8192, (batch, 9), generator=torch.Generator().manual_seed(7))
-    out = launch(labkit_pp_check, world, prompt, num_microbatches=m, backend="gloo", timeout_s=240)
+    out = [labkit for _, labkit in pp_ranks(world)]
     assert sorted(i for r in out for i in r["layers"]) == list(range(8))
     for res in out:
         assert torch.equal(res["tokens"], res["ref_tokens"])

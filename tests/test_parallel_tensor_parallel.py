@@ -47,21 +47,31 @@ def test_kv_heads_are_split_or_replicated(config):
     assert [r[1].start // d for r in rows] == [0, 0, 1, 1] and {r[2] for r in rows} == {2}
 
 
+# One launch per world size runs every check of that size (ex.sequence): starting the ranks (each imports torch,
+# transformers and labkit) and joining the group cost more than most checks.
 @pytest.fixture(scope="module")
 def tp2():
-    calls = [(ex.tp_layers_check, (), {}), (ex.tp_check, (_prompt(),), {"max_new_tokens": 6})]
-    return launch(ex.sequence, 2, calls, backend="gloo", timeout_s=180)
+    calls = [(ex.tp_layers_check, (), {}), (ex.tp_check, (_prompt(),), {"max_new_tokens": 6}),
+             (labkit_tp_check, (_prompt(batch=2, length=11, seed=2),), {})]
+    return launch(ex.sequence, 2, calls, backend="gloo", timeout_s=240)
+
+
+@pytest.fixture(scope="module")
+def tp4():
+    calls = [(ex.tp_check, (_prompt(batch=1, length=9, seed=1),), {"max_new_tokens": 4, "check_grad": False}),
+             (labkit_tp_check, (_prompt(batch=2, length=11, seed=2),), {})]
+    return launch(ex.sequence, 4, calls, backend="gloo", timeout_s=240)
 
 
 @pytest.mark.distributed
 def test_tp_layers_on_irregular_shapes(tp2):
-    for layers, _ in tp2:
+    for layers, _, _ in tp2:
         assert max(layers.values()) < TOL, layers
 
 
 @pytest.mark.distributed
 def test_tp2_matches_single_process(tp2, config):
-    for _, res in tp2:
+    for _, res, _ in tp2:
         assert res["logits_rel_err"] < TOL
         assert torch.equal(res["tokens"], res["ref_tokens"])
         assert max(res["grad_rel_err"].values()) < TOL, res["grad_rel_err"]
@@ -73,10 +83,20 @@ def test_tp2_matches_single_process(tp2, config):
 
 
 @pytest.mark.distributed
-def test_tp4_replicates_kv_heads_and_matches():
-    out = launch(ex.tp_check, 4, _prompt(batch=1, length=9, seed=1), max_new_tokens=4, check_grad=False,
-                 backend="gloo", timeout_s=180)
-    for res in out:
+@pytest.mark.parametrize("tp", [2, 4])
+def test_labkit_model_tp_matches_single_process(tp, request):
+    """The merged q/k/v sharded per head group (KV heads replicated at tp=4), gate/up per half: the logits within
+    1e-5, and the engine's greedy tokens on every rank equal the unsharded engine's (``labkit_tp_check``, run in
+    the launch of its world size)."""
+    for *_, res in request.getfixturevalue(f"tp{tp}"):
+        assert res["logits_rel_err"] < TOL
+        assert res["tokens"] == res["ref_tokens"]
+        assert res["kv_heads"] == (2, 1)
+
+
+@pytest.mark.distributed
+def test_tp4_replicates_kv_heads_and_matches(tp4):
+    for res, _ in tp4:
         assert res["logits_rel_err"] < TOL
         assert torch.equal(res["tokens"], res["ref_tokens"])
 
@@ -113,15 +133,3 @@ def labkit_tp_check(rank: int, world_size: int, prompt_ids: torch.Tensor, max_ne
     logits, tokens = run(model)
     return {"logits_rel_err": relative_error(logits, ref_logits), "tokens": tokens, "ref_tokens": ref_tokens,
             "kv_heads": (full_heads, model.config.num_kv_heads)}
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("tp", [2, 4])
-def test_labkit_model_tp_matches_single_process(tp):
-    """The merged q/k/v sharded per head group (KV heads replicated at tp=4), gate/up per half: the logits within
-    1e-5, and the engine's greedy tokens on every rank equal the unsharded engine's."""
-    out = launch(labkit_tp_check, tp, _prompt(batch=2, length=11, seed=2), backend="gloo", timeout_s=240)
-    for res in out:
-        assert res["logits_rel_err"] < TOL
-        assert res["tokens"] == res["ref_tokens"]
-        assert res["kv_heads"] == (2, 1)

@@ -140,12 +140,15 @@ def test_the_engine_runs_the_peer_at_its_batches(tiny_model):
 def test_fused_layers_step_aside_where_a_peer_takes_the_rows(tiny_model):
     """With labkit's int4 epilogue fusions (the Triton plan), a step whose rows a peer takes runs the unfused layer
     (its norms and SwiGLU as their own kernels, the peer's GEMMs); a one-row step keeps the fused GEMVs."""
+    from test_engine_model_runner import wide_tiles  # the interpreter's tiles of the fused tests (same folder)
+
     from labkit.engine import LLMEngine, SamplingParams
 
     model, tok = tiny_model
     q = quantize(model, "int4", backend="triton", dispatch=TABLE).half()
-    q.model.layers = q.model.layers[:1]  # one layer: the interpreter is slow
+    q.model.layers = q.model.layers[:1]  # one layer, wide tiles: the interpreter is slow
     q.config.num_hidden_layers = 1
+    wide_tiles(q)
     prompts = [tok(t).input_ids[:4] for t in ("The os module provides", "import json and")]
     engine = LLMEngine(q, tok, kernels="triton")
     assert engine.runner.plan.quant_epilogues
