@@ -44,7 +44,8 @@ import triton
 import triton.language as tl
 
 import labkit.kernels.paged_attention as pa
-from labkit.kernels.paged_attention import LOG2E, _block_slots, _kv_as, _kv_tile
+from labkit.kernels.paged_attention import LOG2E, _block_slots, _kv_tile
+from labkit.kernels.quantized_matmul.ptx import kv_as_16bit
 
 SHAPE = dict(seqs=16, heads=32, kv_heads=8, head_dim=128, block_size=16)
 MAIN_CONTEXT = 4096
@@ -126,13 +127,13 @@ def _study_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, part_
             slot_n = b_n * stride_sb + i_n * stride_st + kv_head_off * stride_sh
             ks_next = tl.load(k_scale_ptr + slot_n, mask=ok_n, other=0.0)
             vs_next = tl.load(v_scale_ptr + slot_n, mask=ok_n, other=0.0)
-        qk = tl.dot(q, tl.trans(_kv_as(k, q.dtype, PTX)), input_precision=PRECISION) * (ks * qk_scale)[None, :]
+        qk = tl.dot(q, tl.trans(kv_as_16bit(k, q.dtype, PTX)), input_precision=PRECISION) * (ks * qk_scale)[None, :]
         qk = tl.where(t_ok[None, :], qk, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot((p * vs[None, :]).to(q.dtype), _kv_as(v, q.dtype, PTX), acc * alpha[:, None],
+        acc = tl.dot((p * vs[None, :]).to(q.dtype), kv_as_16bit(v, q.dtype, PTX), acc * alpha[:, None],
                      input_precision=PRECISION)
         m_i = m_new
     row = (seq * n_heads + heads) * n_splits + split

@@ -6,7 +6,8 @@ import triton
 import triton.language as tl
 
 from labkit.evaluate import relative_error
-from labkit.kernels.paged_attention import _kv_as, auto_num_splits, paged_attention, paged_attention_ref
+from labkit.kernels.paged_attention import auto_num_splits, paged_attention, paged_attention_ref
+from labkit.kernels.quantized_matmul.ptx import kv_as_16bit
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on the CPU, compiled on CUDA
@@ -120,12 +121,12 @@ def test_quantised_cache_with_16_bit_queries(kv_dtype):
 @triton.jit
 def _int8_to_f16(src, dst, PTX: tl.constexpr):
     offs = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
-    tl.store(dst + offs, _kv_as(tl.load(src + offs), tl.float16, PTX))
+    tl.store(dst + offs, kv_as_16bit(tl.load(src + offs), tl.float16, PTX))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_int8_bytes_read_as_float16_exactly(device):
-    """``_kv_as``'s int8 -> float16 bit steps (inline PTX on CUDA, Triton operations under the interpreter) give
+    """``kv_as_16bit``'s int8 -> float16 bit steps (inline PTX on CUDA, Triton operations under the interpreter) give
     every one of the 256 codes exactly, in place (4 bytes a word: the PRMT byte order)."""
     codes = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8).roll(37).to(device)
     out = torch.empty(256, dtype=torch.float16, device=device)

@@ -28,6 +28,7 @@ from labkit.kernels.common import (
     refuse_bf16_dot_on_cpu,
     should_check,
 )
+from labkit.kernels.quantized_matmul.ptx import kv_as_16bit
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -89,39 +90,6 @@ def _kv_tile(pool_ptr, blk, in_blk, head_off, stride_b, stride_t, stride_h, offs
                    + offs_d[None, :], mask=mask, other=0.0)
 
 
-# int8 -> float16 without a conversion instruction: I2F runs at a quarter of the integer rate on sm_90, and the
-# byte-to-float16 conversion of a 4k-context batch cost as much time as reading the bytes (int8 attention ran
-# 1.11x bf16 while reading half the bytes). PRMT spreads bytes 0-1 (2-3) of a word into the low bytes of two
-# float16 lanes; one LOP3 sets the exponent of 1024 and flips the sign bit (two's complement -> offset binary),
-# so each lane holds 1024 + (x + 128) exactly; one HSUB2 takes 1152 off: 1.25 instructions per byte, all at the
-# full rate.
-_I8_TO_F16 = tl.constexpr("""{
-.reg .b32 lo, hi, c;
-prmt.b32 lo, $2, 0, 0x4140;
-prmt.b32 hi, $2, 0, 0x4342;
-lop3.b32 lo, lo, 0x00800080, 0x64006400, 0xBE;
-lop3.b32 hi, hi, 0x00800080, 0x64006400, 0xBE;
-mov.b32 c, 0x64806480;
-sub.f16x2 $0, lo, c;
-sub.f16x2 $1, hi, c;
-}""")
-
-
-@triton.jit
-def _kv_as(x, dtype: tl.constexpr, PTX: tl.constexpr):
-    """A quantised K or V tile (int8 or float8_e4m3fn) as ``dtype`` values, exactly (the scale is applied by the
-    caller). int8 to float16 on CUDA: ``_I8_TO_F16``; under the interpreter (``PTX`` False) the same bit steps
-    in Triton operations."""
-    if x.dtype == tl.int8 and dtype == tl.float16:
-        if PTX:
-            return tl.inline_asm_elementwise(_I8_TO_F16, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
-        else:
-            bits = (x.to(tl.int16) & 0xFF) ^ 0x6480  # 1024 + (x + 128) as float16 bits
-            return bits.to(tl.float16, bitcast=True) - 1152.0
-    else:
-        return x.to(dtype)  # float8_e4m3fn -> float16: CVT.F16X2.E4M3X2 on sm_89+, two per instruction
-
-
 @triton.jit
 def _attend_tile(q, k, v, t_ok, blk, in_blk, kv_head_off, m_i, l_i, acc, k_scale_ptr, v_scale_ptr, stride_sb,
                  stride_st, stride_sh, qk_scale, KV_QUANT: tl.constexpr, PRECISION: tl.constexpr,
@@ -135,7 +103,7 @@ def _attend_tile(q, k, v, t_ok, blk, in_blk, kv_head_off, m_i, l_i, acc, k_scale
         slot = blk * stride_sb + in_blk * stride_st + kv_head_off * stride_sh
         ks = tl.load(k_scale_ptr + slot, mask=t_ok, other=0.0)
         vs = tl.load(v_scale_ptr + slot, mask=t_ok, other=0.0)
-        qk = tl.dot(q, tl.trans(_kv_as(k, q.dtype, PTX)), input_precision=PRECISION) * (ks * qk_scale)[None, :]
+        qk = tl.dot(q, tl.trans(kv_as_16bit(k, q.dtype, PTX)), input_precision=PRECISION) * (ks * qk_scale)[None, :]
     else:
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     qk = tl.where(t_ok[None, :], qk, -float("inf"))
@@ -144,7 +112,7 @@ def _attend_tile(q, k, v, t_ok, blk, in_blk, kv_head_off, m_i, l_i, acc, k_scale
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     if KV_QUANT:  # p @ (vq * s) = (p * s) @ vq
-        acc = tl.dot((p * vs[None, :]).to(q.dtype), _kv_as(v, q.dtype, PTX), acc * alpha[:, None],
+        acc = tl.dot((p * vs[None, :]).to(q.dtype), kv_as_16bit(v, q.dtype, PTX), acc * alpha[:, None],
                      input_precision=PRECISION)
     else:
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)

@@ -124,9 +124,8 @@ def _decode(args) -> int:
     ceilings = measure_ceilings(next(model.parameters()).device, iters=5)
     bw, sheet = ceilings["copy_bytes_per_s"], ceilings["datasheet_bytes_per_s"]
     rows, tables, modes = [], {}, OVERLAP[args.async_scheduling]
-    # every engine of the bf16 rows runs one adopted model: an engine built from the HF model merges its own copy of
-    # q/k/v and gate/up (9 GB for an 8B model), and a batch-64 engine ran out of an H100's memory after four of them
-    # (research/records/h100/gpu_check_2026-12-07/bench_decode.log)
+    # one adopted model for every bf16 engine (each engine built from the HF model merged its own 9 GB of q/k/v and
+    # gate/up: batch 64 ran out of an H100's memory, research/records/h100/gpu_check_2026-12-07/)
     adopted = adopt_hf_model(model)
     for fmt in args.formats or ["bf16"]:
         m = adopted if fmt == "bf16" else _quantised(model, fmt, args.dispatch, tables)

@@ -284,3 +284,34 @@ def _pow2_of(m, TOP: tl.constexpr):
     up = ((254 + TOP - e) << 23).to(tl.float32, bitcast=True)  # 2**(TOP - E) for m = f 2**E
     down = ((e - TOP) << 23).to(tl.float32, bitcast=True)
     return up, down
+
+
+# int8 -> float16 without I2F: PRMT spreads two bytes of a word into two float16 lanes, one LOP3 sets the exponent
+# of 1024 and flips the sign bit, one HSUB2 takes 1152 off (exact). On an H100 it left int8 attention at 1.13x
+# bf16 (1.11x with I2F; results/h100/records/03_kernels.json): the conversion is not what binds
+# (research/kv_quant_decode_study.py asks what does). Used by paged decode attention's quantised KV path.
+_I8_TO_F16 = tl.constexpr("""{
+.reg .b32 lo, hi, c;
+prmt.b32 lo, $2, 0, 0x4140;
+prmt.b32 hi, $2, 0, 0x4342;
+lop3.b32 lo, lo, 0x00800080, 0x64006400, 0xBE;
+lop3.b32 hi, hi, 0x00800080, 0x64006400, 0xBE;
+mov.b32 c, 0x64806480;
+sub.f16x2 $0, lo, c;
+sub.f16x2 $1, hi, c;
+}""")
+
+
+@triton.jit
+def kv_as_16bit(x, dtype: tl.constexpr, PTX: tl.constexpr):
+    """A quantised K or V tile (int8 or float8_e4m3fn) as ``dtype`` values, exactly (the scale is applied by the
+    caller). int8 to float16 on CUDA: ``_I8_TO_F16``; under the interpreter (``PTX`` False) the same bit steps
+    in Triton operations."""
+    if x.dtype == tl.int8 and dtype == tl.float16:
+        if PTX:
+            return tl.inline_asm_elementwise(_I8_TO_F16, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            bits = (x.to(tl.int16) & 0xFF) ^ 0x6480  # 1024 + (x + 128) as float16 bits
+            return bits.to(tl.float16, bitcast=True) - 1152.0
+    else:
+        return x.to(dtype)  # float8_e4m3fn -> float16: CVT.F16X2.E4M3X2 on sm_89+, two per instruction
