@@ -15,14 +15,8 @@ set -u
 start=$(date +%s)
 Q=${OUT:?OUT must name the folder whose files come back}/quant
 mkdir -p "$Q/logs" "$Q/records"
-stage() {
-  local name=$1 limit=$2; shift 2
-  echo "=== $name (limit ${limit}s) at $(( $(date +%s) - start ))s: $*"
-  PYTHONUNBUFFERED=1 timeout -k 10 "$limit" "$@" > "$Q/logs/$name.log" 2>&1
-  local rc=$?
-  grep -v -E "Warning|warn\(|it/s\]|s/it\]|Failed to load|^W[0-9]{4}" "$Q/logs/$name.log" | tail -40
-  echo "=== $name rc=$rc at $(( $(date +%s) - start ))s"
-}
+STAGE_LOGS="$Q/logs"
+source "$(dirname "$0")/stage.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$Q/gpu.txt"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl-peers/*.whl \
   2>&1 | tail -3

@@ -12,14 +12,8 @@ start=$(date +%s)
 S=${OUT:?OUT must name the folder whose files come back}/studies
 mkdir -p "$S/logs"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-stage() {
-  local name=$1 limit=$2; shift 2
-  echo "=== $name (limit ${limit}s) at $(( $(date +%s) - start ))s: $*"
-  PYTHONUNBUFFERED=1 timeout -k 10 "$limit" "$@" > "$S/logs/$name.log" 2>&1
-  local rc=$?
-  grep -v -E "Warning|warn\(|it/s\]|s/it\]|^W[0-9]{4}" "$S/logs/$name.log" | tail -30
-  echo "=== $name rc=$rc at $(( $(date +%s) - start ))s"
-}
+STAGE_LOGS="$S/logs"
+source "$(dirname "$0")/stage.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$S/gpu.txt"
 stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(decode kvq flash)
