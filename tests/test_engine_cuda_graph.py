@@ -154,6 +154,7 @@ class HostGraph:
     @torch.inference_mode()
     def replay(self) -> None:
         out, trace = recorded(self.step, self.mp)
+        out = out.clone()  # the step wrote into the output buffer every bucket shares, about to be NaN-filled
         for i, (a, b) in enumerate(zip(self.trace, trace)):
             assert a == b, f"op {i} of the step differs from its capture (a host value or a buffer's address baked " \
                            f"into the graph): captured {a}, now {b}"
@@ -392,6 +393,9 @@ def test_host_graphs_replay_verify_steps(two_layers, monkeypatch):
     assert replayed == [True, True, True, False]
     replays = {k: graphs.graphs[k].replays for k in graphs.keys}
     assert replays == {GraphKey("decode", 4, 4): 0, GraphKey("verify", 4, 5): 1, GraphKey("verify", 4, 10): 2}
+    # one output buffer for every graph, as many rows as the largest step's logits (10 verify rows), not one each
+    assert {graphs.logits[k].data_ptr() for k in graphs.keys} == {graphs.out.data_ptr()}
+    assert tuple(graphs.out.shape) == (10, vocab)
     assert static_ptrs(graphs) == ptrs and not owned_by_graphs(graphs, got)
     assert [a.shape[0] for a in got] == [3, 9, 6, 5, 4]
     for i, (a, b) in enumerate(zip(got, eager)):
@@ -441,21 +445,21 @@ def test_host_graphs_catch_host_values(tiny_model, monkeypatch):
     model = tiny_model[0]
 
     class ReadsItem(ModelRunner):
-        def forward(self, inp):
+        def forward(self, inp, out=None):
             _ = int(inp.context_lens.max())  # e.g. a split count picked from the longest context
-            return super().forward(inp)
+            return super().forward(inp, out)
 
     class ReadsToList(ModelRunner):
-        def forward(self, inp):
+        def forward(self, inp, out=None):
             _ = inp.positions.tolist()
-            return super().forward(inp)
+            return super().forward(inp, out)
 
     class HostCounter(ModelRunner):  # a host value that changes per step, used in the step
         calls = 0
 
-        def forward(self, inp):
+        def forward(self, inp, out=None):
             self.calls += 1
-            return super().forward(inp) * (1 + self.calls % 2)
+            return super().forward(inp, out).mul_(1 + self.calls % 2)
 
     for bad, match in ((ReadsItem, "reads a device value"), (ReadsToList, r"\.tolist\(\)")):
         with pytest.raises(HostReadError, match=match):

@@ -136,6 +136,11 @@ class StepGraphs:
         # a verify step's logits rows: every token row, in order (a constant: nothing to pack per step)
         self.all_rows = torch.arange(self.static_shape[1], dtype=torch.int32, device=runner.device)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        # every graph writes its logits into the head of one buffer (one replays at a time, and a replay's logits
+        # are cloned out): one output per graph would keep sum(rows) x vocab float32 alive, ~2 GB for the decode
+        # graphs alone at max_num_seqs 256 and a 128k vocabulary, five times that for verify graphs at k = 4
+        self.out = torch.empty(max(self._rows(k) for k in self.keys), runner.model.config.vocab_size,
+                               dtype=torch.float32, device=runner.device)
         self.logits: dict[GraphKey, torch.Tensor] = {}
         # device memory the captures reserved (their shared pool): measured from an emptied allocator cache, since
         # torch.cuda.graph empties it as each capture starts (a delta from a full cache can come out negative)
@@ -152,7 +157,8 @@ class StepGraphs:
                 self.runner.forward(inp)  # warm-up, eager: Triton autotuning and cuBLAS handles happen here
                 self._synchronize()
                 graph = self._new_graph()
-                self.logits[key] = self._capture_into(graph, pool, partial(self.runner.forward, inp))
+                out = self.out[:self._rows(key)]
+                self.logits[key] = self._capture_into(graph, pool, partial(self.runner.forward, inp, out=out))
                 pool = self._pool(graph)
                 self.graphs[key] = graph
             self._synchronize()
@@ -180,6 +186,11 @@ class StepGraphs:
         if empty_cache:
             torch.cuda.empty_cache()
         return torch.cuda.memory_reserved(self.runner.device)
+
+    @staticmethod
+    def _rows(key: GraphKey) -> int:
+        """Logits rows of ``key``'s step: every token row of a verify step, one per sequence otherwise."""
+        return key.tokens if key.kind == "verify" else key.seqs
 
     def _static_input(self, key: GraphKey) -> ModelInput:
         s, n, t = self.static, key.seqs, key.tokens

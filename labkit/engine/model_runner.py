@@ -168,6 +168,7 @@ class ModelRunner:
             fill_placeholders(inp.input_ids, sampled)
         return self.forward(inp)
 
-    def forward(self, inp: ModelInput) -> torch.Tensor:
-        """The model over ``inp`` (no bookkeeping): float32 logits ``[num_seqs (+ padding), vocab]``."""
-        return self.model.forward_paged(inp, self.cache)
+    def forward(self, inp: ModelInput, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The model over ``inp`` (no bookkeeping): float32 logits ``[num_seqs (+ padding), vocab]`` (into ``out``
+        when given)."""
+        return self.model.forward_paged(inp, self.cache, out=out)

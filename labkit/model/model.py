@@ -161,16 +161,22 @@ class CausalLM(nn.Module):
         return self.lm_head(self.model(input_ids, positions))
 
     @torch.inference_mode()
-    def forward_paged(self, inp: ModelInput, cache: PagedKVCache) -> torch.Tensor:
+    def forward_paged(self, inp: ModelInput, cache: PagedKVCache, out: torch.Tensor | None = None) -> torch.Tensor:
         """One engine step, ``inp`` (``ModelInput.build``; sequences back to back): K/V written into ``cache`` at
         ``inp.slot_mapping``, each op by the kernel of ``self.plan`` (``use``). Returns float32 logits ``[num_logits,
-        vocab]`` of the rows ``inp.logits_indices`` names (each sequence's last token, or every row)."""
+        vocab]`` of the rows ``inp.logits_indices`` names (each sequence's last token, or every row); written into
+        ``out`` (float32 ``[num_logits, vocab]``) when given, as CUDA graphs do to share one output buffer."""
         inp.check()
         self.check_cache(cache)
         if (self._plan.rope_cache_write or self._plan.qkv_rope_cache) and not self._caches_raw(cache):
             raise ValueError(f"this model's plan writes K/V in the activations' dtype, and cache is {cache.fmt.name}: "
                              "resolve the plan for it, model.use(kernels, cache)")
-        return self.lm_head(self.model.forward_paged(inp, cache, self.plan)).float()
+        logits = self.lm_head(self.model.forward_paged(inp, cache, self.plan))
+        if out is None:
+            return logits.float()
+        if out.dtype != torch.float32 or out.shape != logits.shape:
+            raise ValueError(f"out must be float32 {tuple(logits.shape)}, got {out.dtype} {tuple(out.shape)}")
+        return out.copy_(logits)
 
     def check_cache(self, cache: PagedKVCache) -> None:
         """The cache's layers, KV heads, head dim and device fit this model (a clear error otherwise)."""
