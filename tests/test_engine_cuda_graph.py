@@ -405,9 +405,9 @@ def test_host_graphs_replay_verify_steps(two_layers, monkeypatch):
 
 def test_speculating_engine_on_host_graphs_equals_plain(two_layers, monkeypatch):
     """An engine speculating with a draft (the target itself: every proposal is accepted, so every decode step
-    speculates) on the stand-in graphs: the target's verify steps replay verify graphs and the draft's runner replays
-    its decode graphs, every target step replays, and the greedy tokens equal plain decoding's (an eager engine
-    without speculation)."""
+    speculates) on the stand-in graphs: the target's verify steps replay verify graphs and the draft's runner
+    replays its decode and token-count graphs, every target step replays, and the greedy tokens equal plain
+    decoding's (an eager engine without speculation)."""
     from labkit.engine import LLMEngine, SamplingParams, SpeculativeConfig
 
     model = two_layers
@@ -422,14 +422,15 @@ def test_speculating_engine_on_host_graphs_equals_plain(two_layers, monkeypatch)
     engine.runner.graphs = HostGraphs(engine.runner, [1, 2], monkeypatch, [16], [3, 6])
     draft = engine.speculator.proposer.runner
     assert draft.graphs is None and draft.max_model_len == 32 and draft.max_num_seqs == 2
-    draft.graphs = HostGraphs(draft, [1, 2], monkeypatch)
+    draft.graphs = HostGraphs(draft, [1, 2], monkeypatch, [16])  # the catch-up steps: up to 2 x (k + 1) tokens
     outs = engine.generate(prompts, params, progress=False)
     assert [o.output_token_ids for o in outs] == want
     st = engine.stats
     assert st.draft_tokens > 0 and st.accepted_tokens == st.draft_tokens
     assert st.graph_steps == st.steps  # the prefill step too (the graph of 16 tokens): every step replayed
     assert sum(v.replays for k, v in engine.runner.graphs.graphs.items() if k.kind == "verify") > 0
-    assert sum(v.replays for v in draft.graphs.graphs.values()) > 0
+    for kind in ("decode", "mixed"):  # the draft's one-token steps and each round's catch-up step
+        assert sum(v.replays for k, v in draft.graphs.graphs.items() if k.kind == kind) > 0, kind
 
 
 def test_token_graphs_need_the_triton_path(tiny_model, monkeypatch):

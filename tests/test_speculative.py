@@ -339,9 +339,10 @@ def test_sample_rows_batched_equals_per_row():
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["prompt_lookup", "draft"])
 def test_speculating_engine_replays_cuda_graphs(method):
-    """On CUDA (the embedded model, float32): verify steps replay their graphs and the draft its decode graphs,
-    and greedy output equals plain decoding token for token. With the target as its own draft every proposal is
-    accepted, so nearly every step is a verify step: all but the prefill step must have replayed."""
+    """On CUDA (the embedded model, float32): verify steps replay their graphs and the draft its decode and catch-up
+    (token-count) graphs, and greedy output equals plain decoding token for token. With the target as its own draft
+    every proposal is accepted, so nearly every step is a verify step: all but the prefill step must have
+    replayed."""
     from labkit.model import load_model
 
     model = load_model(device="cuda")[0]
@@ -358,4 +359,5 @@ def test_speculating_engine_replays_cuda_graphs(method):
     if method == "draft":
         assert st.accepted_tokens == st.draft_tokens > 0
         assert st.graph_steps >= st.steps - 1, (st.graph_steps, st.steps)
-        assert engine.speculator.proposer.runner.graph_batch_sizes  # the draft's own decode graphs
+        draft = engine.speculator.proposer.runner
+        assert draft.graph_batch_sizes and draft.graphs.token_sizes  # its decode and catch-up graphs

@@ -25,6 +25,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from labkit.checks import check_int, check_positive_int
+from labkit.engine.cuda_graph import default_graph_token_sizes
 from labkit.engine.model_runner import ModelRunner
 from labkit.kvcache import CacheFullError, SeqBlocks
 from labkit.model import adopt_hf_model
@@ -114,17 +115,27 @@ class DraftModelProposer(Proposer):
 
     Its steps run through ``self.runner``, a ``ModelRunner`` of its own (``kernels``, ``cuda_graphs``: as the runner
     takes them; on CUDA the one-token steps replay decode graphs of batch sizes up to ``max_num_seqs``, the target's,
-    with block tables ``max_model_len`` wide, the target engine's; its scratch block comes from this cache)."""
+    with block tables ``max_model_len`` wide, the target engine's; its scratch block comes from this cache). With
+    ``num_speculative_tokens`` (the config's ``k``) and the Triton path, each round's first step (the catch-up: up
+    to ``k + 1`` tokens a sequence, what the target accepted and its bonus token) replays token-count graphs up to
+    ``max_num_seqs * (k + 1)`` tokens; without them it runs eagerly, a launch per op (09 on an H100: the verify
+    and decode steps replayed, this one did not)."""
 
     name = "draft"
 
     def __init__(self, draft, num_blocks: int = 256, block_size: int = 16, max_num_seqs: int = 256,
-                 max_model_len: int | None = None, cuda_graphs: bool | str = "auto", kernels: str = "auto"):
+                 max_model_len: int | None = None, cuda_graphs: bool | str = "auto", kernels: str = "auto",
+                 num_speculative_tokens: int = 0):
         check_int("num_blocks", num_blocks, 2)
         check_positive_int("block_size", block_size)
+        check_int("num_speculative_tokens", num_speculative_tokens, 0)
         self.draft = adopt_hf_model(draft)
         self.cache = self.draft.make_cache(num_blocks, block_size)
-        self.runner = ModelRunner(self.draft, self.cache, kernels, cuda_graphs, max_num_seqs, max_model_len)
+        model = self.draft.use(kernels, self.cache)
+        token_sizes = default_graph_token_sizes(max_num_seqs * (num_speculative_tokens + 1)) \
+            if num_speculative_tokens and model.plan.uses_triton else ()
+        self.runner = ModelRunner(model, self.cache, None, cuda_graphs, max_num_seqs, max_model_len,
+                                  graph_token_sizes=token_sizes)
         self.seqs: dict[Hashable, SeqBlocks] = {}  # the draft's copy of each sequence, on its own cache
 
     def _catch_up(self, sid: Hashable, context: Sequence[int]) -> int:

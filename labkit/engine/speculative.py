@@ -85,14 +85,16 @@ class SpeculativeConfig:
 
     def make_proposer(self, target_vocab: int, device: torch.device, num_blocks: int, block_size: int,
                       max_num_seqs: int = 256, max_model_len: int | None = None,
-                      cuda_graphs: bool | str = "auto") -> Proposer:
+                      cuda_graphs: bool | str = "auto", kernels: str = "auto") -> Proposer:
         """The proposer this config names, checked against the target (vocabulary, device); a draft's runner holds
-        ``max_num_seqs`` sequences of up to ``max_model_len`` tokens (the target engine's) and captures CUDA graphs
-        unless ``cuda_graphs`` is False (the engine's setting: 'auto' where it is not False)."""
+        ``max_num_seqs`` sequences of up to ``max_model_len`` tokens (the target engine's), runs ``kernels`` ('auto'
+        | 'torch' | 'triton': the target's path) and captures CUDA graphs unless ``cuda_graphs`` is False (the
+        engine's setting: 'auto' where it is not False)."""
         if self.method == "prompt_lookup":
             return PromptLookupProposer(self.prompt_lookup_max, self.prompt_lookup_min)
         prop = DraftModelProposer(self.draft_model, self.draft_num_blocks or num_blocks, block_size, max_num_seqs,
-                                  max_model_len, "auto" if cuda_graphs is not False else False)
+                                  max_model_len, "auto" if cuda_graphs is not False else False,
+                                  kernels, self.num_speculative_tokens)
         vocab, dev = prop.draft.config.vocab_size, prop.draft.device
         if vocab != target_vocab:
             raise ValueError(f"draft_model has a vocabulary of {vocab} tokens, the target {target_vocab}: a draft "
@@ -159,7 +161,8 @@ class Speculator:
         cache = engine.cache
         cfg = engine.config
         self.proposer = config.make_proposer(engine.vocab_size, engine.device, cache.num_blocks, cache.block_size,
-                                             cfg.seqs_per_step, engine.max_model_len, cfg.cuda_graphs)
+                                             cfg.seqs_per_step, engine.max_model_len, cfg.cuda_graphs,
+                                             "triton" if engine.runner.plan.uses_triton else "torch")
         engine.scheduler.release_hooks.append(lambda seq: self.proposer.release(seq.seq_id))
 
     @staticmethod
