@@ -51,7 +51,7 @@ def gemm(out: Path, budget: float, timing: float, budget_175b: float, timing_175
 
 def figures(out: Path) -> int:
     from labkit.bench import record_figure, write_record
-    from labkit.experiments.batching.cli import quant_decode_figures
+    from labkit.experiments.batching.decode_figures import quant_decode_figures
     from labkit.experiments.capstone import plan_figures
     from labkit.experiments.quantization import format_gemm
     from labkit.plan import SCENARIO_175B, recommend

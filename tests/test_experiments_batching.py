@@ -186,7 +186,7 @@ def test_bench_decode_profile_writes_the_attribution(tmp_path):
 def test_host_frac_is_one_formula_in_both_modes(tmp_path):
     """``engine.decode_b{b}_host_frac`` and its ``_async`` twin: 1 - (the captured step replayed alone) / (the step
     end to end), whatever the mode measured."""
-    from labkit.experiments.batching.cli import decode_figures
+    from labkit.experiments.batching.decode_figures import decode_figures
 
     row = dict(batch=64, context=520, mbu=0.5, replay_step_s=0.006, step_median_s=0.008, graph_pool_bytes=1e6)
     sync = decode_figures([row], None, tmp_path)

@@ -1,6 +1,6 @@
 """Notebook 05 (continuous batching) and ``python -m labkit bench serve|decode``: the engine measured against HF
-``generate`` (``measure.py``), where a decode step's time goes against each part's byte floor (``attribution.py``)
-and the command line around them (``cli.py``)."""
+``generate`` (``measure.py``), where a decode step's time goes against each part's byte floor (``attribution.py``),
+the figures a ``bench decode`` run derives (``decode_figures.py``) and the command line around them (``cli.py``)."""
 
 from labkit.experiments.batching.attribution import (
     attribute_step,
