@@ -8,11 +8,15 @@
 # so a call killed at its limit still returns what finished. Merge the rows of several calls with
 #   python -m labkit gpu-check table ROWS.json... --write results/<gpu>/gpu_check.json
 # Papermill starts its kernels in a session of their own: every ipykernel is killed after each stage.
+# Triton's autotuning results are seeded from research/records/<gpu>/triton_autotune.tgz and packed after each stage
+# into $OUT/triton_autotune.tgz (scripts/triton_autotune.sh): commit that file there for the next machine.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu_check}
 RUN=${LABKIT_GPU_RUN:-/tmp/gpu_run}
 mkdir -p "$OUT" "$RUN/logs"
+source "$(dirname "$0")/triton_autotune.sh"
+autotune_seed
 stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(tests 00 01 02 03 04 05 06 07 08 09)
 for st in "${stages[@]}"; do
@@ -43,5 +47,6 @@ for st in "${stages[@]}"; do
     --log "$log" --run "$RUN" --out "$OUT/gpu_check.json" --before "$RUN/figures.before.json"
   tar czf "$OUT/gpu_run.tgz" --exclude="*trace*.json" --exclude="figures.before.json" -C "$(dirname "$RUN")" \
     "$(basename "$RUN")" 2>/dev/null
+  autotune_pack "$OUT/triton_autotune.tgz"
 done
 python3 -m labkit gpu-check table "$OUT/gpu_check.json"

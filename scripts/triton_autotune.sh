@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Sourced by the device-call scripts: Triton's autotuning results, kept between device machines.
+# A fresh machine autotunes every labkit kernel again: it compiles and times every config of every tuned kernel at
+# every new key (notebook 03 took more than 150 s cold, 73 s with a warm cache). With TRITON_CACHE_AUTOTUNING=1 the
+# autotuner writes each key's timings to Triton's cache (a small <kernel>.autotune.json under a hash of Triton's
+# version, the GPU target, the kernel's source, the key and the configs) and, finding one, compiles the winner alone.
+#   autotune_seed   unpack research/records/<gpu>/triton_autotune.tgz (if committed) into Triton's cache
+#   autotune_pack F pack every *.autotune.json of Triton's cache into F (commit it as the file above)
+# One archive per GPU kind: the H100 and the H200 share a target (sm_90) and so a hash, but not their best configs.
+# A changed kernel or config list changes the hash: its stale entries are never read, and are dropped on the next pack.
+export TRITON_CACHE_AUTOTUNING=1
+TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+
+autotune_gpu() {  # h100, h200, or the GPU's name in lower case with spaces as '-'
+  local name
+  name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+  case $name in
+    *H200*) echo h200 ;;
+    *H100*) echo h100 ;;
+    *) echo "$name" | tr 'A-Z ' 'a-z-' ;;
+  esac
+}
+
+autotune_seed() {
+  local seed
+  seed="$(dirname "${BASH_SOURCE[0]}")/../research/records/$(autotune_gpu)/triton_autotune.tgz"
+  mkdir -p "$TRITON_CACHE"
+  if [ -f "$seed" ]; then
+    tar xzf "$seed" -C "$TRITON_CACHE" && echo "autotune results seeded: $(tar tzf "$seed" | grep -c autotune.json) from $seed"
+  else
+    echo "no autotune results at $seed: every tuned kernel tunes from scratch"
+  fi
+}
+
+autotune_pack() {
+  (cd "$TRITON_CACHE" 2>/dev/null && find . -name "*.autotune.json" -print0 | tar czf "$1" --null -T -)
+}
