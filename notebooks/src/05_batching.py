@@ -523,6 +523,10 @@ record_figure("engine.continuous_vs_fifo_throughput", cont_vs_fifo, "x", rec,
 record_figure("engine.continuous_peak_kv_used_frac", cont_kv_used, "fraction of the KV cache", rec,
               note=f"peak KV bytes in use over the cache's capacity, continuous batching, {top_load}; static batch "
                    f"{B}: {static_kv_used:.3f}")
+if engine_big.get("graph_pool_bytes") is not None:  # CUDA only: the engine runs eager on the CPU
+    record_figure("engine.cuda_graph_pool_mb", engine_big["graph_pool_bytes"] / 1e6, "MB", rec,
+                  note=f"device memory the engine's CUDA-graph captures reserved: {model_name}, decode graphs of "
+                       f"batch sizes up to {SIZES['big_batch']} sharing one pool and one logits buffer")
 elapsed("records written")
 
 # %% [markdown]

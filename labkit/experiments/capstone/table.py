@@ -83,7 +83,7 @@ TECHNIQUES = [
     dict(technique="CUDA graphs", tier="computation", accuracy=["engine.greedy_matches_hf"],
          latency=["diagnose.decode_bs1_idle_frac", "engine.decode_bs1_mbu"],
          throughput=["engine.offline_speedup_vs_hf", "engine.speedup_vs_hf_compiled_b64"],
-         memory=["engine.cuda_graph_pool_mb_b64"],
+         memory=["engine.cuda_graph_pool_mb", "engine.cuda_graph_pool_mb_b64"],
          use="decode steps of many short kernels (launch-bound)",
          avoid="shapes that change every step (capture per bucket), or long compute-bound kernels"),
     dict(technique="tensor parallelism", tier="communication", accuracy=["parallel.tp_logits_rel_err"],
