@@ -10,7 +10,7 @@ import torch
 from labkit.data import sample_prompts
 from labkit.engine import EngineConfig, LLMEngine, SamplingParams, SpeculativeConfig, accept
 from labkit.engine.proposers import DraftModelProposer, PromptLookupProposer
-from labkit.engine.speculative import target_probs
+from labkit.engine.speculative import accept_greedy, target_probs
 from labkit.kvcache import SeqBlocks
 from labkit.model import ModelConfig, from_config
 
@@ -361,3 +361,15 @@ def test_speculating_engine_replays_cuda_graphs(method):
         assert st.graph_steps >= st.steps - 1, (st.graph_steps, st.steps)
         draft = engine.speculator.proposer.runner
         assert draft.graph_batch_sizes and draft.graphs.token_sizes  # its decode and catch-up graphs
+
+
+def test_greedy_acceptance_from_argmaxes_equals_accept():
+    """The engine accepts greedy rows from one batched argmax (``accept_greedy``): the same rule as ``accept`` at
+    temperature 0 on each sequence's logits, for every number of matching proposals."""
+    g = torch.Generator().manual_seed(11)
+    for k in (1, 3, 5):
+        p = torch.randn(k + 1, 50, generator=g)
+        best = p.argmax(dim=-1).tolist()
+        for n_match in range(k + 1):
+            proposal = best[:n_match] + [(t + 1) % 50 for t in best[n_match:k]]
+            assert accept_greedy(best, proposal) == accept(p, proposal, None) == (n_match, best[n_match])

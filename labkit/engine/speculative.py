@@ -37,6 +37,7 @@ The draft model runs on a ``ModelRunner`` of its own, whose one-token steps repl
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -115,6 +116,15 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return torch.softmax(x, dim=-1)
 
 
+def accept_greedy(best: Seq[int], proposal: Seq[int]) -> tuple[int, int]:
+    """``accept`` at temperature 0 from the target's argmax of each row, ``best`` (``k + 1`` token ids): proposals
+    are kept while they equal it; the next token is the target's at the first mismatch (or after the last)."""
+    n = 0
+    while n < len(proposal) and proposal[n] == best[n]:
+        n += 1
+    return n, best[n]
+
+
 def accept(p: torch.Tensor, proposal: Seq[int], q: torch.Tensor | None, temperature: float = 0.0,
            generator: torch.Generator | None = None, top_k: int = 0, top_p: float = 1.0) -> tuple[int, int]:
     """``(n_accepted, next_token)`` for one sequence.
@@ -127,11 +137,7 @@ def accept(p: torch.Tensor, proposal: Seq[int], q: torch.Tensor | None, temperat
     if p.dim() != 2 or p.shape[0] != k + 1:
         raise ValueError(f"p must be [k + 1 = {k + 1}, vocab], got {tuple(p.shape)}")
     if temperature == 0:
-        best = p.argmax(dim=-1).tolist()
-        n = 0
-        while n < k and proposal[n] == best[n]:
-            n += 1
-        return n, best[n]
+        return accept_greedy(p.argmax(dim=-1).tolist(), proposal)
     probs = target_probs(p, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
     for j, d in enumerate(proposal):
         qd = 1.0 if q is None else float(q[j, d])
@@ -241,11 +247,19 @@ class Speculator:
             sampled = self.engine.sampler(torch.cat([logits[i] for i in plain]), [s.params for s in seqs],
                                           [s.seed for s in seqs], [s.num_output_tokens for s in seqs])
             tokens.update((i, [t]) for i, t in zip(plain, sampled))
+        greedy = [i for i in props if batch.seqs[i].params.greedy]
+        if greedy:  # one argmax over every greedy row and one copy to the host, not one sync per sequence
+            best = torch.cat([logits[i] for i in greedy]).argmax(dim=-1).tolist()
+            starts = itertools.accumulate((len(props[i][0]) + 1 for i in greedy), initial=0)
+            best_of = {i: best[a:a + len(props[i][0]) + 1] for i, a in zip(greedy, starts)}
         for i, (toks, q) in props.items():
             seq = batch.seqs[i]
             prm = seq.params
-            p = logits[i] if prm.greedy else logits[i].float().cpu()
-            m, x = accept(p, toks, q, prm.temperature, self._generator(seq, _ACCEPT_SALT), prm.top_k, prm.top_p)
+            if prm.greedy:
+                m, x = accept_greedy(best_of[i], toks)
+            else:
+                m, x = accept(logits[i].float().cpu(), toks, q, prm.temperature, self._generator(seq, _ACCEPT_SALT),
+                              prm.top_k, prm.top_p)
             tokens[i] = toks[:m] + [x]
             self.engine.stats.accepted_tokens += m
         return tokens
