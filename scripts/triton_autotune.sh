@@ -7,18 +7,16 @@
 #   autotune_seed   unpack research/records/<gpu>/triton_autotune.tgz (if committed) into Triton's cache
 #   autotune_pack F pack every *.autotune.json of Triton's cache into F (commit it as the file above)
 # One archive per GPU kind: the H100 and the H200 share a target (sm_90) and so a hash, but not their best configs.
-# A changed kernel or config list changes the hash: its stale entries are never read, and are dropped on the next pack.
+# A changed kernel or config list changes the hash: its stale entries are never read (a pack keeps them; delete the
+# archive to start afresh).
 export TRITON_CACHE_AUTOTUNING=1
 TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 
-autotune_gpu() {  # h100, h200, or the GPU's name in lower case with spaces as '-'
+autotune_gpu() {  # the GPU's class as results/ names it (labkit.data.machine_class: h100, h200, a slug otherwise)
   local name
   name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
-  case $name in
-    *H200*) echo h200 ;;
-    *H100*) echo h100 ;;
-    *) echo "$name" | tr 'A-Z ' 'a-z-' ;;
-  esac
+  [ -n "$name" ] && python3 -c "import sys; from labkit.data import machine_class; print(machine_class(sys.argv[1]))" \
+    "$name"
 }
 
 autotune_seed() {

@@ -249,9 +249,10 @@ class Speculator:
             tokens.update((i, [t]) for i, t in zip(plain, sampled))
         greedy = [i for i in props if batch.seqs[i].params.greedy]
         if greedy:  # one argmax over every greedy row and one copy to the host, not one sync per sequence
+            rows = [len(props[i][0]) + 1 for i in greedy]
             best = torch.cat([logits[i] for i in greedy]).argmax(dim=-1).tolist()
-            starts = itertools.accumulate((len(props[i][0]) + 1 for i in greedy), initial=0)
-            best_of = {i: best[a:a + len(props[i][0]) + 1] for i, a in zip(greedy, starts)}
+            starts = itertools.accumulate(rows, initial=0)
+            best_of = {i: best[a:a + n] for i, a, n in zip(greedy, starts, rows)}
         for i, (toks, q) in props.items():
             seq = batch.seqs[i]
             prm = seq.params
