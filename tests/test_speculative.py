@@ -10,7 +10,7 @@ import torch
 from labkit.data import sample_prompts
 from labkit.engine import EngineConfig, LLMEngine, SamplingParams, SpeculativeConfig, accept
 from labkit.engine.proposers import DraftModelProposer, PromptLookupProposer
-from labkit.engine.speculative import accept_greedy, target_probs
+from labkit.engine.speculative import accept_greedy, accept_sampled, target_probs
 from labkit.kvcache import SeqBlocks
 from labkit.model import ModelConfig, from_config
 
@@ -373,3 +373,30 @@ def test_greedy_acceptance_from_argmaxes_equals_accept():
         for n_match in range(k + 1):
             proposal = best[:n_match] + [(t + 1) % 50 for t in best[n_match:k]]
             assert accept_greedy(best, proposal) == accept(p, proposal, None) == (n_match, best[n_match])
+
+
+def test_sampled_acceptance_of_a_batch_equals_one_sequence_at_a_time():
+    """The engine accepts its sampled rows together (``accept_sampled``: two copies to the host for the batch): each
+    sequence's outcome is the one it gets alone from the same generator state, whatever its neighbours' ``k``,
+    ``q`` (a draft's or none) and sampling parameters."""
+    g = torch.Generator().manual_seed(5)
+    vocab = 40
+    cases = []
+    for k, drafted, prm in [(1, True, SamplingParams(temperature=0.7)), (4, False, SamplingParams(temperature=1.3)),
+                            (3, True, SamplingParams(temperature=1.0, top_k=5)),
+                            (2, False, SamplingParams(temperature=0.9, top_p=0.8))]:
+        logits = torch.randn(k + 1, vocab, generator=g) * 2
+        q = torch.softmax(torch.randn(k, vocab, generator=g), -1) if drafted else None
+        proposal = torch.randint(vocab, (k,), generator=g).tolist()
+        cases.append((logits, proposal, q, prm))
+    for seed in range(30):
+        alone = [accept_sampled([x], [d], [q], [prm], [torch.Generator().manual_seed(seed + i)])[0]
+                 for i, (x, d, q, prm) in enumerate(cases)]
+        together = accept_sampled([c[0] for c in cases], [c[1] for c in cases], [c[2] for c in cases],
+                                  [c[3] for c in cases], [torch.Generator().manual_seed(seed + i)
+                                                          for i in range(len(cases))])
+        assert together == alone
+        for (x, d, _, prm), (n, tok) in zip(cases, together):
+            assert 0 <= n <= len(d) and 0 <= tok < vocab
+            assert target_probs(x, prm)[n, tok] > 0  # the next token is one the target can emit at its position
+    assert accept_sampled([], [], [], [], []) == []

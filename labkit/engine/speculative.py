@@ -129,32 +129,58 @@ def accept(p: torch.Tensor, proposal: Seq[int], q: torch.Tensor | None, temperat
            generator: torch.Generator | None = None, top_k: int = 0, top_p: float = 1.0) -> tuple[int, int]:
     """``(n_accepted, next_token)`` for one sequence.
 
-    ``p``: float32 target logits ``[k + 1, vocab]`` on the CPU (row ``j`` predicts the token after ``d_j``; row 0
-    after the pending token); ``proposal``: ``k`` token ids; ``q``: float32 draft probabilities ``[k, vocab]`` or
+    ``p``: float target logits ``[k + 1, vocab]`` (row ``j`` predicts the token after ``d_j``; row 0 after the
+    pending token); ``proposal``: ``k`` token ids; ``q``: float32 draft probabilities ``[k, vocab]`` on the CPU or
     ``None`` (deterministic proposals: ``q`` one-hot on ``d_j``). At ``temperature`` 0 the rule is argmax equality;
-    above it the target's distribution is ``target_probs`` with ``top_k`` / ``top_p``."""
+    above it the target's distribution is ``target_probs`` with ``top_k`` / ``top_p`` (``accept_sampled``)."""
     k = len(proposal)
     if p.dim() != 2 or p.shape[0] != k + 1:
         raise ValueError(f"p must be [k + 1 = {k + 1}, vocab], got {tuple(p.shape)}")
     if temperature == 0:
         return accept_greedy(p.argmax(dim=-1).tolist(), proposal)
-    probs = target_probs(p, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
-    for j, d in enumerate(proposal):
-        qd = 1.0 if q is None else float(q[j, d])
-        pd = float(probs[j, d])
-        u = float(torch.rand((), generator=generator))
-        if u * qd < pd:  # accept with probability min(1, p/q)
-            continue
-        if q is None:
-            residual = probs[j].clone()
-            residual[d] = 0.0
-        else:
-            residual = (probs[j] - q[j]).clamp_min(0.0)
-        total = float(residual.sum())
-        if total <= 0:  # p == q exactly: a rejection has probability 0; guard against rounding
-            residual, total = probs[j], 1.0
-        return j, int(torch.multinomial(residual / total, 1, generator=generator))
-    return k, int(torch.multinomial(probs[k], 1, generator=generator))
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    return accept_sampled([p], [proposal], [q], [params], [generator])[0]
+
+
+def accept_sampled(logits: Seq[torch.Tensor], proposals: Seq[Seq[int]], qs: Seq[torch.Tensor | None],
+                   params: Seq[SamplingParams], generators: Seq[torch.Generator | None]) -> list[tuple[int, int]]:
+    """The rejection rule (module docstring) for many sampled sequences at once: ``(n_accepted, next_token)`` each.
+
+    ``logits[i]``: float ``[k_i + 1, vocab]`` on any device; ``qs[i]``: float32 ``[k_i, vocab]`` on the CPU or
+    ``None``. The target's probabilities stay on the device: the host reads ``p(d_j)`` of every proposal in one copy,
+    draws the acceptance tests from each sequence's ``generators[i]`` (CPU), then reads one row per sequence (the
+    first rejected position's, or the bonus row) in a second copy and draws the next token from it: two syncs and
+    ``vocab`` floats a sequence, where copying the logits would move ``(k + 1) * vocab``."""
+    probs = [target_probs(x, prm) for x, prm in zip(logits, params)]
+    picked = [pr[torch.arange(len(d), device=pr.device), torch.tensor(list(d), dtype=torch.long, device=pr.device)]
+              for pr, d in zip(probs, proposals)]
+    p_of_d = torch.cat(picked).tolist() if picked else []
+    stops, at = [], 0
+    for d, q, g in zip(proposals, qs, generators):
+        j = len(d)  # the bonus row unless a proposal is rejected
+        for i, tok in enumerate(d):
+            qd = 1.0 if q is None else float(q[i, tok])
+            u = float(torch.rand((), generator=g))
+            if not u * qd < p_of_d[at + i]:  # accept with probability min(1, p/q)
+                j = i
+                break
+        stops.append(j)
+        at += len(d)
+    rows = torch.stack([pr[j] for pr, j in zip(probs, stops)]).float().cpu() if probs else []
+    out = []
+    for row, j, d, q, g in zip(rows, stops, proposals, qs, generators):
+        if j < len(d):  # rejected at j: draw from max(0, p - q) renormalised
+            if q is None:
+                residual = row.clone()
+                residual[d[j]] = 0.0
+            else:
+                residual = (row - q[j]).clamp_min(0.0)
+            total = float(residual.sum())
+            if total <= 0:  # p == q exactly: a rejection has probability 0; guard against rounding
+                residual, total = row, 1.0
+            row = residual / total
+        out.append((j, int(torch.multinomial(row, 1, generator=g))))
+    return out
 
 
 class Speculator:
@@ -247,20 +273,21 @@ class Speculator:
             sampled = self.engine.sampler(torch.cat([logits[i] for i in plain]), [s.params for s in seqs],
                                           [s.seed for s in seqs], [s.num_output_tokens for s in seqs])
             tokens.update((i, [t]) for i, t in zip(plain, sampled))
+        decided: dict[int, tuple[int, int]] = {}
         greedy = [i for i in props if batch.seqs[i].params.greedy]
         if greedy:  # one argmax over every greedy row and one copy to the host, not one sync per sequence
             rows = [len(props[i][0]) + 1 for i in greedy]
             best = torch.cat([logits[i] for i in greedy]).argmax(dim=-1).tolist()
-            starts = itertools.accumulate(rows, initial=0)
-            best_of = {i: best[a:a + n] for i, a, n in zip(greedy, starts, rows)}
-        for i, (toks, q) in props.items():
-            seq = batch.seqs[i]
-            prm = seq.params
-            if prm.greedy:
-                m, x = accept_greedy(best_of[i], toks)
-            else:
-                m, x = accept(logits[i].float().cpu(), toks, q, prm.temperature, self._generator(seq, _ACCEPT_SALT),
-                              prm.top_k, prm.top_p)
+            for i, a, n in zip(greedy, itertools.accumulate(rows, initial=0), rows):
+                decided[i] = accept_greedy(best[a:a + n], props[i][0])
+        sampled = [i for i in props if i not in decided]
+        if sampled:  # two copies to the host for all of them (accept_sampled)
+            seqs = [batch.seqs[i] for i in sampled]
+            decided.update(zip(sampled, accept_sampled(
+                [logits[i] for i in sampled], [props[i][0] for i in sampled], [props[i][1] for i in sampled],
+                [s.params for s in seqs], [self._generator(s, _ACCEPT_SALT) for s in seqs])))
+        for i, (toks, _) in props.items():
+            m, x = decided[i]
             tokens[i] = toks[:m] + [x]
             self.engine.stats.accepted_tokens += m
         return tokens
