@@ -9,7 +9,7 @@ import torch
 
 from labkit.data import sample_prompts
 from labkit.engine import EngineConfig, LLMEngine, SamplingParams, SpeculativeConfig, accept
-from labkit.engine.proposers import DraftModelProposer, PromptLookupProposer
+from labkit.engine.proposers import DraftModelProposer, NgramIndex, PromptLookupProposer
 from labkit.engine.speculative import accept_greedy, accept_sampled, target_probs
 from labkit.kvcache import SeqBlocks
 from labkit.model import ModelConfig, from_config
@@ -400,3 +400,47 @@ def test_sampled_acceptance_of_a_batch_equals_one_sequence_at_a_time():
             assert 0 <= n <= len(d) and 0 <= tok < vocab
             assert target_probs(x, prm)[n, tok] > 0  # the next token is one the target can emit at its position
     assert accept_sampled([], [], [], [], []) == []
+
+
+def _scan_lookup(ctx: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Prompt lookup by scanning the context (the definition the index must agree with)."""
+    if k == 0:
+        return []
+    for n in range(min(max_ngram, len(ctx) - 1), min_ngram - 1, -1):
+        for start in range(len(ctx) - n - 1, -1, -1):
+            if ctx[start:start + n] == ctx[-n:]:
+                return ctx[start + n:start + n + k]
+    return []
+
+
+@pytest.mark.parametrize("max_ngram,min_ngram", [(3, 1), (4, 2), (1, 1)])
+def test_ngram_index_follows_appends_and_rollbacks(max_ngram, min_ngram):
+    """The proposer's per-sequence index, synced to a context that grows, is cut back (rejected proposals) and
+    grows again, proposes what a scan of the whole context proposes, at every step; a fresh context for the same
+    sequence (nothing in common) is indexed from scratch."""
+    g = torch.Generator().manual_seed(max_ngram * 10 + min_ngram)
+    index = NgramIndex(max_ngram, min_ngram)
+    ctx: list[int] = []
+    for step in range(400):
+        r = int(torch.randint(10, (), generator=g))
+        if r < 6:
+            ctx += torch.randint(5, (int(torch.randint(1, 4, (), generator=g)),), generator=g).tolist()
+        elif r < 9:
+            del ctx[max(0, len(ctx) - int(torch.randint(1, 6, (), generator=g))):]
+        elif step % 50 == 9:
+            ctx = torch.randint(5, (30,), generator=g).tolist()
+        index.sync(ctx)
+        assert index.tokens == ctx
+        for k in (0, 1, 4):
+            assert index.propose(k) == _scan_lookup(ctx, k, max_ngram, min_ngram), (ctx, k)
+    assert sum(map(len, index.starts.values())) == sum(max(0, len(ctx) - n + 1)
+                                                       for n in range(min_ngram, max_ngram + 1))
+
+
+def test_prompt_lookup_proposer_keeps_an_index_per_sequence_until_released():
+    p = PromptLookupProposer()
+    a, b = [1, 2, 3, 1, 2], [7, 8, 7]
+    assert p.propose(["a", "b"], [a, b], [2, 2]) == [([3, 1], None), ([8, 7], None)]
+    assert p.propose(["a"], [a + [3]], [3]) == [([1, 2, 3], None)]
+    p.release("a")
+    assert set(p.indexes) == {"b"}

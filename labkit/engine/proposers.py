@@ -54,9 +54,56 @@ class Proposer:
         """Forget a sequence whose blocks the scheduler took back (free its draft cache)."""
 
 
+class NgramIndex:
+    """Where every ``n``-gram (``min_ngram <= n <= max_ngram``) of one sequence's tokens starts, kept up to date as
+    the sequence grows and is rolled back, so that a prompt-lookup proposal costs the new tokens' work, not a scan of
+    the whole context (at batch 16 and 500-token contexts the scan was 5x the rest of a step's host work).
+
+    ``sync(context)`` makes the index that of ``context`` (the context extends the indexed tokens, or shares a
+    prefix with them: what differs is unindexed, then the rest indexed); ``propose(k)``: the ``k`` tokens that
+    followed the most recent earlier occurrence of the last ``n`` tokens, longest ``n`` first."""
+
+    def __init__(self, max_ngram: int, min_ngram: int):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.tokens: list[int] = []
+        self.starts: dict[tuple[int, ...], list[int]] = {}  # n-gram -> its start positions, ascending
+
+    def sync(self, context: Sequence[int]) -> None:
+        ctx, toks = list(context), self.tokens
+        common = min(len(ctx), len(toks))
+        if ctx[:common] != toks[:common]:  # a rollback (rejected proposals) changes the tail: find where
+            lo = max(0, common - 64)
+            if ctx[:lo] != toks[:lo]:
+                lo = 0
+            common = next(i for i in range(lo, common) if ctx[i] != toks[i])
+        for n in range(self.min_ngram, self.max_ngram + 1):  # forget the n-grams that reach past ``common``
+            for s in range(len(toks) - n, max(common - n + 1, 0) - 1, -1):
+                key = tuple(toks[s:s + n])
+                self.starts[key].pop()
+                if not self.starts[key]:
+                    del self.starts[key]
+        del toks[common:]
+        for p in range(common, len(ctx)):
+            toks.append(ctx[p])
+            for n in range(self.min_ngram, min(self.max_ngram, p + 1) + 1):
+                self.starts.setdefault(tuple(toks[p - n + 1:p + 1]), []).append(p - n + 1)
+
+    def propose(self, k: int) -> list[int]:
+        toks = self.tokens
+        if k == 0:
+            return []
+        for n in range(min(self.max_ngram, len(toks) - 1), self.min_ngram - 1, -1):
+            starts = self.starts[tuple(toks[-n:])]  # its last entry is the tail itself
+            if len(starts) > 1:
+                s = starts[-2] + n
+                return toks[s:s + k]
+        return []
+
+
 class PromptLookupProposer(Proposer):
     """Propose the ``k`` tokens that followed the most recent earlier occurrence of the context's last ``n``
-    tokens, trying ``n = max_ngram .. min_ngram`` (longest match first). Deterministic: ``q`` is ``None``."""
+    tokens, trying ``n = max_ngram .. min_ngram`` (longest match first). Deterministic: ``q`` is ``None``. Keeps an
+    ``NgramIndex`` per sequence (forgotten by ``release``)."""
 
     name = "prompt_lookup"
 
@@ -64,21 +111,27 @@ class PromptLookupProposer(Proposer):
         if not check_positive_int("min_ngram", min_ngram) <= check_positive_int("max_ngram", max_ngram):
             raise ValueError(f"min_ngram={min_ngram}, max_ngram={max_ngram}: need 1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.indexes: dict[Hashable, NgramIndex] = {}
 
     def lookup(self, context: Sequence[int], k: int) -> list[int]:
-        ctx = list(context)
-        if k == 0:
-            return []
-        for n in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
-            tail = ctx[-n:]
-            for start in range(len(ctx) - n - 1, -1, -1):  # most recent match first
-                if ctx[start:start + n] == tail:
-                    return ctx[start + n:start + n + k]
-        return []
+        """The proposal for ``context`` alone (an index built for it and dropped)."""
+        index = NgramIndex(self.max_ngram, self.min_ngram)
+        index.sync(context)
+        return index.propose(k)
 
     def propose(self, seq_ids, contexts, ks, temperatures=None, generators=None) -> list[Proposal]:
         check_ks(ks, len(contexts))
-        return [(self.lookup(c, k), None) for c, k in zip(contexts, ks)]
+        out = []
+        for sid, c, k in zip(seq_ids, contexts, ks):
+            index = self.indexes.get(sid)
+            if index is None:
+                index = self.indexes[sid] = NgramIndex(self.max_ngram, self.min_ngram)
+            index.sync(c)
+            out.append((index.propose(k), None))
+        return out
+
+    def release(self, seq_id: Hashable) -> None:
+        self.indexes.pop(seq_id, None)
 
 
 def sample_rows(logits: torch.Tensor, temperatures: Sequence[float],
