@@ -3,9 +3,12 @@ forward replaced by a fixed logits tensor so that only host work remains (schedu
 preparation, sampling, postprocessing), profiled with cProfile over ``--steps`` steps.
 
     python research/host_step_profile.py --batch 64 --steps 50 --out DIR [--async-scheduling]
+    python research/host_step_profile.py --batch 16 --prompt 500 --speculative prompt_lookup
 
 ``--async-scheduling``: the engine's overlap path (``labkit.engine.async_step``), the same host work in another order
-(on the CPU nothing overlaps: the stand-in forward is done when it returns).
+(on the CPU nothing overlaps: the stand-in forward is done when it returns). ``--speculative prompt_lookup``: every
+step a speculative one (4 proposals a sequence; the stand-in's random logits reject most of them, so each step also
+rolls back), for the host work speculation adds; the prompts repeat a 50-token pattern so that lookup finds matches.
 
 Writes ``DIR/records/host_step_profile.json``: milliseconds of host work a step, and the cumulative milliseconds a
 step of the engine's main functions.
@@ -21,11 +24,11 @@ import time
 import torch
 
 from labkit.bench import write_record
-from labkit.engine import LLMEngine, SamplingParams
+from labkit.engine import LLMEngine, SamplingParams, SpeculativeConfig
 from labkit.model import load_model
 
 FUNCTIONS = ("schedule", "_schedule_decodes", "append_slots", "prepare", "__call__", "sample", "postprocess", "execute",
-             "_read", "_commit")
+             "_read", "_commit", "_propose", "_verify", "_accept")
 
 
 def main() -> None:
@@ -35,22 +38,26 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=100)
     ap.add_argument("--out", default=None)
     ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--speculative", choices=["prompt_lookup"], default=None)
     args = ap.parse_args()
     model, _ = load_model(device="cpu")
     engine = LLMEngine(model, max_num_seqs=args.batch, num_blocks=4096, block_size=16, cuda_graphs=False,
-                       async_scheduling=args.async_scheduling)
+                       async_scheduling=args.async_scheduling,
+                       speculative=SpeculativeConfig(args.speculative, 4) if args.speculative else None)
     vocab = model.config.vocab_size
     for i in range(args.batch):
-        engine.add_request([3 + (i * 7 + j) % (vocab - 3) for j in range(args.prompt)],
+        pattern = 50 if args.speculative else vocab - 3
+        engine.add_request([3 + (j * 7 + i) % pattern for j in range(args.prompt)],
                            SamplingParams(max_tokens=args.steps + 20, ignore_eos=True), request_id=i)
     for _ in range(5):  # prefill, then a few decode steps
         engine.step()
     logits = {}
 
-    def fixed_logits(inp):  # the forward's result without the forward: what is left is the host's work
-        if inp.num_seqs not in logits:
-            logits[inp.num_seqs] = torch.randn(inp.num_seqs, vocab)
-        return logits[inp.num_seqs]
+    def fixed_logits(inp, out=None):  # the forward's result without the forward: what is left is the host's work
+        rows = inp.logits_indices.numel()
+        if rows not in logits:
+            logits[rows] = torch.randn(rows, vocab)
+        return logits[rows]
 
     engine.runner.forward = fixed_logits
     profile = cProfile.Profile()
@@ -65,13 +72,16 @@ def main() -> None:
     for (path, _, name), (_, _, _, cumtime, _) in stats.items():
         if name in FUNCTIONS and "labkit" in path:
             parts[f"{path.split('labkit/')[-1]}:{name}"] = cumtime / args.steps * 1e3
-    mode = ", async scheduling" if args.async_scheduling else ""
+    mode = (", async scheduling" if args.async_scheduling else "") + \
+        (f", speculative {args.speculative}" if args.speculative else "")
     print(f"batch {args.batch}{mode}: {host_ms:.2f} ms of host work a step (under cProfile)")
     for k, v in sorted(parts.items(), key=lambda kv: -kv[1]):
         print(f"  {v:6.3f} ms  {k}")
-    name = "host_step_profile_async" if args.async_scheduling else "host_step_profile"
+    name = "host_step_profile" + ("_async" if args.async_scheduling else "") + \
+        (f"_{args.speculative}" if args.speculative else "")
     path = write_record(name, {"batch": args.batch, "steps": args.steps, "prompt": args.prompt,
-                               "async_scheduling": args.async_scheduling, "host_ms_per_step": host_ms,
+                               "async_scheduling": args.async_scheduling, "speculative": args.speculative,
+                               "host_ms_per_step": host_ms,
                                "cumulative_ms_per_step": parts}, out_dir=args.out)
     print(f"record: {path}")
 
