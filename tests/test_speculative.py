@@ -444,3 +444,36 @@ def test_prompt_lookup_proposer_keeps_an_index_per_sequence_until_released():
     assert p.propose(["a"], [a + [3]], [3]) == [([1, 2, 3], None)]
     p.release("a")
     assert set(p.indexes) == {"b"}
+
+
+def _greedy_continuation(model, context: list[int], k: int) -> list[int]:
+    """``k`` greedy tokens after ``context`` by the dense forward (no cache): the reference for a draft's proposal."""
+    ids = list(context)
+    for _ in range(k):
+        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(context):]
+
+
+def test_greedy_draft_proposals_stay_on_the_device_and_match_dense_greedy(draft):
+    """The draft's greedy steps feed each other on the device (placeholder ids) and are read once: the proposals
+    are the draft's dense greedy continuations, round after round as the target keeps part of them (the draft's
+    copies hold real tokens again, so it rolls back and catches up right), with a different ``k`` per row; a row
+    the draft's cache cannot extend keeps the proposals it made."""
+    g = torch.Generator().manual_seed(3)
+    vocab = draft.config.vocab_size
+    contexts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (9, 14, 6)]
+    ks = [4, 2, 3]
+    prop = DraftModelProposer(draft, num_blocks=64, block_size=4, max_num_seqs=4, cuda_graphs=False)
+    for _ in range(3):
+        out = prop.propose(["a", "b", "c"], contexts, ks)
+        for ctx, k, (toks, q) in zip(contexts, ks, out):
+            assert q is None and toks == _greedy_continuation(draft, ctx, k)
+        for i, (toks, _) in enumerate(out):  # the target keeps i of them and adds a token of its own
+            contexts[i] = contexts[i] + toks[:i] + [5 + i]
+    assert all(t >= 0 for sid in "abc" for t in prop.seqs[sid].token_ids)
+    # a cache of 5 blocks of 4 (slots 0..19) and an 18-token context: proposals 2 and 3 take slots 18 and 19; the
+    # 4th would need slot 20
+    small = DraftModelProposer(draft, num_blocks=5, block_size=4, max_num_seqs=2, cuda_graphs=False)
+    ctx = torch.randint(3, vocab, (18,), generator=g).tolist()
+    (toks, _), = small.propose(["x"], [ctx], [4])
+    assert toks == _greedy_continuation(draft, ctx, 3)

@@ -29,6 +29,7 @@ from labkit.engine.cuda_graph import default_graph_token_sizes
 from labkit.engine.model_runner import ModelRunner
 from labkit.kvcache import CacheFullError, SeqBlocks
 from labkit.model import adopt_hf_model
+from labkit.model.attention import placeholder
 
 Proposal = tuple[list[int], torch.Tensor | None]
 
@@ -223,7 +224,6 @@ class DraftModelProposer(Proposer):
         check_ks(ks, len(contexts))
         temps = [0.0] * len(ks) if temperatures is None else list(temperatures)
         gens = [None] * len(ks) if generators is None else list(generators)
-        out: list[tuple[list[int], list[torch.Tensor | None]]] = [([], []) for _ in contexts]
         query = {}
         for i, k in enumerate(ks):
             if k > 0:
@@ -232,30 +232,78 @@ class DraftModelProposer(Proposer):
                 except CacheFullError:
                     continue  # this one decodes plainly this step
         live = list(query)
+        if all(temps[i] == 0 for i in live):
+            return self._propose_greedy(seq_ids, ks, live, query)
+        out: list[tuple[list[int], list[torch.Tensor | None]]] = [([], []) for _ in contexts]
         for step in range(max((ks[i] for i in live), default=0)):
             live = [i for i in live if len(out[i][0]) < ks[i]]
             if step > 0:
-                for i in list(live):
-                    seq = self.seqs[seq_ids[i]]
-                    seq.token_ids.append(out[i][0][-1])
-                    try:
-                        self.cache.append_slots(seq)
-                        query[i] = 1
-                    except CacheFullError:  # keep what it proposed so far
-                        seq.token_ids.pop()
-                        live.remove(i)
+                live = self._append(seq_ids, {i: out[i][0][-1] for i in live}, query)
             if not live:
                 break
-            seqs = [self.seqs[seq_ids[i]] for i in live]
-            counts = [query[i] for i in live]
-            decodes = len(live) if all(c == 1 for c in counts) else 0  # one-token steps: the decode graphs
-            logits = self.runner.execute(seqs, counts, decodes)
-            for seq in seqs:
-                self.cache.mark_computed(seq, seq.num_tokens)
+            logits = self._step(seq_ids, live, query)
             for i, (tok, q) in zip(live, sample_rows(logits, [temps[i] for i in live], [gens[i] for i in live])):
                 out[i][0].append(tok)
                 out[i][1].append(q)
         return [(toks, torch.stack(qs) if qs and temps[i] > 0 else None) for i, (toks, qs) in enumerate(out)]
+
+    def _propose_greedy(self, seq_ids, ks, live: list[int], query: dict[int, int]) -> list[Proposal]:
+        """Every proposing row greedy: each step's argmax stays on the device and feeds the next step's input
+        (``placeholder`` ids filled on the device, as async scheduling does), so the ``k`` steps run without a sync
+        and the host prepares step ``j + 1`` while the GPU runs step ``j``; one copy reads all the tokens at the
+        end."""
+        steps: list[tuple[list[int], torch.Tensor]] = []  # (rows, their argmax on the device) per step
+        made = dict.fromkeys(live, 0)
+        for step in range(max((ks[i] for i in live), default=0)):
+            live = [i for i in live if made[i] < ks[i]]
+            if step > 0:
+                row_of = {i: j for j, i in enumerate(steps[-1][0])}
+                live = self._append(seq_ids, {i: placeholder(row_of[i]) for i in live}, query)
+            if not live:
+                break
+            logits = self._step(seq_ids, live, query, sampled=steps[-1][1] if step > 0 else None)
+            steps.append((live, logits.argmax(dim=-1)))
+            for i in live:
+                made[i] += 1
+        tokens = torch.cat([best for _, best in steps]).tolist() if steps else []
+        out: list[list[int]] = [[] for _ in ks]
+        at = 0
+        for rows, _ in steps:
+            for i in rows:
+                out[i].append(tokens[at])
+                at += 1
+        for i in made:  # the draft's copies hold the real tokens again (placeholders stood for the last k - 1)
+            toks = self.seqs[seq_ids[i]].token_ids
+            n = len(out[i]) - 1
+            if n > 0:
+                toks[len(toks) - n:] = out[i][:n]
+        return [(toks, None) for toks in out]
+
+    def _append(self, seq_ids, next_ids: dict[int, int], query: dict[int, int]) -> list[int]:
+        """Append ``next_ids[i]`` to row ``i``'s draft sequence with its slot; a row whose slot the cache cannot
+        give stops proposing (it keeps what it has). Returns the rows still live."""
+        kept = []
+        for i, tok in next_ids.items():
+            seq = self.seqs[seq_ids[i]]
+            seq.token_ids.append(tok)
+            try:
+                self.cache.append_slots(seq)
+            except CacheFullError:
+                seq.token_ids.pop()
+                continue
+            query[i] = 1
+            kept.append(i)
+        return kept
+
+    def _step(self, seq_ids, live: list[int], query: dict[int, int], sampled: torch.Tensor | None = None):
+        """One draft forward over the live rows (``query[i]`` tokens each): float32 logits ``[len(live), vocab]``."""
+        seqs = [self.seqs[seq_ids[i]] for i in live]
+        counts = [query[i] for i in live]
+        decodes = len(live) if all(c == 1 for c in counts) else 0  # one-token steps: the decode graphs
+        logits = self.runner.execute(seqs, counts, decodes, sampled=sampled)
+        for seq in seqs:
+            self.cache.mark_computed(seq, seq.num_tokens)
+        return logits
 
     def release(self, seq_id: Hashable) -> None:
         seq = self.seqs.pop(seq_id, None)
