@@ -9,7 +9,7 @@ import torch
 
 from labkit.data import sample_prompts
 from labkit.engine import EngineConfig, LLMEngine, SamplingParams, SpeculativeConfig, accept
-from labkit.engine.proposers import DraftModelProposer, NgramIndex, PromptLookupProposer
+from labkit.engine.proposers import DraftModelProposer, NgramMatcher, PromptLookupProposer
 from labkit.engine.speculative import accept_greedy, accept_sampled, target_probs
 from labkit.kvcache import SeqBlocks
 from labkit.model import ModelConfig, from_config
@@ -403,7 +403,7 @@ def test_sampled_acceptance_of_a_batch_equals_one_sequence_at_a_time():
 
 
 def _scan_lookup(ctx: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
-    """Prompt lookup by scanning the context (the definition the index must agree with)."""
+    """Prompt lookup by scanning the context (the definition the matcher must agree with)."""
     if k == 0:
         return []
     for n in range(min(max_ngram, len(ctx) - 1), min_ngram - 1, -1):
@@ -414,12 +414,12 @@ def _scan_lookup(ctx: list[int], k: int, max_ngram: int, min_ngram: int) -> list
 
 
 @pytest.mark.parametrize("max_ngram,min_ngram", [(3, 1), (4, 2), (1, 1)])
-def test_ngram_index_follows_appends_and_rollbacks(max_ngram, min_ngram):
+def test_ngram_matcher_follows_appends_and_rollbacks(max_ngram, min_ngram):
     """The proposer's per-sequence tokens, synced to a context that grows (past the array's first capacity), is cut
     back (rejected proposals) and grows again, propose what a scan of the whole context proposes, at every step; a
     fresh context for the same sequence (nothing in common) replaces them."""
     g = torch.Generator().manual_seed(max_ngram * 10 + min_ngram)
-    index = NgramIndex(max_ngram, min_ngram)
+    matcher = NgramMatcher(max_ngram, min_ngram)
     ctx: list[int] = []
     for step in range(600):
         r = int(torch.randint(10, (), generator=g))
@@ -431,19 +431,19 @@ def test_ngram_index_follows_appends_and_rollbacks(max_ngram, min_ngram):
             ctx = torch.randint(5, (30,), generator=g).tolist()
         if step == 300:
             ctx += torch.randint(5, (300,), generator=g).tolist()
-        index.sync(tuple(ctx) if step % 7 == 0 else ctx)
-        assert index.tokens == ctx and index.array[:len(ctx)].tolist() == ctx
+        matcher.sync(tuple(ctx) if step % 7 == 0 else ctx)
+        assert matcher.tokens == ctx and matcher.array[:len(ctx)].tolist() == ctx
         for k in (0, 1, 4):
-            assert index.propose(k) == _scan_lookup(ctx, k, max_ngram, min_ngram), (ctx, k)
+            assert matcher.propose(k) == _scan_lookup(ctx, k, max_ngram, min_ngram), (ctx, k)
 
 
-def test_prompt_lookup_proposer_keeps_an_index_per_sequence_until_released():
+def test_prompt_lookup_proposer_keeps_a_matcher_per_sequence_until_released():
     p = PromptLookupProposer()
     a, b = [1, 2, 3, 1, 2], [7, 8, 7]
     assert p.propose(["a", "b"], [a, b], [2, 2]) == [([3, 1], None), ([8, 7], None)]
     assert p.propose(["a"], [a + [3]], [3]) == [([1, 2, 3], None)]
     p.release("a")
-    assert set(p.indexes) == {"b"}
+    assert set(p.matchers) == {"b"}
 
 
 def _greedy_continuation(model, context: list[int], k: int) -> list[int]:

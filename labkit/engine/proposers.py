@@ -8,7 +8,8 @@ lookup finds no match, the draft's cache is full): that sequence then takes a pl
 back: it finished, was aborted, failed or was preempted).
 
 * ``PromptLookupProposer``: n-gram match of the context's last ``n`` tokens against the prompt and output so far
-  (vLLM's ``ngram`` method, its ``prompt_lookup_max`` / ``prompt_lookup_min``); no model, no memory, free.
+  (vLLM's ``ngram`` method, its ``prompt_lookup_max`` / ``prompt_lookup_min``); no model, only each running
+  sequence's tokens kept to match against (``NgramMatcher``, 8 bytes a token).
 * ``DraftModelProposer``: a small ``labkit.model.CausalLM`` (or an HF Llama-family model, adopted) with the target's
   vocabulary, on its own ``PagedKVCache`` (a ``kvcache.SeqBlocks`` per sequence there), run by a ``ModelRunner`` of
   its own (so its one-token steps replay CUDA graphs on CUDA); it runs ``k`` batched steps per target step (the
@@ -56,7 +57,7 @@ class Proposer:
         """Forget a sequence whose blocks the scheduler took back (free its draft cache)."""
 
 
-class NgramIndex:
+class NgramMatcher:
     """One sequence's tokens, kept for prompt lookup as they grow and are rolled back: a Python list and the same
     tokens in a numpy array (8 bytes a token), so that a proposal is one vectorised comparison over the context
     (where the last token occurred before) and a check of the few hits, not a Python scan of every position
@@ -107,7 +108,7 @@ class NgramIndex:
 class PromptLookupProposer(Proposer):
     """Propose the ``k`` tokens that followed the most recent earlier occurrence of the context's last ``n``
     tokens, trying ``n = max_ngram .. min_ngram`` (longest match first). Deterministic: ``q`` is ``None``. Keeps an
-    ``NgramIndex`` per sequence (forgotten by ``release``)."""
+    ``NgramMatcher`` per sequence (forgotten by ``release``)."""
 
     name = "prompt_lookup"
 
@@ -115,27 +116,27 @@ class PromptLookupProposer(Proposer):
         if not check_positive_int("min_ngram", min_ngram) <= check_positive_int("max_ngram", max_ngram):
             raise ValueError(f"min_ngram={min_ngram}, max_ngram={max_ngram}: need 1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.indexes: dict[Hashable, NgramIndex] = {}
+        self.matchers: dict[Hashable, NgramMatcher] = {}
 
     def lookup(self, context: Sequence[int], k: int) -> list[int]:
-        """The proposal for ``context`` alone (an index built for it and dropped)."""
-        index = NgramIndex(self.max_ngram, self.min_ngram)
-        index.sync(context)
-        return index.propose(k)
+        """The proposal for ``context`` alone (a matcher made for it and dropped)."""
+        matcher = NgramMatcher(self.max_ngram, self.min_ngram)
+        matcher.sync(context)
+        return matcher.propose(k)
 
     def propose(self, seq_ids, contexts, ks, temperatures=None, generators=None) -> list[Proposal]:
         check_ks(ks, len(contexts))
         out = []
         for sid, c, k in zip(seq_ids, contexts, ks):
-            index = self.indexes.get(sid)
-            if index is None:
-                index = self.indexes[sid] = NgramIndex(self.max_ngram, self.min_ngram)
-            index.sync(c)
-            out.append((index.propose(k), None))
+            matcher = self.matchers.get(sid)
+            if matcher is None:
+                matcher = self.matchers[sid] = NgramMatcher(self.max_ngram, self.min_ngram)
+            matcher.sync(c)
+            out.append((matcher.propose(k), None))
         return out
 
     def release(self, seq_id: Hashable) -> None:
-        self.indexes.pop(seq_id, None)
+        self.matchers.pop(seq_id, None)
 
 
 def sample_rows(logits: torch.Tensor, temperatures: Sequence[float],
