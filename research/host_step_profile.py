@@ -4,11 +4,13 @@ preparation, sampling, postprocessing), profiled with cProfile over ``--steps`` 
 
     python research/host_step_profile.py --batch 64 --steps 50 --out DIR [--async-scheduling]
     python research/host_step_profile.py --batch 16 --prompt 500 --speculative prompt_lookup
+    python research/host_step_profile.py --batch 16 --prompt 1500 --speculative draft
 
 ``--async-scheduling``: the engine's overlap path (``labkit.engine.async_step``), the same host work in another order
-(on the CPU nothing overlaps: the stand-in forward is done when it returns). ``--speculative prompt_lookup``: every
-step a speculative one (4 proposals a sequence; the stand-in's random logits reject most of them, so each step also
-rolls back), for the host work speculation adds; the prompts repeat a 50-token pattern so that lookup finds matches.
+(on the CPU nothing overlaps: the stand-in forward is done when it returns). ``--speculative prompt_lookup`` (or
+``draft``: the shipped draft model, its forward stubbed too): every step a speculative one (4 proposals a sequence;
+the stand-in's random logits reject most of them, so each step also rolls back), for the host work speculation adds;
+the prompts repeat a 50-token pattern so that lookup finds matches.
 
 Writes ``DIR/records/host_step_profile.json``: milliseconds of host work a step, and the cumulative milliseconds a
 step of the engine's main functions.
@@ -24,11 +26,19 @@ import time
 import torch
 
 from labkit.bench import write_record
+from labkit.data import DATA_DIR
 from labkit.engine import LLMEngine, SamplingParams, SpeculativeConfig
-from labkit.model import load_model
+from labkit.model import load_checkpoint, load_model
 
 FUNCTIONS = ("schedule", "_schedule_decodes", "append_slots", "prepare", "__call__", "sample", "postprocess", "execute",
              "_read", "_commit", "_propose", "_verify", "_accept")
+
+
+def speculative_config(method: str | None) -> SpeculativeConfig | None:
+    if method == "draft":  # the shipped draft of the embedded model
+        return SpeculativeConfig("draft", 4, draft_model=load_checkpoint(DATA_DIR / "pydocs-llama-draft",
+                                                                          dtype=torch.float32, device="cpu"))
+    return SpeculativeConfig(method, 4) if method else None
 
 
 def main() -> None:
@@ -38,12 +48,12 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=100)
     ap.add_argument("--out", default=None)
     ap.add_argument("--async-scheduling", action="store_true")
-    ap.add_argument("--speculative", choices=["prompt_lookup"], default=None)
+    ap.add_argument("--speculative", choices=["prompt_lookup", "draft"], default=None)
     args = ap.parse_args()
     model, _ = load_model(device="cpu")
     engine = LLMEngine(model, max_num_seqs=args.batch, num_blocks=4096, block_size=16, cuda_graphs=False,
                        async_scheduling=args.async_scheduling,
-                       speculative=SpeculativeConfig(args.speculative, 4) if args.speculative else None)
+                       speculative=speculative_config(args.speculative))
     vocab = model.config.vocab_size
     for i in range(args.batch):
         pattern = 50 if args.speculative else vocab - 3
@@ -60,6 +70,8 @@ def main() -> None:
         return logits[rows]
 
     engine.runner.forward = fixed_logits
+    if args.speculative == "draft":
+        engine.speculator.proposer.runner.forward = fixed_logits
     profile = cProfile.Profile()
     t0 = time.perf_counter()
     profile.enable()

@@ -9,7 +9,7 @@ import torch
 
 from labkit.data import sample_prompts
 from labkit.engine import EngineConfig, LLMEngine, SamplingParams, SpeculativeConfig, accept
-from labkit.engine.proposers import DraftModelProposer, NgramMatcher, PromptLookupProposer
+from labkit.engine.proposers import DraftModelProposer, NgramMatcher, PromptLookupProposer, common_prefix_len
 from labkit.engine.speculative import accept_greedy, accept_sampled, target_probs
 from labkit.kvcache import SeqBlocks
 from labkit.model import ModelConfig, from_config
@@ -477,3 +477,15 @@ def test_greedy_draft_proposals_stay_on_the_device_and_match_dense_greedy(draft)
     ctx = torch.randint(3, vocab, (18,), generator=g).tolist()
     (toks, _), = small.propose(["x"], [ctx], [4])
     assert toks == _greedy_continuation(draft, ctx, 3)
+
+
+def test_common_prefix_len():
+    g = torch.Generator().manual_seed(8)
+    for _ in range(300):
+        a = torch.randint(3, (int(torch.randint(0, 200, (), generator=g)),), generator=g).tolist()
+        b = list(a[:int(torch.randint(0, len(a) + 1, (), generator=g))])
+        if b and int(torch.randint(2, (), generator=g)):  # a difference anywhere: near the tail or far from it
+            b[int(torch.randint(len(b), (), generator=g))] += 5
+        b += torch.randint(3, (int(torch.randint(0, 5, (), generator=g)),), generator=g).tolist()
+        expected = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert common_prefix_len(a, b) == common_prefix_len(b, a) == expected

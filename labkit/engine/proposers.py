@@ -57,6 +57,20 @@ class Proposer:
         """Forget a sequence whose blocks the scheduler took back (free its draft cache)."""
 
 
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """How many leading tokens lists ``a`` and ``b`` share. A proposer's copy of a sequence differs from the engine's
+    at the tail (rejected proposals, new tokens), so the lists are compared whole in C first and, where they differ,
+    position by position only over the last 64 shared positions when the rest is equal (a Python loop over a long
+    context every step would cost more than the step)."""
+    common = min(len(a), len(b))
+    if a[:common] == b[:common]:
+        return common
+    lo = max(0, common - 64)
+    if a[:lo] != b[:lo]:
+        lo = 0
+    return next(i for i in range(lo, common) if a[i] != b[i])
+
+
 class NgramMatcher:
     """One sequence's tokens, kept for prompt lookup as they grow and are rolled back: a Python list and the same
     tokens in a numpy array (8 bytes a token), so that a proposal is one vectorised comparison over the context
@@ -74,12 +88,7 @@ class NgramMatcher:
 
     def sync(self, context: Sequence[int]) -> None:
         ctx, toks = (context if isinstance(context, list) else list(context)), self.tokens
-        common = min(len(ctx), len(toks))
-        if ctx[:common] != toks[:common]:  # a rollback (rejected proposals) changes the tail: find where
-            lo = max(0, common - 64)
-            if ctx[:lo] != toks[:lo]:
-                lo = 0
-            common = next(i for i in range(lo, common) if ctx[i] != toks[i])
+        common = common_prefix_len(ctx, toks)
         new = ctx[common:]
         del toks[common:]
         toks.extend(new)
@@ -201,12 +210,10 @@ class DraftModelProposer(Proposer):
         need a forward (>= 1: the last one's logits are needed). ``CacheFullError`` when its cache is full (the
         sequence is then released)."""
         seq = self.seqs.get(sid)
+        context = context if isinstance(context, list) else list(context)
         same = 0
         if seq is not None:
-            for a, b in zip(seq.token_ids, context):
-                if a != b:
-                    break
-                same += 1
+            same = common_prefix_len(seq.token_ids, context)
             same = min(same, len(context) - 1, seq.num_computed)  # recompute at least the last token
             if same == 0:
                 self.release(sid)
