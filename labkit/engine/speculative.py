@@ -41,9 +41,11 @@ import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from labkit.checks import check_choice, check_int, check_positive_int
+from labkit.device import host_to_device
 from labkit.engine.proposers import DraftModelProposer, PromptLookupProposer, Proposer
 from labkit.engine.sampling import SamplingParams, apply_top_k_top_p, token_seed
 from labkit.engine.scheduler import ScheduledBatch
@@ -151,10 +153,13 @@ def accept_sampled(logits: Seq[torch.Tensor], proposals: Seq[Seq[int]], qs: Seq[
     draws the acceptance tests from each sequence's ``generators[i]`` (CPU), then reads one row per sequence (the
     first rejected position's, or the bonus row) in a second copy and draws the next token from it: two syncs and
     ``vocab`` floats a sequence, where copying the logits would move ``(k + 1) * vocab``."""
-    probs = [target_probs(x, prm) for x, prm in zip(logits, params)]
-    picked = [pr[torch.arange(len(d), device=pr.device), torch.tensor(list(d), dtype=torch.long, device=pr.device)]
-              for pr, d in zip(probs, proposals)]
-    p_of_d = torch.cat(picked).tolist() if picked else []
+    if not logits:
+        return []
+    probs = torch.cat([target_probs(x, prm) for x, prm in zip(logits, params)])  # [sum(k_i + 1), vocab]
+    first = list(itertools.accumulate((len(d) + 1 for d in proposals), initial=0))  # each sequence's first row
+    flat = np.array([(first[i] + j) * probs.shape[1] + t for i, d in enumerate(proposals) for j, t in enumerate(d)],
+                    dtype=np.int64)  # p(d_j) of every proposal, as indices into the flattened probabilities
+    p_of_d = probs.view(-1)[host_to_device(flat, probs.device)].tolist()
     stops, at = [], 0
     for d, q, g in zip(proposals, qs, generators):
         j = len(d)  # the bonus row unless a proposal is rejected
@@ -166,7 +171,8 @@ def accept_sampled(logits: Seq[torch.Tensor], proposals: Seq[Seq[int]], qs: Seq[
                 break
         stops.append(j)
         at += len(d)
-    rows = torch.stack([pr[j] for pr, j in zip(probs, stops)]).float().cpu() if probs else []
+    stop_rows = np.array([first[i] + j for i, j in enumerate(stops)], dtype=np.int64)
+    rows = probs.index_select(0, host_to_device(stop_rows, probs.device)).cpu()
     out = []
     for row, j, d, q, g in zip(rows, stops, proposals, qs, generators):
         if j < len(d):  # rejected at j: draw from max(0, p - q) renormalised
