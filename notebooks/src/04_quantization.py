@@ -623,8 +623,12 @@ show(
           "same bits and kernel {quant.int4_calibrated_ppl_delta_frac:.1%}, both under 5%: calibration lowers the "
           "error at the same bytes.", "quant.int8_ppl_delta_frac < quant.int4_calibrated_ppl_delta_frac < "
           "quant.int4_rtn_ppl_delta_frac < 0.05", machine="gpu"),
-    Claim("bitsandbytes NF4 lands at {quant.nf4_ppl_delta_frac:.1%}, below GPTQ on this model.",
-          "quant.nf4_ppl_delta_frac < quant.int4_calibrated_ppl_delta_frac", machine="gpu"),
+    Claim("bitsandbytes NF4, with no calibration, lands at {quant.nf4_ppl_delta_frac:.2%}: below round-to-nearest "
+          "int4's {quant.int4_rtn_ppl_delta_frac:.2%} and {quant.nf4_ppl_delta_frac:if < "
+          "quant.int4_calibrated_ppl_delta_frac then below else level with or above} GPTQ's "
+          "{quant.int4_calibrated_ppl_delta_frac:.2%} on this model: a grid placed where normal weights fall recovers "
+          "most of what calibration does.",
+          "quant.nf4_ppl_delta_frac < quant.int4_rtn_ppl_delta_frac", machine="gpu"),
     Claim("Quantising the LM head to int4 as well raises int4's change to {quant.int4_lm_head_ppl_delta_frac:.1%}, "
           "over 1.5x the {quant.int4_int8_head_ppl_delta_frac:.1%} of an int8 head.",
           "quant.int4_lm_head_ppl_delta_frac > 1.5 * quant.int4_int8_head_ppl_delta_frac", machine="gpu"),
