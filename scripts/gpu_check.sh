@@ -17,6 +17,9 @@ RUN=${LABKIT_GPU_RUN:-/tmp/gpu_run}
 mkdir -p "$OUT" "$RUN/logs"
 source "$(dirname "$0")/triton_autotune.sh"
 autotune_seed
+# every stage of this call is one run (one machine, one commit): a claim comparing figures of two notebooks (05's
+# engine against 00's HF baseline, 06's plan against 08's) is checked only on figures of one run
+export LABKIT_RUN_ID=${LABKIT_RUN_ID:-$(python3 -c "from labkit.bench import new_run_id; print(new_run_id())")}
 stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(tests 00 01 02 03 04 05 06 07 08 09)
 for st in "${stages[@]}"; do

@@ -249,15 +249,27 @@ def test_sampled_engine_output_follows_target(method, top_k):
     # A tiny target and a different draft, vocabulary 5, k=3, through the engine (its scheduler, lookahead slots,
     # rollback): the joint law of the first two new tokens of 2,000 requests (each its own seed) equals the
     # target's (25 cells, chi-square with at most 24 degrees of freedom, p=0.001: 51.2).
+    sampled_output_follows_target(method, top_k, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method,top_k", [("draft", 0), ("draft", 3)])
+def test_sampled_engine_output_follows_target_on_cuda(method, top_k):
+    """The same law on CUDA, where the draft's draws, its ``q`` and the acceptance's residual stay on the device
+    (inverse-CDF draws at uniforms from each sequence's CPU generator)."""
+    sampled_output_follows_target(method, top_k, "cuda")
+
+
+def sampled_output_follows_target(method: str, top_k: int, device: str) -> None:
     cfg = ModelConfig(model_type="llama", vocab_size=5, hidden_size=32, intermediate_size=64, num_layers=1,
                       num_heads=2, num_kv_heads=1, head_dim=16)
-    tgt = from_config(cfg, dtype=torch.float32, seed=0, std=0.5)
-    draft = from_config(cfg, dtype=torch.float32, seed=7, std=0.5)
+    tgt = from_config(cfg, device=device, dtype=torch.float32, seed=0, std=0.5)
+    draft = from_config(cfg, device=device, dtype=torch.float32, seed=7, std=0.5)
     prompt = [1, 3, 2, 1, 3, 2, 1]  # repeats: prompt lookup proposes
     sp = SamplingParams(temperature=1.0, top_k=top_k, max_tokens=3, ignore_eos=True)
     with torch.no_grad():
-        p1 = target_probs(tgt(torch.tensor([prompt]))[0, -1:], sp)[0]
-        seconds = target_probs(tgt(torch.tensor([[*prompt, t] for t in range(5)]))[:, -1], sp)
+        p1 = target_probs(tgt(torch.tensor([prompt], device=device))[0, -1:], sp)[0].cpu()
+        seconds = target_probs(tgt(torch.tensor([[*prompt, t] for t in range(5)], device=device))[:, -1], sp).cpu()
     joint = (p1[:, None] * seconds).flatten()
     spec = SpeculativeConfig(method, 3, draft_model=draft if method == "draft" else None)
     engine = LLMEngine(tgt, block_size=4, num_blocks=1200, max_num_seqs=256, max_num_batched_tokens=2048,
@@ -317,23 +329,44 @@ def test_bad_configuration(tiny_model):
         SamplingParams(num_speculative_tokens=-1)
 
 
-def test_sample_rows_batched_equals_per_row():
-    """The draft's batched sampling: greedy rows take the argmax (``q`` None), sampled rows the draw a per-row
-    softmax at their temperature and their own generator would give, with that softmax as ``q``."""
-    from labkit.engine.proposers import sample_rows
+def test_draw_rows_batched_equals_per_row():
+    """The draft's batched draws: greedy rows take the argmax, sampled rows the inverse-CDF draw of a per-row softmax
+    at their temperature at one uniform from their own generator, with that softmax as their row of ``q``."""
+    from labkit.engine.proposers import draw_rows
 
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     temps = [0.0, 0.7, 0.0, 1.3]
-    out = sample_rows(logits, temps, [torch.Generator().manual_seed(s) for s in range(4)])
-    for r, (tok, q) in enumerate(out):
+    tokens, q = draw_rows(logits, temps, [torch.Generator().manual_seed(s) for s in range(4)])
+    assert q.shape == (2, 50) and tokens.dtype == torch.int64
+    for r in range(4):
         if temps[r] == 0:
-            assert tok == int(logits[r].argmax()) and q is None
-        else:
-            want = torch.softmax(logits[r] / temps[r], dim=-1)
-            assert torch.allclose(q, want, rtol=1e-6, atol=1e-7)
-            assert tok == int(torch.multinomial(want, 1, generator=torch.Generator().manual_seed(r)))
+            assert int(tokens[r]) == int(logits[r].argmax())
+            continue
+        want = torch.softmax(logits[r] / temps[r], dim=-1)
+        assert torch.allclose(q[[1, 3].index(r)], want, rtol=1e-6, atol=1e-7)
+        u = float(torch.rand((), generator=torch.Generator().manual_seed(r)))
+        assert int(tokens[r]) == int((want.cumsum(0) > u * want.sum()).nonzero()[0])
+    assert draw_rows(logits, [0.0] * 4, [None] * 4)[1] is None
     with pytest.raises(ValueError, match="one temperature and one generator per row"):
-        sample_rows(logits, temps[:3], [None] * 3)
+        draw_rows(logits, temps[:3], [None] * 3)
+
+
+def test_inverse_cdf_draws_each_token_at_its_probability():
+    """``inverse_cdf``: an unnormalised row's zero-probability tokens are never drawn; at a uniform grid of ``u`` the
+    tokens come out in proportion to their probability (to the grid's resolution), and the edge ``u`` -> 1 stays in
+    the vocabulary."""
+    from labkit.engine.sampling import inverse_cdf
+
+    row = torch.tensor([0.0, 2.0, 0.0, 1.0, 1.0, 0.0])  # sums to 4: tokens 1, 3, 4 at 1/2, 1/4, 1/4
+    n = 4000
+    u = (torch.arange(n, dtype=torch.float32) + 0.5) / n
+    drawn = inverse_cdf(row.expand(n, -1), u)
+    counts = torch.bincount(drawn, minlength=6).tolist()
+    assert counts == [0, n // 2, 0, n // 4, n // 4, 0]
+    assert int(inverse_cdf(row[None], torch.tensor([1 - 2 ** -24]))[0]) == 4
+    assert int(inverse_cdf(torch.zeros(1, 6), torch.tensor([0.3]))[0]) in range(6)
+    with pytest.raises(ValueError, match="uniforms"):
+        inverse_cdf(row[None], torch.tensor([0.1, 0.2]))
 
 
 @pytest.mark.gpu

@@ -1,7 +1,7 @@
 """Proposers for speculative decoding: who guesses the next ``k`` tokens that the target then verifies.
 
 ``Proposer.propose(seq_ids, contexts, ks, temperatures, generators)`` returns, per sequence, up to ``ks[i]`` token ids
-and the distribution each was drawn from (``q``, float32 ``[n_i, vocab]`` on the CPU, or ``None`` where the proposal
+and the distribution each was drawn from (``q``, float32 ``[n_i, vocab]`` on the device, or ``None`` where the proposal
 is deterministic, i.e. ``q`` is one-hot on the proposed token). A proposer may propose fewer than asked (prompt
 lookup finds no match, the draft's cache is full): that sequence then takes a plain decode step in the same batch.
 ``release(seq_id)`` forgets a sequence (the engine's scheduler calls it whenever the sequence's blocks are taken
@@ -15,8 +15,9 @@ back: it finished, was aborted, failed or was preempted).
   its own (so its one-token steps replay CUDA graphs on CUDA); it runs ``k`` batched steps per target step (the
   first catches up, the others are one-token decodes) and rolls its sequence back to the accepted prefix next time
   (caught up lazily from the committed context: after a preemption it prefills the whole context again). Each step
-  samples its rows batched on the device: one argmax for the greedy rows read back with one ``.tolist()``, one
-  softmax for the sampled rows (their ``q``) read back once and drawn per row on the CPU with the row's generator.
+  draws its rows batched on the device (``draw_rows``: an argmax, or an inverse-CDF draw at a uniform from the row's
+  CPU generator) and feeds them to the next step there; the host reads every token once, after the last step, and
+  the sampled rows' ``q`` never leave the device.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ import numpy as np
 import torch
 
 from labkit.checks import check_int, check_positive_int
+from labkit.device import host_to_device
 from labkit.engine.cuda_graph import default_graph_token_sizes
 from labkit.engine.model_runner import ModelRunner
+from labkit.engine.sampling import draw_uniforms, inverse_cdf
 from labkit.kvcache import CacheFullError, SeqBlocks
 from labkit.model import adopt_hf_model
 from labkit.model.attention import placeholder
@@ -148,30 +151,30 @@ class PromptLookupProposer(Proposer):
         self.matchers.pop(seq_id, None)
 
 
-def sample_rows(logits: torch.Tensor, temperatures: Sequence[float],
-                generators: Sequence[torch.Generator | None]) -> list[tuple[int, torch.Tensor | None]]:
-    """One token per row of float ``logits`` ``[n, vocab]`` (on any device), batched: the rows at temperature 0 take
-    one argmax on the device, read back with one ``.tolist()`` (their ``q`` is one-hot: ``None``); the others one
-    softmax of ``logits / temperature`` on the device, copied to the CPU once, each drawn with its row's generator
-    (a CPU generator). Returns ``(token, q)`` per row, ``q`` float32 ``[vocab]`` on the CPU or ``None``."""
+def draw_rows(logits: torch.Tensor, temperatures: Sequence[float],
+              generators: Sequence[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One token per row of float ``logits`` ``[n, vocab]``, batched and on ``logits``' device: the argmax of a row at
+    temperature 0; for the others, a draw from ``softmax(logits / temperature)`` (``inverse_cdf`` at a uniform from
+    the row's CPU generator: the host draws ``n`` numbers and sends them in one non-blocking copy).
+
+    Returns ``tokens`` int64 ``[n]`` and ``q``, the sampled rows' distributions (float32 ``[n_sampled, vocab]``, in
+    row order), or ``None`` when every row is greedy; both stay on the device (nothing is read back)."""
     temps = list(temperatures)
     if len(temps) != logits.shape[0] or len(generators) != len(temps):
         raise ValueError(f"need one temperature and one generator per row of logits {tuple(logits.shape)}, got "
                          f"{len(temps)} and {len(generators)}")
-    out: list[tuple[int, torch.Tensor | None]] = [(0, None)] * len(temps)
-    greedy = [r for r, t in enumerate(temps) if t == 0]
+    tokens = logits.argmax(dim=-1)
     drawn = [r for r, t in enumerate(temps) if t != 0]
-    if greedy:
-        rows = logits if len(greedy) == len(temps) else logits[greedy]
-        for r, tok in zip(greedy, rows.argmax(dim=-1).tolist()):
-            out[r] = (tok, None)
-    if drawn:
-        rows = logits if len(drawn) == len(temps) else logits[drawn]
-        t = torch.tensor([temps[r] for r in drawn], dtype=torch.float32, device=logits.device)
-        qs = torch.softmax(rows.float() / t[:, None], dim=-1).cpu()
-        for j, r in enumerate(drawn):
-            out[r] = (int(torch.multinomial(qs[j], 1, generator=generators[r])), qs[j])
-    return out
+    if not drawn:
+        return tokens, None
+    dev = logits.device
+    every = len(drawn) == len(temps)
+    idx = None if every else host_to_device(torch.tensor(drawn), dev)
+    rows = logits if every else logits.index_select(0, idx)
+    t = host_to_device(torch.tensor([temps[r] for r in drawn], dtype=torch.float32), dev)
+    q = torch.softmax(rows.float() / t[:, None], dim=-1)
+    picks = inverse_cdf(q, draw_uniforms([generators[r] for r in drawn], dev))
+    return (picks if every else tokens.index_copy(0, idx, picks)), q
 
 
 class DraftModelProposer(Proposer):
@@ -232,6 +235,11 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, seq_ids, contexts, ks, temperatures=None, generators=None) -> list[Proposal]:
+        """Up to ``ks[i]`` draft steps for each sequence, batched: each step's tokens (``draw_rows``: argmax or a
+        draw) stay on the device and feed the next step's input (``placeholder`` ids filled on the device, as async
+        scheduling does), so the steps run without a sync and the host prepares step ``j + 1`` while the GPU runs
+        step ``j``; one copy reads every token at the end. A sampled sequence's ``q`` (its rows' distributions,
+        float32 ``[n_i, vocab]``) stays on the device for the acceptance test."""
         check_ks(ks, len(contexts))
         temps = [0.0] * len(ks) if temperatures is None else list(temperatures)
         gens = [None] * len(ks) if generators is None else list(generators)
@@ -243,27 +251,10 @@ class DraftModelProposer(Proposer):
                 except CacheFullError:
                     continue  # this one decodes plainly this step
         live = list(query)
-        if all(temps[i] == 0 for i in live):
-            return self._propose_greedy(seq_ids, ks, live, query)
-        out: list[tuple[list[int], list[torch.Tensor | None]]] = [([], []) for _ in contexts]
-        for step in range(max((ks[i] for i in live), default=0)):
-            live = [i for i in live if len(out[i][0]) < ks[i]]
-            if step > 0:
-                live = self._append(seq_ids, {i: out[i][0][-1] for i in live}, query)
-            if not live:
-                break
-            logits = self._step(seq_ids, live, query)
-            for i, (tok, q) in zip(live, sample_rows(logits, [temps[i] for i in live], [gens[i] for i in live])):
-                out[i][0].append(tok)
-                out[i][1].append(q)
-        return [(toks, torch.stack(qs) if qs and temps[i] > 0 else None) for i, (toks, qs) in enumerate(out)]
-
-    def _propose_greedy(self, seq_ids, ks, live: list[int], query: dict[int, int]) -> list[Proposal]:
-        """Every proposing row greedy: each step's argmax stays on the device and feeds the next step's input
-        (``placeholder`` ids filled on the device, as async scheduling does), so the ``k`` steps run without a sync
-        and the host prepares step ``j + 1`` while the GPU runs step ``j``; one copy reads all the tokens at the
-        end."""
-        steps: list[tuple[list[int], torch.Tensor]] = []  # (rows, their argmax on the device) per step
+        steps: list[tuple[list[int], torch.Tensor]] = []  # (rows, their tokens on the device) per step
+        q_steps: list[torch.Tensor] = []  # the sampled rows' distributions, step after step
+        q_rows: dict[int, list[int]] = {i: [] for i in live if temps[i] != 0}  # each sampled row's, in q_steps' rows
+        n_q = 0
         made = dict.fromkeys(live, 0)
         for step in range(max((ks[i] for i in live), default=0)):
             live = [i for i in live if made[i] < ks[i]]
@@ -273,22 +264,38 @@ class DraftModelProposer(Proposer):
             if not live:
                 break
             logits = self._step(seq_ids, live, query, sampled=steps[-1][1] if step > 0 else None)
-            steps.append((live, logits.argmax(dim=-1)))
+            tokens, q = draw_rows(logits, [temps[i] for i in live], [gens[i] for i in live])
+            steps.append((live, tokens))
+            if q is not None:
+                q_steps.append(q)
+                for i in (i for i in live if temps[i] != 0):
+                    q_rows[i].append(n_q)
+                    n_q += 1
             for i in live:
                 made[i] += 1
-        tokens = torch.cat([best for _, best in steps]).tolist() if steps else []
+        flat = torch.cat([t for _, t in steps]).tolist() if steps else []
         out: list[list[int]] = [[] for _ in ks]
         at = 0
         for rows, _ in steps:
             for i in rows:
-                out[i].append(tokens[at])
+                out[i].append(flat[at])
                 at += 1
         for i in made:  # the draft's copies hold the real tokens again (placeholders stood for the last k - 1)
             toks = self.seqs[seq_ids[i]].token_ids
             n = len(out[i]) - 1
             if n > 0:
                 toks[len(toks) - n:] = out[i][:n]
-        return [(toks, None) for toks in out]
+        qs: list[torch.Tensor | None] = [None] * len(ks)
+        if q_steps:  # one gather puts each sequence's rows together; each q is a slice of it
+            all_q = torch.cat(q_steps)
+            order = [r for i in sorted(q_rows) for r in q_rows[i]]
+            grouped = all_q.index_select(0, host_to_device(torch.tensor(order), all_q.device))
+            start = 0
+            for i in sorted(q_rows):
+                n = len(q_rows[i])
+                qs[i] = grouped[start:start + n] if n else None
+                start += n
+        return [(toks, q) for toks, q in zip(out, qs)]
 
     def _append(self, seq_ids, next_ids: dict[int, int], query: dict[int, int]) -> list[int]:
         """Append ``next_ids[i]`` to row ``i``'s draft sequence with its slot; a row whose slot the cache cannot

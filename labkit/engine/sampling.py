@@ -101,6 +101,29 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+def draw_uniforms(generators: Sequence[torch.Generator], device: torch.device) -> torch.Tensor:
+    """One uniform draw in [0, 1) from each CPU generator, on ``device``: float32 ``[n]``, sent by one non-blocking
+    copy (the host does not wait for the device)."""
+    u = torch.stack([torch.rand((), generator=g) for g in generators]) if generators else torch.empty(0)
+    return host_to_device(u, device)
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` (float ``[n, vocab]``, non-negative, any device; a row need not sum to 1), drawn
+    by inverting the row's cumulative sum at ``uniforms[i]`` (float32 ``[n]`` in [0, 1), on ``probs``' device) times
+    the row's total: token ``t`` has probability ``probs[i, t] / sum(probs[i])``, and one of probability 0 is never
+    drawn. Returns int64 ``[n]`` on the device; the vocabulary-wide work never leaves it (the host only draws the
+    ``n`` uniforms from each row's own generator: ``draw_uniforms``)."""
+    if probs.dim() != 2 or uniforms.shape != (probs.shape[0],):
+        raise ValueError(f"need probs [n, vocab] and uniforms [n], got {tuple(probs.shape)} and "
+                         f"{tuple(uniforms.shape)}")
+    cdf = probs.float().cumsum(dim=-1)
+    at = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
+    tokens = torch.searchsorted(cdf, at, right=True).squeeze(-1)  # the first position whose cdf exceeds u * total
+    # u * total rounding up to the total (or a row of zeros) finds no such position: take the row's likeliest token
+    return torch.where(tokens < probs.shape[-1], tokens, probs.argmax(dim=-1))
+
+
 class Sampler:
     """Next tokens for a batch of rows, each with its own ``SamplingParams``, seed and output index."""
 

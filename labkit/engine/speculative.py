@@ -47,7 +47,7 @@ import torch
 from labkit.checks import check_choice, check_int, check_positive_int
 from labkit.device import host_to_device
 from labkit.engine.proposers import DraftModelProposer, PromptLookupProposer, Proposer
-from labkit.engine.sampling import SamplingParams, apply_top_k_top_p, token_seed
+from labkit.engine.sampling import SamplingParams, apply_top_k_top_p, draw_uniforms, inverse_cdf, token_seed
 from labkit.engine.scheduler import ScheduledBatch
 from labkit.engine.sequence import Sequence
 
@@ -132,9 +132,9 @@ def accept(p: torch.Tensor, proposal: Seq[int], q: torch.Tensor | None, temperat
     """``(n_accepted, next_token)`` for one sequence.
 
     ``p``: float target logits ``[k + 1, vocab]`` (row ``j`` predicts the token after ``d_j``; row 0 after the
-    pending token); ``proposal``: ``k`` token ids; ``q``: float32 draft probabilities ``[k, vocab]`` on the CPU or
-    ``None`` (deterministic proposals: ``q`` one-hot on ``d_j``). At ``temperature`` 0 the rule is argmax equality;
-    above it the target's distribution is ``target_probs`` with ``top_k`` / ``top_p`` (``accept_sampled``)."""
+    pending token); ``proposal``: ``k`` token ids; ``q``: float32 draft probabilities ``[k, vocab]`` (on ``p``'s
+    device) or ``None`` (deterministic proposals: ``q`` one-hot on ``d_j``). At ``temperature`` 0 the rule is argmax
+    equality; above it the target's distribution is ``target_probs`` with ``top_k`` / ``top_p`` (``accept_sampled``)."""
     k = len(proposal)
     if p.dim() != 2 or p.shape[0] != k + 1:
         raise ValueError(f"p must be [k + 1 = {k + 1}, vocab], got {tuple(p.shape)}")
@@ -148,45 +148,61 @@ def accept_sampled(logits: Seq[torch.Tensor], proposals: Seq[Seq[int]], qs: Seq[
                    params: Seq[SamplingParams], generators: Seq[torch.Generator | None]) -> list[tuple[int, int]]:
     """The rejection rule (module docstring) for many sampled sequences at once: ``(n_accepted, next_token)`` each.
 
-    ``logits[i]``: float ``[k_i + 1, vocab]`` on any device; ``qs[i]``: float32 ``[k_i, vocab]`` on the CPU or
-    ``None``. The target's probabilities stay on the device: the host reads ``p(d_j)`` of every proposal in one copy,
-    draws the acceptance tests from each sequence's ``generators[i]`` (CPU), then reads one row per sequence (the
-    first rejected position's, or the bonus row) in a second copy and draws the next token from it: two syncs and
-    ``vocab`` floats a sequence, where copying the logits would move ``(k + 1) * vocab``."""
+    ``logits[i]``: float ``[k_i + 1, vocab]``; ``qs[i]``: float32 ``[>= k_i, vocab]`` (a draft's rows) or ``None``;
+    on one device. Probabilities never leave it: the host reads ``p(d_j)`` and ``q(d_j)`` of every proposal in one
+    copy, runs the acceptance tests with each sequence's ``generators[i]`` (CPU), then one batched device op forms
+    each sequence's last distribution (the bonus row, or ``max(0, p - q)`` at the first rejection) and draws from it
+    at one more uniform of the generator (``inverse_cdf``); a second copy reads the tokens: two syncs and ``2k + 1``
+    numbers a sequence, for any vocabulary."""
     if not logits:
         return []
     probs = torch.cat([target_probs(x, prm) for x, prm in zip(logits, params)])  # [sum(k_i + 1), vocab]
+    dev, vocab = probs.device, probs.shape[1]
     first = list(itertools.accumulate((len(d) + 1 for d in proposals), initial=0))  # each sequence's first row
-    flat = np.array([(first[i] + j) * probs.shape[1] + t for i, d in enumerate(proposals) for j, t in enumerate(d)],
-                    dtype=np.int64)  # p(d_j) of every proposal, as indices into the flattened probabilities
-    p_of_d = probs.view(-1)[host_to_device(flat, probs.device)].tolist()
+    drafted = [i for i, q in enumerate(qs) if q is not None]
+    q_all = torch.cat([qs[i].to(dev, torch.float32) for i in drafted]) if drafted else None
+    q_first = dict(zip(drafted, itertools.accumulate((qs[i].shape[0] for i in drafted), initial=0)))
+    flat_p = np.array([(first[i] + j) * vocab + t for i, d in enumerate(proposals) for j, t in enumerate(d)],
+                      dtype=np.int64)  # p(d_j) of every proposal, as indices into the flattened probabilities
+    flat_q = np.array([(q_first[i] + j) * vocab + t for i in drafted for j, t in enumerate(proposals[i])],
+                      dtype=np.int64)
+    picked = probs.view(-1)[host_to_device(flat_p, dev)]
+    if len(flat_q):
+        picked = torch.cat([picked, q_all.view(-1)[host_to_device(flat_q, dev)]])
+    values = picked.tolist()
+    p_of_d, q_of_d = values[:len(flat_p)], iter(values[len(flat_p):])
     stops, at = [], 0
-    for d, q, g in zip(proposals, qs, generators):
+    for i, (d, g) in enumerate(zip(proposals, generators)):
+        qd = [next(q_of_d) for _ in d] if qs[i] is not None else [1.0] * len(d)
         j = len(d)  # the bonus row unless a proposal is rejected
-        for i, tok in enumerate(d):
-            qd = 1.0 if q is None else float(q[i, tok])
+        for n in range(len(d)):
             u = float(torch.rand((), generator=g))
-            if not u * qd < p_of_d[at + i]:  # accept with probability min(1, p/q)
-                j = i
+            if not u * qd[n] < p_of_d[at + n]:  # accept with probability min(1, p/q)
+                j = n
                 break
         stops.append(j)
         at += len(d)
-    stop_rows = np.array([first[i] + j for i, j in enumerate(stops)], dtype=np.int64)
-    rows = probs.index_select(0, host_to_device(stop_rows, probs.device)).cpu()
-    out = []
-    for row, j, d, q, g in zip(rows, stops, proposals, qs, generators):
-        if j < len(d):  # rejected at j: draw from max(0, p - q) renormalised
-            if q is None:
-                residual = row.clone()
-                residual[d[j]] = 0.0
-            else:
-                residual = (row - q[j]).clamp_min(0.0)
-            total = float(residual.sum())
-            if total <= 0:  # p == q exactly: a rejection has probability 0; guard against rounding
-                residual, total = row, 1.0
-            row = residual / total
-        out.append((j, int(torch.multinomial(row, 1, generator=g))))
-    return out
+    rows = probs.index_select(0, host_to_device(np.array([first[i] + j for i, j in enumerate(stops)]), dev))
+    rejected = [i for i, (j, d) in enumerate(zip(stops, proposals)) if j < len(d)]
+    if rejected:  # rejected at j: draw from max(0, p - q) renormalised (q one-hot on d_j where there is no draft)
+        sub = torch.zeros_like(rows)
+        with_q = [i for i in rejected if qs[i] is not None]
+        if with_q:
+            sub.index_copy_(0, host_to_device(torch.tensor(with_q), dev),
+                            q_all.index_select(0, host_to_device(torch.tensor([q_first[i] + stops[i]
+                                                                               for i in with_q]), dev)))
+        one_hot = [(i, proposals[i][stops[i]]) for i in rejected if qs[i] is None]
+        if one_hot:
+            sub.index_put_(tuple(host_to_device(torch.tensor(c), dev) for c in zip(*one_hot)),
+                           torch.tensor(float("inf"), device=dev))
+        mask = torch.zeros(len(stops), dtype=torch.bool)
+        mask[rejected] = True
+        residual = (rows - sub).clamp_min(0.0)
+        # p == q exactly gives a rejection probability 0 and an empty residual: guard against rounding
+        usable = host_to_device(mask, dev)[:, None] & (residual.sum(dim=-1, keepdim=True) > 0)
+        rows = torch.where(usable, residual, rows)
+    tokens = inverse_cdf(rows, draw_uniforms(generators, dev)).tolist()
+    return list(zip(stops, tokens))
 
 
 class Speculator:
