@@ -4,6 +4,7 @@ chunked prefill, with aborts while speculating and under every scheduler; no blo
 cache leaks; the rejection rule reproduces the target distribution (chi-square on a small vocabulary, through the
 engine and alone); bad configurations are refused naming the argument."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -233,9 +234,9 @@ def test_rejection_rule_follows_target(deterministic):
     q = torch.softmax(torch.tensor([[2.5, -1.0, 0.5, 0.0, 1.0, 1.0]]), -1)
     counts, accepted = torch.zeros(6), 0
     draws = 20000
-    for _ in range(draws):
+    for t in range(draws):
         d = 0 if deterministic else int(torch.multinomial(q[0], 1, generator=g))
-        n, x = accept(logits, [d], None if deterministic else q, 1.0, g)
+        n, x = accept(logits, [d], None if deterministic else q, 1.0, (t, 0))  # each draw its own stream
         counts[d if n == 1 else x] += 1
         accepted += n
     assert chi_square(counts, p0) < 20.5
@@ -331,12 +332,12 @@ def test_bad_configuration(tiny_model):
 
 def test_draw_rows_batched_equals_per_row():
     """The draft's batched draws: greedy rows take the argmax, sampled rows the inverse-CDF draw of a per-row softmax
-    at their temperature at one uniform from their own generator, with that softmax as their row of ``q``."""
+    at their temperature and their uniform, with that softmax as their row of ``q``."""
     from labkit.engine.proposers import draw_rows
 
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
-    temps = [0.0, 0.7, 0.0, 1.3]
-    tokens, q = draw_rows(logits, temps, [torch.Generator().manual_seed(s) for s in range(4)])
+    temps, uniforms = [0.0, 0.7, 0.0, 1.3], [0.5, 0.31, 0.9, 0.77]
+    tokens, q = draw_rows(logits, temps, uniforms)
     assert q.shape == (2, 50) and tokens.dtype == torch.int64
     for r in range(4):
         if temps[r] == 0:
@@ -344,11 +345,28 @@ def test_draw_rows_batched_equals_per_row():
             continue
         want = torch.softmax(logits[r] / temps[r], dim=-1)
         assert torch.allclose(q[[1, 3].index(r)], want, rtol=1e-6, atol=1e-7)
-        u = float(torch.rand((), generator=torch.Generator().manual_seed(r)))
-        assert int(tokens[r]) == int((want.cumsum(0) > u * want.sum()).nonzero()[0])
-    assert draw_rows(logits, [0.0] * 4, [None] * 4)[1] is None
-    with pytest.raises(ValueError, match="one temperature and one generator per row"):
-        draw_rows(logits, temps[:3], [None] * 3)
+        assert int(tokens[r]) == int((want.cumsum(0) > uniforms[r] * want.sum()).nonzero()[0])
+    assert draw_rows(logits, [0.0] * 4, [0.0] * 4)[1] is None
+    with pytest.raises(ValueError, match="one temperature and one uniform per row"):
+        draw_rows(logits, temps[:3], uniforms[:3])
+
+
+def test_token_uniforms_are_uniform_and_depend_on_seed_and_index_alone():
+    """``token_uniforms``: the same (seed, index) gives the same number in any batch; over many pairs the numbers
+    fill [0, 1) evenly (a chi-square over 20 bins) with no correlation between neighbouring indices."""
+    from labkit.engine.sampling import token_uniforms
+
+    seeds = np.repeat(np.arange(200), 100)
+    index = np.tile(np.arange(100), 200)
+    u = token_uniforms(seeds, index)
+    assert u.dtype == np.float32 and u.min() >= 0 and u.max() < 1
+    assert token_uniforms(seeds[::-7], index[::-7]).tolist() == u[::-7].tolist()
+    counts = np.bincount((u * 20).astype(int), minlength=20)
+    expected = len(u) / 20
+    assert ((counts - expected) ** 2 / expected).sum() < 43.8  # 19 degrees of freedom, p = 0.001
+    assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 0.03
+    with pytest.raises(ValueError, match="one index per seed"):
+        token_uniforms([1, 2], [0])
 
 
 def test_inverse_cdf_draws_each_token_at_its_probability():
@@ -423,11 +441,10 @@ def test_sampled_acceptance_of_a_batch_equals_one_sequence_at_a_time():
         proposal = torch.randint(vocab, (k,), generator=g).tolist()
         cases.append((logits, proposal, q, prm))
     for seed in range(30):
-        alone = [accept_sampled([x], [d], [q], [prm], [torch.Generator().manual_seed(seed + i)])[0]
+        alone = [accept_sampled([x], [d], [q], [prm], [(seed + i, 3 * i)])[0]
                  for i, (x, d, q, prm) in enumerate(cases)]
         together = accept_sampled([c[0] for c in cases], [c[1] for c in cases], [c[2] for c in cases],
-                                  [c[3] for c in cases], [torch.Generator().manual_seed(seed + i)
-                                                          for i in range(len(cases))])
+                                  [c[3] for c in cases], [(seed + i, 3 * i) for i in range(len(cases))])
         assert together == alone
         for (x, d, _, prm), (n, tok) in zip(cases, together):
             assert 0 <= n <= len(d) and 0 <= tok < vocab

@@ -1,6 +1,6 @@
 """Proposers for speculative decoding: who guesses the next ``k`` tokens that the target then verifies.
 
-``Proposer.propose(seq_ids, contexts, ks, temperatures, generators)`` returns, per sequence, up to ``ks[i]`` token ids
+``Proposer.propose(seq_ids, contexts, ks, temperatures, streams)`` returns, per sequence, up to ``ks[i]`` token ids
 and the distribution each was drawn from (``q``, float32 ``[n_i, vocab]`` on the device, or ``None`` where the proposal
 is deterministic, i.e. ``q`` is one-hot on the proposed token). A proposer may propose fewer than asked (prompt
 lookup finds no match, the draft's cache is full): that sequence then takes a plain decode step in the same batch.
@@ -15,8 +15,8 @@ back: it finished, was aborted, failed or was preempted).
   its own (so its one-token steps replay CUDA graphs on CUDA); it runs ``k`` batched steps per target step (the
   first catches up, the others are one-token decodes) and rolls its sequence back to the accepted prefix next time
   (caught up lazily from the committed context: after a preemption it prefills the whole context again). Each step
-  draws its rows batched on the device (``draw_rows``: an argmax, or an inverse-CDF draw at a uniform from the row's
-  CPU generator) and feeds them to the next step there; the host reads every token once, after the last step, and
+  draws its rows batched on the device (``draw_rows``: an argmax, or an inverse-CDF draw at the sequence's
+  ``token_uniforms``) and feeds them to the next step there; the host reads every token once, after the last step, and
   the sampled rows' ``q`` never leave the device.
 """
 
@@ -31,7 +31,7 @@ from labkit.checks import check_int, check_positive_int
 from labkit.device import host_to_device
 from labkit.engine.cuda_graph import default_graph_token_sizes
 from labkit.engine.model_runner import ModelRunner
-from labkit.engine.sampling import draw_uniforms, inverse_cdf
+from labkit.engine.sampling import inverse_cdf, token_uniforms
 from labkit.kvcache import CacheFullError, SeqBlocks
 from labkit.model import adopt_hf_model
 from labkit.model.attention import placeholder
@@ -51,9 +51,10 @@ class Proposer:
 
     def propose(self, seq_ids: Sequence[Hashable], contexts: Sequence[Sequence[int]], ks: Sequence[int],
                 temperatures: Sequence[float] | None = None,
-                generators: Sequence[torch.Generator | None] | None = None) -> list[Proposal]:
+                streams: Sequence[tuple[int, int]] | None = None) -> list[Proposal]:
         """Up to ``ks[i]`` tokens after ``contexts[i]`` for each sequence, and their ``q`` (module docstring);
-        ``temperatures[i]`` (default 0: greedy) and ``generators[i]`` (CPU generators) for a proposer that samples."""
+        ``temperatures[i]`` (default 0: greedy) and ``streams[i] = (seed, index)`` for a proposer that samples: its
+        draw at step ``j`` is at ``sampling.token_uniforms(seed, index + j)``."""
         raise NotImplementedError
 
     def release(self, seq_id: Hashable) -> None:
@@ -136,7 +137,7 @@ class PromptLookupProposer(Proposer):
         matcher.sync(context)
         return matcher.propose(k)
 
-    def propose(self, seq_ids, contexts, ks, temperatures=None, generators=None) -> list[Proposal]:
+    def propose(self, seq_ids, contexts, ks, temperatures=None, streams=None) -> list[Proposal]:
         check_ks(ks, len(contexts))
         out = []
         for sid, c, k in zip(seq_ids, contexts, ks):
@@ -152,17 +153,18 @@ class PromptLookupProposer(Proposer):
 
 
 def draw_rows(logits: torch.Tensor, temperatures: Sequence[float],
-              generators: Sequence[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+              uniforms: Sequence[float] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One token per row of float ``logits`` ``[n, vocab]``, batched and on ``logits``' device: the argmax of a row at
-    temperature 0; for the others, a draw from ``softmax(logits / temperature)`` (``inverse_cdf`` at a uniform from
-    the row's CPU generator: the host draws ``n`` numbers and sends them in one non-blocking copy).
+    temperature 0; for the others, the draw of ``softmax(logits / temperature)`` at ``uniforms[r]`` (``inverse_cdf``;
+    a greedy row's uniform is not used). The host sends the sampled rows' temperatures and uniforms in one
+    non-blocking copy each.
 
     Returns ``tokens`` int64 ``[n]`` and ``q``, the sampled rows' distributions (float32 ``[n_sampled, vocab]``, in
     row order), or ``None`` when every row is greedy; both stay on the device (nothing is read back)."""
     temps = list(temperatures)
-    if len(temps) != logits.shape[0] or len(generators) != len(temps):
-        raise ValueError(f"need one temperature and one generator per row of logits {tuple(logits.shape)}, got "
-                         f"{len(temps)} and {len(generators)}")
+    if len(temps) != logits.shape[0] or len(uniforms) != len(temps):
+        raise ValueError(f"need one temperature and one uniform per row of logits {tuple(logits.shape)}, got "
+                         f"{len(temps)} and {len(uniforms)}")
     tokens = logits.argmax(dim=-1)
     drawn = [r for r, t in enumerate(temps) if t != 0]
     if not drawn:
@@ -171,9 +173,10 @@ def draw_rows(logits: torch.Tensor, temperatures: Sequence[float],
     every = len(drawn) == len(temps)
     idx = None if every else host_to_device(torch.tensor(drawn), dev)
     rows = logits if every else logits.index_select(0, idx)
-    t = host_to_device(torch.tensor([temps[r] for r in drawn], dtype=torch.float32), dev)
+    t, u = host_to_device(torch.tensor([[temps[r] for r in drawn], [float(uniforms[r]) for r in drawn]],
+                                       dtype=torch.float32), dev)
     q = torch.softmax(rows.float() / t[:, None], dim=-1)
-    picks = inverse_cdf(q, draw_uniforms([generators[r] for r in drawn], dev))
+    picks = inverse_cdf(q, u)
     return (picks if every else tokens.index_copy(0, idx, picks)), q
 
 
@@ -234,7 +237,7 @@ class DraftModelProposer(Proposer):
             raise
 
     @torch.inference_mode()
-    def propose(self, seq_ids, contexts, ks, temperatures=None, generators=None) -> list[Proposal]:
+    def propose(self, seq_ids, contexts, ks, temperatures=None, streams=None) -> list[Proposal]:
         """Up to ``ks[i]`` draft steps for each sequence, batched: each step's tokens (``draw_rows``: argmax or a
         draw) stay on the device and feed the next step's input (``placeholder`` ids filled on the device, as async
         scheduling does), so the steps run without a sync and the host prepares step ``j + 1`` while the GPU runs
@@ -242,7 +245,9 @@ class DraftModelProposer(Proposer):
         float32 ``[n_i, vocab]``) stays on the device for the acceptance test."""
         check_ks(ks, len(contexts))
         temps = [0.0] * len(ks) if temperatures is None else list(temperatures)
-        gens = [None] * len(ks) if generators is None else list(generators)
+        if streams is None and any(t != 0 for t in temps):
+            raise ValueError("sampled proposals (a temperature > 0) need streams: one (seed, index) per sequence")
+        seeds, first = (np.array(c, dtype=np.uint64) for c in zip(*streams)) if streams else (None, None)
         query = {}
         for i, k in enumerate(ks):
             if k > 0:
@@ -264,7 +269,9 @@ class DraftModelProposer(Proposer):
             if not live:
                 break
             logits = self._step(seq_ids, live, query, sampled=steps[-1][1] if step > 0 else None)
-            tokens, q = draw_rows(logits, [temps[i] for i in live], [gens[i] for i in live])
+            u = token_uniforms(seeds[live], first[live] + np.uint64(step)) if seeds is not None \
+                else np.zeros(len(live), np.float32)
+            tokens, q = draw_rows(logits, [temps[i] for i in live], u)
             steps.append((live, tokens))
             if q is not None:
                 q_steps.append(q)

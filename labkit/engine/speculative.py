@@ -47,13 +47,14 @@ import torch
 from labkit.checks import check_choice, check_int, check_positive_int
 from labkit.device import host_to_device
 from labkit.engine.proposers import DraftModelProposer, PromptLookupProposer, Proposer
-from labkit.engine.sampling import SamplingParams, apply_top_k_top_p, draw_uniforms, inverse_cdf, token_seed
+from labkit.engine.sampling import SamplingParams, apply_top_k_top_p, inverse_cdf, token_uniforms
 from labkit.engine.scheduler import ScheduledBatch
 from labkit.engine.sequence import Sequence
 
 SPEC_METHODS = ("prompt_lookup", "draft")
 """Proposers of ``SpeculativeConfig.method``: n-gram lookup in the context (vLLM's 'ngram'), or a draft model."""
-_DRAFT_SALT, _ACCEPT_SALT = 0x5BEC1, 0x5BEC2  # a step's draft and acceptance draws: streams of their own
+# the draft's draws, the acceptance tests and the last draw of a verify step: random streams of their own
+_DRAFT_SALT, _ACCEPT_SALT, _RESAMPLE_SALT = 0x5BEC1, 0x5BEC2, 0x5BEC3
 
 
 @dataclass(frozen=True)
@@ -128,32 +129,34 @@ def accept_greedy(best: Seq[int], proposal: Seq[int]) -> tuple[int, int]:
 
 
 def accept(p: torch.Tensor, proposal: Seq[int], q: torch.Tensor | None, temperature: float = 0.0,
-           generator: torch.Generator | None = None, top_k: int = 0, top_p: float = 1.0) -> tuple[int, int]:
+           stream: tuple[int, int] = (0, 0), top_k: int = 0, top_p: float = 1.0) -> tuple[int, int]:
     """``(n_accepted, next_token)`` for one sequence.
 
     ``p``: float target logits ``[k + 1, vocab]`` (row ``j`` predicts the token after ``d_j``; row 0 after the
     pending token); ``proposal``: ``k`` token ids; ``q``: float32 draft probabilities ``[k, vocab]`` (on ``p``'s
     device) or ``None`` (deterministic proposals: ``q`` one-hot on ``d_j``). At ``temperature`` 0 the rule is argmax
-    equality; above it the target's distribution is ``target_probs`` with ``top_k`` / ``top_p`` (``accept_sampled``)."""
+    equality; above it the target's distribution is ``target_probs`` with ``top_k`` / ``top_p``, and ``stream``
+    (``(seed, index)``) names the uniforms (``accept_sampled``)."""
     k = len(proposal)
     if p.dim() != 2 or p.shape[0] != k + 1:
         raise ValueError(f"p must be [k + 1 = {k + 1}, vocab], got {tuple(p.shape)}")
     if temperature == 0:
         return accept_greedy(p.argmax(dim=-1).tolist(), proposal)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    return accept_sampled([p], [proposal], [q], [params], [generator])[0]
+    return accept_sampled([p], [proposal], [q], [params], [stream])[0]
 
 
 def accept_sampled(logits: Seq[torch.Tensor], proposals: Seq[Seq[int]], qs: Seq[torch.Tensor | None],
-                   params: Seq[SamplingParams], generators: Seq[torch.Generator | None]) -> list[tuple[int, int]]:
+                   params: Seq[SamplingParams], streams: Seq[tuple[int, int]]) -> list[tuple[int, int]]:
     """The rejection rule (module docstring) for many sampled sequences at once: ``(n_accepted, next_token)`` each.
 
     ``logits[i]``: float ``[k_i + 1, vocab]``; ``qs[i]``: float32 ``[>= k_i, vocab]`` (a draft's rows) or ``None``;
-    on one device. Probabilities never leave it: the host reads ``p(d_j)`` and ``q(d_j)`` of every proposal in one
-    copy, runs the acceptance tests with each sequence's ``generators[i]`` (CPU), then one batched device op forms
-    each sequence's last distribution (the bonus row, or ``max(0, p - q)`` at the first rejection) and draws from it
-    at one more uniform of the generator (``inverse_cdf``); a second copy reads the tokens: two syncs and ``2k + 1``
-    numbers a sequence, for any vocabulary."""
+    on one device. ``streams[i] = (seed, index)``: the test of ``d_j`` is at ``token_uniforms(seed ^ A, index + j)``
+    and the last draw at ``token_uniforms(seed ^ B, index + m)`` (two salts: independent of each other, of the
+    draft's draws and of the sampler's). Probabilities never leave the device: the host reads ``p(d_j)`` and
+    ``q(d_j)`` of every proposal in one copy and runs the tests, then one batched device op forms each sequence's last
+    distribution (the bonus row, or ``max(0, p - q)`` at the first rejection) and draws from it (``inverse_cdf``); a
+    second copy reads the tokens: two syncs and ``2k + 1`` numbers a sequence, for any vocabulary."""
     if not logits:
         return []
     probs = torch.cat([target_probs(x, prm) for x, prm in zip(logits, params)])  # [sum(k_i + 1), vocab]
@@ -169,19 +172,21 @@ def accept_sampled(logits: Seq[torch.Tensor], proposals: Seq[Seq[int]], qs: Seq[
     picked = probs.view(-1)[host_to_device(flat_p, dev)]
     if len(flat_q):
         picked = torch.cat([picked, q_all.view(-1)[host_to_device(flat_q, dev)]])
-    values = picked.tolist()
-    p_of_d, q_of_d = values[:len(flat_p)], iter(values[len(flat_p):])
-    stops, at = [], 0
-    for i, (d, g) in enumerate(zip(proposals, generators)):
-        qd = [next(q_of_d) for _ in d] if qs[i] is not None else [1.0] * len(d)
-        j = len(d)  # the bonus row unless a proposal is rejected
-        for n in range(len(d)):
-            u = float(torch.rand((), generator=g))
-            if not u * qd[n] < p_of_d[at + n]:  # accept with probability min(1, p/q)
-                j = n
-                break
-        stops.append(j)
-        at += len(d)
+    values = np.array(picked.tolist(), dtype=np.float64)
+    p_of_d, q_of_d = values[:len(flat_p)], np.ones(len(flat_p))
+    if drafted:  # q(d_j) in proposal order; 1 where the proposal is deterministic
+        mask = np.concatenate([np.full(len(d), qs[i] is not None) for i, d in enumerate(proposals)]).astype(bool)
+        q_of_d[mask] = values[len(flat_p):]
+    seeds = np.array([s for s, _ in streams], dtype=np.uint64)
+    index = np.array([i for _, i in streams], dtype=np.uint64)
+    owner = np.repeat(np.arange(len(proposals)), [len(d) for d in proposals])
+    position = np.concatenate([np.arange(len(d)) for d in proposals]).astype(np.uint64)
+    u = token_uniforms(seeds[owner] ^ np.uint64(_ACCEPT_SALT), index[owner] + position)
+    kept = u * q_of_d < p_of_d  # accept d_j with probability min(1, p / q)
+    stops = []
+    for i, d in enumerate(proposals):  # the first rejected position, or the bonus row
+        seg = kept[first[i] - i:first[i] - i + len(d)]
+        stops.append(len(d) if seg.all() else int(np.argmin(seg)))
     rows = probs.index_select(0, host_to_device(np.array([first[i] + j for i, j in enumerate(stops)]), dev))
     rejected = [i for i, (j, d) in enumerate(zip(stops, proposals)) if j < len(d)]
     if rejected:  # rejected at j: draw from max(0, p - q) renormalised (q one-hot on d_j where there is no draft)
@@ -201,7 +206,8 @@ def accept_sampled(logits: Seq[torch.Tensor], proposals: Seq[Seq[int]], qs: Seq[
         # p == q exactly gives a rejection probability 0 and an empty residual: guard against rounding
         usable = host_to_device(mask, dev)[:, None] & (residual.sum(dim=-1, keepdim=True) > 0)
         rows = torch.where(usable, residual, rows)
-    tokens = inverse_cdf(rows, draw_uniforms(generators, dev)).tolist()
+    last = token_uniforms(seeds ^ np.uint64(_RESAMPLE_SALT), index + np.array(stops, dtype=np.uint64))
+    tokens = inverse_cdf(rows, host_to_device(torch.from_numpy(last), dev)).tolist()
     return list(zip(stops, tokens))
 
 
@@ -219,13 +225,6 @@ class Speculator:
                                              "triton" if engine.runner.plan.uses_triton else "torch")
         engine.scheduler.release_hooks.append(lambda seq: self.proposer.release(seq.seq_id))
 
-    @staticmethod
-    def _generator(seq: Sequence, salt: int) -> torch.Generator:
-        """A CPU random stream of ``seq``'s next verify step: seeded by the request's seed and output index (as the
-        sampler's noise), so a run is reproducible whatever the batch; ``salt`` keeps the draft's draws and the
-        acceptance test's independent of each other (the rule needs them so) and of the sampler's."""
-        return torch.Generator().manual_seed(token_seed(seq.seed ^ salt, seq.num_output_tokens))
-
     def run(self, batch: ScheduledBatch) -> list[list[int]]:
         """Propose, verify in one target forward and accept, for the sequences of ``batch`` given lookahead slots;
         returns each sampling row's tokens (a list: the accepted proposals and the target's token) and leaves each
@@ -234,10 +233,13 @@ class Speculator:
         rows = [i for i, s in enumerate(batch.seqs) if s.num_lookahead > 0 and batch.num_tokens[i] == 1
                 and batch.sample[i]]
         pending = {i: batch.seqs[i].num_tokens for i in rows}  # tokens before the proposals: the pending one last
+        # each row's random stream: the request's seed and the output index of its first proposal, so a run is
+        # reproducible whatever the batch (as the sampler's draws); salted apart for the draft and the acceptance
+        streams = {i: (batch.seqs[i].seed, batch.seqs[i].num_output_tokens) for i in rows}
         try:
-            proposals = self._propose(batch, rows)
+            proposals = self._propose(batch, rows, streams)
             logits, props = self._verify(batch, proposals)
-            tokens = self._accept(batch, logits, props)
+            tokens = self._accept(batch, logits, props, streams)
         except BaseException:
             for i in rows:
                 self._cut(batch.seqs[i], pending[i])
@@ -254,13 +256,14 @@ class Speculator:
         self.engine.cache.rollback(seq, num_tokens)
         seq.num_lookahead = 0
 
-    def _propose(self, batch: ScheduledBatch, rows: list[int]) -> dict[int, tuple[list[int], torch.Tensor | None]]:
+    def _propose(self, batch: ScheduledBatch, rows: list[int],
+                 streams: dict[int, tuple[int, int]]) -> dict[int, tuple[list[int], torch.Tensor | None]]:
         if not rows:
             return {}
         seqs = [batch.seqs[i] for i in rows]
         out = self.proposer.propose([s.seq_id for s in seqs], [list(s.token_ids) for s in seqs],
                                     [s.num_lookahead for s in seqs], [s.params.temperature for s in seqs],
-                                    [self._generator(s, _DRAFT_SALT) for s in seqs])
+                                    [(streams[i][0] ^ _DRAFT_SALT, streams[i][1]) for i in rows])
         stats = self.engine.stats
         stats.spec_decodes += len(rows)
         proposals = {}
@@ -286,7 +289,8 @@ class Speculator:
                                 logits_per_seq=counts if props else None)
         return dict(zip(order, logits.split(counts))), props
 
-    def _accept(self, batch: ScheduledBatch, logits: dict[int, torch.Tensor], props: dict) -> dict[int, list[int]]:
+    def _accept(self, batch: ScheduledBatch, logits: dict[int, torch.Tensor], props: dict,
+                streams: dict[int, tuple[int, int]]) -> dict[int, list[int]]:
         """Tokens per sampling row: ``accept`` for rows with a proposal, the engine's sampler for the others."""
         plain = [i for i in range(len(batch.seqs)) if batch.sample[i] and i not in props]
         tokens: dict[int, list[int]] = {}
@@ -307,7 +311,7 @@ class Speculator:
             seqs = [batch.seqs[i] for i in sampled]
             decided.update(zip(sampled, accept_sampled(
                 [logits[i] for i in sampled], [props[i][0] for i in sampled], [props[i][1] for i in sampled],
-                [s.params for s in seqs], [self._generator(s, _ACCEPT_SALT) for s in seqs])))
+                [s.params for s in seqs], [streams[i] for i in sampled])))
         for i, (toks, _) in props.items():
             m, x = decided[i]
             tokens[i] = toks[:m] + [x]
