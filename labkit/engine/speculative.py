@@ -199,7 +199,7 @@ def accept_sampled(logits: Seq[torch.Tensor], proposals: Seq[Seq[int]], qs: Seq[
         one_hot = [(i, proposals[i][stops[i]]) for i in rejected if qs[i] is None]
         if one_hot:
             sub.index_put_(tuple(host_to_device(torch.tensor(c), dev) for c in zip(*one_hot)),
-                           torch.tensor(float("inf"), device=dev))
+                           torch.full((len(one_hot),), float("inf"), device=dev))  # a fill: no copy, no sync
         mask = torch.zeros(len(stops), dtype=torch.bool)
         mask[rejected] = True
         residual = (rows - sub).clamp_min(0.0)
