@@ -529,6 +529,85 @@ def test_greedy_draft_proposals_stay_on_the_device_and_match_dense_greedy(draft)
     assert toks == _greedy_continuation(draft, ctx, 3)
 
 
+def _sampled_continuation(model, context: list[int], temperature: float, uniforms) -> tuple[list[int], torch.Tensor]:
+    """Tokens drawn one by one after ``context`` by the dense forward at ``temperature``, the ``j``-th by inverting
+    the softmax's cumulative sum at ``uniforms[j]``; returns them and their distributions ``[len(uniforms), vocab]``:
+    the reference for a sampled draft's proposal and its ``q``."""
+    ids, qs = list(context), []
+    for u in uniforms:
+        q = torch.softmax(model(torch.tensor([ids]))[0, -1].float() / temperature, dim=-1)
+        qs.append(q)
+        ids.append(int((q.cumsum(0) > float(u) * q.sum()).nonzero()[0]))
+    return ids[len(context):], torch.stack(qs)
+
+
+def test_sampled_draft_proposals_match_dense_sampling(draft):
+    """The draft's sampled steps feed each other on the device as the greedy ones do: beside a greedy row, each
+    sampled row's proposals are the dense forward's draws at its temperature and its stream's uniforms
+    (``token_uniforms(seed, index + j)``), its ``q`` the dense softmaxes, round after round as the target keeps part of
+    them; without streams a sampled proposal is refused."""
+    from labkit.engine.sampling import token_uniforms
+
+    g = torch.Generator().manual_seed(4)
+    vocab = draft.config.vocab_size
+    contexts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (11, 7, 15)]
+    ks, temps = [3, 4, 2], [0.8, 0.0, 1.3]
+    prop = DraftModelProposer(draft, num_blocks=64, block_size=4, max_num_seqs=4, cuda_graphs=False)
+    for rnd in range(3):
+        streams = [(17 + i, 10 * rnd) for i in range(3)]
+        out = prop.propose(["a", "b", "c"], contexts, ks, temps, streams)
+        for ctx, k, t, (seed, index), (toks, q) in zip(contexts, ks, temps, streams, out):
+            if t == 0:
+                assert q is None and toks == _greedy_continuation(draft, ctx, k)
+                continue
+            want, want_q = _sampled_continuation(draft, ctx, t, token_uniforms([seed] * k, range(index, index + k)))
+            assert toks == want
+            torch.testing.assert_close(q, want_q, rtol=1e-4, atol=1e-6)
+        for i, (toks, _) in enumerate(out):  # the target keeps i of them and adds a token of its own
+            contexts[i] = contexts[i] + toks[:i] + [5 + i]
+    with pytest.raises(ValueError, match="need streams"):
+        prop.propose(["a"], [contexts[0]], [2], [0.7])
+
+
+@pytest.mark.gpu
+def test_sampled_speculation_syncs_do_not_grow_with_the_batch():
+    """On CUDA a sampled speculative round (the draft's k steps, then ``accept_sampled``) synchronises the host with
+    the GPU a fixed number of times, whatever the batch: the draws, ``q`` and the residual stay on the device, and the
+    host reads tokens and ``p``/``q`` values in a few batched copies (counted by torch's sync debug mode)."""
+    import warnings
+
+    from labkit.data import DATA_DIR
+    from labkit.model import load_checkpoint
+
+    cuda_draft = load_checkpoint(DATA_DIR / "pydocs-llama-draft", dtype=torch.float32, device="cuda")
+    vocab = cuda_draft.config.vocab_size
+    prop = DraftModelProposer(cuda_draft, num_blocks=256, block_size=16, max_num_seqs=32, cuda_graphs=False)
+    g = torch.Generator().manual_seed(8)
+    sp = SamplingParams(temperature=0.9)
+
+    def syncs(n: int, rnd: int) -> int:
+        ids = [f"{n}-{i}" for i in range(n)]
+        contexts = [torch.randint(3, vocab, (20 + i,), generator=g).tolist() for i in range(n)]
+        streams = [(i, rnd) for i in range(n)]
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = prop.propose(ids, contexts, [3] * n, [sp.temperature] * n, streams)
+                logits = [torch.randn(len(t) + 1, vocab, device="cuda") for t, _ in out]
+                accept_sampled(logits, [t for t, _ in out], [q for _, q in out], [sp] * n, streams)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        for i in ids:
+            prop.release(i)
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+    syncs(2, 0)  # first use: allocations, kernel selection
+    few, many = syncs(2, 1), syncs(16, 2)
+    assert many == few and 0 < few <= 10, (few, many)
+
+
 def test_common_prefix_len():
     g = torch.Generator().manual_seed(8)
     for _ in range(300):
