@@ -180,6 +180,24 @@ def draw_rows(logits: torch.Tensor, temperatures: Sequence[float],
     return (picks if every else tokens.index_copy(0, idx, picks)), q
 
 
+def group_rows(blocks: list[torch.Tensor], rows_of: dict[int, list[int]], n: int) -> list[torch.Tensor | None]:
+    """Each sequence's rows of the stacked ``blocks`` (``[m_j, vocab]`` each, on one device): ``rows_of[i]`` lists
+    sequence ``i``'s rows in ``torch.cat(blocks)``. One gather puts every sequence's rows together on the device;
+    returns ``n`` entries, a slice ``[len(rows_of[i]), vocab]`` of it for each sequence with rows, else ``None``."""
+    out: list[torch.Tensor | None] = [None] * n
+    if not blocks:
+        return out
+    stacked = torch.cat(blocks)
+    order = [r for i in sorted(rows_of) for r in rows_of[i]]
+    grouped = stacked.index_select(0, host_to_device(torch.tensor(order, dtype=torch.long), stacked.device))
+    start = 0
+    for i in sorted(rows_of):
+        if rows_of[i]:
+            out[i] = grouped[start:start + len(rows_of[i])]
+            start += len(rows_of[i])
+    return out
+
+
 class DraftModelProposer(Proposer):
     """A small model with the target's vocabulary proposes ``k`` tokens autoregressively (greedy at temperature 0,
     else sampled at the request's temperature, its distributions returned as ``q``), on a cache of its own of
@@ -247,6 +265,8 @@ class DraftModelProposer(Proposer):
         temps = [0.0] * len(ks) if temperatures is None else list(temperatures)
         if streams is None and any(t != 0 for t in temps):
             raise ValueError("sampled proposals (a temperature > 0) need streams: one (seed, index) per sequence")
+        if streams is not None and len(streams) != len(ks):
+            raise ValueError(f"need one stream per sequence ({len(ks)}), got {len(streams)}")
         seeds, first = (np.array(c, dtype=np.uint64) for c in zip(*streams)) if streams else (None, None)
         query = {}
         for i, k in enumerate(ks):
@@ -292,16 +312,7 @@ class DraftModelProposer(Proposer):
             n = len(out[i]) - 1
             if n > 0:
                 toks[len(toks) - n:] = out[i][:n]
-        qs: list[torch.Tensor | None] = [None] * len(ks)
-        if q_steps:  # one gather puts each sequence's rows together; each q is a slice of it
-            all_q = torch.cat(q_steps)
-            order = [r for i in sorted(q_rows) for r in q_rows[i]]
-            grouped = all_q.index_select(0, host_to_device(torch.tensor(order), all_q.device))
-            start = 0
-            for i in sorted(q_rows):
-                n = len(q_rows[i])
-                qs[i] = grouped[start:start + n] if n else None
-                start += n
+        qs = group_rows(q_steps, q_rows, len(ks))
         return [(toks, q) for toks, q in zip(out, qs)]
 
     def _append(self, seq_ids, next_ids: dict[int, int], query: dict[int, int]) -> list[int]:
