@@ -12,6 +12,7 @@ and prints the table that ``results/README.md`` shows for each machine.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -98,7 +99,10 @@ def stage_row(stage: str, rc: int, seconds: float, log: Path, run_dir: Path, bef
 
     text = log.read_text(errors="replace") if log.exists() else ""
     row = {"stage": stage, "machine": machine_tag(), "commit": git_commit(),
-           "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "seconds": round(seconds, 1)}
+           "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "seconds": round(seconds, 1),
+           # the compiled-kernel state the call started from (scripts/triton_autotune.sh): a warm cache's times
+           # are not a first run's
+           "triton_cache": os.environ.get("LABKIT_TRITON_CACHE", "unknown")}
     timed_out = rc in (124, 137)
     if stage == "tests":
         counts = {k.rstrip("s") if k.startswith("error") else k: int(n) for n, k in _PYTEST.findall(text[-2000:])}
@@ -148,7 +152,9 @@ def table(rows: list[dict]) -> str:
     """The markdown table: stage, status, seconds, false claims, figures written, what failed; then the totals."""
     if not rows:
         return "(no stage has run)"
-    lines = [f"{rows[0]['machine']}, commit {rows[0]['commit'][:9]}, {rows[-1]['utc'][:10]}", "",
+    caches = sorted({r.get("triton_cache", "unknown") for r in rows})
+    lines = [f"{rows[0]['machine']}, commit {rows[0]['commit'][:9]}, {rows[-1]['utc'][:10]}; Triton kernel cache "
+             f"at the start of each call: {', '.join(caches)}", "",
              "| stage | result | seconds | false claims | figures written | what failed |",
              "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:

@@ -9,7 +9,9 @@
 #   python -m labkit gpu-check table ROWS.json... --write results/<gpu>/gpu_check.json
 # Papermill starts its kernels in a session of their own: every ipykernel is killed after each stage.
 # Triton's autotuning results are seeded from research/records/<gpu>/triton_autotune.tgz and packed after each stage
-# into $OUT/triton_autotune.tgz (scripts/triton_autotune.sh): commit that file there for the next machine.
+# into $OUT/triton_autotune.tgz (scripts/triton_autotune.sh): commit that file there for the next machine. Its
+# compiled kernels are seeded from .cache/triton/<gpu>.tgz when carried (carry ".cache") and packed into
+# $OUT/triton_kernels.tgz: copy that file there (not committed); each row records which state the run started from.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu_check}
@@ -17,6 +19,7 @@ RUN=${LABKIT_GPU_RUN:-/tmp/gpu_run}
 mkdir -p "$OUT" "$RUN/logs"
 source "$(dirname "$0")/triton_autotune.sh"
 autotune_seed
+kernel_cache_seed
 # every stage of this call is one run (one machine, one commit): a claim comparing figures of two notebooks (05's
 # engine against 00's HF baseline, 06's plan against 08's) is checked only on figures of one run
 export LABKIT_RUN_ID=${LABKIT_RUN_ID:-$(python3 -c "from labkit.bench import new_run_id; print(new_run_id())")}
@@ -51,5 +54,6 @@ for st in "${stages[@]}"; do
   tar czf "$OUT/gpu_run.tgz" --exclude="*trace*.json" --exclude="figures.before.json" -C "$(dirname "$RUN")" \
     "$(basename "$RUN")" 2>/dev/null
   autotune_pack "$OUT/triton_autotune.tgz"
+  kernel_cache_pack "$OUT/triton_kernels.tgz"
 done
 python3 -m labkit gpu-check table "$OUT/gpu_check.json"

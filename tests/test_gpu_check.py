@@ -16,11 +16,14 @@ def _run_dir(tmp_path, figures: dict, seconds: float | None = None):
     return run
 
 
-def test_tests_stage_counts_and_status(tmp_path):
+def test_tests_stage_counts_and_status(tmp_path, monkeypatch):
     log = tmp_path / "tests.log"
     log.write_text("....\n79 passed, 3 skipped in 92.10s (0:01:32)\n")
+    monkeypatch.setenv("LABKIT_TRITON_CACHE", "seeded: 12 kernels")  # as scripts/triton_autotune.sh sets it
     row = gpu_check.stage_row("tests", 0, 95.0, log, _run_dir(tmp_path, {}), {})
     assert row["status"] == "pass" and row["counts"] == {"passed": 79, "skipped": 3}
+    assert row["triton_cache"] == "seeded: 12 kernels"
+    assert "Triton kernel cache at the start of each call: seeded: 12 kernels" in gpu_check.table([row])
     log.write_text("F...\n1 failed, 78 passed in 90.00s\n")
     assert gpu_check.stage_row("tests", 1, 95.0, log, tmp_path / "run", {})["status"] == "fail"
     assert gpu_check.stage_row("tests", 124, 420.0, log, tmp_path / "run", {})["status"] == "timeout"
