@@ -427,7 +427,8 @@ elapsed("step attribution")
 
 # %% [markdown]
 # ## Offline throughput against HF `generate` in static batches (measured, not extrapolated)
-# Prompts of 512 tokens (64 on the CPU), outputs exponential with mean 128 (clipped at 1,024), all queued at once.
+# Under the gpu profile: prompts of 512 tokens, outputs exponential with mean 128 (clipped at 512), all queued at
+# once (the CPU profiles: shorter; the line under the table says what ran).
 # The engine serves the workload with continuous batching; HF `generate` serves **the same requests, every one of
 # them**, in static batches of `hf_batch`, in the strongest mode this machine runs: the static cache with HF's own
 # `torch.compile` of the decode step on CUDA (compiled once: the warm-up sizes the static cache for the longest
@@ -454,7 +455,8 @@ off_table = pd.DataFrame(off_rows)
 display(off_table[["server", "requests", "output_tok_s", "seconds"]].round(2))
 best_mode = max((r for r in off_rows if r["mode"] != "engine"), key=lambda r: r["output_tok_s"])["mode"]
 print(f"engine {offline_speedup:.2f}x the output tokens/s of HF generate ({best_mode}, the strongest mode measured) "
-      f"on the same {len(off_wl)} requests, both measured whole; per mode: "
+      f"on the same {len(off_wl)} requests ({SIZES['offline_prompt']}-token prompts, outputs exponential with mean "
+      f"{SIZES['offline_out'][0]} clipped at {SIZES['offline_out'][1]}), both measured whole; per mode: "
       + ", ".join(f"{m} {v:.2f}x" for m, v in off_speedups.items() if m != "best"))
 elapsed("offline vs HF")
 
