@@ -165,10 +165,9 @@ def draw_rows(logits: torch.Tensor, temperatures: Sequence[float],
     if len(temps) != logits.shape[0] or len(uniforms) != len(temps):
         raise ValueError(f"need one temperature and one uniform per row of logits {tuple(logits.shape)}, got "
                          f"{len(temps)} and {len(uniforms)}")
-    tokens = logits.argmax(dim=-1)
     drawn = [r for r, t in enumerate(temps) if t != 0]
     if not drawn:
-        return tokens, None
+        return logits.argmax(dim=-1), None
     dev = logits.device
     every = len(drawn) == len(temps)
     idx = None if every else host_to_device(torch.tensor(drawn), dev)
@@ -177,7 +176,7 @@ def draw_rows(logits: torch.Tensor, temperatures: Sequence[float],
                                        dtype=torch.float32), dev)
     q = torch.softmax(rows.float() / t[:, None], dim=-1)
     picks = inverse_cdf(q, u)
-    return (picks if every else tokens.index_copy(0, idx, picks)), q
+    return (picks if every else logits.argmax(dim=-1).index_copy(0, idx, picks)), q
 
 
 def group_rows(blocks: list[torch.Tensor], rows_of: dict[int, list[int]], n: int) -> list[torch.Tensor | None]:

@@ -25,6 +25,7 @@ from labkit.checks import check_bool, check_int, check_number, check_positive_in
 from labkit.device import host_to_device
 
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant (golden ratio): spreads (seed, index) pairs over the seed space
+_SPLITMIX_1, _SPLITMIX_2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # SplitMix64's multipliers
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def token_id_tuple(name: str, ids) -> tuple[int, ...]:
 
 def token_seed(seed: int, index: int) -> int:
     """A 63-bit mix of ``seed`` and ``index``: the engine seeds request ``index`` from its own seed with it."""
-    return ((seed * _MIX) ^ (index * 0xBF58476D1CE4E5B9 + 1)) % (1 << 63)
+    return ((seed * _MIX) ^ (index * _SPLITMIX_1 + 1)) % (1 << 63)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -115,11 +116,11 @@ def token_uniforms(seeds: Sequence[int] | np.ndarray, indices: Sequence[int] | n
     if s.shape != i.shape:
         raise ValueError(f"need one index per seed, got {s.shape} and {i.shape}")
     with np.errstate(over="ignore"):  # arithmetic mod 2**64 is the point
-        x = (s * np.uint64(_MIX)) ^ (i * np.uint64(0xBF58476D1CE4E5B9) + np.uint64(1))
+        x = (s * np.uint64(_MIX)) ^ (i * np.uint64(_SPLITMIX_1) + np.uint64(1))  # token_seed's mix, mod 2**64
         x ^= x >> np.uint64(30)
-        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x *= np.uint64(_SPLITMIX_1)
         x ^= x >> np.uint64(27)
-        x *= np.uint64(0x94D049BB133111EB)
+        x *= np.uint64(_SPLITMIX_2)
         x ^= x >> np.uint64(31)
     return (x >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)
 

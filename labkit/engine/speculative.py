@@ -175,8 +175,8 @@ def accept_sampled(logits: Seq[torch.Tensor], proposals: Seq[Seq[int]], qs: Seq[
     values = np.array(picked.tolist(), dtype=np.float64)
     p_of_d, q_of_d = values[:len(flat_p)], np.ones(len(flat_p))
     if drafted:  # q(d_j) in proposal order; 1 where the proposal is deterministic
-        mask = np.concatenate([np.full(len(d), qs[i] is not None) for i, d in enumerate(proposals)]).astype(bool)
-        q_of_d[mask] = values[len(flat_p):]
+        has_q = np.concatenate([np.full(len(d), qs[i] is not None) for i, d in enumerate(proposals)]).astype(bool)
+        q_of_d[has_q] = values[len(flat_p):]
     seeds = np.array([s for s, _ in streams], dtype=np.uint64)
     index = np.array([i for _, i in streams], dtype=np.uint64)
     owner = np.repeat(np.arange(len(proposals)), [len(d) for d in proposals])
@@ -188,27 +188,37 @@ def accept_sampled(logits: Seq[torch.Tensor], proposals: Seq[Seq[int]], qs: Seq[
         seg = kept[first[i] - i:first[i] - i + len(d)]
         stops.append(len(d) if seg.all() else int(np.argmin(seg)))
     rows = probs.index_select(0, host_to_device(np.array([first[i] + j for i, j in enumerate(stops)]), dev))
-    rejected = [i for i, (j, d) in enumerate(zip(stops, proposals)) if j < len(d)]
-    if rejected:  # rejected at j: draw from max(0, p - q) renormalised (q one-hot on d_j where there is no draft)
-        sub = torch.zeros_like(rows)
-        with_q = [i for i in rejected if qs[i] is not None]
-        if with_q:
-            sub.index_copy_(0, host_to_device(torch.tensor(with_q), dev),
-                            q_all.index_select(0, host_to_device(torch.tensor([q_first[i] + stops[i]
-                                                                               for i in with_q]), dev)))
-        one_hot = [(i, proposals[i][stops[i]]) for i in rejected if qs[i] is None]
-        if one_hot:
-            sub.index_put_(tuple(host_to_device(torch.tensor(c), dev) for c in zip(*one_hot)),
-                           torch.full((len(one_hot),), float("inf"), device=dev))  # a fill: no copy, no sync
-        mask = torch.zeros(len(stops), dtype=torch.bool)
-        mask[rejected] = True
-        residual = (rows - sub).clamp_min(0.0)
-        # p == q exactly gives a rejection probability 0 and an empty residual: guard against rounding
-        usable = host_to_device(mask, dev)[:, None] & (residual.sum(dim=-1, keepdim=True) > 0)
-        rows = torch.where(usable, residual, rows)
+    rows = _residuals(rows, stops, proposals, [q_first.get(i) for i in range(len(qs))], q_all)
     last = token_uniforms(seeds ^ np.uint64(_RESAMPLE_SALT), index + np.array(stops, dtype=np.uint64))
     tokens = inverse_cdf(rows, host_to_device(torch.from_numpy(last), dev)).tolist()
     return list(zip(stops, tokens))
+
+
+def _residuals(rows: torch.Tensor, stops: list[int], proposals: Seq[Seq[int]], q_first: list[int | None],
+               q_all: torch.Tensor | None) -> torch.Tensor:
+    """Each sequence's last distribution, on the device: its bonus row of ``rows`` (``[n, vocab]``, the target's
+    probabilities at ``stops[i]``) where every proposal was kept, else ``max(0, p - q)`` at the first rejection
+    (``q``: row ``q_first[i] + stops[i]`` of ``q_all``, or one-hot on the rejected token where ``q_first[i]`` is
+    None); left unnormalised (``inverse_cdf`` draws in proportion)."""
+    rejected = [i for i, (j, d) in enumerate(zip(stops, proposals)) if j < len(d)]
+    if not rejected:
+        return rows
+    dev = rows.device
+    sub = torch.zeros_like(rows)
+    with_q = [i for i in rejected if q_first[i] is not None]
+    if with_q:
+        src = host_to_device(torch.tensor([q_first[i] + stops[i] for i in with_q]), dev)
+        sub.index_copy_(0, host_to_device(torch.tensor(with_q), dev), q_all.index_select(0, src))
+    one_hot = [(i, proposals[i][stops[i]]) for i in rejected if q_first[i] is None]
+    if one_hot:
+        sub.index_put_(tuple(host_to_device(torch.tensor(c), dev) for c in zip(*one_hot)),
+                       torch.full((len(one_hot),), float("inf"), device=dev))  # a fill: no copy, no sync
+    is_rejected = torch.zeros(len(stops), dtype=torch.bool)
+    is_rejected[rejected] = True
+    residual = (rows - sub).clamp_min(0.0)
+    # p == q exactly gives a rejection probability 0 and an empty residual: guard against rounding
+    usable = host_to_device(is_rejected, dev)[:, None] & (residual.sum(dim=-1, keepdim=True) > 0)
+    return torch.where(usable, residual, rows)
 
 
 class Speculator:
