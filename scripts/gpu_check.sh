@@ -10,8 +10,8 @@
 # Papermill starts its kernels in a session of their own: every ipykernel is killed after each stage.
 # Triton's autotuning results are seeded from research/records/<gpu>/triton_autotune.tgz and packed after each stage
 # into $OUT/triton_autotune.tgz (scripts/triton_autotune.sh): commit that file there for the next machine. Its
-# compiled kernels are seeded from .cache/triton/<gpu>.tgz when carried (carry ".cache") and packed into
-# $OUT/triton_kernels.tgz: copy that file there (not committed); each row records which state the run started from.
+# compiled kernels are seeded from .cache/triton/<gpu>.tar.xz when carried (carry ".cache") and packed into
+# $OUT/triton_kernels.tar.xz: copy that file there (not committed); each row records which state the run started from.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu_check}
@@ -54,6 +54,6 @@ for st in "${stages[@]}"; do
   tar czf "$OUT/gpu_run.tgz" --exclude="*trace*.json" --exclude="figures.before.json" -C "$(dirname "$RUN")" \
     "$(basename "$RUN")" 2>/dev/null
   autotune_pack "$OUT/triton_autotune.tgz"
-  kernel_cache_pack "$OUT/triton_kernels.tgz"
+  kernel_cache_pack "$OUT/triton_kernels.tar.xz"
 done
 python3 -m labkit gpu-check table "$OUT/gpu_check.json"
