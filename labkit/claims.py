@@ -300,7 +300,19 @@ def _statement(text: str, by_class: dict, committed: dict) -> str:
     return f"- {text} <sub>stated, not a claim; no figure yet</sub>"
 
 
-def show(*items: Claim | str, title: str = "Takeaways", display=None) -> list[ClaimCheck]:
+class ClaimChecks(list):
+    """``show``'s checks: a list of ``ClaimCheck`` that a notebook cell ending in ``show(...)`` does not print again
+    (the box above is its display; the repr of every verdict ran to pages)."""
+
+    def _ipython_display_(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        verdicts = [v.status for c in self for v in c.verdicts]
+        return f"<{len(self)} claims: " + ", ".join(f"{verdicts.count(s)} {s}" for s in sorted(set(verdicts))) + ">"
+
+
+def show(*items: Claim | str, title: str = "Takeaways", display=None) -> ClaimChecks:
     """Render claims in a notebook as a takeaway box: each sentence from the figures, marked per machine.
 
     A claim is evaluated on this run's figures (``figures.json`` of ``LABKIT_OUT``) for each machine class it applies
@@ -349,4 +361,4 @@ def show(*items: Claim | str, title: str = "Takeaways", display=None) -> list[Cl
     if os.environ.get("LABKIT_PROFILE") == "gpu":
         assert not bad, "claims not holding on this run's figures: " + "; ".join(
             f"{v.claim.text!r} on {v.machine} ({v.problem or v.claim.condition})" for v in bad)
-    return checks
+    return ClaimChecks(checks)

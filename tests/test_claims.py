@@ -243,6 +243,8 @@ def test_show_judges_this_runs_figures_and_raises_under_gpu(tmp_path, monkeypatc
     checks = C.show(claim, display=shown.append)
     assert any(v.machine == "h200" and v.status == "false" and v.source == "this run" for v in checks[0].verdicts)
     assert "The engine is 0.9x faster" in shown[-1] and "does not hold" in shown[-1]
+    # a cell ending in show(...) prints nothing more than the box: the checks' repr is one line
+    assert repr(checks).startswith("<1 claims: ") and "false" in repr(checks) and checks._ipython_display_() is None
     monkeypatch.setenv("LABKIT_PROFILE", "gpu")
     with pytest.raises(AssertionError, match="not holding on this run's figures"):
         C.show(claim, display=shown.append)

@@ -30,8 +30,7 @@ from labkit.bench import record_figure, write_record
 from labkit.data import split_tokens
 from labkit.bench.workload import LengthDist, make_workload
 from labkit.claims import Claim, show
-from labkit.experiments.baseline import (hf_modes, offline_speedups, offline_throughput, run_generate, sweep_load,
-                                         warm_up)
+from labkit.experiments.baseline import hf_modes, run_generate, sweep_load, warm_up
 from labkit.hardware import detect, measure_ceilings
 from labkit.model import get_config, human_bytes, load_model, random_model
 from labkit.profiling import plot_timeline, profile_run
@@ -39,16 +38,16 @@ from labkit.roofline import roofline
 from labkit.workbook import resolve_profile
 
 PROFILE = resolve_profile(profile)
-SIZES = {  # offline_requests: how many of the requests the offline comparison with HF runs (all, or the first n)
+SIZES = {
     "ci": dict(n_requests=16, prompt=(16, 48), out_mean=4, out_max=8, loads=[0.5, 2.0], static_batch=4,
-               probe_tokens=8, offline_requests=8),
+               probe_tokens=8),
     "cpu": dict(n_requests=200, prompt=(16, 48), out_mean=5, out_max=12, loads=[0.5, 2.0], static_batch=8,
-                probe_tokens=24, offline_requests=48),
+                probe_tokens=24),
     # gpu: HF eager decodes ~20 tokens/s at batch 1 on the 8B shape (an H100), so the FIFO pass costs about
     # requests x out_mean / 20 s per load: 64 short requests at two loads (96 took 83 s of the H100's 245 s in the
     # sweep's cell; the notebook's bar is 240 s)
     "gpu": dict(n_requests=64, prompt=(64, 192), out_mean=6, out_max=16, loads=[0.5, 2.0], static_batch=8,
-                probe_tokens=32, offline_requests=48),
+                probe_tokens=32),
 }[PROFILE]
 if PROFILE != "gpu":
     torch.set_num_threads(1)  # the embedded model's matmuls are too small to gain from threads on a shared CPU
@@ -100,31 +99,28 @@ print(f"bandwidth floor: {floor_s * 1e3:.3f} ms per token -> at most {1 / floor_
 # on the CPU the compile would take longer than this notebook). Each is warmed up (and compiled) first.
 
 # %%
-probe = make_workload(SIZES["static_batch"], math.inf, LengthDist.fixed(context),
-                      LengthDist.fixed(SIZES["probe_tokens"]), source, seed=seed)
+probe = make_workload(1, math.inf, LengthDist.fixed(context), LengthDist.fixed(SIZES["probe_tokens"]), source,
+                      seed=seed)[0].prompt_ids
 MODES = hf_modes("cuda" if PROFILE == "gpu" else "cpu")
 probe_rows = []
 for mode in MODES:
-    for b in (1, SIZES["static_batch"]):
-        prompts_b = [r.prompt_ids for r in probe[:b]]
-        # warm-up: kernels selected, compiled, and a static cache sized for the timed call (a few steps of it), so
-        # that the timed call neither reallocates the cache nor compiles again
-        warm_up(model, prompts_b, SIZES["probe_tokens"], mode=mode)
-        ex, _ = run_generate(model, prompts_b, SIZES["probe_tokens"], mode=mode)
-        probe_rows.append({"HF generate": mode, "batch": b, "decode tok/s": ex.decode_tok_s(),
-                           "ms per step": 1e3 * b / ex.decode_tok_s(), "TTFT (ms)": ex.first_token_s * 1e3})
-        if mode == "eager" and b == 1:
-            execution = ex
-probe_df = pd.DataFrame(probe_rows)
-best_hf = probe_df[probe_df.batch == 1].sort_values("decode tok/s").iloc[-1]
+    # warm-up: kernels selected, compiled, and a static cache sized for the timed call (a few steps of it), so that
+    # the timed call neither reallocates the cache nor compiles again
+    warm_up(model, [probe], SIZES["probe_tokens"], mode=mode)
+    ex, _ = run_generate(model, [probe], SIZES["probe_tokens"], mode=mode)
+    probe_rows.append({"HF generate": mode, "decode tok/s": ex.decode_tok_s(), "ms per step": 1e3 / ex.decode_tok_s(),
+                       "TTFT (ms)": ex.first_token_s * 1e3,
+                       "MBU": dec.bytes * ex.decode_tok_s() / ceilings["copy_bytes_per_s"]})
+    if mode == "eager":
+        execution = ex
+probe_df = pd.DataFrame(probe_rows).set_index("HF generate")
+best_hf = probe_df.sort_values("decode tok/s").iloc[-1]
 decode_tok_s = execution.decode_tok_s()
 decode_mbu = dec.bytes * decode_tok_s / ceilings["copy_bytes_per_s"]
-best_mbu = dec.bytes * best_hf["decode tok/s"] / ceilings["copy_bytes_per_s"]
-probe_df["MBU (batch 1 floor)"] = [dec.bytes * r["decode tok/s"] / r["batch"] / ceilings["copy_bytes_per_s"]
-                                   if r["batch"] == 1 else float("nan") for r in probe_rows]
+best_mbu = best_hf["MBU"]
 display(probe_df.round(3))
 print(f"eager: time to first token {execution.first_token_s * 1e3:.1f} ms; decode {decode_tok_s:.1f} tokens/s "
-      f"= {decode_mbu:.1%} of the bandwidth floor; the best HF mode at batch 1 ({best_hf['HF generate']}) "
+      f"= {decode_mbu:.1%} of the bandwidth floor; the best HF mode at batch 1 ({best_hf.name}) "
       f"reaches {best_mbu:.1%}")
 
 # %% [markdown]
@@ -133,7 +129,7 @@ print(f"eager: time to first token {execution.first_token_s * 1e3:.1f} ms; decod
 # device sitting idle while Python and the framework decide what to launch next.
 
 # %%
-prof = profile_run(lambda: run_generate(model, [probe[0].prompt_ids], SIZES["probe_tokens"]),
+prof = profile_run(lambda: run_generate(model, [probe], SIZES["probe_tokens"]),
                    steps=SIZES["probe_tokens"], warmup=0)
 busy_in_generate = prof.busy_s / prof.wall_s
 print(f"{prof.device}: busy {prof.busy_s * 1e3:.1f} ms of {prof.wall_s * 1e3:.1f} ms "
@@ -186,27 +182,6 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# ## Offline throughput against HF on the same requests
-# Every request queued at once (the batch job of a busy hour). HF `generate` serves them in static batches of
-# `static_batch` in arrival order, in every mode this machine runs (on CUDA the static cache with HF's own
-# `torch.compile`, warmed up once at the longest batch so that it compiles once); the engine serves all of them with
-# continuous batching. Tokens/s counts each request's own output tokens. HF and the engine both run the first
-# `offline_requests` requests, every one of them on both sides; nothing is extrapolated. The headline ratio is over
-# the best HF mode; each mode's own ratio is a footnote.
-
-# %%
-offline_wl = workload[:SIZES["offline_requests"]]
-offline_rows = offline_throughput(model, offline_wl, SIZES["static_batch"], ENGINE,
-                                  hf_modes(next(model.parameters()).device))
-offline = pd.DataFrame(offline_rows)
-display(offline[["server", "requests", "output_tok_s", "seconds"]].round(3))
-offline_ratios = offline_speedups(offline_rows)
-best_offline_hf = offline[offline["mode"] != "engine"].output_tok_s.max()
-engine_offline = offline.output_tok_s.iloc[-1]
-print(f"{len(offline_wl)} of {len(workload)} requests, measured on both sides: the engine serves "
-      f"{engine_offline / best_offline_hf:.2f}x the tokens/s of the best HF mode")
-
-# %% [markdown]
 # ## The symptoms, in numbers
 
 # %%
@@ -226,7 +201,6 @@ rec = write_record("00_baseline", {
                  "output": LengthDist.exponential(SIZES["out_mean"], 2, SIZES["out_max"]).describe(),
                  "requests": [(r.request_id, r.prompt_len, r.max_new_tokens) for r in workload]},
     "load_sweep": rows, "kernel_shares": kernel_shares, "hf_probe": probe_rows,
-    "offline": offline.to_dict("records"),
 })
 record_figure("baseline.hf_decode_bs1_tok_s", decode_tok_s, "tokens/s", rec,
               note=f"HF generate, batch 1, {model_name}, context {context}")
@@ -248,24 +222,11 @@ record_figure("baseline.static_vs_fifo_tok_s_peak", at["static", hi]["output_tok
 record_figure("baseline.continuous_vs_static_tok_s_peak",
               at["continuous", hi]["output_tok_s"] / at["static", hi]["output_tok_s"], "x", rec)
 for mode in MODES:
-    r1 = probe_df[(probe_df["HF generate"] == mode) & (probe_df.batch == 1)].iloc[0]
-    record_figure(f"baseline.hf_{mode.replace('+', '_')}_decode_bs1_tok_s", r1["decode tok/s"], "tokens/s", rec,
-                  note=f"HF generate ({mode}), batch 1, context {context}")
+    record_figure(f"baseline.hf_{mode.replace('+', '_')}_decode_bs1_tok_s", probe_df.loc[mode, "decode tok/s"],
+                  "tokens/s", rec, note=f"HF generate ({mode}), batch 1, context {context}")
 if "static" in MODES:
-    r1 = probe_df[(probe_df["HF generate"] == "static") & (probe_df.batch == 1)].iloc[0]
-    record_figure("baseline.hf_static_decode_bs1_mbu", dec.bytes * r1["decode tok/s"] / ceilings["copy_bytes_per_s"],
-                  "fraction of bandwidth floor", rec, note="HF generate with StaticCache, eager, batch 1")
-record_figure("baseline.offline_requests_measured", len(offline_wl), "requests", rec, derived=True)
-record_figure("baseline.offline_hf_best_tok_s", best_offline_hf, "output tokens/s", rec,
-              note=f"best of the HF modes measured ({', '.join(m for m in offline_ratios if m != 'best')}), static "
-                   f"batches of {SIZES['static_batch']}")
-record_figure("baseline.offline_engine_tok_s", engine_offline, "output tokens/s", rec)
-record_figure("baseline.engine_vs_hf_offline", offline_ratios["best"], "x", rec,
-              note="over the best HF mode, measured on the same requests on both sides (no extrapolation)")
-for mode, ratio in offline_ratios.items():
-    if mode != "best":
-        record_figure(f"baseline.engine_vs_hf_{mode.replace('+', '_')}_offline", ratio, "x", rec,
-                      note=f"footnote: over HF generate ({mode}) on the same requests")
+    record_figure("baseline.hf_static_decode_bs1_mbu", probe_df.loc["static", "MBU"], "fraction of bandwidth floor",
+                  rec, note="HF generate with StaticCache, eager, batch 1")
 pd.DataFrame([
     {"symptom": "decode speed vs bandwidth floor", "measured": f"{decode_tok_s:.1f} tok/s",
      "floor allows": f"{1 / floor_s:,.0f} tok/s", "ratio": f"{decode_mbu:.1%}"},
@@ -307,10 +268,6 @@ show(
           "{baseline.hf_static_decode_bs1_tok_s:.0f} tokens/s ({baseline.hf_eager_decode_bs1_tok_s:.0f} with the "
           "dynamic cache), {baseline.hf_static_decode_bs1_mbu:.0%} of the bandwidth floor: under half, the host still "
           "launching every kernel", "baseline.hf_static_decode_bs1_mbu < 0.5", machine="gpu"),
-    Claim("Offline, on the same {baseline.offline_requests_measured} requests measured on both sides, labkit's "
-          "engine serves {baseline.engine_vs_hf_offline:.2f}x the output tokens/s of the best HF generate mode "
-          "({baseline.offline_engine_tok_s:.0f} against {baseline.offline_hf_best_tok_s:.0f})",
-          "baseline.engine_vs_hf_offline > 1", machine="any"),
 )
 
 # %% [markdown]
