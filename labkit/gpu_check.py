@@ -153,8 +153,8 @@ def table(rows: list[dict]) -> str:
     if not rows:
         return "(no stage has run)"
     caches = sorted({r.get("triton_cache", "unknown") for r in rows})
-    lines = [f"{rows[0]['machine']}, commit {rows[0]['commit'][:9]}, {rows[-1]['utc'][:10]}; Triton kernel cache "
-             f"at the start of each call: {', '.join(caches)}", "",
+    lines = [f"{rows[0]['machine']}, commit {rows[0]['commit'][:9]}, {rows[-1]['utc'][:10]}; compiled-kernel cache "
+             f"(Triton, Inductor) at the start of each call: {', '.join(caches)}", "",
              "| stage | result | seconds | false claims | figures written | what failed |",
              "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:

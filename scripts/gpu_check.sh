@@ -9,9 +9,10 @@
 #   python -m labkit gpu-check table ROWS.json... --write results/<gpu>/gpu_check.json
 # Papermill starts its kernels in a session of their own: every ipykernel is killed after each stage.
 # Triton's autotuning results are seeded from research/records/<gpu>/triton_autotune.tgz and packed after each stage
-# into $OUT/triton_autotune.tgz (scripts/triton_autotune.sh): commit that file there for the next machine. Its
-# compiled kernels are seeded from .cache/triton/<gpu>.tar.xz when carried (carry ".cache") and packed into
-# $OUT/triton_kernels.tar.xz: copy that file there (not committed); each row records which state the run started from.
+# into $OUT/triton_autotune.tgz (scripts/triton_autotune.sh): commit that file there for the next machine. The
+# compiled kernels (Triton's and torch.compile's) are seeded from .cache/compiled/<gpu>.tar.xz when carried (carry
+# ".cache") and packed into $OUT/compiled_kernels.tar.xz: copy that file there (not committed); each row records
+# which state the run started from.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu_check}
@@ -54,6 +55,6 @@ for st in "${stages[@]}"; do
   tar czf "$OUT/gpu_run.tgz" --exclude="*trace*.json" --exclude="figures.before.json" -C "$(dirname "$RUN")" \
     "$(basename "$RUN")" 2>/dev/null
   autotune_pack "$OUT/triton_autotune.tgz"
-  kernel_cache_pack "$OUT/triton_kernels.tar.xz"
+  kernel_cache_pack "$OUT/compiled_kernels.tar.xz"
 done
 python3 -m labkit gpu-check table "$OUT/gpu_check.json"

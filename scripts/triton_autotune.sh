@@ -34,35 +34,65 @@ autotune_pack() {
   (cd "$TRITON_CACHE" 2>/dev/null && find . -name "*.autotune.json" -print0 | tar czf "$1" --null -T -)
 }
 
-# Triton's compiled kernels (each kernel's metadata .json and .cubin, the group files that list them, and the
-# launcher stubs it builds with the host compiler, .so), kept
-# between device calls of one session and the next: a fresh machine compiles every specialisation of every labkit
+# The compiled kernels: Triton's (each kernel's metadata .json and .cubin, the group files that list them, and the
+# launcher stubs it builds with the host compiler, .so) and torch.compile's (Inductor's FX-graph and AOTAutograd
+# caches, the Python modules it generated and their Triton kernels), kept between device calls of one session and
+# the next, as vLLM keeps its torch.compile cache: a fresh machine compiles every specialisation of every labkit
 # kernel again, which made notebook cells 2-4x slower on a cold H100 than on a warm one (09's engine cell: 62 s
-# against 21 s). The archive is large and machine-made, so it stays out of git: an ignored folder of the checkout
-# (.cache/triton/<gpu>.tar.xz), carried to the device (carry ".cache") and copied back from $OUT after a call.
-# A stage row says which state the run started from (LABKIT_TRITON_CACHE: "cold" or "seeded: N kernels"), so a
-# time measured warm is never read as a new user's first run.
+# against 21 s), and compiles HF's decode step for notebooks 00 and 05 (~40-55 s each) again. The archive is large
+# and machine-made, so it stays out of git: an ignored folder of the checkout (.cache/compiled/<gpu>.tar.xz, with
+# triton/ and inductor/ inside), carried to the device (carry ".cache") and copied back from $OUT after a call.
+# A stage row says which state the run started from (LABKIT_TRITON_CACHE: "cold" or "seeded: N Triton kernels,
+# M Inductor graphs"), so a time measured warm is never read as a new user's first run.
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$HOME/.cache/torchinductor}
+
 kernel_cache_seed() {
-  local seed
-  seed="$(dirname "${BASH_SOURCE[0]}")/../.cache/triton/$(autotune_gpu).tar.xz"
+  local seed tmp
+  seed="$(dirname "${BASH_SOURCE[0]}")/../.cache/compiled/$(autotune_gpu).tar.xz"
   export LABKIT_TRITON_CACHE=cold
   if [ -f "$seed" ]; then
-    mkdir -p "$TRITON_CACHE"
-    tar xJf "$seed" -C "$TRITON_CACHE" && LABKIT_TRITON_CACHE="seeded: $(tar tJf "$seed" | grep -c '\.cubin$') kernels"
-    echo "Triton kernel cache $LABKIT_TRITON_CACHE from $seed"
+    tmp=$(mktemp -d)
+    mkdir -p "$TRITON_CACHE" "$TORCHINDUCTOR_CACHE_DIR" "$tmp/triton" "$tmp/inductor"
+    tar xJf "$seed" -C "$tmp" && cp -r "$tmp/triton/." "$TRITON_CACHE/" && cp -r "$tmp/inductor/." "$TORCHINDUCTOR_CACHE_DIR/" &&
+      LABKIT_TRITON_CACHE="seeded: $(find "$tmp/triton" -name "*.cubin" | wc -l) Triton kernels, $(find "$tmp/inductor/fxgraph" -type f 2>/dev/null | wc -l) Inductor graphs"
+    rm -rf "$tmp"
+    echo "compiled-kernel cache $LABKIT_TRITON_CACHE from $seed"
   else
-    echo "no Triton kernel cache at $seed: every kernel compiles on first use"
+    echo "no compiled-kernel cache at $seed: every kernel compiles on first use"
   fi
 }
 
-# F: an archive of the compiled kernels (autotune results excluded: autotune_pack keeps those), xz-compressed (the
-# H100's 358 kernels after five notebooks: 7.4 MB gzipped, 2.1 MB with xz), left out with a message above 8 MiB:
-# what travels to the device is 64 MiB in all, and the tracked tree (~38 MB) and the wheels (~19 MB) take most of it
+# F: an archive of the compiled kernels (autotune results excluded: autotune_pack keeps those; Triton's and
+# Inductor's intermediate .ptx/.ttir/.ttgir/.llir/.source left out: a cache hit needs the cubins), xz-compressed
+# (the H100's 358 Triton kernels after five notebooks: 7.4 MB gzipped, 2.1 MB with xz). Above 8 MiB Inductor's part
+# is left out, and above 8 MiB without it the archive is not returned (a message says which): what travels to the
+# device is 64 MiB in all, and the tracked tree (~38 MB) and the wheels (~19 MB) take most of it.
+_pack_parts() {  # F PART...: an xz tar of the named parts (triton, inductor) of the compiled-kernel caches
+  local out=$1 tar_file
+  shift
+  tar_file=$(mktemp)
+  tar cf "$tar_file" --files-from /dev/null
+  if [[ " $* " == *" triton "* ]]; then
+    (cd "$TRITON_CACHE" 2>/dev/null && find . \( -name "*.cubin" -o -name "*.so" -o \
+      \( -name "*.json" ! -name "*.autotune.json" \) \) -print0 | tar rf "$tar_file" --null -T - --transform 's,^\./,triton/,')
+  fi
+  if [[ " $* " == *" inductor "* ]]; then
+    (cd "$TORCHINDUCTOR_CACHE_DIR" 2>/dev/null && find . -type f ! -name "*.ptx" ! -name "*.ttir" ! -name "*.ttgir" \
+      ! -name "*.llir" ! -name "*.source" ! -name "*.lock" -print0 | tar rf "$tar_file" --null -T - --transform 's,^\./,inductor/,')
+  fi
+  xz -T0 -6 -c "$tar_file" > "$out"
+  rm -f "$tar_file"
+}
+
 kernel_cache_pack() {
-  (cd "$TRITON_CACHE" 2>/dev/null && find . \( -name "*.cubin" -o -name "*.so" -o \
-    \( -name "*.json" ! -name "*.autotune.json" \) \) -print0 | tar cf - --null -T - | xz -T0 -6 > "$1")
-  if [ "$(stat -c %s "$1" 2>/dev/null || echo 0)" -gt $((8 * 1024 * 1024)) ]; then
-    echo "Triton kernel cache archive over 8 MiB: not returned"
+  local limit=$((8 * 1024 * 1024))
+  _pack_parts "$1" triton inductor
+  if [ "$(stat -c %s "$1" 2>/dev/null || echo 0)" -gt $limit ]; then
+    echo "compiled-kernel cache over 8 MiB with Inductor's part: Triton's kernels alone"
+    _pack_parts "$1" triton
+  fi
+  if [ "$(stat -c %s "$1" 2>/dev/null || echo 0)" -gt $limit ]; then
+    echo "compiled-kernel cache archive over 8 MiB: not returned"
     rm -f "$1"
   fi
 }

@@ -23,7 +23,7 @@ def test_tests_stage_counts_and_status(tmp_path, monkeypatch):
     row = gpu_check.stage_row("tests", 0, 95.0, log, _run_dir(tmp_path, {}), {})
     assert row["status"] == "pass" and row["counts"] == {"passed": 79, "skipped": 3}
     assert row["triton_cache"] == "seeded: 12 kernels"
-    assert "Triton kernel cache at the start of each call: seeded: 12 kernels" in gpu_check.table([row])
+    assert "(Triton, Inductor) at the start of each call: seeded: 12 kernels" in gpu_check.table([row])
     log.write_text("F...\n1 failed, 78 passed in 90.00s\n")
     assert gpu_check.stage_row("tests", 1, 95.0, log, tmp_path / "run", {})["status"] == "fail"
     assert gpu_check.stage_row("tests", 124, 420.0, log, tmp_path / "run", {})["status"] == "timeout"
