@@ -11,8 +11,8 @@
 # Triton's autotuning results are seeded from research/records/<gpu>/triton_autotune.tgz and packed after each stage
 # into $OUT/triton_autotune.tgz (scripts/triton_autotune.sh): commit that file there for the next machine. The
 # compiled kernels (Triton's and torch.compile's) are seeded from .cache/compiled/<gpu>.tar.xz when carried (carry
-# ".cache") and packed into $OUT/compiled_kernels.tar.xz: copy that file there (not committed); each row records
-# which state the run started from.
+# ".cache") and packed into $OUT/compiled_kernels.tar.xz after the last stage: copy that file there (not
+# committed); each row records which state the run started from.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu_check}
@@ -55,6 +55,8 @@ for st in "${stages[@]}"; do
   tar czf "$OUT/gpu_run.tgz" --exclude="*trace*.json" --exclude="figures.before.json" -C "$(dirname "$RUN")" \
     "$(basename "$RUN")" 2>/dev/null
   autotune_pack "$OUT/triton_autotune.tgz"
-  kernel_cache_pack "$OUT/compiled_kernels.tar.xz"
 done
+# once, after the last stage: Inductor's cache can run to hundreds of MB before the IR is left out, too much to
+# pack after every stage (a call killed before this line returns no compiled kernels; the next starts from the seed)
+kernel_cache_pack "$OUT/compiled_kernels.tar.xz"
 python3 -m labkit gpu-check table "$OUT/gpu_check.json"
