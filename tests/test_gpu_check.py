@@ -5,6 +5,9 @@ import json
 import pytest
 
 from labkit import gpu_check
+from labkit.data import REPO_ROOT
+
+NOTEBOOKS = REPO_ROOT / "notebooks"
 
 
 def _run_dir(tmp_path, figures: dict, seconds: float | None = None):
@@ -55,7 +58,13 @@ def test_merge_keeps_the_last_row_per_stage_and_refuses_mixed_machines(tmp_path)
     assert [r["stage"] for r in rows] == ["tests", "02"] and rows[1]["status"] == "pass"
     text = gpu_check.table(rows)
     assert "| 02_kv_cache | pass | 61 | 0 | 3 |" in text and "Notebooks passing: 1 of 1" in text
-    assert gpu_check.summary_figures(rows) == {"workbook.gpu_notebooks_passed": 1, "workbook.gpu_run_seconds": 61.0}
+    assert gpu_check.summary_figures(rows, notebooks=1) == {"workbook.gpu_notebooks_passed": 1,
+                                                            "workbook.gpu_run_seconds": 61.0}
+    # the whole run's seconds only when every notebook ran to its end: not with one missing, nor with one killed
+    assert gpu_check.summary_figures(rows, notebooks=2)["workbook.gpu_run_seconds"] is None
+    killed = [dict(b[0], status="timeout", seconds=240.0)]
+    assert gpu_check.summary_figures(killed, notebooks=1) == {"workbook.gpu_notebooks_passed": 0,
+                                                              "workbook.gpu_run_seconds": None}
     pb.write_text(json.dumps([dict(b[0], machine="NVIDIA H200")]))
     with pytest.raises(ValueError, match="one machine at one commit"):
         gpu_check.merge_rows([pa, pb])
@@ -74,6 +83,10 @@ def test_write_check_keeps_the_record_and_its_figures(tmp_path):
     assert json.loads(path.read_text())["env"]["device"] == "NVIDIA H100 80GB HBM3"
     figs = read_summary(summary)["figures"]
     assert figs["workbook.gpu_notebooks_passed"]["machines"]["h100"]["value"] == 1
+    assert "h100" not in figs.get("workbook.gpu_run_seconds", {}).get("machines", {})  # 1 of 10 notebooks ran
+    every = [dict(rows[0], stage=p.stem[:2], notebook=p.stem) for p in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))]
+    gpu_check.write_check(every, tmp_path / "results" / "h100", summary)
+    figs = read_summary(summary)["figures"]
     assert figs["workbook.gpu_run_seconds"]["machines"]["h100"]["record"] == "results/h100/records/gpu_check.json"
     assert "| 07_finetuning | pass | 70 | 0 | 14 |" in gpu_check.tables_markdown(tmp_path / "results")
     with pytest.raises(ValueError, match="nothing ran"):
