@@ -178,7 +178,9 @@ def summary_figures(rows: list[dict], notebooks: int | None = None) -> dict:
     end, passing or failing: a notebook killed at its limit or not run would make the sum a lower bound read as the
     whole run's time (``None`` then)."""
     if notebooks is None:
-        notebooks = len(list((REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")))
+        from labkit.workbook import list_notebooks  # labkit.workbook imports this module
+
+        notebooks = len(list_notebooks())
     nbs = [r for r in rows if r["kind"] == "notebook"]
     whole = len({r["stage"] for r in nbs}) == notebooks and all(r["status"] != "timeout" for r in nbs)
     return {"workbook.gpu_notebooks_passed": sum(r["status"] == "pass" and r["false_claims"] == 0 for r in nbs),

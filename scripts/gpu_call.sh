@@ -12,7 +12,7 @@ set -u
 cd "$(dirname "$0")/.."
 : "${LABKIT_GIT_COMMIT:?set LABKIT_GIT_COMMIT to the commit of the tree sent}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null ||
-  echo "wheel install into /tmp/site failed (or was already there): is .whl carried?"
+  echo "wheel install into /tmp/site failed: is .whl carried?"
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH JUPYTER_PATH=/tmp/site/share/jupyter PYTHONUNBUFFERED=1
 export GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-8} LABKIT_GIT_COMMIT
 [ -n "${LABKIT_RUN_ID:-}" ] && export LABKIT_RUN_ID

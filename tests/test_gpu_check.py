@@ -5,9 +5,7 @@ import json
 import pytest
 
 from labkit import gpu_check
-from labkit.data import REPO_ROOT
-
-NOTEBOOKS = REPO_ROOT / "notebooks"
+from labkit.workbook import list_notebooks
 
 
 def _run_dir(tmp_path, figures: dict, seconds: float | None = None):
@@ -84,7 +82,7 @@ def test_write_check_keeps_the_record_and_its_figures(tmp_path):
     figs = read_summary(summary)["figures"]
     assert figs["workbook.gpu_notebooks_passed"]["machines"]["h100"]["value"] == 1
     assert "h100" not in figs.get("workbook.gpu_run_seconds", {}).get("machines", {})  # 1 of 10 notebooks ran
-    every = [dict(rows[0], stage=p.stem[:2], notebook=p.stem) for p in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))]
+    every = [dict(rows[0], stage=p.stem[:2], notebook=p.stem) for p in list_notebooks()]
     gpu_check.write_check(every, tmp_path / "results" / "h100", summary)
     figs = read_summary(summary)["figures"]
     assert figs["workbook.gpu_run_seconds"]["machines"]["h100"]["record"] == "results/h100/records/gpu_check.json"
