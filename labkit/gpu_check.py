@@ -23,10 +23,15 @@ STATUSES = ("pass", "fail", "timeout")
 _PYTEST = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)")
 
 
+def _notebooks() -> list[Path]:
+    """The workbook's notebooks (as ``labkit.workbook.list_notebooks``, which imports this module)."""
+    return sorted((REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
 def _notebook_stem(stage: str) -> str:
     found = sorted((REPO_ROOT / "notebooks").glob(f"{stage}_*.ipynb"))
     if len(found) != 1:
-        numbers = [p.stem[:2] for p in sorted((REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))]
+        numbers = [p.stem[:2] for p in _notebooks()]
         raise ValueError(f"stage={stage!r} names {len(found)} notebooks; allowed: 'tests' or one of {numbers}")
     return found[0].stem
 
@@ -178,9 +183,7 @@ def summary_figures(rows: list[dict], notebooks: int | None = None) -> dict:
     end, passing or failing: a notebook killed at its limit or not run would make the sum a lower bound read as the
     whole run's time (``None`` then)."""
     if notebooks is None:
-        from labkit.workbook import list_notebooks  # labkit.workbook imports this module
-
-        notebooks = len(list_notebooks())
+        notebooks = len(_notebooks())
     nbs = [r for r in rows if r["kind"] == "notebook"]
     whole = len({r["stage"] for r in nbs}) == notebooks and all(r["status"] != "timeout" for r in nbs)
     return {"workbook.gpu_notebooks_passed": sum(r["status"] == "pass" and r["false_claims"] == 0 for r in nbs),
