@@ -48,7 +48,16 @@ export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$HOME/.cache/torchindu
 
 kernel_cache_seed() {
   local seed tmp
-  seed="$(dirname "${BASH_SOURCE[0]}")/../.cache/compiled/$(autotune_gpu).tar.xz"
+  local dir gpu other
+  dir="$(dirname "${BASH_SOURCE[0]}")/../.cache/compiled"
+  gpu=$(autotune_gpu)
+  seed="$dir/$gpu.tar.xz"
+  # the H100 and the H200 share Triton's target (sm_90), so one's cubins are hits on the other (Inductor's graphs
+  # are keyed by the device's name and simply miss): seed from the other when this GPU has no archive of its own
+  if [ ! -f "$seed" ]; then
+    case $gpu in h100) other=h200 ;; h200) other=h100 ;; *) other= ;; esac
+    [ -n "$other" ] && [ -f "$dir/$other.tar.xz" ] && seed="$dir/$other.tar.xz"
+  fi
   export LABKIT_TRITON_CACHE=cold
   if [ -f "$seed" ]; then
     tmp=$(mktemp -d)
