@@ -52,12 +52,13 @@ def _notebook_seconds(run_dir: Path, stem: str) -> float | None:
 def cell_times(notebook: Path, top: int = 4) -> dict:
     """Where an executed notebook's time went, from papermill's per-cell metadata: ``cells_s`` (the cells' total
     seconds), ``slowest`` (``top`` rows of ``[cell index, seconds, first line]``) and, for a notebook stopped
-    mid-run, ``stopped_in`` (the cell that was running). Empty when the notebook is absent or unreadable."""
+    mid-run, ``stopped_in`` (the cell that was running) and ``pending`` (how many cells never started). Empty when
+    the notebook is absent or unreadable."""
     try:
         cells = json.loads(notebook.read_text())["cells"]
     except (OSError, ValueError, KeyError):
         return {}
-    rows, stopped = [], None
+    rows, stopped, pending = [], None, 0
     for i, c in enumerate(cells):
         pm = c.get("metadata", {}).get("papermill", {})
         if c.get("cell_type") != "code" or not pm:
@@ -66,10 +67,15 @@ def cell_times(notebook: Path, top: int = 4) -> dict:
         first = src.strip().splitlines()[0][:80] if src.strip() else ""
         if pm.get("status") == "running":
             stopped = [i, first]
+        elif pm.get("status") == "pending":
+            pending += 1
+            continue
         rows.append([i, round(pm.get("duration") or 0.0, 1), first])
     out = {"cells_s": round(sum(r[1] for r in rows), 1), "slowest": sorted(rows, key=lambda r: -r[1])[:top]}
     if stopped:
         out["stopped_in"] = stopped
+    if pending:
+        out["pending"] = pending
     return out
 
 
@@ -127,6 +133,9 @@ def stage_row(stage: str, rc: int, seconds: float, log: Path, run_dir: Path, bef
     if status == "timeout" and row["cells"].get("stopped_in"):
         i, first = row["cells"]["stopped_in"]
         row["detail"] = f"killed in cell {i} ({first!r}) after {row['cells']['cells_s']:.0f} s of finished cells"
+    elif status == "timeout" and row["cells"].get("slowest") and not row["cells"].get("pending"):  # after the last
+        row["detail"] = (f"every cell finished ({row['cells']['cells_s']:.0f} s of cells); killed after the last, "
+                         "while the run wrote its outputs (executed notebook, HTML, figures, claims)")
     if row["notebook_seconds"] is not None and status != "timeout":
         row["seconds"] = row["notebook_seconds"]
     return row

@@ -104,9 +104,18 @@ def test_cell_times_say_where_a_timed_out_notebook_stopped(tmp_path):
     nb.write_text(json.dumps({"cells": cells}))
     got = gpu_check.cell_times(nb, top=2)
     assert got == {"cells_s": 65.2, "slowest": [[2, 61.2, "sweep = run("], [1, 4.0, "import x"]],
-                   "stopped_in": [3, "probe()"]}
+                   "stopped_in": [3, "probe()"], "pending": 1}
     assert gpu_check.cell_times(tmp_path / "absent.ipynb") == {}
     log = tmp_path / "05.log"
     log.write_text("")
     row = gpu_check.stage_row("05", 124, 140.0, log, tmp_path, {})
     assert row["status"] == "timeout" and row["detail"].startswith("killed in cell 3 ('probe()') after 65 s")
+    # every cell finished, killed while the run wrote its outputs: said so, not left blank
+    for c in cells[3:]:
+        c["metadata"]["papermill"] = {"status": "completed", "duration": 1.0}
+    nb.write_text(json.dumps({"cells": cells}))
+    row = gpu_check.stage_row("05", 124, 140.0, log, tmp_path, {})
+    assert row["detail"].startswith("every cell finished (67 s of cells); killed after the last")
+    cells[4]["metadata"]["papermill"] = {"status": "pending"}  # killed between two cells: not "every cell finished"
+    nb.write_text(json.dumps({"cells": cells}))
+    assert gpu_check.stage_row("05", 124, 140.0, log, tmp_path, {})["detail"] == ""
