@@ -29,9 +29,10 @@ def _notebooks() -> list[Path]:
 
 
 def _notebook_stem(stage: str) -> str:
-    found = sorted((REPO_ROOT / "notebooks").glob(f"{stage}_*.ipynb"))
+    notebooks = _notebooks()
+    found = [p for p in notebooks if p.stem.startswith(f"{stage}_")]
     if len(found) != 1:
-        numbers = [p.stem[:2] for p in _notebooks()]
+        numbers = [p.stem[:2] for p in notebooks]
         raise ValueError(f"stage={stage!r} names {len(found)} notebooks; allowed: 'tests' or one of {numbers}")
     return found[0].stem
 

@@ -47,8 +47,7 @@ autotune_pack() {
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$HOME/.cache/torchinductor}
 
 kernel_cache_seed() {
-  local seed tmp
-  local dir gpu other
+  local seed tmp dir gpu other
   dir="$(dirname "${BASH_SOURCE[0]}")/../.cache/compiled"
   gpu=$(autotune_gpu)
   seed="$dir/$gpu.tar.xz"
