@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call of the gpu check, as the device tool runs it (carry [".whl", ".cache"]):
+# One device call of the gpu check, as the device tool runs it (carry [".whl"]):
 #   LABKIT_GIT_COMMIT=<full sha> LABKIT_RUN_ID=<utc>@<sha12> bash scripts/gpu_call.sh tests:150 00:240 01:150
 # installs the carried wheels (.whl: tools/gpu-wheels.sh .whl jupyter bnb site; papermill, nbconvert, ipykernel,
 # bitsandbytes and pytest-xdist, which the device image lacks) into /tmp/site, registers the python3 kernel, and runs

@@ -10,9 +10,9 @@
 # Papermill starts its kernels in a session of their own: every ipykernel is killed after each stage.
 # Triton's autotuning results are seeded from research/records/<gpu>/triton_autotune.tgz and packed after each stage
 # into $OUT/triton_autotune.tgz (scripts/triton_autotune.sh): commit that file there for the next machine. The
-# compiled kernels (Triton's and torch.compile's) are seeded from .cache/compiled/<gpu>.tar.xz when carried (carry
-# ".cache") and packed into $OUT/compiled_kernels.tar.xz after the last stage: copy that file there (not
-# committed); each row records which state the run started from.
+# compiled kernels (Triton's and torch.compile's) are seeded from research/records/<gpu>/compiled_kernels.tar.xz
+# and packed into $OUT/compiled_kernels.tar.xz after the last stage: commit that file there too; each row records
+# which state the run started from.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu_check}

@@ -17,6 +17,11 @@ Q=${OUT:?OUT must name the folder whose files come back}/quant
 mkdir -p "$Q/logs" "$Q/records"
 STAGE_LOGS="$Q/logs"
 source "$(dirname "$0")/stage.sh"
+# compiled kernels and autotune results seeded from research/records/<gpu>/ and packed into $OUT at the end
+# (commit $OUT/compiled_kernels.tar.xz and $OUT/triton_autotune.tgz there): scripts/triton_autotune.sh
+source "$(dirname "$0")/triton_autotune.sh"
+autotune_seed
+kernel_cache_seed
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$Q/gpu.txt"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl-peers/*.whl \
   2>&1 | tail -3
@@ -36,5 +41,7 @@ table=labkit
 stage decode 150 python3 -m labkit bench decode --model llama-3-8b --batch 1 16 64 --context 512 --steps 16 \
   --formats bf16 int4 fp8 int8 --no-hf --dispatch "$table" --name quant_decode --out "$Q" --no-progress
 stage figures 40 python3 scripts/quant_peers.py figures --out "$Q"
+kernel_cache_pack "$OUT/compiled_kernels.tar.xz"
+autotune_pack "$OUT/triton_autotune.tgz"
 echo "=== done at $(( $(date +%s) - start ))s"
 ls -la "$Q" "$Q/records"

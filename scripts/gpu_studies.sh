@@ -14,6 +14,11 @@ mkdir -p "$S/logs"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 STAGE_LOGS="$S/logs"
 source "$(dirname "$0")/stage.sh"
+# compiled kernels and autotune results seeded from research/records/<gpu>/ and packed into $OUT at the end
+# (commit $OUT/compiled_kernels.tar.xz and $OUT/triton_autotune.tgz there): scripts/triton_autotune.sh
+source "$(dirname "$0")/triton_autotune.sh"
+autotune_seed
+kernel_cache_seed
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$S/gpu.txt"
 stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(decode kvq flash)
@@ -26,4 +31,6 @@ for st in "${stages[@]}"; do
     *) echo "unknown stage: $st (decode, kvq, flash)" >&2; exit 2 ;;
   esac
 done
+kernel_cache_pack "$OUT/compiled_kernels.tar.xz"
+autotune_pack "$OUT/triton_autotune.tgz"
 echo "=== done at $(( $(date +%s) - start ))s"

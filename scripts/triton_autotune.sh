@@ -39,23 +39,24 @@ autotune_pack() {
 # caches, the Python modules it generated and their Triton kernels), kept between device calls of one session and
 # the next, as vLLM keeps its torch.compile cache: a fresh machine compiles every specialisation of every labkit
 # kernel again, which made notebook cells 2-4x slower on a cold H100 than on a warm one (09's engine cell: 62 s
-# against 21 s), and compiles HF's decode step for notebooks 00 and 05 (~40-55 s each) again. The archive is large
-# and machine-made, so it stays out of git: an ignored folder of the checkout (.cache/compiled/<gpu>.tar.xz, with
-# triton/ and inductor/ inside), carried to the device (carry ".cache") and copied back from $OUT after a call.
+# against 21 s), and compiles HF's decode step for notebooks 00 and 05 (~40-55 s each) again. The archive is
+# committed beside the autotune results (research/records/<gpu>/compiled_kernels.tar.xz, triton/ and inductor/
+# inside, ~4 MB xz): an ignored folder had held it, and every fresh checkout of a later session lost it, so each
+# session's first call started cold. Commit $OUT's compiled_kernels.tar.xz there after a call.
 # A stage row says which state the run started from (LABKIT_TRITON_CACHE: "cold" or "seeded: N Triton kernels,
 # M Inductor graphs"), so a time measured warm is never read as a new user's first run.
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$HOME/.cache/torchinductor}
 
 kernel_cache_seed() {
   local seed tmp dir gpu other
-  dir="$(dirname "${BASH_SOURCE[0]}")/../.cache/compiled"
+  dir="$(dirname "${BASH_SOURCE[0]}")/../research/records"
   gpu=$(autotune_gpu)
-  seed="$dir/$gpu.tar.xz"
+  seed="$dir/$gpu/compiled_kernels.tar.xz"
   # the H100 and the H200 share Triton's target (sm_90), so one's cubins are hits on the other (Inductor's graphs
   # are keyed by the device's name and simply miss): seed from the other when this GPU has no archive of its own
   if [ ! -f "$seed" ]; then
     case $gpu in h100) other=h200 ;; h200) other=h100 ;; *) other= ;; esac
-    [ -n "$other" ] && [ -f "$dir/$other.tar.xz" ] && seed="$dir/$other.tar.xz"
+    [ -n "$other" ] && [ -f "$dir/$other/compiled_kernels.tar.xz" ] && seed="$dir/$other/compiled_kernels.tar.xz"
   fi
   export LABKIT_TRITON_CACHE=cold
   if [ -f "$seed" ]; then
