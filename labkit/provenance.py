@@ -54,3 +54,22 @@ def stale_executed(folder: Path, notebooks: Path = NOTEBOOK_DIR) -> dict[str, st
         elif stamp.get("source_sha256") != source_hash(source):
             stale[rel] = f"stale: source changed after this run (commit {str(stamp.get('commit'))[:9]})"
     return stale
+
+
+def records_markdown(results_root: Path) -> str:
+    """One row per committed record under ``results_root`` (``<machine>/records/*.json``): the device, command,
+    commit (``env.code_commit`` where the record has one: the device's copy of ``.git`` can be stale) and UTC time
+    its ``env`` header names, so the table of what wrote each record is read from the records, never typed."""
+    rows = ["| record | device | command | commit | UTC |", "| --- | --- | --- | --- | --- |"]
+    for path in sorted(Path(results_root).glob("*/records/*.json")):
+        env = json.loads(path.read_text()).get("env")
+        rel = path.relative_to(results_root).as_posix()
+        if not isinstance(env, dict):
+            rows.append(f"| `{rel}` | | (no `env` header) | | |")
+            continue
+        command = str(env.get("command", "?")).replace("__main__.py", "python -m labkit")
+        commit = str(env.get("code_commit") or env.get("git_commit") or "?")[:9]
+        if env.get("code_note"):  # what the commit alone does not say (code run from an export of another commit)
+            commit += f" ({env['code_note']})"
+        rows.append(f"| `{rel}` | {env.get('device', '?')} | `{command}` | {commit} | {env.get('utc', '?')} |")
+    return "\n".join(rows)

@@ -22,7 +22,7 @@ from labkit.data import REPO_ROOT
 from labkit.device import environ
 from labkit.exercises.cells import exercise_source
 from labkit.gpu_check import tables_markdown
-from labkit.provenance import stale_executed, stamp_executed
+from labkit.provenance import records_markdown, stale_executed, stamp_executed
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 SOURCE_DIR = NOTEBOOK_DIR / "src"
@@ -320,6 +320,7 @@ def run_workbook(profile: str = "auto", only: list[str] | None = None, out: str 
 BARS_BEGIN, BARS_END = "<!-- bars:begin -->", "<!-- bars:end -->"
 GPU_CHECK_BEGIN, GPU_CHECK_END = "<!-- gpu-check:begin -->", "<!-- gpu-check:end -->"
 EXECUTED_BEGIN, EXECUTED_END = "<!-- executed:begin -->", "<!-- executed:end -->"
+RECORDS_BEGIN, RECORDS_END = "<!-- records:begin -->", "<!-- records:end -->"
 
 
 def executed_markdown(results_root: Path) -> str:
@@ -358,6 +359,7 @@ def readme_blocks(readme: Path = REPO_ROOT / "README.md", results_readme: Path =
                     unmet_bars_markdown(summary, link_root="results/"), results_readme)
     results = _fill(results, GPU_CHECK_BEGIN, GPU_CHECK_END, tables_markdown(results_readme.parent), results_readme)
     results = _fill(results, EXECUTED_BEGIN, EXECUTED_END, executed_markdown(results_readme.parent), results_readme)
+    results = _fill(results, RECORDS_BEGIN, RECORDS_END, records_markdown(results_readme.parent), results_readme)
     return {readme: text, results_readme: results}
 
 

@@ -31,3 +31,20 @@ def test_stamp_then_stale_when_the_source_changes(tmp_path):
 def test_hash_ignores_outputs_and_metadata():
     nb = sorted(NOTEBOOK_DIR.glob("0[0-9]_*.ipynb"))[0]
     assert len(source_hash(nb)) == 64
+
+
+def test_records_table_is_read_from_each_records_env(tmp_path):
+    from labkit.provenance import records_markdown
+
+    (tmp_path / "h100" / "records").mkdir(parents=True)
+    (tmp_path / "h100" / "records" / "a.json").write_text(json.dumps({"env": {
+        "device": "NVIDIA H100 80GB HBM3", "command": "__main__.py bench decode --batch 1",
+        "utc": "2026-12-07T10:00:00Z",
+        "git_commit": "ae4df193893ffa1dbbf30ba4bf6818a35f217586-dirty", "code_commit": "4c8ba77",
+        "code_note": "run from an export of d1ace7c"}, "data": {}}))
+    (tmp_path / "h100" / "records" / "b.json").write_text(json.dumps({"data": {}}))
+    rows = records_markdown(tmp_path).splitlines()
+    assert rows[2] == ("| `h100/records/a.json` | NVIDIA H100 80GB HBM3 | `python -m labkit bench decode --batch 1` | "
+                       "4c8ba77 (run from an export of d1ace7c) | 2026-12-07T10:00:00Z |")
+    assert rows[3] == "| `h100/records/b.json` | | (no `env` header) | | |"
+    assert len(rows) == 4
