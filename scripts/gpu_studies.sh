@@ -3,7 +3,8 @@
 # and the two kernel ladders that decide issue 42's items 2 and 3.
 #   run (device):  LABKIT_GIT_COMMIT=<sha of HEAD> bash scripts/gpu_studies.sh [STAGE ...]   (no wheels needed)
 #   STAGE: decode, kvq, flash (default: all three, in that order)
-# Each stage has a hard limit and writes under $OUT/studies (logs/, bench/, kvq.json, flash.json), so a stage
+# bench decode writes its record after each row: batch 64 first, the row issue 42's bars are read from, so a stage cut
+# at its limit keeps it (its figures are then made here from the record). Each stage has a hard limit and writes under $OUT/studies (logs/, bench/, kvq.json, flash.json), so a stage
 # killed at its limit leaves what the earlier ones wrote. Afterwards (here): copy the records to
 # research/records/<gpu>/ (the ladders) and results/<gpu>/records/ (bench/records/bench_decode.json), then
 # python -m labkit merge <fetched>/studies/bench results/<gpu> && python -m labkit claims && python -m labkit readme
@@ -24,7 +25,7 @@ stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(decode kvq flash)
 for st in "${stages[@]}"; do
   case $st in
-    decode) stage decode 330 python3 -m labkit bench decode --model llama-3-8b --batch 1 16 64 --context 512 \
+    decode) stage decode 330 python3 -m labkit bench decode --model llama-3-8b --batch 64 1 16 --context 512 \
               --max-num-seqs 64 --async-scheduling both --profile --figures --no-progress --out "$S/bench" ;;
     kvq) stage kvq 120 python3 research/kv_quant_decode_study.py --out "$S/kvq.json" ;;
     flash) stage flash 150 python3 research/flash_prefill_study.py --out "$S/flash.json" ;;
