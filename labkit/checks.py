@@ -27,7 +27,9 @@ class ArgumentTypeError(TypeError, ValueError):
 
 
 def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    # ``type(value) is int`` first: the engine checks a few hundred counts a decode step at batch 64, and an
+    # isinstance against the ``numbers.Integral`` ABC costs ~20x more than the exact-type test (bool is not int's type)
+    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
 
 
 def check_int(name: str, value, low: int | None = None, high: int | None = None, none_ok: bool = False) -> int | None:

@@ -314,3 +314,17 @@ def test_run_only_needs_a_value_on_the_command_line():
     """``python -m labkit run --only`` with no value is a usage error (exit 2), not a run of every notebook."""
     r = subprocess.run([sys.executable, "-m", "labkit", "run", "--only"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--only" in r.stderr
+
+
+def test_check_int_takes_every_integral_but_bool():
+    """The exact-type fast path of ``labkit.checks`` (``type(v) is int``) must not change what passes: numpy and
+    other ``numbers.Integral`` values still do, bools, floats, strings and tensors still do not."""
+    import numpy as np
+
+    from labkit.checks import ArgumentTypeError, check_int
+
+    for ok in (0, 7, np.int64(3), np.int32(5)):
+        assert check_int("n", ok) == int(ok) and type(check_int("n", ok)) is int
+    for bad in (True, False, 2.0, "3", torch.tensor(3), None):
+        with pytest.raises(ArgumentTypeError, match="n="):
+            check_int("n", bad)
