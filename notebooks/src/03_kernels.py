@@ -277,6 +277,23 @@ if h200_att:
                   f"(> 1: ours faster)")
 
 # %% [markdown]
+# ### What holds our prefill kernel back: the changes tried, measured
+# `research/flash_prefill_study.py` timed, in one GPU run at this shape, SDPA's backends, our kernel, a ladder of
+# changes to a copy of it (one change a rung: the softmax scale folded into one FMA, K loaded as rows, TMA
+# descriptors, a wider tile search, a longest-first grid, Triton's warp specialisation) and two probes that drop
+# part of the softmax (wrong values: timing only). The probes bracket the answer: if the MMAs alone beat cuDNN,
+# the loop's tensor-core work is not what is missing. The table is the committed H100 record's
+# (`results/h100/records/flash_prefill_study.json`); the sentence under it is rendered from that record.
+
+# %%
+from labkit.experiments.kernels.prefill_account import account_reading, account_rows, load_account
+
+prefill_account = load_account("h100")
+if prefill_account:
+    display(pd.DataFrame(account_rows(prefill_account)).round(3))
+    print(account_reading(prefill_account))
+
+# %% [markdown]
 # ### int8 KV cache: does reading half the bytes make attention faster?
 # One layer's paged decode attention at one shape -- batch 16, context 4096, 32 query / 8 KV heads, head dim 128
 # on the GPU -- with the cache in bf16, in int8 read and dequantised *inside* the kernel, in int8 dequantised to
