@@ -2,10 +2,11 @@
 # One device call of under ten minutes: the engine's decode step (issue 42's figures, sync and async, attributed)
 # and the two kernel ladders that decide issue 42's items 2 and 3.
 #   run (device):  LABKIT_GIT_COMMIT=<sha of HEAD> bash scripts/gpu_studies.sh [STAGE ...]   (no wheels needed)
-#   STAGE: decode, kvq, flash (default: all three, in that order)
+#   STAGE: decode, timeline, kvq, flash (default: all four, in that order)
 # bench decode writes its record after each row: batch 64 first, the row issue 42's bars are read from, so a stage cut
-# at its limit keeps it (its figures are then made here from the record). Each stage has a hard limit and writes under $OUT/studies (logs/, bench/, kvq.json, flash.json), so a stage
-# killed at its limit leaves what the earlier ones wrote. Afterwards (here): copy the records to
+# at its limit keeps it (its figures are then made here from the record). Each stage has a hard limit and writes
+# under $OUT/studies (logs/, bench/, async_timeline.json, kvq.json, flash.json), so a stage killed at its limit leaves
+# what the earlier ones wrote. Afterwards (here): copy the records to
 # research/records/<gpu>/ (the ladders) and results/<gpu>/records/ (bench/records/bench_decode.json), then
 # python -m labkit merge <fetched>/studies/bench results/<gpu> && python -m labkit claims && python -m labkit readme
 set -u
@@ -22,14 +23,15 @@ autotune_seed
 kernel_cache_seed
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$S/gpu.txt"
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(decode kvq flash)
+[ ${#stages[@]} -gt 0 ] || stages=(decode timeline kvq flash)
 for st in "${stages[@]}"; do
   case $st in
     decode) stage decode 330 python3 -m labkit bench decode --model llama-3-8b --batch 64 1 16 --context 512 \
               --max-num-seqs 64 --async-scheduling both --profile --figures --no-progress --out "$S/bench" ;;
+    timeline) stage timeline 120 python3 research/async_timeline.py --out "$S/async_timeline.json" ;;
     kvq) stage kvq 120 python3 research/kv_quant_decode_study.py --out "$S/kvq.json" ;;
     flash) stage flash 150 python3 research/flash_prefill_study.py --out "$S/flash.json" ;;
-    *) echo "unknown stage: $st (decode, kvq, flash)" >&2; exit 2 ;;
+    *) echo "unknown stage: $st (decode, timeline, kvq, flash)" >&2; exit 2 ;;
   esac
 done
 kernel_cache_pack "$OUT/compiled_kernels.tar.xz"
