@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call of under ten minutes: the engine's decode step (issue 42's figures, sync and async, attributed)
-# and the two kernel ladders that decide issue 42's items 2 and 3.
+# The engine's decode step (issue 42's figures, sync and async, attributed), where an async step's time goes, and the
+# two kernel ladders of issue 42's items 2 and 3: `decode timeline` fit one device call (limits 330 + 120 s), `kvq
+# flash` another (117 s on an H100 at 0518b54).
 #   run (device):  LABKIT_GIT_COMMIT=<sha of HEAD> bash scripts/gpu_studies.sh [STAGE ...]   (no wheels needed)
 #   STAGE: decode, timeline, kvq, flash (default: all four, in that order)
 # bench decode writes its record after each row: batch 64 first, the row issue 42's bars are read from, so a stage cut
