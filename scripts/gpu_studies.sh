@@ -3,7 +3,8 @@
 # two kernel ladders of issue 42's items 2 and 3: `decode timeline` fit one device call (limits 330 + 120 s), `kvq
 # flash` another (117 s on an H100 at 0518b54).
 #   run (device):  LABKIT_GIT_COMMIT=<sha of HEAD> bash scripts/gpu_studies.sh [STAGE ...]   (no wheels needed)
-#   STAGE: decode, timeline, kvq, flash (default: all four, in that order)
+#   STAGE: decode, timeline, kvq, flash (default: these four, in this order); ncu (research/kv_attn_ncu.py: Nsight
+#   Compute's counters of the bf16, int8 and fp8 decode-attention kernels)
 # bench decode writes its record after each row: batch 64 first, the row issue 42's bars are read from, so a stage cut
 # at its limit keeps it (its figures are then made here from the record). Each stage has a hard limit and writes
 # under $OUT/studies (logs/, bench/, async_timeline.json, kvq.json, flash.json), so a stage killed at its limit leaves
@@ -30,9 +31,12 @@ for st in "${stages[@]}"; do
     decode) stage decode 330 python3 -m labkit bench decode --model llama-3-8b --batch 64 1 16 --context 512 \
               --max-num-seqs 64 --async-scheduling both --profile --figures --no-progress --out "$S/bench" ;;
     timeline) stage timeline 120 python3 research/async_timeline.py --out "$S/async_timeline.json" ;;
+    ncu) stage ncu 150 ncu --profile-from-start off --clock-control none --section SpeedOfLight --section Occupancy \
+           --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --csv \
+           --log-file "$S/kv_attn_ncu.csv" python3 research/kv_attn_ncu.py ;;
     kvq) stage kvq 120 python3 research/kv_quant_decode_study.py --out "$S/kvq.json" ;;
     flash) stage flash 150 python3 research/flash_prefill_study.py --out "$S/flash.json" ;;
-    *) echo "unknown stage: $st (decode, timeline, kvq, flash)" >&2; exit 2 ;;
+    *) echo "unknown stage: $st (decode, timeline, kvq, flash, ncu)" >&2; exit 2 ;;
   esac
 done
 kernel_cache_pack "$OUT/compiled_kernels.tar.xz"
