@@ -4,7 +4,8 @@
 # flash` another (117 s on an H100 at 0518b54).
 #   run (device):  LABKIT_GIT_COMMIT=<sha of HEAD> bash scripts/gpu_studies.sh [STAGE ...]   (no wheels needed)
 #   STAGE: decode, timeline, kvq, flash (default: these four, in this order); ncu (research/kv_attn_ncu.py: Nsight
-#   Compute's counters of the bf16, int8 and fp8 decode-attention kernels)
+#   Compute's counters of the bf16, int8 and fp8 decode-attention kernels), swap (research/kv_attn_operand_order.py:
+#   the decode kernel with the cache tile as the MMA's first operand)
 # bench decode writes its record after each row: batch 64 first, the row issue 42's bars are read from, so a stage cut
 # at its limit keeps it (its figures are then made here from the record). Each stage has a hard limit and writes
 # under $OUT/studies (logs/, bench/, async_timeline.json, kvq.json, flash.json), so a stage killed at its limit leaves
@@ -35,8 +36,9 @@ for st in "${stages[@]}"; do
            --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --csv \
            --log-file "$S/kv_attn_ncu.csv" python3 research/kv_attn_ncu.py ;;
     kvq) stage kvq 120 python3 research/kv_quant_decode_study.py --out "$S/kvq.json" ;;
+    swap) stage swap 150 python3 research/kv_attn_operand_order.py --out "$S/kv_swap.json" ;;
     flash) stage flash 150 python3 research/flash_prefill_study.py --out "$S/flash.json" ;;
-    *) echo "unknown stage: $st (decode, timeline, kvq, flash, ncu)" >&2; exit 2 ;;
+    *) echo "unknown stage: $st (decode, timeline, kvq, flash, ncu, swap)" >&2; exit 2 ;;
   esac
 done
 kernel_cache_pack "$OUT/compiled_kernels.tar.xz"
