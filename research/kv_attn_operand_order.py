@@ -22,7 +22,7 @@ each at the tiles in ``TILES``. Same shape and timing as the ladder (batch 16, 3
 blocks, contexts 1k / 4k / 16k; CUDA-graph replays over enough cache copies to read 2.5x the L2 from DRAM).
 
     LABKIT_GIT_COMMIT=<sha> PYTHONPATH=. python research/kv_attn_operand_order.py --out $OUT/kv_swap.json
-    python research/kv_attn_operand_order.py --device cpu      # the checks, tiny, on the interpreter (no timings)
+    PYTHONPATH=. python research/kv_attn_operand_order.py --device cpu --out /tmp/kv_swap.json   # CPU checks
 """
 
 from __future__ import annotations
@@ -43,9 +43,7 @@ import triton.language as tl
 import labkit.kernels.paged_attention as pa
 from labkit.kernels.paged_attention import LOG2E, _block_slots
 from labkit.kernels.quantized_matmul.ptx import kv_as_16bit
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kv_quant_decode_study import TINY_LENS, TINY_SHAPE, TOL, Case, autotuned_tile, measure, product_call  # noqa: E402,F401
+from research.kv_quant_decode_study import TINY_LENS, TINY_SHAPE, TOL, Case, autotuned_tile, measure, product_call  # noqa: F401  (the ladder's case, checks and timing, shared)
 
 CONTEXTS = (4096, 1024, 16384)
 TILES = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in ((64, 4, 3), (64, 4, 4), (128, 4, 3),
