@@ -43,7 +43,7 @@ import triton.language as tl
 import labkit.kernels.paged_attention as pa
 from labkit.kernels.paged_attention import LOG2E, _block_slots
 from labkit.kernels.quantized_matmul.ptx import kv_as_16bit
-from research.kv_quant_decode_study import TINY_LENS, TINY_SHAPE, TOL, Case, autotuned_tile, measure, product_call  # noqa: F401  (the ladder's case, checks and timing, shared)
+from research.kv_quant_decode_study import TINY_LENS, TINY_SHAPE, TOL, Case, autotuned_tile, measure, product_call  # noqa: F401
 
 CONTEXTS = (4096, 1024, 16384)
 TILES = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in ((64, 4, 3), (64, 4, 4), (128, 4, 3),
