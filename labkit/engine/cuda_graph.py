@@ -142,14 +142,11 @@ class StepGraphs:
         self.out = torch.empty(max(self._rows(k) for k in self.keys), runner.model.config.vocab_size,
                                dtype=torch.float32, device=runner.device)
         self.logits: dict[GraphKey, torch.Tensor] = {}
-        # device memory the captures reserved (their shared pool): measured from an emptied allocator cache, since
-        # torch.cuda.graph empties it as each capture starts (a delta from a full cache can come out negative)
-        before = self._reserved(empty_cache=True)
-        self._capture()
-        self.pool_bytes = self._reserved() - before
+        self.pool_bytes = self._pool_bytes(self._capture())  # device memory of the captures' one private pool
 
     @torch.inference_mode()
-    def _capture(self) -> None:
+    def _capture(self):
+        """Capture every key's step into one private memory pool; returns the pool's handle."""
         pool = None
         with _no_collection():
             for key in sorted(self.keys, key=lambda k: (k.tokens, k.kind), reverse=True):
@@ -162,6 +159,7 @@ class StepGraphs:
                 pool = self._pool(graph)
                 self.graphs[key] = graph
             self._synchronize()
+        return pool
 
     # --- the CUDA calls (the tests replace these with a host stand-in) ---------------------------------------
     @staticmethod
@@ -182,10 +180,12 @@ class StepGraphs:
     def _synchronize(self) -> None:
         torch.cuda.synchronize(self.runner.device)
 
-    def _reserved(self, empty_cache: bool = False) -> int:
-        if empty_cache:
-            torch.cuda.empty_cache()
-        return torch.cuda.memory_reserved(self.runner.device)
+    @staticmethod
+    def _pool_bytes(pool) -> int:
+        # the pool's own segments (as Inductor's cudagraph trees count them): a difference of memory_reserved
+        # before and after the captures also counts whatever else the process allocated or freed meanwhile (bench
+        # decode's second engine read -50 GB when the first one's memory went back during its captures)
+        return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if s["segment_pool_id"] == pool)
 
     @staticmethod
     def _rows(key: GraphKey) -> int:
