@@ -92,6 +92,7 @@ def test_greedy_check_decode_rate_and_sweep(tiny_model):
     assert [r["all_equal"] for r in rows] == [True, True] and rows[1]["max_batch"] == 2
     r = decode_rate(model, 2, 9, 3, source)
     assert r["tok_s"] > 0 and r["replay_step_s"] is None and not r["cuda_graphs"] and r["kernels"] == "torch"
+    assert r["graph_step_frac"] == 0  # no graphs on the CPU: every timed step eager
     wl = make_workload(5, 1.0, LengthDist.uniform(3, 12), LengthDist.exponential(3, high=6), source, seed=1)
     rows = serve_sweep(model, wl, {"fifo": dict(scheduler="fifo"), "static": dict(scheduler="static",
                                                                                    static_batch_size=2)},
@@ -151,6 +152,7 @@ def test_decode_rate_times_the_replayed_step_on_cuda(overlap):
 
     r = decode_rate(load_model(device="cuda")[0], 3, 16, 4, torch.arange(100, 6000), async_scheduling=overlap)
     assert r["cuda_graphs"] and 0 < r["replay_step_s"] < r["step_median_s"] * 10 and r["async_scheduling"] == overlap
+    assert r["graph_step_frac"] == 1  # every timed decode step of 3 sequences replayed the graph of 4
 
 
 def test_bench_decode_runs_both_scheduling_modes(tmp_path):

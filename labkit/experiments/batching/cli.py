@@ -178,7 +178,7 @@ def _print_decode_row(label: str, r: dict) -> None:
     replay = ""
     if r["replay_step_s"]:
         replay = (f", replayed step {r['replay_step_s'] * 1e3:.3f} ms, host share "
-                  f"{1 - r['replay_step_s'] / r['step_median_s']:.0%}")
+                  f"{1 - r['replay_step_s'] / r['step_median_s']:.0%}, {r['graph_step_frac']:.0%} of steps replayed")
     mode = ", async scheduling" if r["async_scheduling"] else ""
     print(f"{label} {r['weights']} batch {r['batch']}{mode}: {r['tok_s']:.1f} tokens/s ({r['step_median_s'] * 1e3:.3f} "
           f"ms/step{replay}); floor {r['floor_s'] * 1e3:.3f} ms -> MBU {r['mbu']:.2f}; kernels "

@@ -160,7 +160,8 @@ def decode_rate(model, batch_size: int, context: int, steps: int, source, warmup
                 replay: bool = True, profile_steps: int = 0, **engine_kwargs) -> dict:
     """Decode tokens/s at ``batch_size`` sequences of ``context`` prompt tokens, timed over ``steps`` steps of
     ``LLMEngine.step`` (scheduling, input preparation, the forward, sampling: end to end), after ``warmup``.
-    On CUDA with graphs, ``replay_step_s`` is also the median device time of the captured step replayed alone.
+    On CUDA with graphs, ``replay_step_s`` is also the median device time of the captured step replayed alone, and
+    ``graph_step_frac`` the share of the timed steps that replayed a graph.
     With ``async_scheduling=True`` among ``engine_kwargs`` each call launches a step and reads the previous one's
     tokens: in the steady state its time is the pipeline's period, timed the same way (``async_scheduling`` in the
     row says which). ``profile_steps``: then that many more steps of the same engine under ``profile_run`` (with
@@ -172,7 +173,7 @@ def decode_rate(model, batch_size: int, context: int, steps: int, source, warmup
                                **engine_kwargs)
     for _ in range(warmup):
         engine.step()
-    times = []
+    times, replayed = [], engine.stats.graph_steps
     for _ in range(steps):
         t0 = time.perf_counter()
         engine.step()
@@ -180,7 +181,9 @@ def decode_rate(model, batch_size: int, context: int, steps: int, source, warmup
     row = {"batch": batch_size, "context": context + warmup + steps // 2, "steps": steps,
            "tok_s": batch_size * steps / sum(times), "step_median_s": sorted(times)[len(times) // 2],
            "cuda_graphs": bool(engine.runner.graph_batch_sizes), "kernels": "triton" if engine.runner.use_triton
-           else "torch", "async_scheduling": engine.config.async_scheduling, "replay_step_s": None,
+           else "torch", "async_scheduling": engine.config.async_scheduling,
+           # the timed steps that replayed a graph: an eager step among them is not the replayed step's time
+           "graph_step_frac": (engine.stats.graph_steps - replayed) / steps, "replay_step_s": None,
            "graph_pool_bytes": engine.runner.graphs.pool_bytes if engine.runner.graph_batch_sizes else None}
     if replay and engine.runner.graph_batch_sizes:
         graphs = engine.runner.graphs  # the captured decode step of this batch, on whatever its buffers hold
