@@ -22,12 +22,13 @@ each at the tiles in ``TILES``. Same shape and timing as the ladder (batch 16, 3
 blocks, contexts 1k / 4k / 16k; CUDA-graph replays over enough cache copies to read 2.5x the L2 from DRAM).
 
     LABKIT_GIT_COMMIT=<sha> PYTHONPATH=. python research/kv_attn_operand_order.py --out $OUT/kv_swap.json
-    PYTHONPATH=. python research/kv_attn_operand_order.py --device cpu --out /tmp/kv_swap.json   # CPU checks
+    python research/kv_attn_operand_order.py --device cpu --out /tmp/kv_swap.json   # the checks on the interpreter
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -43,7 +44,19 @@ import triton.language as tl
 import labkit.kernels.paged_attention as pa
 from labkit.kernels.paged_attention import LOG2E, _block_slots
 from labkit.kernels.quantized_matmul.ptx import kv_as_16bit
-from research.kv_quant_decode_study import TINY_LENS, TINY_SHAPE, TOL, Case, autotuned_tile, measure, product_call  # noqa: F401
+
+
+def _sibling(name: str):
+    """The study ``research/<name>.py`` beside this one, imported by its path (research/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"research_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_ladder = _sibling("kv_quant_decode_study")  # its case (caches, references), checks and timing, shared
+TINY_LENS, TINY_SHAPE, TOL, Case = _ladder.TINY_LENS, _ladder.TINY_SHAPE, _ladder.TOL, _ladder.Case
+autotuned_tile, measure, product_call = _ladder.autotuned_tile, _ladder.measure, _ladder.product_call
 
 CONTEXTS = (4096, 1024, 16384)
 TILES = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in ((64, 4, 3), (64, 4, 4), (128, 4, 3),
