@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call of the gpu check, as the device tool runs it (carry [".whl"], or [".whl", ".whl-peers"]):
+# One device call of the gpu check, as the device tool runs it (carry [".whl"]):
 #   LABKIT_GIT_COMMIT=<full sha> LABKIT_RUN_ID=<utc>@<sha12> bash scripts/gpu_call.sh tests:150 00:240 01:150
 # installs the carried wheels (.whl: tools/gpu-wheels.sh .whl jupyter bnb site; papermill, nbconvert, ipykernel,
 # bitsandbytes and pytest-xdist, which the device image lacks) into /tmp/site, registers the python3 kernel, and runs
@@ -13,12 +13,6 @@ cd "$(dirname "$0")/.."
 : "${LABKIT_GIT_COMMIT:?set LABKIT_GIT_COMMIT to the commit of the tree sent}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null ||
   echo "wheel install into /tmp/site failed: is .whl carried?"
-# with .whl-peers carried too (gpu-wheels.sh .whl-peers peers: torchao, gemlite, liger-kernel), notebook 04's format-GEMM
-# table measures the peers' kernels in the same run (issue 43); without it their rows say 'unavailable'
-if ls .whl-peers/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl-peers/*.whl \
-    2>&1 | tail -2
-fi
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH JUPYTER_PATH=/tmp/site/share/jupyter PYTHONUNBUFFERED=1
 export GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-8} LABKIT_GIT_COMMIT
 [ -n "${LABKIT_RUN_ID:-}" ] && export LABKIT_RUN_ID
