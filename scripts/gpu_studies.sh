@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The engine's decode step (issue 42's figures, sync and async, attributed), where an async step's time goes, and the
-# two kernel ladders of issue 42's items 2 and 3: `decode timeline` fit one device call (limits 330 + 120 s), `kvq
+# two kernel ladders of issue 42's items 2 and 3: `decode timeline` fit one device call (limits 330 + 150 s), `kvq
 # flash` another (117 s on an H100 at 0518b54).
 #   run (device):  LABKIT_GIT_COMMIT=<sha of HEAD> bash scripts/gpu_studies.sh [STAGE ...]   (no wheels needed)
 #   STAGE: decode, timeline, kvq, flash (default: these four, in this order); ncu (research/kv_attn_ncu.py: Nsight
@@ -31,7 +31,7 @@ for st in "${stages[@]}"; do
   case $st in
     decode) stage decode 330 python3 -m labkit bench decode --model llama-3-8b --batch 64 1 16 --context 512 \
               --max-num-seqs 64 --async-scheduling both --profile --figures --no-progress --out "$S/bench" ;;
-    timeline) stage timeline 120 python3 research/async_timeline.py --out "$S/async_timeline.json" ;;
+    timeline) stage timeline 150 python3 research/async_timeline.py --out "$S/async_timeline.json" ;;
     ncu) stage ncu 150 ncu --profile-from-start off --clock-control none --section SpeedOfLight --section Occupancy \
            --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --csv \
            --log-file "$S/kv_attn_ncu.csv" python3 research/kv_attn_ncu.py ;;

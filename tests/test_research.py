@@ -10,7 +10,7 @@ import torch
 
 RESEARCH = Path(__file__).resolve().parent.parent / "research"
 SCRIPTS = ("gemv_study", "sass_report", "pdl_check", "rmsnorm_study", "attention_splits", "autotune_report",
-           "flash_prefill_study", "kv_quant_decode_study", "kv_attn_operand_order")
+           "flash_prefill_study", "kv_quant_decode_study", "kv_attn_operand_order", "async_timeline")
 
 
 def _load(name: str):
