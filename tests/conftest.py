@@ -1,7 +1,9 @@
-"""Shared fixtures: the embedded model, loaded once per test session."""
+"""Shared fixtures: the embedded model, loaded once per test session; the studies of research/, by name."""
 
 import copy
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,6 +42,25 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+RESEARCH = Path(__file__).resolve().parent.parent / "research"
+
+
+@pytest.fixture(scope="session")
+def research_study():
+    """``research_study(name)``: the module of ``research/<name>.py``, imported by its path once per session
+    (research/ is a folder of scripts, not a package)."""
+    loaded = {}
+
+    def load(name: str):
+        if name not in loaded:
+            spec = importlib.util.spec_from_file_location(f"research_{name}", RESEARCH / f"{name}.py")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            loaded[name] = module
+        return loaded[name]
+    return load
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,7 +2,6 @@
 GEMV study's launchers run the product kernels with their tiles as tuning data, its candidates are the tiles they
 say, the SASS report parses a loop, the attention sweep runs on the interpreter. (The timing needs a GPU.)"""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -13,21 +12,14 @@ SCRIPTS = ("gemv_study", "sass_report", "pdl_check", "rmsnorm_study", "attention
            "flash_prefill_study", "kv_quant_decode_study", "kv_attn_operand_order", "async_timeline")
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"research_{name}", RESEARCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
-def gemv_study():
-    return _load("gemv_study")
+def gemv_study(research_study):
+    return research_study("gemv_study")
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_each_study_imports_and_has_a_main(name):
-    module = _load(name)
+def test_each_study_imports_and_has_a_main(research_study, name):
+    module = research_study(name)
     assert callable(module.main) and module.__doc__
     assert "sys.path" not in (RESEARCH / f"{name}.py").read_text()
 
@@ -86,9 +78,9 @@ def test_experiment_candidates(gemv_study):
     assert gemv_study._pdl_candidates(6144, 4096)[1]["PDL"]
 
 
-def test_sass_report_counts_the_loop_with_the_most_multiplies():
+def test_sass_report_counts_the_loop_with_the_most_multiplies(research_study):
     """The weight loop is the backward branch whose body holds the most multiplies, not a longer wait loop."""
-    sass_report = _load("sass_report")
+    sass_report = research_study("sass_report")
     sass = "\n".join([
         "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
         "        /*0010*/                   HFMA2 R2, R3, R4, R2 ;",
@@ -104,17 +96,17 @@ def test_sass_report_counts_the_loop_with_the_most_multiplies():
     assert sass_report._opcode("@P0 BRA 0x10") == "BRA"
 
 
-def test_attention_sweep_runs_on_the_interpreter():
+def test_attention_sweep_runs_on_the_interpreter(research_study):
     """The kernel part's check on a CPU: the default call and one (range count, tile) row, each against the
     single-pass kernel."""
-    attention_splits = _load("attention_splits")
+    attention_splits = research_study("attention_splits")
     rows = attention_splits.kernel_sweep(torch.device("cpu"), "tiny")
     assert [r["tile"] for r in rows] == ["default", None] and all("us" in r for r in rows)
     assert all(r["max_abs_diff_vs_one_pass"] < 1e-2 for r in rows)
 
 
-def test_pdl_check_variants_run_every_engine():
+def test_pdl_check_variants_run_every_engine(research_study):
     """Each variant runs the PDL engine, the plain one and the separate kernels, with options the runner takes."""
-    pdl_check = _load("pdl_check")
+    pdl_check = research_study("pdl_check")
     assert all({"pdl", "plain", "separate"} <= set(order) for order, _ in pdl_check.VARIANTS.values())
     assert set(pdl_check.ENGINES) >= {"pdl", "plain", "separate"}

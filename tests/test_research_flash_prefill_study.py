@@ -2,24 +2,16 @@
 change switched on, the TMA descriptors, the LPT grid, warp specialisation) computes attention within the float16
 bound under Triton's interpreter at an irregular shape; the probes run. (The timing needs a GPU.)"""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from labkit.evaluate import relative_error
 from labkit.kernels.flash_attention import flash_attention_ref
 
-STUDY = Path(__file__).resolve().parent.parent / "research" / "flash_prefill_study.py"
-
 
 @pytest.fixture(scope="module")
-def study():
-    spec = importlib.util.spec_from_file_location("research_flash_prefill_study", STUDY)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def study(research_study):
+    return research_study("flash_prefill_study")
 
 
 def test_every_variant_matches_the_reference_on_the_interpreter(study):

@@ -3,23 +3,15 @@ computes attention on the bf16, int8 and fp8 caches, and its int8-q variant on t
 at the ladder's small irregular shape (3 sequences of 1, 37 and 70 tokens, 4 query / 2 KV heads of 32, 16-token
 blocks, float16 queries), over one and several tiles a range. The timings need a GPU."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from labkit.evaluate import relative_error
 
-SCRIPT = Path(__file__).resolve().parent.parent / "research" / "kv_attn_operand_order.py"
-
 
 @pytest.fixture(scope="module")
-def study():
-    spec = importlib.util.spec_from_file_location("research_kv_attn_operand_order", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def study(research_study):
+    return research_study("kv_attn_operand_order")
 
 
 @pytest.fixture(scope="module")

@@ -3,23 +3,15 @@ attention on the dequantised int8/fp8 cache, under the interpreter (its int8 -> 
 PTX), at a small irregular shape: 3 sequences of 1, 37 and 70 tokens, 4 query / 2 KV heads of 32, 16-token blocks,
 float16 queries. The timings need a GPU."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from labkit.evaluate import relative_error
 
-SCRIPT = Path(__file__).resolve().parent.parent / "research" / "kv_quant_decode_study.py"
-
 
 @pytest.fixture(scope="module")
-def study():
-    spec = importlib.util.spec_from_file_location("research_kv_quant_decode_study", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def study(research_study):
+    return research_study("kv_quant_decode_study")
 
 
 @pytest.fixture(scope="module")
